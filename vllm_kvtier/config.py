@@ -1,0 +1,226 @@
+"""Typed, frozen configuration, parsed once at the edge.
+
+Sources, lowest precedence first, merged section by section:
+
+1. the built-in defaults of the dataclasses below;
+2. ``preset: NAME``: the file ``configs/NAME.yaml`` shipped with the package;
+3. ``config_file: PATH``: a YAML file with the same fields;
+4. the fields given inline in ``kv_connector_extra_config``.
+
+Every field is checked once here: unknown keys, wrong types, negative sizes and unknown
+presets raise :class:`~vllm_kvtier.errors.ConfigError` naming the dotted field. Nothing
+downstream re-validates. Units are in the names (``_bytes``, ``_s``). Secrets never live
+here (S3 credentials come from the environment), so ``repr`` is safe to log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from vllm_kvtier.errors import ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+LoadMode = Literal["sync", "async"]
+
+
+@dataclass(frozen=True)
+class CPUTierConfig:
+    """The CPU DRAM tier: a pool of block slots allocated once at start-up.
+
+    ``capacity_bytes`` is the budget for the whole engine (all TP ranks together).
+    When it is not given, the budget is ``capacity_fraction`` of the DRAM that is
+    *available* when the engine starts (after the OS, the model weights and vLLM's own
+    KV cache have taken theirs): the brief's 50-70% rule, at its conservative end by
+    default because vLLM workers and the API server keep growing after start-up.
+    """
+
+    capacity_bytes: int | None = None
+    capacity_fraction: float = 0.5
+    #: Verify a CRC32 of every block on load. DRAM in our own process is not exposed to
+    #: torn writes, so this is off by default; turn it on to detect memory corruption.
+    checksum: bool = False
+    #: Touch every page of the pool at start-up so the first saves do not page-fault
+    #: (and so the budget is really available, not just promised by the kernel).
+    prefault: bool = False
+    #: Pinned (page-locked) host memory for DMA; "auto" pins when the KV cache is on CUDA.
+    pin_memory: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass(frozen=True)
+class FaultInjectionConfig:
+    """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
+
+    #: Probability that one block load fails (the block is then recomputed).
+    load_error_rate: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """Everything ``kv_connector_extra_config`` may hold."""
+
+    preset: str | None = None
+    config_file: str | None = None
+    cpu: CPUTierConfig = field(default_factory=CPUTierConfig)
+    #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
+    #: request (lowest latency). "async": the request waits while other requests run.
+    load_mode: LoadMode = "sync"
+    #: Save blocks filled by generated tokens too, so the next turn of a conversation
+    #: (its prompt = this prompt + this answer) hits them.
+    save_decode_blocks: bool = True
+    #: Do not load hits shorter than this many blocks (recompute is cheaper).
+    min_load_blocks: int = 1
+    fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+
+
+#: Sections that later issues fill in. Named here so the error says "not available"
+#: instead of "unknown key".
+_FUTURE_SECTIONS = ("nvme", "s3", "mooncake", "nixl")
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(field_name, f"cannot read {path}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(field_name, f"{path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(field_name, f"{path} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def _check_value(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return the (possibly coerced) value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_value(path, value, a)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for {path}")  # programming error
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            if not prefix and key in _FUTURE_SECTIONS:
+                raise ConfigError(path, "this tier is not available in this version of vllm_kvtier")
+            raise ConfigError(path, f"unknown key; allowed: {', '.join(sorted(names))}")
+        kwargs[key] = _check_value(path, value, hints[key])
+    return cls(**kwargs)
+
+
+def _validate(cfg: KVTierConfig) -> None:
+    c = cfg.cpu
+    if c.capacity_bytes is not None and c.capacity_bytes <= 0:
+        raise ConfigError("cpu.capacity_bytes", f"must be > 0, got {c.capacity_bytes}")
+    if not 0.0 < c.capacity_fraction <= 0.9:
+        raise ConfigError(
+            "cpu.capacity_fraction",
+            f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {c.capacity_fraction}",
+        )
+    if cfg.min_load_blocks < 1:
+        raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
+    r = cfg.fault_injection.load_error_rate
+    if not 0.0 <= r <= 1.0:
+        raise ConfigError("fault_injection.load_error_rate", f"must be in [0, 1], got {r}")
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> KVTierConfig:
+    """Parse ``kv_connector_extra_config`` into a frozen :class:`KVTierConfig`.
+
+    Called once per connector instance, in the scheduler and in every worker; it is pure
+    (reads only the preset and config files) so all processes agree.
+    """
+    extra = dict(extra or {})
+    if not isinstance(extra, dict):
+        raise ConfigError("kv_connector_extra_config", "must be a mapping")
+    merged: dict[str, Any] = {}
+    preset = extra.get("preset")
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise ConfigError("preset", f"must be a string, got {preset!r}")
+        path = PRESET_DIR / f"{preset}.yaml"
+        if "/" in preset or not path.is_file():
+            raise ConfigError(
+                "preset", f"unknown preset {preset!r}; available: {', '.join(available_presets())}"
+            )
+        merged = _merge(merged, _read_yaml(path, "preset"))
+    config_file = extra.get("config_file")
+    if config_file is not None:
+        if not isinstance(config_file, str):
+            raise ConfigError("config_file", f"must be a string, got {config_file!r}")
+        from_file = _read_yaml(Path(config_file), "config_file")
+        for nested in ("preset", "config_file"):
+            if nested in from_file:
+                raise ConfigError(f"config_file.{nested}", "may only be given inline")
+        merged = _merge(merged, from_file)
+    merged = _merge(merged, extra)
+    cfg = _build(KVTierConfig, merged, "")
+    _validate(cfg)
+    return cfg

@@ -1,0 +1,226 @@
+"""``KVTierConnector``: the thin vLLM adapter.
+
+vLLM builds the connector twice: in the scheduler role (EngineCore process) and in the
+worker role (each worker process). This class picks :class:`SchedulerHalf` or
+:class:`WorkerHalf` by role and forwards vLLM's calls to it; the logic lives in
+``index/``, ``tiers/`` and ``transfer/``, which never import vLLM. This package is the only
+one that does.
+
+Turn it on with::
+
+    --kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"preset":"interactive"}}'
+
+(``kv_connector_module_path: vllm_kvtier.connector`` also works without the entry point.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
+from vllm_kvtier.connector.worker import WorkerHalf
+from vllm_kvtier.index.keys import NamespaceFields, namespace
+
+try:  # vLLM >= 0.32
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm_kvtier")
+
+__all__ = ["KVTierConnector"]
+
+
+def _block_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    return total
+
+
+def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
+    """Number of CPU slots for the configured budget (whole engine, all ranks)."""
+    if cfg.cpu.capacity_bytes is not None:
+        budget = cfg.cpu.capacity_bytes
+        source = "cpu.capacity_bytes"
+    else:
+        available = psutil.virtual_memory().available
+        budget = int(available * cfg.cpu.capacity_fraction)
+        source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB available"
+    per_block = block_bytes_per_rank * world_size
+    slots = budget // per_block if per_block else 0
+    logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots,
+                slots * per_block / 2**20, source)
+    return int(slots)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM KV connector that keeps KV blocks in tiers beyond GPU memory."""
+
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg = parse_config(extra)
+        cache = vllm_config.cache_config
+        par = vllm_config.parallel_config
+        model = vllm_config.model_config
+        self.block_size = cache.block_size
+        world = par.tensor_parallel_size * par.pipeline_parallel_size
+        block_bytes = _block_bytes_per_rank(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.namespace = namespace(
+            NamespaceFields(
+                model=f"{model.model}@{model.revision or ''}",
+                kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
+                block_size=cache.block_size,
+                num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
+                num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
+                head_size=int(getattr(spec, "head_size", 0)),
+                tp_size=par.tensor_parallel_size,
+                tp_rank=0,
+                layout="vllm-block-planes",
+                hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
+            )
+        )
+        self._sched: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerHalf(
+                self.cfg,
+                block_size=self.block_size,
+                num_slots=pool_slots(self.cfg, block_bytes, world),
+                slot_bytes_total=block_bytes * world,
+            )
+        else:
+            self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks)
+        logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
+
+    # ---- properties vLLM reads -------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a preempted request may simply recompute.
+        return False
+
+    # ---- worker role -----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The earliest hook of a step, before blocks can be zeroed or overwritten: issue
+        # this step's saves here.
+        if self._worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+            self._worker.begin_step(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.begin_step(meta)  # no-op if handle_preemptions already ran it
+        self._worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        # Saves never block the step: their source blocks are held until the worker
+        # reports them done (finished_sending) or belong to running requests.
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            assert self._worker is not None
+            sending, recving = self._worker.transfer_results(finished_req_ids)
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        half = self._sched if self._sched is not None else self._worker
+        assert half is not None
+        data = half.stats()
+        return KVTierStats(data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler role ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        if request.num_computed_tokens == 0 or num_external_tokens > 0:
+            self._sched.record_lookup(request)
+        self._sched.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    # ---- class-level hooks ---------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return KVTierStats(data) if data is not None else KVTierStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,275 @@
+"""Scheduler half: the index and the policy, in the EngineCore process.
+
+Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the scheduler role, from
+vLLM's scheduler thread only. Nothing here blocks or does I/O: it decides, the worker moves
+bytes.
+
+What it decides each step (``build_connector_meta``):
+
+* **loads**: for a new request, the longest run of its prompt's block keys present in the
+  CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
+  must compute at least one token to produce logits). Slots read by a load are pinned until
+  the load is known to be done.
+* **saves**: every block whose KV is complete (covered by ``num_computed_tokens`` as of the
+  previous step, so the forward that wrote it has run) and whose key is not stored yet:
+  prompt blocks, and generated blocks if ``save_decode_blocks``. A finished request's
+  remaining blocks are saved in the next step while vLLM holds them for us
+  (``request_finished`` returns True), and released when the worker reports the request
+  in ``finished_sending``.
+* **eviction**: LRU among unpinned slots (:class:`~vllm_kvtier.index.slot_index.SlotIndex`).
+
+A key is readable as soon as its save is issued: the worker runs each step's saves before
+its loads and keeps steps in order, so a load issued later always sees the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.metrics import Counters
+
+logger = logging.getLogger(__name__)
+
+TIER = "cpu"
+
+
+@dataclass
+class _ReqState:
+    request: Any  # vllm.v1.request.Request (live object owned by the scheduler)
+    block_ids: list[int]
+    #: Blocks [0, next_save) are stored, being stored, or were skipped.
+    next_save: int = 0
+    #: Slots pinned by an async load of this request, released on finished_recving.
+    pinned_slots: list[int] = field(default_factory=list)
+    #: block id -> key for blocks loaded into this request, to map load errors to keys.
+    loaded: dict[int, BlockKey] = field(default_factory=dict)
+    #: Whether any save was issued for this request's blocks.
+    saves_issued: bool = False
+
+
+class SchedulerHalf:
+    def __init__(
+        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int
+    ) -> None:
+        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges)."""
+        self.cfg = cfg
+        self.block_size = block_size
+        self.index = SlotIndex(num_slots)
+        self.slot_bytes_total = slot_bytes_total
+        self.counters = Counters()
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[LoadJob] = []
+        self._final_saves: list[SaveJob] = []
+        self._release: list[str] = []
+        #: Requests we hold blocks for (returned True from request_finished).
+        self._held: dict[str, _ReqState] = {}
+        #: Held requests whose release we asked the worker for.
+        self._releasing: set[str] = set()
+        self._step = 0
+        self._last_evictions = 0
+
+    # ---- lookups ---------------------------------------------------------------
+
+    def _loadable_blocks(self, request: Any) -> int:
+        """Prompt blocks that may come from a tier: all full ones but never the last token."""
+        n_prompt = request.num_prompt_tokens
+        return max(0, (n_prompt - 1) // self.block_size)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Side-effect free: vLLM may ask again in a later step if it cannot admit the
+        request now."""
+        start = num_computed_tokens // self.block_size
+        limit = min(self._loadable_blocks(request), len(request.block_hashes))
+        if start >= limit:
+            return 0, False
+        n = self.index.match_prefix(request.block_hashes[:limit], start)
+        if n < self.cfg.min_load_blocks:
+            return 0, False
+        return n * self.block_size, self.cfg.load_mode == "async"
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self._reqs.get(req_id)
+        if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
+            # New, or resumed after preemption (its old blocks are gone): start afresh.
+            state = _ReqState(request, list(block_ids))
+            self._reqs[req_id] = state
+        else:
+            # Second call after an async load completed: vLLM may have added blocks.
+            state.block_ids = list(block_ids)
+            return
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        start = request.num_computed_tokens // bs
+        n = num_external_tokens // bs
+        keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
+        slots = []
+        for k in keys:
+            s = self.index.slot(k)
+            assert s is not None, "matched key vanished between match and alloc"
+            slots.append(s)
+            self.index.touch(k)
+            self.index.pin(s)
+        blocks = state.block_ids[start : start + n]
+        asynchronous = self.cfg.load_mode == "async"
+        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous))
+        state.loaded.update(zip(blocks, keys, strict=True))
+        if asynchronous:
+            state.pinned_slots.extend(slots)
+        self.counters.add("hit_blocks", TIER, n)
+
+    def record_lookup(self, request: Any) -> None:
+        self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
+
+    # ---- saves -------------------------------------------------------------------
+
+    def _saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
+        n = num_computed_tokens // self.block_size
+        if not self.cfg.save_decode_blocks:
+            n = min(n, request.num_prompt_tokens // self.block_size)
+        return min(n, len(request.block_hashes))
+
+    def _plan_saves(self, state: _ReqState, upto: int) -> SaveJob | None:
+        blocks, slots, keys = [], [], []
+        hashes = state.request.block_hashes
+        for i in range(state.next_save, upto):
+            if i >= len(state.block_ids):
+                break
+            key = BlockKey(hashes[i])
+            if key in self.index:
+                self.index.touch(key)
+                continue
+            alloc = self.index.allocate(key)
+            if alloc is None:
+                self.counters.add("store_skipped", TIER)
+                continue
+            blocks.append(state.block_ids[i])
+            slots.append(alloc.slot)
+            keys.append(key)
+        state.next_save = max(state.next_save, upto)
+        if not blocks:
+            return None
+        state.saves_issued = True
+        return SaveJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys))
+
+    # ---- per step ----------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self._step += 1
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            # Its blocks are freed (and may be reused this step): nothing left to save.
+            self._drop(req_id)
+        self._refresh_block_ids(scheduler_output)
+        saves = list(self._final_saves)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            upto = self._saveable_blocks(state.request, state.request.num_computed_tokens)
+            job = self._plan_saves(state, upto)
+            if job is not None:
+                saves.append(job)
+        loads = self._loads
+        # Sync loads run in this step, before any later step's save can reuse their
+        # slots (the worker keeps steps in order), so their pins end here: after saves
+        # were planned, so no save of this step evicts a slot that this step reads.
+        for job in loads:
+            if not job.asynchronous:
+                for s in job.slots:
+                    self.index.unpin(s)
+        meta = KVTierMetadata(
+            num_slots=self.index.num_slots, saves=saves, loads=loads,
+            release=self._release, step=self._step,
+        )
+        self._loads, self._final_saves, self._release = [], [], []
+        self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
+        self._last_evictions = self.index.evictions
+        self.counters.set_gauge("usage_bytes", TIER, len(self.index) * self.slot_bytes_total)
+        self.counters.set_gauge("capacity_bytes", TIER, self.index.num_slots * self.slot_bytes_total)
+        return meta
+
+    def _refresh_block_ids(self, scheduler_output: Any) -> None:
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                state = self._reqs.get(req_id)
+                ids = block_state.get_block_ids(req_id)
+                if state is not None and ids is not None:
+                    state.block_ids = list(ids[0])
+            return
+        # Older vLLM: follow the block-table deltas of running requests.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            new = cached.new_block_ids[i]
+            if state is None or new is None:
+                continue
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                state.block_ids = list(new[0])
+            else:
+                state.block_ids.extend(new[0])
+
+    def _drop(self, req_id: str) -> None:
+        state = self._reqs.pop(req_id, None)
+        if state is not None:
+            for s in state.pinned_slots:
+                self.index.unpin(s)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Save what is left and hold the blocks while the worker copies them.
+
+        A request aborted during its async load is not held by us: vLLM itself keeps its
+        blocks until the load is reported in ``finished_recving`` (holding it too would
+        free the blocks twice).
+        """
+        state = self._reqs.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        if state.pinned_slots:
+            self._held[request.request_id] = state  # unpinned on finished_recving
+            return False, None
+        state.block_ids = list(block_ids)
+        upto = self._saveable_blocks(request, request.num_computed_tokens)
+        job = self._plan_saves(state, upto)
+        if job is not None:
+            self._final_saves.append(job)
+        # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
+        hold = job is not None or state.saves_issued
+        if hold:
+            self._held[request.request_id] = state
+            self._release.append(request.request_id)
+            self._releasing.add(request.request_id)
+        return hold, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            state = self._reqs.get(req_id) or self._held.get(req_id)
+            if state is not None:
+                for s in state.pinned_slots:
+                    self.index.unpin(s)
+                state.pinned_slots = []
+                if req_id in self._held and req_id not in self._releasing:
+                    del self._held[req_id]
+        bad = connector_output.invalid_block_ids or set()
+        if bad:
+            for state in list(self._reqs.values()) + list(self._held.values()):
+                for b in bad & state.loaded.keys():
+                    key = state.loaded.pop(b)
+                    if self.index.remove(key):
+                        logger.warning("kvtier: dropped a block that failed to load")
+        for req_id in connector_output.finished_sending or ():
+            self._held.pop(req_id, None)
+            self._releasing.discard(req_id)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._final_saves or self._release or self._loads or self._releasing)
+
+    def stats(self) -> dict[str, dict[str, float]] | None:
+        return self.counters.drain()

@@ -1,0 +1,222 @@
+"""Worker half: the data path, in each worker process (one per TP rank).
+
+Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the worker role, from the
+worker's main thread; the copy engine may use one background thread of its own.
+
+Per step, in vLLM's order:
+
+1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
+   at the latest from ``start_load_kv``): allocate the pool on first use, then issue this
+   step's **saves**. Saves come first so a load in the same step can read a block saved in
+   it, and before the forward so no block is overwritten before it is copied.
+2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
+   ordered before the model reads the KV cache; async loads complete later.
+3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
+   async loads done (``finished_recving``) and held requests whose transfers are all done
+   (``finished_sending``). Failed blocks go to ``take_load_errors`` no later than the pass
+   that reports their request, so vLLM recomputes them.
+
+A load fails (and its blocks are recomputed, never served) when the slot does not hold the
+expected key, when its checksum does not match (``cpu.checksum``), when the copy raises, or
+when fault injection says so. No failure raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.connector.metadata import KVTierMetadata, LoadJob
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.cpu import CPUPool
+from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
+from vllm_kvtier.transfer.layout import KVLayout, build_layout
+
+logger = logging.getLogger(__name__)
+
+TIER = "cpu"
+
+
+@dataclass
+class _AsyncLoad:
+    req_id: str
+    transfer: Transfer | None
+    failed_blocks: set[int]
+    loading_blocks: list[int]
+
+
+class WorkerHalf:
+    def __init__(self, cfg: KVTierConfig, *, num_blocks: int) -> None:
+        self.cfg = cfg
+        self.num_blocks = num_blocks
+        self.counters = Counters()
+        self.layout: KVLayout | None = None
+        self.pool: CPUPool | None = None
+        self.engine: CopyEngine | None = None
+        self._slot_key: list[bytes | None] = []
+        self._slot_crc: list[int] = []
+        self._step_begun = -1
+        self._meta: KVTierMetadata | None = None
+        self._inflight_saves: dict[str, list[Transfer]] = {}
+        self._pending_release: set[str] = set()
+        self._async_loads: list[_AsyncLoad] = []
+        self._load_errors: set[int] = set()
+        self._rng = random.Random(cfg.fault_injection.seed)
+
+    # ---- setup -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = build_layout(kv_caches, self.num_blocks)
+        logger.info("kvtier: KV layout %s, %d B per block", self.layout.description,
+                    self.layout.block_bytes)
+
+    def _ensure_pool(self, num_slots: int) -> None:
+        if self.pool is not None:
+            if num_slots != self.pool.num_slots:
+                raise RuntimeError(
+                    f"kvtier: scheduler changed the pool size ({self.pool.num_slots} -> {num_slots})"
+                )
+            return
+        assert self.layout is not None, "register_kv_caches was not called"
+        pin_cfg = self.cfg.cpu.pin_memory
+        pin = pin_cfg == "on" or (pin_cfg == "auto" and self.layout.device.type == "cuda")
+        self.pool = CPUPool(num_slots, self.layout.plane_bytes, pin=pin, prefault=self.cfg.cpu.prefault)
+        self.engine = make_copy_engine(self.layout, self.pool)
+        self._slot_key = [None] * num_slots
+        self._slot_crc = [0] * num_slots
+
+    # ---- per step ----------------------------------------------------------------
+
+    def begin_step(self, meta: KVTierMetadata) -> None:
+        """Issue this step's saves. Idempotent per step (vLLM may call us twice)."""
+        self._meta = meta
+        if meta.step == self._step_begun:
+            return
+        self._step_begun = meta.step
+        self._ensure_pool(meta.num_slots)
+        assert self.engine is not None and self.pool is not None
+        for job in meta.saves:
+            try:
+                t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
+            except Exception:  # a failed save is a future miss, never a failed step
+                logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
+                for s in job.slots:
+                    self._slot_key[s] = None
+                continue
+            for s, k in zip(job.slots, job.keys, strict=True):
+                self._slot_key[s] = k
+            self._inflight_saves.setdefault(job.req_id, []).append(t)
+            self.counters.add("blocks_stored", TIER, len(job.block_ids))
+            self.counters.add("bytes_stored", TIER, t.nbytes)
+            if self.cfg.cpu.checksum:
+                t.wait()
+                for s in job.slots:
+                    self._slot_crc[s] = self.pool.checksum(s)
+        self._pending_release.update(meta.release)
+
+    def start_loads(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads:
+            return
+        assert self.engine is not None
+        for job in meta.loads:
+            self._start_load(job)
+
+    def _verify(self, job: LoadJob) -> tuple[list[int], list[int], set[int]]:
+        """Split a job into the blocks that can be loaded and the ones that cannot."""
+        ok_blocks, ok_slots, failed = [], [], set()
+        rate = self.cfg.fault_injection.load_error_rate
+        for b, s, k in zip(job.block_ids, job.slots, job.keys, strict=True):
+            good = self._slot_key[s] == k
+            if good and self.cfg.cpu.checksum:
+                good = self.pool is not None and self.pool.checksum(s) == self._slot_crc[s]
+            if good and rate and self._rng.random() < rate:
+                good = False
+            if good:
+                ok_blocks.append(b)
+                ok_slots.append(s)
+            else:
+                failed.add(b)
+        return ok_blocks, ok_slots, failed
+
+    def _start_load(self, job: LoadJob) -> None:
+        assert self.engine is not None
+        blocks, slots, failed = self._verify(job)
+        transfer: Transfer | None = None
+        if blocks:
+            try:
+                transfer = self.engine.submit("load", blocks, slots, background=job.asynchronous)
+            except Exception:
+                logger.exception("kvtier: load of %d blocks failed", len(blocks))
+                failed.update(blocks)
+                blocks = []
+        if failed:
+            logger.warning("kvtier: %d of %d blocks of request %s failed to load; recomputing",
+                           len(failed), len(job.block_ids), job.req_id)
+            self.counters.add("load_failures", TIER, len(failed))
+        if job.asynchronous:
+            self._async_loads.append(_AsyncLoad(job.req_id, transfer, failed, blocks))
+            return
+        if transfer is not None:
+            try:
+                self.engine.order_before_compute(transfer)
+            except Exception:
+                logger.exception("kvtier: load of %d blocks failed", len(blocks))
+                failed.update(blocks)
+                blocks = []
+            self._account_load(transfer, len(blocks))
+        self._load_errors.update(failed)
+
+    def _account_load(self, t: Transfer, nblocks: int) -> None:
+        if nblocks:
+            self.counters.add("blocks_loaded", TIER, nblocks)
+            self.counters.add("bytes_loaded", TIER, t.nbytes)
+            self.counters.add("load_seconds", TIER, time.perf_counter() - t.started_s)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Return (finished_sending, finished_recving)."""
+        recving: set[str] = set()
+        still: list[_AsyncLoad] = []
+        for a in self._async_loads:
+            if a.transfer is not None:
+                try:
+                    if not a.transfer.done():
+                        still.append(a)
+                        continue
+                    self._account_load(a.transfer, len(a.loading_blocks))
+                except Exception:
+                    logger.exception("kvtier: async load for %s failed", a.req_id)
+                    self.counters.add("load_failures", TIER, len(a.loading_blocks))
+                    a.failed_blocks.update(a.loading_blocks)  # every block is suspect
+            self._load_errors.update(a.failed_blocks)
+            recving.add(a.req_id)
+        self._async_loads = still
+
+        sending: set[str] = set()
+        for req_id, transfers in list(self._inflight_saves.items()):
+            transfers[:] = [t for t in transfers if not t.done()]
+            if not transfers:
+                del self._inflight_saves[req_id]
+        for req_id in list(self._pending_release):
+            if req_id not in self._inflight_saves and not any(
+                a.req_id == req_id for a in self._async_loads
+            ):
+                sending.add(req_id)
+                self._pending_release.discard(req_id)
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> dict[str, dict[str, float]] | None:
+        return self.counters.drain()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

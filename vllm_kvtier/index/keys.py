@@ -1,0 +1,43 @@
+"""Block keys and namespaces.
+
+A :data:`BlockKey` is vLLM's chained block hash (``request.block_hashes[i]``): it names
+the whole token prefix up to the end of block ``i`` (plus LoRA, multimodal inputs and
+``cache_salt``, which vLLM folds into the hash). It does not name the model or the KV
+layout; the :func:`namespace` digest does, and every tier that outlives one engine stores
+keys inside it, so KV from an incompatible engine is never read back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+BlockKey = NewType("BlockKey", bytes)
+
+#: Bump when the byte layout of a stored block changes.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NamespaceFields:
+    """Everything that changes the bytes of a stored block."""
+
+    model: str
+    kv_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    tp_rank: int
+    layout: str
+    hash_algo: str
+    format_version: int = FORMAT_VERSION
+
+
+def namespace(fields: NamespaceFields) -> str:
+    """A short stable digest of ``fields`` (hex, 16 characters)."""
+    blob = json.dumps(asdict(fields), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

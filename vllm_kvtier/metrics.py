@@ -1,0 +1,72 @@
+"""Metric definitions, in one place.
+
+The hot path bumps plain counters in a dict (:class:`Counters`); they cross processes as
+plain dicts inside vLLM's ``KVConnectorStats`` and become Prometheus metrics on vLLM's own
+``/metrics`` in the API-server process (``vllm_kvtier.connector.stats``).
+
+A sample key is ``"<metric>|<tier>"`` (``"blocks_loaded|cpu"``); the Prometheus name is
+``vllm:kvtier_<metric>_total`` for counters and ``vllm:kvtier_<metric>`` for gauges, with
+a ``tier`` label. Counters are summed over TP ranks (bytes are real bytes moved; blocks
+count once per rank's shard).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+#: counter metric -> help text
+COUNTERS: dict[str, str] = {
+    "lookup_blocks": "Prompt blocks looked up in the tiers for newly scheduled requests.",
+    "hit_blocks": "Prompt blocks found in a tier (hits), by tier.",
+    "blocks_loaded": "Blocks copied from a tier into the engine's KV cache (swap in).",
+    "bytes_loaded": "Bytes copied from a tier into the engine's KV cache.",
+    "blocks_stored": "Blocks copied from the engine's KV cache into a tier (swap out).",
+    "bytes_stored": "Bytes copied from the engine's KV cache into a tier.",
+    "load_failures": "Blocks that failed to load and were recomputed.",
+    "evictions": "Blocks evicted from a tier to make room.",
+    "store_skipped": "Blocks not stored because every slot was in use by transfers.",
+    "load_seconds": "Seconds spent in load transfers (sum).",
+    "store_seconds": "Seconds spent in store transfers (sum).",
+}
+
+#: gauge metric -> help text
+GAUGES: dict[str, str] = {
+    "usage_bytes": "Bytes of a tier holding blocks.",
+    "capacity_bytes": "Configured capacity of a tier in bytes.",
+}
+
+
+def sample_key(metric: str, tier: str) -> str:
+    return f"{metric}|{tier}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    metric, _, tier = key.partition("|")
+    return metric, tier
+
+
+class Counters:
+    """Monotonic counters and last-value gauges, drained as deltas each step."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._delta: dict[str, float] = defaultdict(float)
+        self._gauges: dict[str, float] = {}
+
+    def add(self, metric: str, tier: str, value: float = 1) -> None:
+        if value:
+            k = sample_key(metric, tier)
+            self.totals[k] += value
+            self._delta[k] += value
+
+    def set_gauge(self, metric: str, tier: str, value: float) -> None:
+        self._gauges[sample_key(metric, tier)] = value
+
+    def drain(self) -> dict[str, dict[str, float]] | None:
+        """Deltas since the last drain and the current gauges, or None if nothing changed."""
+        if not self._delta and not self._gauges:
+            return None
+        out = {"counters": dict(self._delta), "gauges": dict(self._gauges)}
+        self._delta.clear()
+        self._gauges.clear()
+        return out

@@ -1,0 +1,58 @@
+"""The CPU DRAM tier: a fixed pool of block slots in host memory.
+
+Who uses it: the worker half, from the worker's main thread (saves, sync loads) and from
+one background copy thread (async loads). The pool itself holds no locks: the scheduler
+allocates slots so that no slot is written while a transfer reads it (see
+:mod:`vllm_kvtier.index.slot_index`).
+
+The pool is allocated once, at its full size, and never grows: ``num_slots`` rows of every
+byte plane of :class:`~vllm_kvtier.transfer.layout.KVLayout`. Its size is what the
+operator budgeted, rounded down to whole blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CPUPool:
+    def __init__(
+        self, num_slots: int, plane_bytes: tuple[int, ...], *, pin: bool, prefault: bool
+    ) -> None:
+        self.num_slots = num_slots
+        self.plane_bytes = plane_bytes
+        self.slot_bytes = sum(plane_bytes)
+        total = num_slots * self.slot_bytes
+        # One allocation for every plane: one pinned registration on CUDA, and the budget
+        # is exactly what the operator configured.
+        self._buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        if prefault and total:
+            self._buf.zero_()
+        planes = []
+        off = 0
+        for pb in plane_bytes:
+            planes.append(self._buf[off : off + num_slots * pb].view(num_slots, pb))
+            off += num_slots * pb
+        self.planes: tuple[torch.Tensor, ...] = tuple(planes)
+        self.pinned = pin
+        logger.info(
+            "kvtier CPU pool: %d slots x %d B = %.1f MiB%s",
+            num_slots, self.slot_bytes, total / 2**20, " (pinned)" if pin else "",
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
+
+    def checksum(self, slot: int) -> int:
+        """CRC32 of the slot's bytes over all planes (CPU-side; call only when the slot
+        is not being written)."""
+        crc = 0
+        for p in self.planes:
+            crc = zlib.crc32(p[slot].numpy().data, crc)
+        return crc

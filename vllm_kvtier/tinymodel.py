@@ -1,0 +1,64 @@
+"""Build small random-weight Llama models locally (no model hub), for the demo, the
+tests and the benchmarks.
+
+``build_model(dir, "tiny")`` takes a few seconds; ``"bench"`` is large enough that a
+prefill of a few thousand tokens takes seconds on a CPU, so TTFT warm/cold means something.
+A WordLevel tokenizer ("w3".."w1023") is saved beside it, so text prompts and the OpenAI
+server work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SIZES: dict[str, dict[str, int]] = {
+    # ~3 MB: unit and end-to-end tests.
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    # ~0.5 GB in bf16: prefill of 4k tokens takes seconds on 2 CPU cores.
+    "bench": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+}
+
+VOCAB = 1024
+
+
+def build_model(out_dir: str | Path, size: str = "tiny", *, dtype: str = "bfloat16",
+                max_position_embeddings: int = 8192) -> Path:
+    """Write config, random weights and tokenizer to ``out_dir`` (skipped if present)."""
+    out = Path(out_dir)
+    marker = out / "kvtier-model.json"
+    spec = {"size": size, "dtype": dtype, "max_pos": max_position_embeddings, **SIZES[size]}
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=max_position_embeddings,
+                      initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, **SIZES[size])
+    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(out)
+    marker.write_text(json.dumps(spec))
+    return out
+
+
+def _save_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(out)
+
+
+def words(ids: list[int]) -> str:
+    """The text that the WordLevel tokenizer turns into exactly ``ids``."""
+    return " ".join(f"w{i}" for i in ids)

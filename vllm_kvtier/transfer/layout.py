@@ -1,0 +1,129 @@
+"""How one engine block sits in vLLM's KV tensors, as byte planes.
+
+vLLM hands the worker one tensor per attention layer. The block dimension and what
+surrounds it depend on the attention backend:
+
+* CPU attention: ``[num_blocks, kv_heads, block_size, 2 * head_size]``: a block is one
+  contiguous slab per layer (K then V inside it).
+* FlashAttention-style CUDA backends: ``[2, num_blocks, block_size, kv_heads, head_size]``:
+  a block is two contiguous slabs per layer (K and V).
+
+We do not interpret the bytes. A *plane* is a ``uint8`` view ``[num_blocks, plane_bytes]``
+in which each block's row is contiguous; a layer yields one plane per index of the
+dimensions outside the block dimension. A stored block is the concatenation of its rows in
+every plane, in a fixed order; the copy engines move whole rows, merging runs of
+consecutive blocks into one copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Byte planes of all layers. Built once, in the worker, in ``register_kv_caches``."""
+
+    planes: tuple[torch.Tensor, ...]  # each uint8 [num_blocks, plane_bytes], rows contiguous
+    plane_bytes: tuple[int, ...]
+    num_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+    description: str  # e.g. "2 layers x 1 plane [N,H,B,2D] bfloat16", for logs
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (of this rank's shard)."""
+        return sum(self.plane_bytes)
+
+
+def _block_dim(t: torch.Tensor, num_blocks: int, name: str) -> int:
+    dims = [d for d in range(t.dim()) if t.shape[d] == num_blocks]
+    if not dims:
+        raise ValueError(
+            f"KV tensor {name} of shape {tuple(t.shape)} has no dimension of size "
+            f"num_blocks={num_blocks}; this attention backend's layout is not supported"
+        )
+    # With several candidates, the block dimension is the outermost of the inner ones:
+    # the largest stride.
+    return max(dims, key=lambda d: t.stride(d))
+
+
+def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
+    if not kv_caches:
+        raise ValueError("no KV cache tensors were registered")
+    planes: list[torch.Tensor] = []
+    dtypes = set()
+    devices = set()
+    shapes = set()
+    for name in sorted(kv_caches, key=_layer_order):
+        t = kv_caches[name]
+        dtypes.add(t.dtype)
+        devices.add(t.device)
+        shapes.add(tuple(t.shape))
+        d = _block_dim(t, num_blocks, name)
+        outer = t.shape[:d]
+        moved = t.movedim(d, len(outer))  # [*outer, N, *rest], a view
+        for idx in _product(outer):
+            p = moved[idx] if idx else moved  # [N, *rest]
+            rest = p.shape[1:]
+            row = p[0]
+            if not row.is_contiguous():
+                raise ValueError(
+                    f"KV tensor {name} of shape {tuple(t.shape)} strides {t.stride()}: "
+                    "a block is not contiguous within its plane; layout not supported"
+                )
+            n_rest = math.prod(rest)
+            planes.append(p.reshape(num_blocks, n_rest).view(torch.uint8))
+    if len(dtypes) != 1 or len(devices) != 1:
+        raise ValueError(f"KV tensors must share one dtype and device, got {dtypes} {devices}")
+    dtype = dtypes.pop()
+    desc = (
+        f"{len(kv_caches)} layers x {len(planes) // len(kv_caches)} plane(s), "
+        f"layer shape {sorted(shapes)[0]}, {dtype}"
+    )
+    return KVLayout(
+        planes=tuple(planes),
+        plane_bytes=tuple(int(p.shape[1]) for p in planes),
+        num_blocks=num_blocks,
+        device=devices.pop(),
+        dtype=dtype,
+        description=desc,
+    )
+
+
+def _product(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in shape:
+        out = [i + (j,) for i in out for j in range(n)]
+    return out
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    """Sort "model.layers.10.attn" after "model.layers.9.attn"."""
+    nums = [int(p) for p in name.split(".") if p.isdigit()]
+    return (nums[0] if nums else -1, name)
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired indices into maximal runs where both advance by one.
+
+    Returns ``(src_start, dst_start, length)`` triples; one copy call per run instead of
+    one per block (a fresh pool hands out consecutive slots, and vLLM's free list hands a
+    request mostly consecutive blocks, so long prompts become a handful of large copies).
+    """
+    out: list[tuple[int, int, int]] = []
+    if not src:
+        return out
+    s0, d0, n = src[0], dst[0], 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            out.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    out.append((s0, d0, n))
+    return out
