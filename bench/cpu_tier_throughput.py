@@ -114,7 +114,11 @@ def fill_random(kv: dict[str, torch.Tensor], gen_seed: int) -> None:
     g = torch.Generator(device=next(iter(kv.values())).device)
     g.manual_seed(gen_seed)
     for t in kv.values():
-        t.view(torch.uint8).random_(0, 256, generator=g)
+        b = t.view(torch.uint8)
+        if b.shape[-1] % 8 == 0:  # 8 random bytes per element: much faster on CPU
+            b.view(torch.int64).random_(generator=g)
+        else:
+            b.random_(0, 256, generator=g)
 
 
 # ---- block ids ----------------------------------------------------------------------

@@ -142,3 +142,29 @@ def test_bad_config_fails_at_start(tiny_model):
         make_llm(tiny_model, kvtier_config({"cpu": {"capacity_bytes": -5}}))
     with pytest.raises(Exception, match="unknown preset"):
         make_llm(tiny_model, kvtier_config({"preset": "no-such-preset"}))
+
+
+def test_with_vllm_prefix_caching_partial_local_hit(tiny_model):
+    """Production runs with vLLM's prefix cache on. With a small GPU cache, the head of a
+    prompt stays in vLLM's cache while its tail was evicted; the plugin must load exactly
+    the blocks after vLLM's own hit."""
+    block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4
+    small = dict(enable_prefix_caching=True, kv_cache_memory_bytes=20 * block_bytes, max_model_len=512)
+    rng = random.Random(11)
+    p1 = rand_tokens(rng, 330)  # 11 blocks (10 full + a partial)
+    filler = rand_tokens(rng, 300)  # needs 10 blocks: evicts the tail of p1's cached blocks
+    seq = [p1, filler, p1]
+
+    def run(kv):
+        llm = make_llm(tiny_model, kv, **small)
+        try:
+            return [generate(llm, p) for p in seq]
+        finally:
+            close_llm(llm)
+
+    base = run(None)
+    got = run(kvtier_config())
+    assert [g.tokens for g in got] == [b.tokens for b in base]
+    # vLLM served part of p1's prefix itself; the plugin supplied the rest, and together
+    # they cover the 10 full blocks of p1 that may be reused.
+    assert 0 < got[2].loaded < 10

@@ -80,6 +80,8 @@ def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model
     while req.status == RequestStatus.RUNNING:
         out = worker.step(sched)
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    block_ids = list(sched.kv_cache_manager.get_block_ids("a")[0])
+    assert len(block_ids) == 6
     assert req.num_computed_tokens == 6 * BS
     # request_finished asked vLLM to keep the blocks: not freed until finished_sending.
     assert "a" in sched.requests
@@ -408,4 +410,45 @@ def test_preemption_drops_state_and_resume_hits_own_blocks(model_dir):
     # A resumed request reloads its own saved prompt blocks.
     for rid in preempted:
         assert all_loads(worker.metas, rid)
+    assert_scheduler_empty(sched, initial)
+
+
+def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
+    # reset_prefix_cache(reset_running_requests=True) preempts every running request
+    # outside schedule(); the next schedule() resumes them and reports them preempted in
+    # the same step. A resumed request's fresh async load must stay pinned.
+    sched, initial = new_scheduler(
+        model_dir, {"load_mode": "async", "cpu": {"capacity_bytes": 4 * block_bytes()}})
+    half = sched_half(sched)
+    index = half.index
+    worker = FakeWorker(auto_recv=True)
+    pa = prompt_tokens(2 * BS + 1, seed=1)
+    store_prompt(sched, worker, "a", pa)
+    store_prompt(sched, worker, "b", prompt_tokens(2 * BS + 1, seed=2))
+    # R hits A's blocks, loads them, and runs.
+    r = make_request("r", pa, max_tokens=20)
+    sched.add_request(r)
+    for _ in range(3):
+        worker.step(sched)
+    assert r.status == RequestStatus.RUNNING
+    worker.auto_recv = False
+
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    assert r.status == RequestStatus.PREEMPTED
+    out = worker.step(sched)
+    assert "r" in out.preempted_req_ids
+    (load,) = meta_of(out).loads
+    assert load.req_id == "r" and load.asynchronous
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert all(index.is_pinned(s) for s in load.slots)
+    assert "r" in half._reqs
+
+    # A save that needs slots while R loads must not take R's.
+    sched.add_request(make_request("d", prompt_tokens(3 * BS + 1, seed=3), max_tokens=1))
+    for _ in range(3):
+        worker.step(sched)
+        _check_index(sched, worker)
+    worker.complete_recv("r")
+    worker.run_until_idle(sched)
+    assert r.num_output_tokens == 20
     assert_scheduler_empty(sched, initial)

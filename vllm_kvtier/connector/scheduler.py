@@ -64,6 +64,7 @@ class SchedulerHalf:
         self.slot_bytes_total = slot_bytes_total
         self.counters = Counters()
         self._reqs: dict[str, _ReqState] = {}
+        self._match_start: dict[str, int] = {}
         self._loads: list[LoadJob] = []
         self._final_saves: list[SaveJob] = []
         self._release: list[str] = []
@@ -82,9 +83,12 @@ class SchedulerHalf:
         return max(0, (n_prompt - 1) // self.block_size)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Side-effect free: vLLM may ask again in a later step if it cannot admit the
-        request now."""
+        """vLLM may ask again in a later step if it cannot admit the request now; the
+        only state kept is the latest answer's starting block, which
+        ``update_state_after_alloc`` needs (vLLM sets ``request.num_computed_tokens`` only
+        after that call)."""
         start = num_computed_tokens // self.block_size
+        self._match_start[request.request_id] = start
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
@@ -95,6 +99,8 @@ class SchedulerHalf:
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
+        # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
+        start = self._match_start.pop(req_id, 0)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
@@ -107,7 +113,6 @@ class SchedulerHalf:
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        start = request.num_computed_tokens // bs
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
         slots = []
@@ -150,9 +155,14 @@ class SchedulerHalf:
             if alloc is None:
                 self.counters.add("store_skipped", TIER)
                 continue
+            # Held until the job is planned: a later block of this job must not evict
+            # this one (the job would write the slot twice, and lose its prefix).
+            self.index.pin(alloc.slot)
             blocks.append(state.block_ids[i])
             slots.append(alloc.slot)
             keys.append(key)
+        for s in slots:
+            self.index.unpin(s)
         state.next_save = max(state.next_save, upto)
         if not blocks:
             return None
@@ -217,6 +227,7 @@ class SchedulerHalf:
                 state.block_ids.extend(new[0])
 
     def _drop(self, req_id: str) -> None:
+        self._match_start.pop(req_id, None)
         state = self._reqs.pop(req_id, None)
         if state is not None:
             for s in state.pinned_slots:
@@ -229,6 +240,7 @@ class SchedulerHalf:
         blocks until the load is reported in ``finished_recving`` (holding it too would
         free the blocks twice).
         """
+        self._match_start.pop(request.request_id, None)  # aborted before admission
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return False, None
@@ -264,6 +276,9 @@ class SchedulerHalf:
                     key = state.loaded.pop(b)
                     if self.index.remove(key):
                         logger.warning("kvtier: dropped a block that failed to load")
+                    # vLLM recomputes it: save it again once it is complete.
+                    if b in state.block_ids:
+                        state.next_save = min(state.next_save, state.block_ids.index(b))
         for req_id in connector_output.finished_sending or ():
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)

@@ -1,0 +1,65 @@
+"""The vLLM connector API the plugin relies on. vLLM's connector API changes from release
+to release; if an upgrade renames or re-signs one of these methods, this fails loudly
+instead of the plugin silently never being called."""
+
+from __future__ import annotations
+
+import inspect
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from vllm_kvtier.connector import KVTierConnector
+
+# method -> its parameter names on KVConnectorBase_V1 (self excluded), as of vLLM 0.32/0.33.
+RELIED_ON = {
+    "__init__": ["vllm_config", "role", "kv_cache_config"],
+    "register_kv_caches": ["kv_caches"],
+    "handle_preemptions": ["kv_connector_metadata"],
+    "start_load_kv": ["forward_context", "kwargs"],
+    "wait_for_layer_load": ["layer_name"],
+    "save_kv_layer": ["layer_name", "kv_layer", "attn_metadata", "kwargs"],
+    "wait_for_save": [],
+    "get_finished": ["finished_req_ids"],
+    "get_transfer_results": ["finished_req_ids"],
+    "get_block_ids_with_load_errors": [],
+    "get_kv_connector_stats": [],
+    "shutdown": [],
+    "get_num_new_matched_tokens": ["request", "num_computed_tokens"],
+    "update_state_after_alloc": ["request", "blocks", "num_external_tokens"],
+    "build_connector_meta": ["scheduler_output"],
+    "update_connector_output": ["connector_output"],
+    "request_finished": ["request", "block_ids"],
+    "has_pending_push_work": [],
+    "build_kv_connector_stats": ["data"],
+    "build_prom_metrics": ["vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"],
+}
+
+
+def _params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+
+
+def test_base_class_still_has_the_methods_we_override():
+    missing = [m for m in RELIED_ON if not hasattr(KVConnectorBase_V1, m)]
+    assert not missing, f"vLLM's KVConnectorBase_V1 lost: {missing}"
+    changed = {m: _params(getattr(KVConnectorBase_V1, m)) for m in RELIED_ON
+               if _params(getattr(KVConnectorBase_V1, m)) != RELIED_ON[m]}
+    assert not changed, f"vLLM changed these signatures: {changed}"
+
+
+def test_all_abstract_methods_are_implemented():
+    assert not getattr(KVTierConnector, "__abstractmethods__", set())
+
+
+def test_our_overrides_match_the_base_signatures():
+    for m in RELIED_ON:
+        ours = getattr(KVTierConnector, m)
+        if ours is getattr(KVConnectorBase_V1, m):
+            continue
+        assert _params(ours) == _params(getattr(KVConnectorBase_V1, m)), m
+
+
+def test_best_effort_cache_does_not_require_delivery():
+    # kv_both defaults to requires_kv_delivery=True in vLLM, which would drop output of
+    # preempted requests; a cache must not.
+    assert KVTierConnector.requires_kv_delivery.fget(object.__new__(KVTierConnector)) is False

@@ -1,0 +1,71 @@
+"""Configuration: parsed once, typed and frozen; bad input names the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_kvtier.config import KVTierConfig, available_presets, parse_config
+from vllm_kvtier.errors import ConfigError
+
+
+def test_defaults_and_frozen():
+    cfg = parse_config({})
+    assert cfg == KVTierConfig()
+    assert cfg.cpu.capacity_bytes is None and cfg.cpu.capacity_fraction == 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.load_mode = "async"  # type: ignore[misc]
+
+
+def test_interactive_preset_exists_and_inline_overrides_it():
+    assert "interactive" in available_presets()
+    cfg = parse_config({"preset": "interactive", "cpu": {"capacity_bytes": 1 << 30}})
+    assert cfg.cpu.capacity_bytes == 1 << 30
+    assert cfg.load_mode == "sync"
+    # Other fields of the preset's cpu section survive the partial override.
+    assert cfg.cpu.capacity_fraction == 0.5
+
+
+def test_config_file(tmp_path):
+    f = tmp_path / "kvtier.yaml"
+    f.write_text("cpu:\n  capacity_bytes: 4096\nload_mode: async\n")
+    cfg = parse_config({"config_file": str(f), "load_mode": "sync"})
+    assert cfg.cpu.capacity_bytes == 4096
+    assert cfg.load_mode == "sync"  # inline wins over the file
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ({"cpux": {}}, "cpux", "unknown key"),
+        ({"cpu": {"capacity": 1}}, "cpu.capacity", "unknown key"),
+        ({"cpu": {"capacity_bytes": -1}}, "cpu.capacity_bytes", "> 0"),
+        ({"cpu": {"capacity_bytes": "8G"}}, "cpu.capacity_bytes", "integer"),
+        ({"cpu": {"capacity_bytes": True}}, "cpu.capacity_bytes", "integer"),
+        ({"cpu": {"capacity_fraction": 1.5}}, "cpu.capacity_fraction", "0.9"),
+        ({"cpu": []}, "cpu", "mapping"),
+        ({"load_mode": "lazy"}, "load_mode", "'sync', 'async'"),
+        ({"preset": "nope"}, "preset", "unknown preset"),
+        ({"preset": "../etc/passwd"}, "preset", "unknown preset"),
+        ({"config_file": "/nonexistent/kvtier.yaml"}, "config_file", "cannot read"),
+        ({"min_load_blocks": 0}, "min_load_blocks", ">= 1"),
+        ({"fault_injection": {"load_error_rate": 2}}, "fault_injection.load_error_rate", "[0, 1]"),
+        ({"nvme": {"path": "/x"}}, "nvme", "not available"),
+    ],
+)
+def test_bad_input_names_the_field(extra, field, words):
+    with pytest.raises(ConfigError) as e:
+        parse_config(extra)
+    assert e.value.field == field
+    assert field in str(e.value) and words in str(e.value)
+
+
+def test_bad_yaml_file_names_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("cpu: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config({"config_file": str(f)})
+    f.write_text("cpu:\n  capacity_bytes: 10\n  bogus: 1\n")
+    with pytest.raises(ConfigError, match="cpu.bogus"):
+        parse_config({"config_file": str(f)})

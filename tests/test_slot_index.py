@@ -1,0 +1,77 @@
+"""The CPU index and its LRU policy, with integer-like keys (no vLLM, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvtier.index.keys import BlockKey, NamespaceFields, namespace
+from vllm_kvtier.index.slot_index import SlotIndex
+
+
+def k(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(8, "big"))
+
+
+def test_allocate_until_full_then_evict_lru():
+    idx = SlotIndex(3)
+    assert [idx.allocate(k(i)).slot for i in range(3)] == [0, 1, 2]
+    idx.touch(k(0))  # 1 is now the least recently used
+    a = idx.allocate(k(3))
+    assert a.evicted == k(1) and a.slot == 1
+    assert k(1) not in idx and len(idx) == 3 and idx.evictions == 1
+
+
+def test_pinned_slots_are_never_evicted():
+    idx = SlotIndex(2)
+    idx.allocate(k(0))
+    idx.allocate(k(1))
+    idx.pin(idx.slot(k(0)))
+    assert idx.allocate(k(2)).evicted == k(1)
+    idx.pin(idx.slot(k(2)))
+    assert idx.allocate(k(3)) is None  # every slot is read by a transfer
+    idx.unpin(idx.slot(k(0)))
+    assert idx.allocate(k(3)).evicted == k(0)
+
+
+def test_remove_while_pinned_frees_slot_only_after_unpin():
+    idx = SlotIndex(1)
+    s = idx.allocate(k(0)).slot
+    idx.pin(s)
+    assert idx.remove(k(0))
+    assert idx.allocate(k(1)) is None  # slot still read by the transfer
+    idx.unpin(s)
+    assert idx.allocate(k(1)).slot == s
+
+
+def test_match_prefix_stops_at_first_gap():
+    idx = SlotIndex(8)
+    for i in (0, 1, 2, 4):
+        idx.allocate(k(i))
+    keys = [k(i) for i in range(6)]
+    assert idx.match_prefix(keys) == 3
+    assert idx.match_prefix(keys, start=1) == 2
+    assert idx.match_prefix(keys, start=3) == 0
+
+
+def test_zero_capacity_stores_nothing():
+    idx = SlotIndex(0)
+    assert idx.allocate(k(0)) is None
+
+
+def test_duplicate_allocate_is_an_error():
+    idx = SlotIndex(2)
+    idx.allocate(k(0))
+    with pytest.raises(KeyError):
+        idx.allocate(k(0))
+
+
+def test_namespace_changes_with_every_field():
+    base = NamespaceFields("m", "bfloat16", 16, 32, 8, 128, 1, 0, "L", "sha256")
+    seen = {namespace(base)}
+    for change in [dict(model="m2"), dict(kv_dtype="fp8"), dict(block_size=32), dict(num_layers=1),
+                   dict(num_kv_heads=4), dict(head_size=64), dict(tp_size=2), dict(tp_rank=1),
+                   dict(layout="X"), dict(hash_algo="xxhash"), dict(format_version=99)]:
+        ns = namespace(NamespaceFields(**{**base.__dict__, **change}))
+        assert ns not in seen
+        seen.add(ns)
+    assert namespace(base) == namespace(NamespaceFields(**base.__dict__))  # stable
