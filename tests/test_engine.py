@@ -168,3 +168,33 @@ def test_with_vllm_prefix_caching_partial_local_hit(tiny_model):
     # vLLM served part of p1's prefix itself; the plugin supplied the rest, and together
     # they cover the 10 full blocks of p1 that may be reused.
     assert 0 < got[2].loaded < 10
+
+
+def test_preemption_swaps_back_in_from_cpu(tiny_model):
+    """A GPU KV cache too small for the batch forces vLLM to preempt running requests
+    (recompute preemption). With the plugin their blocks come back from the CPU tier when
+    they resume (the brief's swap-in), and every output matches the run without it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    block_bytes = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4
+    small = dict(kv_cache_memory_bytes=24 * block_bytes, max_model_len=512)
+    rng = random.Random(13)
+    prompts = [TokensPrompt(prompt_token_ids=rand_tokens(rng, 150)) for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, detokenize=False)
+
+    def run(kv):
+        llm = make_llm(tiny_model, kv, **small)
+        try:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            mets = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+            return [list(o.outputs[0].token_ids) for o in outs], mets, kvtier_counters(llm)
+        finally:
+            close_llm(llm)
+
+    base, base_mets, _ = run(None)
+    got, mets, counters = run(kvtier_config())
+    assert base_mets.get("vllm:num_preemptions", 0) > 0, "the test must force preemption"
+    assert got == base
+    assert mets.get("vllm:num_preemptions", 0) > 0
+    assert counters["blocks_loaded|cpu"] > 0, "resumed requests should swap in from the CPU tier"

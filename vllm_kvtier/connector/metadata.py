@@ -41,5 +41,8 @@ class KVTierMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks the scheduler holds for us: report each in
     #: ``finished_sending`` once all its transfers are complete.
     release: list[str] = field(default_factory=list)
+    #: Requests preempted this step: their blocks may be rewritten by this step's forward,
+    #: so saves still in flight from them must finish first.
+    preempted: list[str] = field(default_factory=list)
     #: Step counter, to run each step's saves exactly once.
     step: int = 0

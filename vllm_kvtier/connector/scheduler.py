@@ -72,6 +72,8 @@ class SchedulerHalf:
         self._held: dict[str, _ReqState] = {}
         #: Held requests whose release we asked the worker for.
         self._releasing: set[str] = set()
+        #: Requests given a fresh state since the last build_connector_meta.
+        self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
 
@@ -106,6 +108,7 @@ class SchedulerHalf:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
             state = _ReqState(request, list(block_ids))
             self._reqs[req_id] = state
+            self._fresh.add(req_id)
         else:
             # Second call after an async load completed: vLLM may have added blocks.
             state.block_ids = list(block_ids)
@@ -173,9 +176,14 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         self._step += 1
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in preempted:
             # Its blocks are freed (and may be reused this step): nothing left to save.
-            self._drop(req_id)
+            # Unless it was resumed in this same step (reset_prefix_cache preempts outside
+            # schedule()): then its state, and any async-load pins, are new and stay.
+            if req_id not in self._fresh:
+                self._drop(req_id)
+        self._fresh.clear()
         self._refresh_block_ids(scheduler_output)
         saves = list(self._final_saves)
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -196,7 +204,7 @@ class SchedulerHalf:
                     self.index.unpin(s)
         meta = KVTierMetadata(
             num_slots=self.index.num_slots, saves=saves, loads=loads,
-            release=self._release, step=self._step,
+            release=self._release, preempted=preempted, step=self._step,
         )
         self._loads, self._final_saves, self._release = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)

@@ -100,6 +100,11 @@ class WorkerHalf:
         self._step_begun = meta.step
         self._ensure_pool(meta.num_slots)
         assert self.engine is not None and self.pool is not None
+        for req_id in meta.preempted:
+            # Its blocks go back to vLLM's pool now; the forward must not overwrite them
+            # before our copies out of them complete.
+            for t in self._inflight_saves.pop(req_id, []):
+                self.engine.order_before_compute(t)
         for job in meta.saves:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
