@@ -20,6 +20,12 @@ change. A mismatch exits non-zero.
 
     python bench/cpu_tier_throughput.py                    # vLLM CPU layout, on CPU
     python bench/cpu_tier_throughput.py --device cuda      # FlashAttention layout, GPU<->pinned
+
+On CPU, ``copy_`` of a large tensor is split over torch's OpenMP threads, so every copy is
+a parallel region. On a small VM (2 vCPUs) spinning idle OpenMP threads were seen to slow
+many back-to-back copies (ours: one per plane and run) far more than one big copy, with
+occasional stalls of seconds; ``OMP_WAIT_POLICY=PASSIVE`` or ``--threads 1`` gave stable
+numbers there. The JSON records these settings and the load average.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="stop the timed loop after this long (at least one timed repeat "
+                        "runs), so a stalling machine cannot make the run endless")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for both ours and the reference (CPU copies "
                         "are parallelised over these threads; default: torch's default)")
@@ -224,6 +233,10 @@ def machine_info(device: torch.device) -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "cpu_model": _cpu_model(),
         "hostname": platform.node(),
+        # Copies on CPU run on torch's OpenMP threads; how idle threads wait changes the
+        # numbers a lot on small VMs (see the module docstring).
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                               "GOMP_SPINCOUNT", "KMP_BLOCKTIME")},
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -330,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                 dt = fn()
                 if rep >= a.warmup:
                     times[name][who].append(dt)
+        if rep >= a.warmup and time.perf_counter() - t_phase > a.max_seconds:
+            break
+    repeats_done = len(times[cases[0][0]]["ours"])
+    if repeats_done < a.repeats:
+        print(f"note: timed loop stopped after {repeats_done} of {a.repeats} repeats "
+              f"(--max-seconds {a.max_seconds:g})")
 
     t_timed = time.perf_counter() - t_phase
     # Correctness again after the timed loop (nothing in it may have corrupted the path).
@@ -364,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = min(r["ratio"] for r in results)
     total_s = time.perf_counter() - t_start
     print(f"worst ratio {worst:.2f} ({'meets' if worst >= 0.8 else 'BELOW'} target) | "
-          f"{a.repeats} repeats + {a.warmup} warmup, medians | torch threads "
+          f"{repeats_done} repeats + {a.warmup} warmup, medians | torch threads "
           f"{torch.get_num_threads()} | correctness {t_check:.1f} s, timed {t_timed:.1f} s, "
           f"total {total_s:.1f} s")
     load_after = _loadavg()
@@ -384,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "block_ids": {k: {"src": s, "dst": d} for k, (s, d) in ids.items()},
         "correctness": "ok",
+        "repeats_done": repeats_done,
         "target_ratio": 0.8,
         "worst_ratio": worst,
         "meets_target": worst >= 0.8,
