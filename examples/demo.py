@@ -39,8 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: fast start
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Unless the caller chose otherwise: an in-process engine (fast start), quiet vLLM logs
+# (the plugin's own warnings still print), and no vLLM usage-stats thread: on a small
+# machine its one-off system survey, run in the background of the first engine, stole
+# hundreds of ms from requests timed there.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

