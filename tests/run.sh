@@ -6,7 +6,6 @@ cd "$(dirname "$0")/.."
 tools/setup-venv.sh
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # fast in-process engines; multiprocess tests set 1 themselves
 export VLLM_LOGGING_LEVEL=WARNING          # vLLM's shutdown lines would print after pytest's summary
-export VLLM_CPU_KVCACHE_SPACE=1            # servers started by tests get a 1 GiB KV cache
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
 rc=$?
