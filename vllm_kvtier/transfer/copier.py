@@ -82,7 +82,7 @@ class _CudaTransfer:
 
 def _copy_rows(
     layout: KVLayout, pool: CPUPool, direction: Direction, blocks: list[int], slots: list[int],
-    non_blocking: bool,
+    non_blocking: bool, host_threads: ThreadPoolExecutor | None = None,
 ) -> int:
     """Copy block rows for every plane; one copy per run of consecutive blocks and slots."""
     # Bounds are checked here, once, because the host path copies by raw pointer.
@@ -96,47 +96,96 @@ def _copy_rows(
     else:
         pairs = [(host, kv) for kv, host in zip(layout.planes, pool.planes, strict=True)]
         triples = runs(slots, blocks)
-    host_only = layout.device.type == "cpu"
-    for src, dst in pairs:
-        if host_only:
-            _host_copy_runs(src, dst, triples)
-        else:
+    if layout.device.type == "cpu":
+        small = [t for t in triples if t[2] * layout.plane_bytes[0] < _TORCH_COPY_MIN_BYTES]
+        large = [t for t in triples if t[2] * layout.plane_bytes[0] >= _TORCH_COPY_MIN_BYTES]
+        copies: list[tuple[int, int, int]] = []
+        for src, dst in pairs:
+            for a, b, n in large:  # torch's own multi-threaded copy is fastest here
+                dst[b : b + n].copy_(src[a : a + n])
+            copies.extend(_host_copies(src, dst, small))
+        _memmove_all(copies, host_threads)
+    else:
+        for src, dst in pairs:
             for a, b, n in triples:
                 dst[b : b + n].copy_(src[a : a + n], non_blocking=non_blocking)
     return layout.block_bytes * len(blocks)
 
 
-def _host_copy_runs(src: torch.Tensor, dst: torch.Tensor, triples: list[tuple[int, int, int]]) -> None:
-    """Host-to-host row copies between two uint8 [rows, row_bytes] views whose rows are
-    contiguous (checked by build_layout and CPUPool), by libc memmove.
-
-    Why not ``dst[b:b+n].copy_(src[a:a+n])``: a torch op costs ~5 us of dispatch, ten
-    times a memmove call, and with scattered block ids a step has many small runs; and
-    for large runs, back-to-back torch copies on this backend measured 3-4x slower than
-    memmove (OpenMP fork/join per op). bench/cpu_tier_throughput.py compares both paths
-    against one plain torch copy of the same bytes. ctypes releases the GIL during the
-    call, so an async load on the copy thread does not stall the engine thread.
-    """
+def _host_copies(src: torch.Tensor, dst: torch.Tensor, triples: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(dst_ptr, src_ptr, nbytes) for host-to-host row copies between two uint8
+    [rows, row_bytes] views whose rows are contiguous (checked by build_layout/CPUPool)."""
     row = src.shape[1]
     s_ptr, s_stride = src.data_ptr(), src.stride(0)
     d_ptr, d_stride = dst.data_ptr(), dst.stride(0)
-    memmove = ctypes.memmove
     if s_stride == row and d_stride == row:
-        for a, b, n in triples:
-            memmove(d_ptr + b * row, s_ptr + a * row, n * row)
+        return [(d_ptr + b * row, s_ptr + a * row, n * row) for a, b, n in triples]
+    return [
+        (d_ptr + (b + i) * d_stride, s_ptr + (a + i) * s_stride, row)
+        for a, b, n in triples
+        for i in range(n)
+    ]
+
+
+#: Runs of at least this many bytes (per plane) are copied by torch, whose multi-threaded
+#: copy reaches a plain copy's bandwidth; smaller runs go to memmove (see _memmove_all).
+_TORCH_COPY_MIN_BYTES = 1 << 20
+
+#: Below this many bytes a batch of memmoves is run by the calling thread alone.
+_PARALLEL_MIN_BYTES = 4 << 20
+
+
+def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | None) -> None:
+    """Run the copies with libc memmove, split by bytes over ``pool``'s threads.
+
+    Why not ``dst[b:b+n].copy_(src[a:a+n])`` for small runs: a torch op costs ~5 us of
+    dispatch (and an OpenMP fork/join), ten times a memmove call, and scattered block ids
+    make many small runs. ctypes releases the GIL during each call, so the threads copy in
+    parallel (one memmove thread does not saturate DRAM bandwidth) and an async load on the
+    copy thread does not stall the engine thread. bench/cpu_tier_throughput.py compares
+    this with one plain torch copy of the same bytes.
+    """
+    total = sum(c[2] for c in copies)
+    nthreads = pool._max_workers + 1 if pool is not None else 1
+    if nthreads == 1 or total < _PARALLEL_MIN_BYTES:
+        _memmove_seq(copies)
         return
-    for a, b, n in triples:
-        for i in range(n):
-            memmove(d_ptr + (b + i) * d_stride, s_ptr + (a + i) * s_stride, row)
+    share = -(-total // nthreads)
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for d, s, n in copies:
+        while n > 0:
+            take = min(n, room)
+            parts[-1].append((d, s, take))
+            d, s, n, room = d + take, s + take, n - take, room - take
+            if room == 0 and len(parts) < nthreads:
+                parts.append([])
+                room = share
+    futures = [pool.submit(_memmove_seq, p) for p in parts[1:] if p]
+    _memmove_seq(parts[0])
+    for f in futures:
+        f.result()
+
+
+def _memmove_seq(copies: list[tuple[int, int, int]]) -> None:
+    memmove = ctypes.memmove
+    for d, s, n in copies:
+        memmove(d, s, n)
 
 
 class HostCopyEngine:
     """KV cache in host memory (vLLM's CPU backend): plain memory copies."""
 
-    def __init__(self, layout: KVLayout, pool: CPUPool) -> None:
+    def __init__(self, layout: KVLayout, pool: CPUPool, copy_threads: int | None = None) -> None:
         self.layout = layout
         self.pool = pool
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy")
+        # Helpers for large copies: as many threads as torch uses for compute (vLLM's CPU
+        # worker sets it to its cores), minus the calling thread.
+        n = copy_threads if copy_threads is not None else torch.get_num_threads()
+        self._helpers = (
+            ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtier-memmove") if n > 1 else None
+        )
 
     def submit(
         self, direction: Direction, blocks: list[int], slots: list[int], *, background: bool
@@ -144,9 +193,11 @@ class HostCopyEngine:
         t0 = time.perf_counter()
         nbytes = self.layout.block_bytes * len(blocks)
         if background:
-            fut = self._bg.submit(_copy_rows, self.layout, self.pool, direction, blocks, slots, False)
+            fut = self._bg.submit(
+                _copy_rows, self.layout, self.pool, direction, blocks, slots, False, self._helpers
+            )
             return _FutureTransfer(fut, nbytes, t0)
-        _copy_rows(self.layout, self.pool, direction, blocks, slots, False)
+        _copy_rows(self.layout, self.pool, direction, blocks, slots, False, self._helpers)
         return _Done(nbytes, t0)
 
     def order_before_compute(self, transfer: Transfer) -> None:
@@ -155,6 +206,8 @@ class HostCopyEngine:
 
     def shutdown(self) -> None:
         self._bg.shutdown(wait=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
 
 
 class CudaCopyEngine:
