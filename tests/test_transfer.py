@@ -32,12 +32,14 @@ def test_layout_planes_cover_every_byte_of_a_block(kind):
     assert lay.block_bytes == 3 * per_layer
 
 
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("kind", ["cpu", "flash"])
-def test_save_then_load_into_other_blocks_is_exact(kind):
+def test_save_then_load_into_other_blocks_is_exact(kind, threaded):
     kv = _kv(kind)
     lay = build_layout(kv, NUM_BLOCKS)
     pool = CPUPool(16, lay.plane_bytes, pin=False, prefault=False)
     eng = HostCopyEngine(lay, pool)
+    eng.threaded_async = threaded
     rng = random.Random(1)
     src = rng.sample(range(1, 20), 10)  # scattered block ids
     slots = rng.sample(range(16), 10)
