@@ -144,7 +144,7 @@ def connector(scheduler: Scheduler) -> KVTierConnector:
 
 
 def sched_half(scheduler: Scheduler) -> SchedulerHalf:
-    half = connector(scheduler)._sched
+    half = connector(scheduler).scheduler_half
     assert half is not None
     return half
 
@@ -276,7 +276,7 @@ def assert_scheduler_empty(scheduler: Scheduler, initial_free_blocks: int) -> No
     for block in scheduler.kv_cache_manager.block_pool.blocks:
         assert block.ref_cnt == 0 or block.is_null
     half = sched_half(scheduler)
-    assert not half._reqs and not half._held and not half._releasing
+    assert not half.tracked_requests() and not half.held_requests() and not half.releasing_requests()
     assert not half.has_pending_work()
     assert not any(half.index.is_pinned(s) for s in range(half.index.num_slots))
 

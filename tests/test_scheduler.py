@@ -85,7 +85,7 @@ def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model
     assert req.num_computed_tokens == 6 * BS
     # request_finished asked vLLM to keep the blocks: not freed until finished_sending.
     assert "a" in sched.requests
-    assert "a" in half._held and "a" in half._releasing
+    assert "a" in half.held_requests() and "a" in half.releasing_requests()
     assert free_blocks(sched) == initial - 6  # 192 computed tokens
     assert sched.has_requests()  # pending push work keeps the engine stepping
 
@@ -209,12 +209,12 @@ def _check_index(sched, worker):
     index = half.index
     assert len(index) <= index.num_slots
     assert index.used_slots <= index.num_slots
-    slots = list(index._slot_of.values())
+    slots = list([s for _, s in index.items()])
     assert len(set(slots)) == len(slots)
     # The index only names slots whose bytes the worker holds for that key, or will
     # write first thing next step (final saves of requests finished in this step).
-    pending = {k for j in half._final_saves for k in j.keys}
-    for key, slot in index._slot_of.items():
+    pending = {k for j in half.pending_final_saves() for k in j.keys}
+    for key, slot in index.items():
         assert worker.pool.get(slot) == key or key in pending
 
 
@@ -359,7 +359,7 @@ def test_abort_during_async_load_frees_once(model_dir):
     # too (it would free them twice) and asks for no release.
     assert "b" in sched.requests
     assert free_blocks(sched) == initial - 4
-    assert "b" not in half._releasing
+    assert "b" not in half.releasing_requests()
     assert all(half.index.is_pinned(s) for s in load.slots)
     out = worker.step(sched)
     assert meta_of(out).release == [] and meta_of(out).saves == []
@@ -403,7 +403,7 @@ def test_preemption_drops_state_and_resume_hits_own_blocks(model_dir):
         out = worker.step(sched)  # FakeWorker: no job touches blocks its request lost
         preempted |= set(out.preempted_req_ids)
         for rid in out.preempted_req_ids:
-            assert rid not in half._reqs or sched.requests[rid].num_computed_tokens > 0
+            assert rid not in half.tracked_requests() or sched.requests[rid].num_computed_tokens > 0
         _check_index(sched, worker)
     assert preempted
     assert all(r.num_output_tokens == 4 * BS for r in reqs)
@@ -441,7 +441,7 @@ def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
     assert load.req_id == "r" and load.asynchronous
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert all(index.is_pinned(s) for s in load.slots)
-    assert "r" in half._reqs
+    assert "r" in half.tracked_requests()
 
     # A save that needs slots while R loads must not take R's.
     sched.add_request(make_request("d", prompt_tokens(3 * BS + 1, seed=3), max_tokens=1))

@@ -125,6 +125,11 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks)
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
+    @property
+    def scheduler_half(self) -> SchedulerHalf | None:
+        """The index and policy (scheduler role only), for introspection."""
+        return self._sched
+
     # ---- properties vLLM reads -------------------------------------------------
 
     @property

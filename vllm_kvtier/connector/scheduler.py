@@ -291,6 +291,23 @@ class SchedulerHalf:
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
 
+    # ---- introspection (tests, `kvtier inspect`) --------------------------------------
+
+    def tracked_requests(self) -> set[str]:
+        """Requests whose blocks we follow (admitted, not finished)."""
+        return set(self._reqs)
+
+    def held_requests(self) -> set[str]:
+        """Finished requests whose blocks we still hold or whose async load still runs."""
+        return set(self._held)
+
+    def releasing_requests(self) -> set[str]:
+        """Held requests the worker was asked to report in ``finished_sending``."""
+        return set(self._releasing)
+
+    def pending_final_saves(self) -> list[SaveJob]:
+        return list(self._final_saves)
+
     def has_pending_work(self) -> bool:
         return bool(self._final_saves or self._release or self._loads or self._releasing)
 

@@ -113,6 +113,10 @@ class SlotIndex:
             self._free.append(slot)
         return True
 
+    def items(self) -> list[tuple[BlockKey, int]]:
+        """Snapshot of (key, slot), least recently used first."""
+        return list(self._slot_of.items())
+
     @property
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
