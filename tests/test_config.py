@@ -51,7 +51,8 @@ def test_config_file(tmp_path):
         ({"config_file": "/nonexistent/kvtier.yaml"}, "config_file", "cannot read"),
         ({"min_load_blocks": 0}, "min_load_blocks", ">= 1"),
         ({"fault_injection": {"load_error_rate": 2}}, "fault_injection.load_error_rate", "[0, 1]"),
-        ({"nvme": {"path": "/x"}}, "nvme", "not available"),
+        ({"nvme": {"path": "/x"}}, "nvme.capacity_bytes", "required"),
+        ({"s3": {}}, "s3", "not available"),
     ],
 )
 def test_bad_input_names_the_field(extra, field, words):

@@ -56,6 +56,34 @@ class CPUTierConfig:
 
 
 @dataclass(frozen=True)
+class NVMeTierConfig:
+    """The NVMe tier: chunk files under ``path``, at most ``capacity_bytes`` of them.
+
+    It survives restarts: a new engine pointed at the same ``path`` (and the same model
+    and layout: files live under a namespace digest) serves hits from what was stored.
+    """
+
+    path: str
+    capacity_bytes: int
+    #: "write-back": a block goes to NVMe when the CPU tier evicts it (and, at shutdown,
+    #: every admitted block still only in DRAM is flushed). "write-through": every block
+    #: saved to the CPU tier is also written to NVMe at once (for shared or durable caches).
+    mode: Literal["write-back", "write-through"] = "write-back"
+    #: SSD endurance: write a block only once it was part of at least this many requests'
+    #: prompts. 2 keeps one-off documents (most long prompts in mixed traffic) off the
+    #: flash; 1 writes everything.
+    admit_min_seen: int = 2
+    #: Blocks per chunk file: consecutive blocks go to disk together so I/Os are large.
+    chunk_blocks: int = 16
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    io_threads: int = 2
+    #: Writes waiting for the disk beyond this are refused (counted), never queued forever.
+    max_queued_writes: int = 64
+    #: Upper bound on the time spent at shutdown flushing write-back blocks.
+    flush_on_shutdown_s: float = 10.0
+
+
+@dataclass(frozen=True)
 class FaultInjectionConfig:
     """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
 
@@ -71,6 +99,7 @@ class KVTierConfig:
     preset: str | None = None
     config_file: str | None = None
     cpu: CPUTierConfig = field(default_factory=CPUTierConfig)
+    nvme: NVMeTierConfig | None = None
     #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
     #: request (lowest latency). "async": the request waits while other requests run.
     load_mode: LoadMode = "sync"
@@ -84,7 +113,7 @@ class KVTierConfig:
 
 #: Sections that later issues fill in. Named here so the error says "not available"
 #: instead of "unknown key".
-_FUTURE_SECTIONS = ("nvme", "s3", "mooncake", "nixl")
+_FUTURE_SECTIONS = ("s3", "mooncake", "nixl")
 
 
 def available_presets() -> list[str]:
@@ -172,6 +201,10 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
                 raise ConfigError(path, "this tier is not available in this version of vllm_kvtier")
             raise ConfigError(path, f"unknown key; allowed: {', '.join(sorted(names))}")
         kwargs[key] = _check_value(path, value, hints[key])
+    for f in dataclasses.fields(cls):
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            raise ConfigError(path, "is required")
     return cls(**kwargs)
 
 
@@ -184,6 +217,19 @@ def _validate(cfg: KVTierConfig) -> None:
             "cpu.capacity_fraction",
             f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {c.capacity_fraction}",
         )
+    n = cfg.nvme
+    if n is not None:
+        if n.capacity_bytes <= 0:
+            raise ConfigError("nvme.capacity_bytes", f"must be > 0, got {n.capacity_bytes}")
+        if not n.path:
+            raise ConfigError("nvme.path", "must not be empty")
+        for name in ("admit_min_seen", "chunk_blocks", "io_threads", "max_queued_writes"):
+            if getattr(n, name) < 1:
+                raise ConfigError(f"nvme.{name}", f"must be >= 1, got {getattr(n, name)}")
+        if n.chunk_blocks > 256:
+            raise ConfigError("nvme.chunk_blocks", f"must be <= 256, got {n.chunk_blocks}")
+        if n.flush_on_shutdown_s < 0:
+            raise ConfigError("nvme.flush_on_shutdown_s", f"must be >= 0, got {n.flush_on_shutdown_s}")
     if cfg.min_load_blocks < 1:
         raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
     r = cfg.fault_injection.load_error_rate

@@ -30,10 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_kvtier.config import KVTierConfig, parse_config
 from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.connector.nvme_plan import NVMePlanner
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.worker import WorkerHalf
 from vllm_kvtier.index.keys import NamespaceFields, namespace
+from vllm_kvtier.metrics import Counters
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -61,6 +63,16 @@ def _block_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
     for group in kv_cache_config.kv_cache_groups:
         total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
     return total
+
+
+def _worker_rank() -> int:
+    """This worker's rank in the TP x PP world (chunk files are per rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # not initialised (unit tests drive the worker directly)
+        return 0
 
 
 def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
@@ -115,14 +127,22 @@ class KVTierConnector(KVConnectorBase_V1):
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            counters = Counters()
+            nvme = None
+            if self.cfg.nvme is not None:
+                nvme = NVMePlanner(self.cfg.nvme, namespace=self.namespace, world_size=world,
+                                   block_bytes_per_rank=block_bytes, counters=counters)
             self._sched = SchedulerHalf(
                 self.cfg,
                 block_size=self.block_size,
                 num_slots=pool_slots(self.cfg, block_bytes, world),
                 slot_bytes_total=block_bytes * world,
+                nvme=nvme,
+                counters=counters,
             )
         else:
-            self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks)
+            self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks,
+                                      namespace=self.namespace, rank=_worker_rank())
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
     @property
@@ -178,6 +198,10 @@ class KVTierConnector(KVConnectorBase_V1):
             assert self._worker is not None
             sending, recving = self._worker.transfer_results(finished_req_ids)
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def build_connector_worker_meta(self) -> Any:
+        assert self._worker is not None
+        return self._worker.worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -21,15 +24,40 @@ class SaveJob:
 
 
 @dataclass(frozen=True)
+class NVMeRead:
+    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk file ``file_id``."""
+
+    file_id: str
+    positions: tuple[int, ...]
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class LoadJob:
     """Copy CPU ``slots[i]`` into engine ``block_ids[i]``; ``asynchronous`` jobs are
-    reported through ``finished_recving``, sync jobs complete before the forward."""
+    reported through ``finished_recving``, sync jobs complete before the forward.
+
+    ``reads`` first fill some of the slots from NVMe (a promotion: the block stays in the
+    CPU tier afterwards). A slot of -1 means the block cannot be loaded (no CPU slot was
+    free for its promotion): the worker reports it failed and vLLM recomputes it.
+    """
 
     req_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
     asynchronous: bool
+    reads: tuple[NVMeRead, ...] = ()
+
+
+@dataclass(frozen=True)
+class NVMeWriteJob:
+    """Write CPU ``slots[i]`` (holding ``keys[i]``) to NVMe as one chunk file."""
+
+    file_id: str
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
 
 
 @dataclass
@@ -41,8 +69,39 @@ class KVTierMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks the scheduler holds for us: report each in
     #: ``finished_sending`` once all its transfers are complete.
     release: list[str] = field(default_factory=list)
+    #: NVMe writes of blocks evicted from the CPU tier: done before this step's saves
+    #: overwrite their slots.
+    demotes: list[NVMeWriteJob] = field(default_factory=list)
+    #: NVMe writes of blocks saved in this step (write-through): done after the saves.
+    write_through: list[NVMeWriteJob] = field(default_factory=list)
+    #: Chunk files evicted from NVMe.
+    nvme_deletes: list[str] = field(default_factory=list)
+    #: Slots whose block may be flushed to NVMe at shutdown (write-back, admitted).
+    persist_slots: list[int] = field(default_factory=list)
     #: Requests preempted this step: their blocks may be rewritten by this step's forward,
     #: so saves still in flight from them must finish first.
     preempted: list[str] = field(default_factory=list)
     #: Step counter, to run each step's saves exactly once.
     step: int = 0
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler each step (merged over TP ranks by vLLM)."""
+
+    #: file_id -> number of ranks that wrote it durably.
+    written: dict[str, int] = field(default_factory=dict)
+    #: Files whose write failed on some rank.
+    failed: set[str] = field(default_factory=set)
+    #: Files found unreadable (missing, truncated, bad checksum) on some rank.
+    bad: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
+        assert isinstance(other, KVTierWorkerMeta)
+        written = dict(self.written)
+        for k, v in other.written.items():
+            written[k] = written.get(k, 0) + v
+        return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad)
+
+    def is_empty(self) -> bool:
+        return not (self.written or self.failed or self.bad)

@@ -17,6 +17,11 @@ What it decides each step (``build_connector_meta``):
   (``request_finished`` returns True), and released when the worker reports the request
   in ``finished_sending``.
 * **eviction**: LRU among unpinned slots (:class:`~vllm_kvtier.index.slot_index.SlotIndex`).
+* **NVMe** (when configured, :mod:`vllm_kvtier.connector.nvme_plan`): a prefix may continue
+  into blocks stored on NVMe; such a load is always async, and each NVMe block is promoted
+  into a CPU slot (read there by the worker, then copied into the engine's block). Blocks
+  evicted from the CPU tier are demoted to NVMe (write-back) or written at once
+  (write-through).
 
 A key is readable as soon as its save is issued: the worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
@@ -29,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.metadata import KVTierMetadata, LoadJob, SaveJob
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead, SaveJob
+from vllm_kvtier.connector.nvme_plan import NVMePlanner
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.metrics import Counters
@@ -51,18 +57,25 @@ class _ReqState:
     loaded: dict[int, BlockKey] = field(default_factory=dict)
     #: Whether any save was issued for this request's blocks.
     saves_issued: bool = False
+    #: NVMe files pinned by an async load of this request, and keys being promoted.
+    pinned_files: list[str] = field(default_factory=list)
+    promoting: list[BlockKey] = field(default_factory=list)
 
 
 class SchedulerHalf:
     def __init__(
-        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int
+        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
+        nvme: NVMePlanner | None = None, counters: Counters | None = None,
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges)."""
         self.cfg = cfg
         self.block_size = block_size
         self.index = SlotIndex(num_slots)
         self.slot_bytes_total = slot_bytes_total
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
+        self.nvme = nvme
+        #: Keys whose CPU slot is being filled from NVMe: not readable from CPU yet.
+        self._promoting: set[BlockKey] = set()
         self._reqs: dict[str, _ReqState] = {}
         self._match_start: dict[str, int] = {}
         self._loads: list[LoadJob] = []
@@ -94,10 +107,26 @@ class SchedulerHalf:
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
-        n = self.index.match_prefix(request.block_hashes[:limit], start)
+        n, from_nvme = self._match(request.block_hashes, start, limit)
         if n < self.cfg.min_load_blocks:
             return 0, False
-        return n * self.block_size, self.cfg.load_mode == "async"
+        return n * self.block_size, from_nvme or self.cfg.load_mode == "async"
+
+    def _match(self, hashes: list[bytes], start: int, limit: int) -> tuple[int, bool]:
+        """Length of the run of loadable keys from ``start``, and whether any is on NVMe."""
+        n, from_nvme = 0, False
+        for h in hashes[start:limit]:
+            key = BlockKey(h)
+            if key in self._promoting:
+                break  # its CPU copy is being read from NVMe right now
+            if key in self.index:
+                n += 1
+            elif self.nvme is not None and self.nvme.index.locate(key) is not None:
+                n += 1
+                from_nvme = True
+            else:
+                break
+        return n, from_nvme
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -113,25 +142,59 @@ class SchedulerHalf:
             # Second call after an async load completed: vLLM may have added blocks.
             state.block_ids = list(block_ids)
             return
+        if self.nvme is not None:
+            self.nvme.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
         if num_external_tokens <= 0:
             return
         bs = self.block_size
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
-        slots = []
+        slots: list[int] = []
+        reads: dict[str, list[tuple[int, int, BlockKey]]] = {}  # file -> (position, slot, key)
         for k in keys:
             s = self.index.slot(k)
-            assert s is not None, "matched key vanished between match and alloc"
+            if s is not None:
+                self.index.touch(k)
+                self.index.pin(s)
+                slots.append(s)
+                self.counters.add("hit_blocks", TIER)
+                continue
+            loc = self.nvme.index.locate(k) if self.nvme is not None else None
+            assert loc is not None, "matched key vanished between match and alloc"
+            s = self._promote(k, loc[0])
             slots.append(s)
-            self.index.touch(k)
-            self.index.pin(s)
+            if s >= 0:
+                reads.setdefault(loc[0], []).append((loc[1], s, k))
+                state.promoting.append(k)
+            self.counters.add("hit_blocks", "nvme")
         blocks = state.block_ids[start : start + n]
-        asynchronous = self.cfg.load_mode == "async"
-        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous))
+        asynchronous = self.cfg.load_mode == "async" or bool(reads) or -1 in slots
+        nvme_reads = tuple(
+            NVMeRead(fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
+                     tuple(k for _, _, k in items))
+            for fid, items in reads.items()
+        )
+        for fid in reads:
+            assert self.nvme is not None
+            self.nvme.index.pin(fid)
+            self.nvme.index.touch(fid)
+            state.pinned_files.append(fid)
+        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, nvme_reads))
         state.loaded.update(zip(blocks, keys, strict=True))
         if asynchronous:
-            state.pinned_slots.extend(slots)
-        self.counters.add("hit_blocks", TIER, n)
+            state.pinned_slots.extend(s for s in slots if s >= 0)
+
+    def _promote(self, key: BlockKey, file_id: str) -> int:
+        """A CPU slot for an NVMe block about to be read (pinned), or -1 if none is free."""
+        alloc = self.index.allocate(key)
+        if alloc is None:
+            self.counters.add("store_skipped", TIER)
+            return -1
+        if alloc.evicted is not None and self.nvme is not None:
+            self.nvme.on_cpu_evict(alloc.slot, alloc.evicted)
+        self.index.pin(alloc.slot)
+        self._promoting.add(key)
+        return alloc.slot
 
     def record_lookup(self, request: Any) -> None:
         self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
@@ -158,6 +221,10 @@ class SchedulerHalf:
             if alloc is None:
                 self.counters.add("store_skipped", TIER)
                 continue
+            if self.nvme is not None:
+                if alloc.evicted is not None:
+                    self.nvme.on_cpu_evict(alloc.slot, alloc.evicted)
+                self.nvme.on_cpu_save(alloc.slot, key)
             # Held until the job is planned: a later block of this job must not evict
             # this one (the job would write the slot twice, and lose its prefix).
             self.index.pin(alloc.slot)
@@ -206,6 +273,14 @@ class SchedulerHalf:
             num_slots=self.index.num_slots, saves=saves, loads=loads,
             release=self._release, preempted=preempted, step=self._step,
         )
+        if self.nvme is not None:
+            saved = {BlockKey(k) for job in saves for k in job.keys}
+            meta.demotes, meta.write_through, meta.nvme_deletes = self.nvme.take_jobs(saved, self.index.slot)
+            if self.nvme.cfg.mode == "write-back":
+                meta.persist_slots = [
+                    s for job in saves for s, k in zip(job.slots, job.keys, strict=True)
+                    if self.nvme.admitted(BlockKey(k))
+                ]
         self._loads, self._final_saves, self._release = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
@@ -238,8 +313,18 @@ class SchedulerHalf:
         self._match_start.pop(req_id, None)
         state = self._reqs.pop(req_id, None)
         if state is not None:
-            for s in state.pinned_slots:
-                self.index.unpin(s)
+            self._end_async_load(state)
+
+    def _end_async_load(self, state: _ReqState) -> None:
+        for s in state.pinned_slots:
+            self.index.unpin(s)
+        state.pinned_slots = []
+        if self.nvme is not None:
+            for fid in state.pinned_files:
+                self.nvme.index.unpin(fid)
+        state.pinned_files = []
+        self._promoting.difference_update(state.promoting)
+        state.promoting = []
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Save what is left and hold the blocks while the worker copies them.
@@ -272,9 +357,7 @@ class SchedulerHalf:
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id) or self._held.get(req_id)
             if state is not None:
-                for s in state.pinned_slots:
-                    self.index.unpin(s)
-                state.pinned_slots = []
+                self._end_async_load(state)
                 if req_id in self._held and req_id not in self._releasing:
                     del self._held[req_id]
         bad = connector_output.invalid_block_ids or set()
@@ -282,11 +365,15 @@ class SchedulerHalf:
             for state in list(self._reqs.values()) + list(self._held.values()):
                 for b in bad & state.loaded.keys():
                     key = state.loaded.pop(b)
+                    self._promoting.discard(key)
                     if self.index.remove(key):
                         logger.warning("kvtier: dropped a block that failed to load")
                     # vLLM recomputes it: save it again once it is complete.
                     if b in state.block_ids:
                         state.next_save = min(state.next_save, state.block_ids.index(b))
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.nvme is not None and isinstance(meta, KVTierWorkerMeta):
+            self.nvme.on_worker_meta(meta)
         for req_id in connector_output.finished_sending or ():
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.metadata import KVTierMetadata, LoadJob
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead
+from vllm_kvtier.connector.nvme_worker import NVMeWorker
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -48,12 +49,22 @@ class _AsyncLoad:
     transfer: Transfer | None
     failed_blocks: set[int]
     loading_blocks: list[int]
+    #: NVMe reads still filling CPU slots; the slot -> engine copy starts after them.
+    job: LoadJob | None = None
+    pending_reads: set[int] | None = None
+    #: Blocks of this load that came from NVMe (counted under that tier, not "cpu").
+    nvme_blocks: int = 0
 
 
 class WorkerHalf:
-    def __init__(self, cfg: KVTierConfig, *, num_blocks: int) -> None:
+    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0) -> None:
         self.cfg = cfg
         self.num_blocks = num_blocks
+        self.namespace = namespace
+        self.rank = rank
+        self.nvme: NVMeWorker | None = None
+        #: slot -> the last save into it (CUDA saves complete asynchronously).
+        self._slot_save: dict[int, Transfer] = {}
         self.counters = Counters()
         self.layout: KVLayout | None = None
         self.pool: CPUPool | None = None
@@ -89,6 +100,9 @@ class WorkerHalf:
         self.engine = make_copy_engine(self.layout, self.pool)
         self._slot_key = [None] * num_slots
         self._slot_crc = [0] * num_slots
+        if self.cfg.nvme is not None:
+            self.nvme = NVMeWorker(self.cfg.nvme, namespace=self.namespace, rank=self.rank,
+                                   block_bytes=self.pool.slot_bytes, counters=self.counters)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -105,6 +119,10 @@ class WorkerHalf:
             # before our copies out of them complete.
             for t in self._inflight_saves.pop(req_id, []):
                 self.engine.order_before_compute(t)
+        if self.nvme is not None:
+            # Demoted slots are copied out before this step's saves reuse them.
+            self.nvme.write(meta.demotes, self.pool, self._wait_slot)
+            self.nvme.delete(meta.nvme_deletes)
         for job in meta.saves:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
@@ -116,6 +134,8 @@ class WorkerHalf:
             for s, k in zip(job.slots, job.keys, strict=True):
                 self._slot_key[s] = k
             self._inflight_saves.setdefault(job.req_id, []).append(t)
+            for s in job.slots:
+                self._slot_save[s] = t
             self.counters.add("blocks_stored", TIER, len(job.block_ids))
             self.counters.add("bytes_stored", TIER, t.nbytes)
             if self.cfg.cpu.checksum:
@@ -123,6 +143,16 @@ class WorkerHalf:
                 for s in job.slots:
                     self._slot_crc[s] = self.pool.checksum(s)
         self._pending_release.update(meta.release)
+        if self.nvme is not None:
+            for job in meta.saves:
+                self.nvme.dirty.difference_update(job.slots)
+            self.nvme.dirty.update(meta.persist_slots)
+            self.nvme.write(meta.write_through, self.pool, self._wait_slot)
+
+    def _wait_slot(self, slot: int) -> None:
+        t = self._slot_save.pop(slot, None)
+        if t is not None:
+            t.wait()
 
     def start_loads(self) -> None:
         meta = self._meta
@@ -132,12 +162,14 @@ class WorkerHalf:
         for job in meta.loads:
             self._start_load(job)
 
-    def _verify(self, job: LoadJob) -> tuple[list[int], list[int], set[int]]:
+    def _verify(self, job: LoadJob, skip: set[int] = frozenset()) -> tuple[list[int], list[int], set[int]]:  # type: ignore[assignment]
         """Split a job into the blocks that can be loaded and the ones that cannot."""
         ok_blocks, ok_slots, failed = [], [], set()
         rate = self.cfg.fault_injection.load_error_rate
         for b, s, k in zip(job.block_ids, job.slots, job.keys, strict=True):
-            good = self._slot_key[s] == k
+            if b in skip:
+                continue
+            good = s >= 0 and self._slot_key[s] == k
             if good and self.cfg.cpu.checksum:
                 good = self.pool is not None and self.pool.checksum(s) == self._slot_crc[s]
             if good and rate and self._rng.random() < rate:
@@ -151,6 +183,9 @@ class WorkerHalf:
 
     def _start_load(self, job: LoadJob) -> None:
         assert self.engine is not None
+        if job.reads or -1 in job.slots:
+            self._start_nvme_load(job)
+            return
         blocks, slots, failed = self._verify(job)
         transfer: Transfer | None = None
         if blocks:
@@ -177,23 +212,77 @@ class WorkerHalf:
             self._account_load(transfer, len(blocks))
         self._load_errors.update(failed)
 
+    def _start_nvme_load(self, job: LoadJob) -> None:
+        """Async load with blocks on NVMe: read them into their CPU slots first."""
+        failed = {b for b, s in zip(job.block_ids, job.slots, strict=True) if s < 0}
+        pending: set[int] = set()
+        for read in job.reads:
+            rid = self.nvme.start_read(read) if self.nvme is not None else None
+            if rid is None:
+                failed.update(self._blocks_of(job, read.slots))
+            else:
+                pending.add(rid)
+        n_nvme = sum(len(r.slots) for r in job.reads)
+        self._async_loads.append(_AsyncLoad(job.req_id, None, failed, [], job, pending, n_nvme))
+
+    @staticmethod
+    def _blocks_of(job: LoadJob, slots: tuple[int, ...]) -> set[int]:
+        wanted = set(slots)
+        return {b for b, s in zip(job.block_ids, job.slots, strict=True) if s in wanted}
+
+    def _on_read(self, rid: int, read: NVMeRead, ok: bool) -> None:
+        if ok:
+            for s, k in zip(read.slots, read.keys, strict=True):
+                self._slot_key[s] = k
+                if self.cfg.cpu.checksum and self.pool is not None:
+                    self._slot_crc[s] = self.pool.checksum(s)
+        for a in self._async_loads:
+            if a.pending_reads is not None and rid in a.pending_reads:
+                a.pending_reads.discard(rid)
+                if not ok and a.job is not None:
+                    a.failed_blocks.update(self._blocks_of(a.job, read.slots))
+
+    def _finish_nvme_stage(self, a: _AsyncLoad) -> None:
+        """All NVMe reads of ``a`` are done: copy its good slots into the engine blocks."""
+        assert a.job is not None and self.engine is not None
+        blocks, slots, failed = self._verify(a.job, skip=a.failed_blocks)
+        a.failed_blocks |= failed
+        if failed:
+            self.counters.add("load_failures", TIER, len(failed))
+        a.loading_blocks = blocks
+        a.pending_reads = None
+        if blocks:
+            try:
+                a.transfer = self.engine.submit("load", blocks, slots, background=True)
+            except Exception:
+                logger.exception("kvtier: load of %d blocks failed", len(blocks))
+                a.failed_blocks.update(blocks)
+                a.loading_blocks = []
+
     def _account_load(self, t: Transfer, nblocks: int) -> None:
-        if nblocks:
+        if nblocks and self.layout is not None:
             self.counters.add("blocks_loaded", TIER, nblocks)
-            self.counters.add("bytes_loaded", TIER, t.nbytes)
+            self.counters.add("bytes_loaded", TIER, nblocks * self.layout.block_bytes)
             self.counters.add("load_seconds", TIER, time.perf_counter() - t.started_s)
 
     def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Return (finished_sending, finished_recving)."""
         recving: set[str] = set()
+        if self.nvme is not None and self.pool is not None:
+            self.nvme.poll(self.pool, self._on_read)
         still: list[_AsyncLoad] = []
         for a in self._async_loads:
+            if a.pending_reads is not None:
+                if a.pending_reads:
+                    still.append(a)
+                    continue
+                self._finish_nvme_stage(a)
             if a.transfer is not None:
                 try:
                     if not a.transfer.done():
                         still.append(a)
                         continue
-                    self._account_load(a.transfer, len(a.loading_blocks))
+                    self._account_load(a.transfer, max(0, len(a.loading_blocks) - a.nvme_blocks))
                 except Exception:
                     logger.exception("kvtier: async load for %s failed", a.req_id)
                     self.counters.add("load_failures", TIER, len(a.loading_blocks))
@@ -215,6 +304,9 @@ class WorkerHalf:
                 self._pending_release.discard(req_id)
         return sending, recving
 
+    def worker_meta(self) -> KVTierWorkerMeta | None:
+        return self.nvme.take_meta() if self.nvme is not None else None
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -225,3 +317,6 @@ class WorkerHalf:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.nvme is not None:
+            self.nvme.close(self.pool, self._slot_key)
+            self.nvme = None

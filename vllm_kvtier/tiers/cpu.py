@@ -49,6 +49,22 @@ class CPUPool:
     def nbytes(self) -> int:
         return self._buf.numel()
 
+    def copy_slot_out(self, slot: int, out: memoryview) -> None:
+        """Copy the slot's bytes (all planes, in order) into ``out`` (len == slot_bytes)."""
+        dst = torch.frombuffer(out, dtype=torch.uint8)
+        off = 0
+        for p in self.planes:
+            dst[off : off + p.shape[1]].copy_(p[slot])
+            off += p.shape[1]
+
+    def copy_slot_in(self, slot: int, data: memoryview) -> None:
+        """Fill the slot from ``data`` as laid out by :meth:`copy_slot_out`."""
+        src = torch.frombuffer(data, dtype=torch.uint8)
+        off = 0
+        for p in self.planes:
+            p[slot].copy_(src[off : off + p.shape[1]])
+            off += p.shape[1]
+
     def checksum(self, slot: int) -> int:
         """CRC32 of the slot's bytes over all planes (CPU-side; call only when the slot
         is not being written)."""

@@ -1,0 +1,228 @@
+"""The NVMe tier beyond the common contract: restart, crash leftovers, damage by others,
+namespaces, and real OS write failures (disk full, read-only filesystem, file too large).
+
+The failures are produced by the OS, not by mocks: a tiny tmpfs, a read-only bind mount
+(both need root and mount permission, else skipped with the reason), and RLIMIT_FSIZE in a
+subprocess (works anywhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from vllm_kvtier.metrics import sample_key
+from vllm_kvtier.tiers.keyed import NVMeTier
+
+BLOCK = 3000
+FILE = NVMeTier.file_bytes(BLOCK)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def block(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(BLOCK))
+
+
+def count(t: NVMeTier, metric: str) -> float:
+    return t.counters.totals.get(sample_key(metric, t.name), 0)
+
+
+def chunk_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def path_of(t: NVMeTier, k: bytes) -> Path:
+    loc = t.location(k)
+    assert loc is not None
+    return loc[0]
+
+
+def test_restart_finds_what_was_stored(tmp_path: Path) -> None:
+    a = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    for i in range(4):
+        assert a.put(key(i), block(i))
+    assert a.get(key(0)) == block(0)
+    a.close()
+    b = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    assert b.usage_bytes() == 4 * FILE
+    for i in range(4):
+        assert b.contains(key(i)) and b.get(key(i)) == block(i)
+    b.close()
+    # Reopened smaller: the oldest files go until it fits.
+    c = NVMeTier(tmp_path, 2 * FILE, BLOCK)
+    assert c.usage_bytes() == 2 * FILE
+    assert not c.contains(key(0)) and not c.contains(key(1))
+    assert c.get(key(3)) == block(3)
+    c.close()
+    assert len(chunk_files(c.store.dir)) == 2
+
+
+def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) -> None:
+    a = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    assert a.put(key(1), block(1)) and a.put(key(2), block(2))
+    a.close()
+    # A complete, valid chunk that never got its final name (crash before rename).
+    p = path_of(a, key(1))
+    p.rename(p.parent / f".tmp-{p.stem}-deadbeef")
+    (p.parent / ".tmp-partial-0badf00d").write_bytes(b"\0" * 100)
+    b = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    assert not b.contains(key(1)) and b.get(key(1)) is None
+    assert b.get(key(2)) == block(2)
+    assert not [n for n in chunk_files(b.store.dir) if n.startswith(".tmp-")]
+    b.close()
+
+
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+def test_truncated_file_is_a_counted_miss(tmp_path: Path, direct_io, caplog) -> None:
+    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, direct_io=direct_io)
+    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
+    p = path_of(t, key(1))
+    os.truncate(p, FILE - BLOCK // 2)  # cut inside the block, at an unaligned length
+    with caplog.at_level(logging.WARNING):
+        assert t.get(key(1)) is None
+    assert "truncated" in caplog.text
+    assert count(t, "load_failures") == 1 and not t.contains(key(1))
+    assert t.get(key(2)) == block(2)  # serving continues
+    assert t.put(key(3), block(3)) and t.get(key(3)) == block(3)
+    t.close()
+    assert not p.exists()  # the damaged file was deleted
+
+
+def test_file_overwritten_by_someone_else(tmp_path: Path) -> None:
+    t = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
+    p1, p2 = path_of(t, key(1)), path_of(t, key(2))
+    p1.write_bytes(os.urandom(FILE))  # same size, other bytes
+    assert t.get(key(1)) is None
+    assert count(t, "load_failures") == 1 and not t.contains(key(1))
+    assert t.get(key(2)) == block(2)
+    t.close()
+    # At start, garbage with the final name (even a huge block count in its header) is
+    # dropped and deleted; the rest is served.
+    p1.write_bytes(b"\xff" * FILE)
+    other = p2.with_name("0" * 32 + "-00000000.kvt")
+    other.write_bytes(b"\0" * 10)
+    u = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    assert u.get(key(2)) == block(2) and not u.contains(key(1))
+    assert not p1.exists() and not other.exists()
+    u.close()
+
+
+def test_namespace_mismatch_is_never_read(tmp_path: Path) -> None:
+    a = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelA")
+    assert a.put(key(1), block(1))
+    a.close()
+    b = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelB")
+    assert not b.contains(key(1)) and b.get(key(1)) is None
+    b.close()
+    # Even placed inside modelB's directory, a modelA chunk is rejected by its header.
+    shutil.copy(path_of(a, key(1)), b.store.dir)
+    b2 = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelB")
+    assert not b2.contains(key(1)) and b2.usage_bytes() == 0
+    assert chunk_files(b2.store.dir) == []
+    b2.close()
+    a2 = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelA")
+    assert a2.get(key(1)) == block(1)
+    a2.close()
+
+
+# ---- real OS write failures --------------------------------------------------------------
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@contextmanager
+def mounted(target: Path, *how: list[str]) -> Iterator[None]:
+    """Run the mount commands in ``how`` on ``target``; skip if the OS does not let us;
+    always unmount what was mounted."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) to make a real ENOSPC/EROFS filesystem")
+    target.mkdir(parents=True, exist_ok=True)
+    mounts = 0
+    try:
+        for cmd in how:
+            r = _run(*cmd)
+            if r.returncode != 0:
+                pytest.skip(f"mount not permitted here: {' '.join(cmd)}: {r.stderr.strip()}")
+            mounts += cmd[0] == "mount" and "remount" not in " ".join(cmd)
+        yield
+    finally:
+        for _ in range(mounts):
+            _run("umount", str(target))
+
+
+def test_disk_full_refuses_puts(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "small"
+    with mounted(root, ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)]):
+        t = NVMeTier(root, 1000 * FILE, BLOCK)  # the tier thinks it has room; the disk has not
+        stored = []
+        with caplog.at_level(logging.WARNING):
+            for i in range(64):
+                if not t.put(key(i), block(i)):
+                    break
+                stored.append(i)
+        assert 0 < len(stored) < 64
+        assert count(t, "store_failures") == 1
+        assert "No space left on device" in caplog.text and "disk_full" in caplog.text
+        assert not t.contains(key(len(stored)))
+        assert not [n for n in chunk_files(t.store.dir) if n.startswith(".tmp-")]
+        assert all(t.get(key(i)) == block(i) for i in stored)  # reads keep serving
+        for i in stored[:4]:
+            assert t.delete(key(i))
+        t.close()  # drains the deletes
+        u = NVMeTier(root, 1000 * FILE, BLOCK)
+        assert u.put(key(100), block(100)) and u.get(key(100)) == block(100)
+        u.close()
+
+
+def test_read_only_filesystem_refuses_puts(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    t = NVMeTier(root, 10 * FILE, BLOCK)
+    assert t.put(key(1), block(1))
+    with mounted(
+        root, ["mount", "--bind", str(root), str(root)], ["mount", "-o", "remount,bind,ro", str(root)]
+    ):
+        with caplog.at_level(logging.WARNING):
+            assert not t.put(key(2), block(2))
+        assert count(t, "store_failures") == 1
+        assert "Read-only file system" in caplog.text and "read_only" in caplog.text
+        assert t.get(key(1)) == block(1)
+        t.close()
+
+
+def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
+    """EFBIG from RLIMIT_FSIZE, in a subprocess so the limit cannot touch pytest."""
+    script = textwrap.dedent(f"""
+        import resource, signal, sys
+        from vllm_kvtier.tiers.keyed import NVMeTier
+        from vllm_kvtier.metrics import sample_key
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        t = NVMeTier(sys.argv[1], 10 * {FILE}, {BLOCK})
+        assert t.put(b"k" * 32, bytes({BLOCK}))
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE} // 2, resource.RLIM_INFINITY))
+        ok = t.put(b"j" * 32, bytes({BLOCK}))
+        print("PUT", ok, t.counters.totals.get(sample_key("store_failures", "nvme"), 0))
+        print("GET", t.get(b"k" * 32) == bytes({BLOCK}))
+        t.close()
+    """)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert "PUT False 1" in r.stdout and "GET True" in r.stdout
+    assert "File too large" in r.stderr and "store_failure" in r.stderr

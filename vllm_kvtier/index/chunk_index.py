@@ -1,0 +1,120 @@
+"""The scheduler's index of a chunk-file tier (NVMe): which keys are in which file.
+
+Who calls it: the scheduler half, from vLLM's scheduler thread only. Pure bookkeeping.
+
+Life of a chunk file: :meth:`reserve` (the scheduler decided to write it; its bytes count
+against the capacity at once, so the tier never exceeds its size even with writes in
+flight) -> :meth:`confirm` (every TP rank reported it durable; its keys become loadable) or
+:meth:`cancel` (a write failed). Eviction is LRU over whole files, never a pinned one (a
+load is reading it) nor one still being written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_kvtier.index.keys import BlockKey
+
+
+@dataclass
+class _File:
+    keys: tuple[BlockKey, ...]
+    nbytes: int
+    confirmed: bool = False
+    pins: int = 0
+
+
+class ChunkIndex:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._files: OrderedDict[str, _File] = OrderedDict()  # LRU: oldest first
+        self._loc: dict[BlockKey, tuple[str, int]] = {}  # confirmed keys only
+        self._pending: set[BlockKey] = set()
+        self.evicted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._loc)
+
+    def locate(self, key: BlockKey) -> tuple[str, int] | None:
+        """(file_id, position) of a loadable key."""
+        return self._loc.get(key)
+
+    def knows(self, key: BlockKey) -> bool:
+        """Stored or being written: no need to write it again."""
+        return key in self._loc or key in self._pending
+
+    def reserve(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> list[str] | None:
+        """Account for a file about to be written, evicting LRU files to make room.
+
+        Returns the evicted file ids (the caller deletes them), or None if it cannot fit
+        (everything else pinned or in flight; nothing is changed then)."""
+        if nbytes > self.capacity_bytes:
+            return None
+        victims: list[str] = []
+        free = self.capacity_bytes - self.used_bytes
+        for fid, f in self._files.items():
+            if free >= nbytes:
+                break
+            if f.confirmed and f.pins == 0:
+                victims.append(fid)
+                free += f.nbytes
+        if free < nbytes:
+            return None
+        for fid in victims:
+            self.evicted_blocks += len(self._files[fid].keys)
+            self.remove(fid)
+        self._files[file_id] = _File(tuple(keys), nbytes)
+        self._pending.update(keys)
+        self.used_bytes += nbytes
+        return victims
+
+    def confirm(self, file_id: str) -> None:
+        f = self._files.get(file_id)
+        if f is None or f.confirmed:
+            return
+        f.confirmed = True
+        self._pending.difference_update(f.keys)
+        for pos, k in enumerate(f.keys):
+            self._loc.setdefault(k, (file_id, pos))
+
+    def add_existing(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> bool:
+        """A file found on disk at start-up. False if it does not fit (caller deletes it)."""
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            return False
+        self._files[file_id] = _File(tuple(keys), nbytes)
+        self.used_bytes += nbytes
+        self.confirm(file_id)
+        return True
+
+    def cancel(self, file_id: str) -> None:
+        """A reserved write failed: forget it."""
+        self.remove(file_id)
+
+    def remove(self, file_id: str) -> tuple[BlockKey, ...]:
+        f = self._files.pop(file_id, None)
+        if f is None:
+            return ()
+        self.used_bytes -= f.nbytes
+        self._pending.difference_update(f.keys)
+        for pos, k in enumerate(f.keys):
+            if self._loc.get(k) == (file_id, pos):
+                del self._loc[k]
+        return f.keys
+
+    def touch(self, file_id: str) -> None:
+        if file_id in self._files:
+            self._files.move_to_end(file_id)
+
+    def pin(self, file_id: str) -> None:
+        self._files[file_id].pins += 1
+
+    def unpin(self, file_id: str) -> None:
+        f = self._files.get(file_id)
+        if f is not None and f.pins > 0:
+            f.pins -= 1
+
+    def file_ids(self) -> list[str]:
+        return list(self._files)

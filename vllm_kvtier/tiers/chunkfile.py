@@ -1,0 +1,117 @@
+"""The on-disk (and on-wire) format of a chunk: a few consecutive KV blocks, self-describing.
+
+Layout, every part a multiple of ``ALIGN`` bytes so a chunk can be written and read with
+O_DIRECT in one I/O::
+
+    header  (header_bytes)     fixed fields, then one entry per block, then a CRC32 of it all
+    block 0 (stride bytes)     raw bytes of block 0, zero padded to the stride
+    block 1 ...
+
+Header fields (little endian): magic ``b"KVTCHNK1"``, format version, namespace (16 ASCII
+bytes), number of blocks, block bytes, stride, header bytes; per block: key length, key
+(up to 64 bytes), CRC32 of the block's bytes. Nothing here is ever unpickled: a chunk is
+data, and a block is trusted only after its CRC32 matches.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"KVTCHNK1"
+VERSION = 1
+ALIGN = 4096
+MAX_KEY = 64
+
+_FIXED = struct.Struct("<8sI16sIQQQ")  # magic, version, namespace, nblocks, block_bytes, stride, header_bytes
+_ENTRY = struct.Struct(f"<B{MAX_KEY}sI")  # key length, key, crc32
+_CRC = struct.Struct("<I")
+
+
+class ChunkFormatError(ValueError):
+    """A chunk header or block that does not verify. Treated as a miss by callers."""
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    namespace: str
+    keys: tuple[bytes, ...]
+    crcs: tuple[int, ...]
+    block_bytes: int
+    stride: int
+    header_bytes: int
+
+    @property
+    def nblocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header_bytes + self.nblocks * self.stride
+
+    def block_offset(self, i: int) -> int:
+        return self.header_bytes + i * self.stride
+
+
+def header_bytes_for(nblocks: int) -> int:
+    return align_up(_FIXED.size + nblocks * _ENTRY.size + _CRC.size)
+
+
+def make_header(namespace: str, keys: list[bytes], crcs: list[int], block_bytes: int) -> ChunkHeader:
+    for k in keys:
+        if len(k) > MAX_KEY:
+            raise ValueError(f"block key longer than {MAX_KEY} bytes")
+    return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, align_up(block_bytes),
+                       header_bytes_for(len(keys)))
+
+
+def encode_header(h: ChunkHeader, out: memoryview) -> None:
+    """Write ``h`` into ``out[:h.header_bytes]`` (zero padded)."""
+    ns = h.namespace.encode("ascii")
+    if len(ns) > 16:
+        raise ValueError("namespace longer than 16 characters")
+    buf = bytearray(h.header_bytes)
+    _FIXED.pack_into(buf, 0, MAGIC, VERSION, ns, h.nblocks, h.block_bytes, h.stride, h.header_bytes)
+    off = _FIXED.size
+    for k, c in zip(h.keys, h.crcs, strict=True):
+        _ENTRY.pack_into(buf, off, len(k), k, c)
+        off += _ENTRY.size
+    _CRC.pack_into(buf, off, zlib.crc32(memoryview(buf)[:off]))
+    out[: h.header_bytes] = buf
+
+
+def decode_header(data: bytes | memoryview, namespace: str) -> ChunkHeader:
+    """Parse and verify a header. Raises ChunkFormatError on any mismatch."""
+    if len(data) < _FIXED.size:
+        raise ChunkFormatError("truncated header")
+    magic, version, ns, nblocks, block_bytes, stride, header_bytes = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ChunkFormatError("bad magic")
+    if version != VERSION:
+        raise ChunkFormatError(f"format version {version}, expected {VERSION}")
+    if ns.rstrip(b"\0").decode("ascii", "replace") != namespace:
+        raise ChunkFormatError("namespace mismatch")
+    if header_bytes != header_bytes_for(nblocks) or stride != align_up(block_bytes) or len(data) < header_bytes:
+        raise ChunkFormatError("inconsistent header sizes")
+    off = _FIXED.size
+    keys, crcs = [], []
+    for _ in range(nblocks):
+        klen, key, crc = _ENTRY.unpack_from(data, off)
+        if klen > MAX_KEY:
+            raise ChunkFormatError("bad key length")
+        keys.append(bytes(key[:klen]))
+        crcs.append(crc)
+        off += _ENTRY.size
+    (crc,) = _CRC.unpack_from(data, off)
+    if crc != zlib.crc32(memoryview(data)[:off]):
+        raise ChunkFormatError("header checksum mismatch")
+    return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, stride, header_bytes)
+
+
+def block_crc(data: memoryview | bytes) -> int:
+    return zlib.crc32(data)

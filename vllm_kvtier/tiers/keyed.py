@@ -1,0 +1,288 @@
+"""Keyed adapters that make the real media meet :class:`~vllm_kvtier.tiers.base.BlockTier`.
+
+:class:`CPUTier` is a :class:`~vllm_kvtier.index.slot_index.SlotIndex` over a one-plane
+:class:`~vllm_kvtier.tiers.cpu.CPUPool`. :class:`NVMeTier` is an
+:class:`~vllm_kvtier.tiers.nvme.NVMeStore` plus an in-memory index of key -> (file, block)
+rebuilt from the chunk headers at construction, so a tier opened on a directory finds what
+an earlier one stored there. Both verify a CRC32 on every ``get``.
+
+They serve tools, tests and the tier contract; the connector drives the same media
+asynchronously. Same threading and failure rules as BlockTier: one caller thread; a
+failure is False/None plus a counter and a log line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.base import count_failure, refusal
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
+from vllm_kvtier.tiers.cpu import CPUPool
+from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, file_id_for, scan_dir
+
+logger = logging.getLogger(__name__)
+
+
+class CPUTier:
+    """Blocks in slots of a preallocated host-memory pool. See BlockTier for the contract."""
+
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
+        if block_bytes <= 0 or capacity_bytes < 0:
+            raise ValueError(
+                f"need block_bytes > 0 and capacity_bytes >= 0, got {block_bytes}, {capacity_bytes}"
+            )
+        self.block_bytes = block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.counters = Counters()
+        num_slots = capacity_bytes // block_bytes
+        self.index = SlotIndex(num_slots)
+        #: The medium: for fault drills, ``pool.planes[0][slot_of(key)]`` is the block.
+        self.pool = CPUPool(num_slots, (block_bytes,), pin=False, prefault=False)
+        self._crc = [0] * num_slots
+        self._closed = False
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The pool slot holding ``key`` (for fault drills and tools), or None."""
+        return self.index.slot(BlockKey(key))
+
+    def put(self, key: bytes, data: bytes | memoryview) -> bool:
+        why = "tier is closed" if self._closed else refusal(key, data, self.block_bytes)
+        if why is None and key in self.index:
+            self.index.touch(BlockKey(key))
+            return True
+        alloc = None if why is not None else self.index.allocate(BlockKey(key))
+        if alloc is None:
+            count_failure(self, "store_failures", key, why or "no slot free or evictable", logger)
+            return False
+        if alloc.evicted is not None:
+            self.counters.add("evictions", self.name)
+        self.pool.planes[0][alloc.slot].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self._crc[alloc.slot] = zlib.crc32(data)
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        slot = None if self._closed else self.slot_of(key)
+        if slot is None:
+            return None
+        if self.pool.checksum(slot) != self._crc[slot]:
+            self.index.remove(BlockKey(key))
+            count_failure(self, "load_failures", key, f"checksum mismatch in slot {slot}", logger)
+            return None
+        self.index.touch(BlockKey(key))
+        return self.pool.planes[0][slot].numpy().tobytes()
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.index
+
+    def delete(self, key: bytes) -> bool:
+        return self.index.remove(BlockKey(key))
+
+    def usage_bytes(self) -> int:
+        return len(self.index) * self.block_bytes
+
+    def close(self) -> None:
+        self._closed = True
+        for key, _ in self.index.items():
+            self.index.remove(key)
+
+
+class NVMeTier:
+    """Blocks in chunk files, one block per file, least recently used files evicted.
+
+    Writes and reads go through the store's I/O threads; each call submits one job and
+    polls until it completes or ``timeout_s`` passes (then it is a failure, and a late
+    result is cleaned up on a later call). See BlockTier for the contract.
+    """
+
+    name = "nvme"
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        block_bytes: int,
+        namespace: str = "contract0000000",
+        rank: int = 0,
+        *,
+        timeout_s: float = 10.0,
+        direct_io: Literal["auto", "on", "off"] = "auto",
+    ) -> None:
+        self.block_bytes = block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.timeout_s = timeout_s
+        self.counters = Counters()
+        self.store = NVMeStore(path, namespace, rank, block_bytes, direct_io=direct_io)
+        self._files: OrderedDict[str, ChunkHeader] = OrderedDict()  # least recently used first
+        self._where: dict[bytes, tuple[str, int]] = {}  # key -> (file_id, position in file)
+        self._usage = 0
+        self._jobs = itertools.count()
+        self._abandoned: set[int] = set()
+        self._closed = False
+        self._rebuild()
+
+    @staticmethod
+    def file_bytes(block_bytes: int) -> int:
+        """Disk bytes one block takes: a one-entry header plus the block padded to its stride."""
+        return header_bytes_for(1) + align_up(block_bytes)
+
+    def _rebuild(self) -> None:
+        found, problems = scan_dir(self.store.dir, self.store.namespace, cleanup=True)
+        if problems:
+            logger.warning("kvtier nvme tier: %s: dropped at start: %s", self.store.dir, problems)
+        mtime = {f: os.stat(self.store.path(f)).st_mtime_ns for f in found}
+        for file_id in sorted(found, key=mtime.__getitem__):  # oldest first = LRU order
+            h = found[file_id]
+            if h.block_bytes != self.block_bytes:
+                logger.warning("kvtier nvme tier: ignoring %s: blocks of %d B", file_id, h.block_bytes)
+                continue
+            self._add_file(file_id, h)
+        while self._usage > self.capacity_bytes:
+            self._evict_oldest()
+
+    def location(self, key: bytes) -> tuple[Path, int] | None:
+        """The file holding ``key`` and the byte offset of its block (for fault drills and
+        tools), or None."""
+        loc = self._where.get(key)
+        if loc is None:
+            return None
+        file_id, pos = loc
+        return self.store.path(file_id), self._files[file_id].block_offset(pos)
+
+    def put(self, key: bytes, data: bytes | memoryview) -> bool:
+        why = "tier is closed" if self._closed else refusal(key, data, self.block_bytes)
+        if why is None and key in self._where:
+            self._files.move_to_end(self._where[key][0])
+            return True
+        need = self.file_bytes(self.block_bytes)
+        if why is None and need > self.capacity_bytes:
+            why = f"capacity {self.capacity_bytes} B holds no file of {need} B"
+        if why is None:
+            while self._usage + need > self.capacity_bytes:
+                self._evict_oldest()
+            why = self._write(key, data)
+        if why is not None:
+            count_failure(self, "store_failures", key, why, logger)
+            return False
+        return True
+
+    def _write(self, key: bytes, data: bytes | memoryview) -> str | None:
+        """Write one chunk file; None on success, else why not."""
+        wb = WriteBuffer([key], self.block_bytes)
+        with wb.block(0) as dst:
+            dst[:] = memoryview(data).cast("B")
+        file_id, job = file_id_for([key]), next(self._jobs)
+        if not self.store.submit_write(job, file_id, wb):
+            wb.buf.close()
+            return "write queue full"
+        res = self._wait(job)
+        if res is None:
+            return f"write timed out after {self.timeout_s} s"
+        if not res.ok or res.header is None:
+            return f"write failed ({res.reason})"
+        self._add_file(file_id, res.header)
+        return None
+
+    def get(self, key: bytes) -> bytes | None:
+        loc = None if self._closed else self._where.get(key)
+        if loc is None:
+            return None
+        file_id, pos = loc
+        job = next(self._jobs)
+        self.store.submit_read(job, file_id, self._files[file_id], [pos])
+        res = self._wait(job)
+        if res is None:  # the file may be fine; keep it, but this get is a miss
+            count_failure(self, "load_failures", key, f"read timed out after {self.timeout_s} s", logger)
+            return None
+        if not res.ok or not res.blocks:
+            self._drop_file(file_id)
+            count_failure(self, "load_failures", key, f"read of {file_id} failed ({res.reason})", logger)
+            return None
+        data = res.blocks[0].tobytes()
+        res.release()
+        self._files.move_to_end(file_id)
+        return data
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._where
+
+    def delete(self, key: bytes) -> bool:
+        loc = self._where.get(key)
+        if loc is None or self._closed:
+            return False
+        self._drop_file(loc[0])
+        return True
+
+    def usage_bytes(self) -> int:
+        return self._usage
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.store.close(self.timeout_s)
+            self._collect(self.store.poll())
+
+    # ---- index and job plumbing ---------------------------------------------------------
+
+    def _add_file(self, file_id: str, h: ChunkHeader) -> None:
+        for k in h.keys:
+            old = self._where.get(k)
+            if old is not None:  # a newer copy of the key (rebuild): the older file goes
+                self._drop_file(old[0])
+        self._files[file_id] = h
+        self._usage += h.total_bytes
+        for pos, k in enumerate(h.keys):
+            self._where[k] = (file_id, pos)
+
+    def _drop_file(self, file_id: str) -> None:
+        h = self._files.pop(file_id, None)
+        if h is None:
+            return
+        self._usage -= h.total_bytes
+        for k in h.keys:
+            if self._where.get(k, (None,))[0] == file_id:
+                del self._where[k]
+        self.store.submit_delete(file_id)
+
+    def _evict_oldest(self) -> None:
+        self._drop_file(next(iter(self._files)))
+        self.counters.add("evictions", self.name)
+
+    def _wait(self, job: int) -> IOResult | None:
+        """Poll the store until ``job`` completes; None (and the job abandoned) on timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            mine = self._collect(self.store.poll(), job)
+            if mine is not None:
+                return mine
+            if time.monotonic() > deadline:
+                self._abandoned.add(job)
+                return None
+            time.sleep(0.0005)
+
+    def _collect(self, results: list[IOResult], job: int = -1) -> IOResult | None:
+        """Return ``job``'s result; clean up late results of abandoned jobs (a late write's
+        file is not indexed, so delete it; a late read's buffers are freed)."""
+        mine = None
+        for r in results:
+            if r.job_id == job:
+                mine = r
+            elif r.job_id in self._abandoned:
+                self._abandoned.discard(r.job_id)
+                r.release()
+                if r.kind == "write" and r.ok and not self._closed:
+                    self.store.submit_delete(r.file_id)
+        return mine
