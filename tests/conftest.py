@@ -81,8 +81,9 @@ def kvtier_counters(llm: Any) -> dict[str, float]:
 class Result:
     tokens: list[int]
     logprobs: list[float]
-    loaded: float  # blocks loaded by the plugin while serving this request
+    loaded: float  # blocks loaded by the plugin from the CPU tier while serving this request
     hits: float
+    loaded_nvme: float = 0  # blocks loaded from the NVMe tier
 
 
 def generate(llm: Any, prompt: list[int], max_tokens: int = 8) -> Result:
@@ -98,7 +99,7 @@ def generate(llm: Any, prompt: list[int], max_tokens: int = 8) -> Result:
         return after.get(k, 0) - before.get(k, 0)
 
     return Result(list(c.token_ids), [next(iter(d.values())).logprob for d in c.logprobs],
-                  delta("blocks_loaded|cpu"), delta("hit_blocks|cpu"))
+                  delta("blocks_loaded|cpu"), delta("hit_blocks|cpu"), delta("blocks_loaded|nvme"))
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:

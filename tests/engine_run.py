@@ -1,8 +1,11 @@
-"""Run the reuse scenario in a fresh process and print the results as JSON.
+"""Run requests on a vLLM engine in a fresh process and print the results as JSON.
 
-Used by the multiprocess test: ``python -m tests.engine_run MODEL KV_JSON``. A fresh
-process guarantees vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` and spawns a real
-EngineCore and Worker, as ``vllm serve`` does.
+    python -m tests.engine_run MODEL KV_JSON              # the reuse scenario
+    python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON  # these prompts, in order
+
+A fresh process guarantees vLLM reads the environment it was given (e.g.
+``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and that nothing survives from an earlier engine but
+what the plugin stored on disk.
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from tests.conftest import close_llm, kvtier_counters, make_llm, reuse_scenario, run_scenario
+from tests.conftest import close_llm, generate, kvtier_counters, make_llm, reuse_scenario, run_scenario
 
 if __name__ == "__main__":
     model, kv = Path(sys.argv[1]), json.loads(sys.argv[2])
     llm = make_llm(model, kv or None)
-    res = run_scenario(llm, reuse_scenario())
+    if len(sys.argv) > 3:
+        prompts = json.loads(Path(sys.argv[3]).read_text())
+        res = {str(i): generate(llm, p, 8) for i, p in enumerate(prompts)}
+        print("PARTIAL " + json.dumps({k: asdict(v) for k, v in res.items()}), flush=True)
+    else:
+        res = run_scenario(llm, reuse_scenario())
     counters = kvtier_counters(llm)
     close_llm(llm)
     print("RESULT " + json.dumps({"results": {k: asdict(v) for k, v in res.items()}, "counters": counters}))

@@ -23,6 +23,7 @@ COUNTERS: dict[str, str] = {
     "blocks_stored": "Blocks copied from the engine's KV cache into a tier (swap out).",
     "bytes_stored": "Bytes copied from the engine's KV cache into a tier.",
     "load_failures": "Blocks that failed to load and were recomputed.",
+    "store_failures": "Writes to a tier that failed (disk full, permission, I/O error...).",
     "evictions": "Blocks evicted from a tier to make room.",
     "store_skipped": "Blocks not stored because every slot was in use by transfers.",
     "load_seconds": "Seconds spent in load transfers (sum).",

@@ -143,8 +143,9 @@ class NVMeTier:
         found, problems = scan_dir(self.store.dir, self.store.namespace, cleanup=True)
         if problems:
             logger.warning("kvtier nvme tier: %s: dropped at start: %s", self.store.dir, problems)
-        mtime = {f: os.stat(self.store.path(f)).st_mtime_ns for f in found}
-        for file_id in sorted(found, key=mtime.__getitem__):  # oldest first = LRU order
+        # Oldest written first: recency across a restart is approximate (reads do not
+        # update mtime, and the filesystem clock is coarse).
+        for file_id in sorted(found, key=self._mtime_ns):
             h = found[file_id]
             if h.block_bytes != self.block_bytes:
                 logger.warning("kvtier nvme tier: ignoring %s: blocks of %d B", file_id, h.block_bytes)
@@ -152,6 +153,12 @@ class NVMeTier:
             self._add_file(file_id, h)
         while self._usage > self.capacity_bytes:
             self._evict_oldest()
+
+    def _mtime_ns(self, file_id: str) -> int:
+        try:
+            return os.stat(self.store.path(file_id)).st_mtime_ns
+        except OSError:  # gone since the scan: sorts first, and a read of it will miss
+            return 0
 
     def location(self, key: bytes) -> tuple[Path, int] | None:
         """The file holding ``key`` and the byte offset of its block (for fault drills and
@@ -271,7 +278,7 @@ class NVMeTier:
             if time.monotonic() > deadline:
                 self._abandoned.add(job)
                 return None
-            time.sleep(0.0005)
+            time.sleep(0.0005)  # a chunk I/O takes ~ms; spinning would steal a core from it
 
     def _collect(self, results: list[IOResult], job: int = -1) -> IOResult | None:
         """Return ``job``'s result; clean up late results of abandoned jobs (a late write's

@@ -179,18 +179,29 @@ class AlignedBuffer:
             return
         try:
             self.view.release()
-            if self._pool is not None and not self._map.closed:
-                # resize to the same size is a no-op mremap that fails while any slice
-                # (export) of the map is alive: only then is it safe to hand the memory out again.
-                self._map.resize(self.nbytes)
-                self.view = memoryview(self._map)
-                pool, self._pool = self._pool, None
-                if pool.give(self):
-                    return
-                self.view.release()
+        except BufferError:  # a caller exported the view itself; the GC frees the map later
+            return
+        pool, self._pool = self._pool, None
+        if pool is not None and not self._map.closed and not self._exported():
+            self.view = memoryview(self._map)
+            if pool.give(self):
+                return
+            self.view.release()
+        try:
             self._map.close()
         except BufferError:  # a caller still holds a slice; the GC frees the map later
             pass
+
+    def _exported(self) -> bool:
+        """Whether a slice of the memory is still alive somewhere (then it must not be reused).
+        A resize to the same size is a no-op mremap that mmap refuses while it has exports."""
+        try:
+            self._map.resize(self.nbytes)
+            return False
+        except BufferError:
+            return True
+        except (OSError, SystemError, TypeError, ValueError):  # no mremap here: never reuse
+            return True
 
 
 class BufferPool:

@@ -1,0 +1,162 @@
+"""The NVMe tier end to end on real vLLM engines: hits from NVMe within one process when
+the CPU tier is tiny, across a restart, and after crashes and corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    BLOCK_SIZE,
+    Result,
+    close_llm,
+    generate,
+    kvtier_config,
+    kvtier_counters,
+    make_llm,
+    rand_tokens,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # tiny model, fp32: layers x heads x block x 2*head x 4
+
+
+def nvme_config(path: Path, *, cpu_blocks: int = 4, **nvme) -> dict:
+    return kvtier_config({
+        "cpu": {"capacity_bytes": cpu_blocks * BLOCK_BYTES},
+        "nvme": {"path": str(path), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
+                 "chunk_blocks": 4, **nvme},
+    })
+
+
+def prompts(seed: int, n: int, length: int = 330) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [rand_tokens(rng, length) for _ in range(n)]
+
+
+#: Every prompt set used below (their baselines are computed once, on one engine).
+SETS = {seed: prompts(seed, n) for seed, n in [(1, 4), (2, 2), (3, 1), (4, 6)]}
+
+
+@pytest.fixture(scope="module")
+def baseline_of(tiny_model):
+    """Greedy tokens of each prompt on an engine without the plugin. (Two in-process
+    engines cannot be alive at once, so they are all computed first.)"""
+    llm = make_llm(tiny_model, None)
+    try:
+        table = {tuple(p): generate(llm, p).tokens for ps in SETS.values() for p in ps}
+    finally:
+        close_llm(llm)
+    return lambda p: table[tuple(p)]
+
+
+def run_process(model: Path, kv: dict, ps: list[list[int]], tmp: Path, *, kill_after_files: Path | None = None) -> dict | None:
+    """Run ``ps`` on a fresh engine process; with ``kill_after_files``, SIGKILL it as soon
+    as chunk files appear there (a crash in the middle of writing)."""
+    pfile = tmp / f"prompts-{time.monotonic_ns()}.json"
+    pfile.write_text(json.dumps(ps))
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, "-m", "tests.engine_run", str(model), json.dumps(kv), str(pfile)]
+    if kill_after_files is None:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        assert proc.returncode == 0 and line, proc.stderr[-4000:]
+        return json.loads(line.removeprefix("RESULT "))
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        if any(f.name.endswith(".kvt") for f in kill_after_files.rglob("*")):
+            break
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return None
+
+
+def results(data: dict) -> list[Result]:
+    return [Result(**data["results"][str(i)]) for i in range(len(data["results"]))]
+
+
+def test_tiny_cpu_tier_hits_come_from_nvme(tiny_model, baseline_of, tmp_path):
+    """A CPU tier of 12 blocks under 40 blocks of traffic: repeated prompts come back from
+    NVMe (the CPU tier demoted them), through CPU slots, with the same tokens."""
+    ps = SETS[1]
+    llm = make_llm(tiny_model, nvme_config(tmp_path / "nvme", cpu_blocks=12))
+    try:
+        first = [generate(llm, p) for p in ps]
+        time.sleep(0.5)  # let the demotion writes land
+        again = [generate(llm, p) for p in ps]
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    for p, r in zip(ps + ps, first + again, strict=True):
+        assert r.tokens == baseline_of(p)
+    loadable = (330 - 1) // BLOCK_SIZE
+    assert [r.loaded + r.loaded_nvme for r in again] == [loadable] * len(ps)
+    assert again[0].loaded_nvme == loadable  # evicted from DRAM long ago: all from NVMe
+    assert counters["blocks_stored|nvme"] > 0 and counters["evictions|cpu"] > 0
+    assert 0 < counters["usage_bytes|nvme"] <= 64 * 2**20
+
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
+    """Process 1 stores; it exits; process 2 (same directory, empty DRAM) loads from NVMe.
+    Write-back relies on the shutdown flush of blocks still only in DRAM."""
+    ps = SETS[2]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode=mode)
+    run_process(tiny_model, kv, ps, tmp_path)
+    assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    got = results(data)
+    for p, r in zip(ps, got, strict=True):
+        assert r.tokens == baseline_of(p)
+    assert data["counters"].get("blocks_loaded|nvme", 0) == 2 * ((330 - 1) // BLOCK_SIZE)
+
+
+def test_namespace_isolation(tiny_model, tmp_path):
+    """An engine with another block size shares the directory but never reads the files."""
+    ps = SETS[3]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
+    run_process(tiny_model, kv, ps, tmp_path)
+    llm = make_llm(tiny_model, kv, block_size=64)
+    try:
+        r = generate(llm, ps[0])
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r.loaded == 0 and counters.get("blocks_loaded|nvme", 0) == 0
+    assert len({p.parent.parent.name for p in (tmp_path / "nvme").rglob("*.kvt")}) == 2
+
+
+def test_sigkill_mid_write_then_corruption(tiny_model, baseline_of, tmp_path):
+    """Kill the writer while it writes chunk files; restart: nothing torn is served. Then
+    corrupt bytes of stored files: those blocks recompute, tokens stay correct."""
+    ps = SETS[4]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
+    run_process(tiny_model, kv, ps, tmp_path, kill_after_files=tmp_path / "nvme")
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    for p, r in zip(ps, results(data), strict=True):
+        assert r.tokens == baseline_of(p)
+    assert not list((tmp_path / "nvme").rglob(".tmp-*")), "partial writes must be cleaned up"
+
+    files = sorted((tmp_path / "nvme").rglob("*.kvt"))
+    assert files
+    for f in files[::2]:  # flip bytes inside the first block's payload of every other file
+        with open(f, "r+b") as fh:
+            fh.seek(4096 + 100)
+            b = fh.read(8)
+            fh.seek(4096 + 100)
+            fh.write(bytes(x ^ 0xFF for x in b))
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    for p, r in zip(ps, results(data), strict=True):
+        assert r.tokens == baseline_of(p)
+    assert data["counters"].get("load_failures|nvme", 0) > 0
+    assert data["counters"].get("blocks_loaded|nvme", 0) > 0
