@@ -31,7 +31,7 @@ synced and their pages evicted with ``posix_fadvise(DONTNEED)``: the first scan 
 headers from disk (directory entries and inodes may still be cached unless drop_caches
 works), the second is fully warm.
 
-    python bench/nvme_throughput.py                       # 1 GiB, 3 rounds, 100k-block index
+    python bench/nvme_throughput.py                       # 1 GiB, 5 rounds, 100k-block index
     python bench/nvme_throughput.py --dir /mnt/nvme/tmp --total-mib 4096
     python bench/nvme_throughput.py --sweep               # also try io_threads / chunk sizes
 
@@ -42,6 +42,7 @@ The data directory is a fresh subdirectory of ``--dir`` (default a new temp dir 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -54,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -65,7 +67,7 @@ from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
     header_bytes_for,
     make_header,
 )
-from vllm_kvtier.tiers.nvme import NVMeStore, WriteBuffer, scan_dir  # noqa: E402
+from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, scan_dir  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -85,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--io-threads", type=int, default=2)
     p.add_argument("--max-queued-writes", type=int, default=64)
     p.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--index-blocks", type=int, default=100_000,
                    help="blocks' worth of chunk files for the index-rebuild (scan_dir) timing; 0 = skip")
     p.add_argument("--index-block-bytes", type=int, default=4096)
@@ -159,27 +161,29 @@ class Workload:
         return wb
 
 
-def poll_wait(store: NVMeStore) -> list:
+def poll_wait(store: NVMeStore) -> list[IOResult]:
     res = store.poll()
     if not res:
         time.sleep(0.0005)
     return res
 
 
-def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float, dict[str, object], dict]:
+def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float, dict[str, Any], dict[str, Any]]:
     """Submit every chunk (until refused, poll, resubmit); returns (seconds, headers, stats)."""
-    bufs = [w.make_buffer(c) for c in range(w.nchunks)] if prefill else None
-    headers: dict[str, object] = {}
+    bufs: list[WriteBuffer | None] | None = [w.make_buffer(c) for c in range(w.nchunks)] if prefill else None
+    headers: dict[str, Any] = {}
     refused = 0
     failed: list[str] = []
     busy_s = 0.0
     nxt, done = 0, 0
-    pending = None
+    pending: WriteBuffer | None = None
+    c0 = time.process_time()
     t0 = time.perf_counter()
     while done < w.nchunks:
         while nxt < w.nchunks:
             if pending is None:
-                pending = bufs[nxt] if bufs is not None else w.make_buffer(nxt)
+                pending = bufs[nxt] if bufs is not None else None
+                pending = pending or w.make_buffer(nxt)
             if not store.submit_write(nxt, w.file_ids[nxt], pending):
                 refused += 1
                 break
@@ -195,16 +199,18 @@ def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float
             else:
                 failed.append(f"{r.file_id}: {r.reason}")
     secs = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     if failed:
         raise RuntimeError(f"{len(failed)} writes failed, e.g. {failed[:3]}")
-    return secs, headers, {"refused": refused, "thread_busy_s": busy_s}
+    return secs, headers, {"refused": refused, "thread_busy_s": busy_s, "cpu_s": cpu}
 
 
-def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, object]) -> tuple[float, dict]:
+def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     positions = list(range(w.chunk_blocks))
     failed: list[str] = []
     busy_s = 0.0
     bad_tag = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     for c, fid in enumerate(w.file_ids):
         store.submit_read(c, fid, headers[fid], positions)
@@ -217,22 +223,21 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, object]) ->
                 failed.append(f"{r.file_id}: {r.reason}")
                 continue
             # The store verified every CRC; check the tag too (the right block came back).
-            for i, b in enumerate(r.blocks):
+            for i, b in enumerate(r.blocks or []):
                 if struct.unpack_from("<Q", b, 0)[0] != r.job_id * w.chunk_blocks + i:
                     bad_tag += 1
             r.release()
     secs = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     if failed or bad_tag:
         raise RuntimeError(f"reads: {len(failed)} failed (e.g. {failed[:3]}), {bad_tag} wrong blocks")
-    return secs, {"thread_busy_s": busy_s}
+    return secs, {"thread_busy_s": busy_s, "cpu_s": cpu}
 
 
 def delete_ours(store: NVMeStore, w: Workload) -> None:
     for fid in w.file_ids:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             store.path(fid).unlink()
-        except FileNotFoundError:
-            pass
 
 
 _DD_SECS = re.compile(r"copied,\s*([0-9.eE+-]+)\s*s")
@@ -288,12 +293,12 @@ def make_index_dir(d: Path, nblocks: int, block_bytes: int, chunk_blocks: int) -
     return nfiles
 
 
-def time_index(d: Path, a: argparse.Namespace) -> dict[str, object]:
+def time_index(d: Path, a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     nfiles = make_index_dir(d, a.index_blocks, a.index_block_bytes, a.index_chunk_blocks)
     make_s = time.perf_counter() - t0
     dc = drop_caches()
-    out: dict[str, object] = {"blocks": a.index_blocks, "files": nfiles, "block_bytes": a.index_block_bytes,
+    out: dict[str, Any] = {"blocks": a.index_blocks, "files": nfiles, "block_bytes": a.index_block_bytes,
                               "chunk_blocks": a.index_chunk_blocks, "create_s": make_s, "drop_caches": dc}
     for label in ("cold", "warm"):
         t0 = time.perf_counter()
@@ -310,24 +315,25 @@ def time_index(d: Path, a: argparse.Namespace) -> dict[str, object]:
 
 # ---- main ------------------------------------------------------------------------------
 
-def one_round_ours(store: NVMeStore, w: Workload, fill_row: bool) -> dict[str, float]:
-    r: dict[str, float] = {}
+def one_round_ours(store: NVMeStore, w: Workload, fill_row: bool) -> dict[str, Any]:
+    r: dict[str, Any] = {}
     secs, headers, st = time_ours_write(store, w, prefill=True)
     r["write_s"], r["write_refused"], r["write_thread_busy_s"] = secs, st["refused"], st["thread_busy_s"]
+    r["write_cpu_s"] = st["cpu_s"]
     r["drop_caches"] = drop_caches()
     secs, st = time_ours_read(store, w, headers)
-    r["read_s"], r["read_thread_busy_s"] = secs, st["thread_busy_s"]
+    r["read_s"], r["read_thread_busy_s"], r["read_cpu_s"] = secs, st["thread_busy_s"], st["cpu_s"]
     delete_ours(store, w)
     if fill_row:
         secs, _, st = time_ours_write(store, w, prefill=False)
-        r["write_fill_s"] = secs
+        r["write_fill_s"], r["write_fill_cpu_s"] = secs, st["cpu_s"]
         delete_ours(store, w)
     return r
 
 
-def one_round_dd(path: Path, w: Workload) -> dict[str, float]:
+def one_round_dd(path: Path, w: Workload) -> dict[str, Any]:
     chunk_bytes = w.chunk_blocks * w.block_bytes
-    r: dict[str, object] = {}
+    r: dict[str, Any] = {}
     r["write_s"], r["write_wall_s"], r["write_line"] = time_dd_write(path, chunk_bytes, w.nchunks)
     r["drop_caches"] = drop_caches()
     r["read_s"], r["read_wall_s"], r["read_line"] = time_dd_read(path, chunk_bytes)
@@ -335,7 +341,7 @@ def one_round_dd(path: Path, w: Workload) -> dict[str, float]:
     return r
 
 
-def sweep(base: Path, a: argparse.Namespace) -> list[dict[str, object]]:
+def sweep(base: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     total = a.total_mib * MiB
     for threads, cb in [(1, 16), (2, 16), (4, 16), (2, 4), (2, 64), (4, 64)]:
@@ -379,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for i in range(a.repeats):
                 order = ("ours", "dd") if i % 2 == 0 else ("dd", "ours")
-                rec: dict[str, object] = {"order": list(order)}
+                rec: dict[str, Any] = {"order": list(order)}
                 for who in order:
                     rec[who] = one_round_ours(store, w, not a.no_fill_row) if who == "ours" else one_round_dd(dd_path, w)
                 rounds.append(rec)
@@ -400,17 +406,26 @@ def main(argv: list[str] | None = None) -> int:
                 [] if a.no_fill_row else [("write+fill", "write_fill_s", "write_s")]):
             ours = w.payload_bytes / med("ours", okey) / MB
             dd = w.payload_bytes / med("dd", dkey) / MB
+            ckey = okey.replace("_s", "_cpu_s")
             cases.append({"case": case, "bytes": w.payload_bytes, "ours_MBps": ours, "dd_MBps": dd,
-                          "ratio": ours / dd, "ours_median_s": med("ours", okey), "dd_median_s": med("dd", dkey)})
+                          "ratio": ours / dd,
+                          # dd time / ours time of the same round (adjacent in time), median over rounds
+                          "paired_ratio": statistics.median(r["dd"][dkey] / r["ours"][okey] for r in rounds),
+                          "ours_median_s": med("ours", okey), "dd_median_s": med("dd", dkey),
+                          "ours_cpu_s": med("ours", ckey)})
 
         sweep_rows = sweep(base, a) if a.sweep else None
         index = time_index(base / "index", a) if a.index_blocks > 0 else None
         load_after = _loadavg()
 
         print()
-        print(f"{'case':<12} {'bytes':>12} {'ours MB/s':>10} {'dd MB/s':>10} {'ratio':>6}")
+        print(f"{'case':<12} {'bytes':>12} {'ours MB/s':>10} {'dd MB/s':>10} {'ratio':>6} {'paired':>7} "
+              f"{'ours CPU s':>10}")
         for c in cases:
-            print(f"{c['case']:<12} {c['bytes']:>12} {c['ours_MBps']:>10.0f} {c['dd_MBps']:>10.0f} {c['ratio']:>6.2f}")
+            print(f"{c['case']:<12} {c['bytes']:>12} {c['ours_MBps']:>10.0f} {c['dd_MBps']:>10.0f} {c['ratio']:>6.2f} "
+                  f"{c['paired_ratio']:>7.2f} {c['ours_cpu_s']:>10.2f}")
+        print("(ratio = ours/dd of the median MB/s; paired = median over rounds of ours/dd within a round; "
+              "ours CPU s = process CPU time, all threads, median)")
         by = {c["case"]: c for c in cases}
         print()
         for case in ("write", "read"):

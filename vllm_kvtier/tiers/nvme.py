@@ -25,6 +25,7 @@ cannot keep up, new writes are refused (counted), never queued without limit.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -187,10 +188,8 @@ class AlignedBuffer:
             if pool.give(self):
                 return
             self.view.release()
-        try:
+        with contextlib.suppress(BufferError):  # a caller still holds a slice; the GC frees the map later
             self._map.close()
-        except BufferError:  # a caller still holds a slice; the GC frees the map later
-            pass
 
     def _exported(self) -> bool:
         """Whether a slice of the memory is still alive somewhere (then it must not be reused).
@@ -461,7 +460,7 @@ class NVMeStore:
                     os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            blocks = []
+            blocks: list[memoryview] = []
             for p in positions:
                 off = header.block_offset(p) - start
                 b = buf.view[off : off + header.block_bytes]
