@@ -76,7 +76,8 @@ class NVMeTierConfig:
     #: Blocks per chunk file: consecutive blocks go to disk together so I/Os are large.
     chunk_blocks: int = 16
     direct_io: Literal["auto", "on", "off"] = "auto"
-    io_threads: int = 2
+    #: I/O threads: more than the cores, since they mostly wait on the device and syncs.
+    io_threads: int = 4
     #: Writes waiting for the disk beyond this are refused (counted), never queued forever.
     max_queued_writes: int = 64
     #: Upper bound on the time spent at shutdown flushing write-back blocks.

@@ -9,8 +9,11 @@ everything that changes the bytes (model, dtype, geometry, TP size, format), so 
 engines sharing a disk never read each other's KV.
 
 Crash safety: a chunk is written to ``.tmp-*`` in the same directory, fdatasync'ed, then
-renamed into place and the directory fsync'ed: a file with the final name is always
-complete. We chose rename over a preallocated slab with a journal because each chunk is
+renamed into place: a file with the final name is always complete, because its data was
+durable before the rename existed. The directory is not fsync'ed after the rename: after a
+power loss a rename may be lost, which is only a missing cache entry (its ``.tmp-*`` file
+is deleted at the next start), and skipping it saves a journal commit per chunk (+15-20%
+write throughput in bench/nvme_throughput.py). We chose rename over a preallocated slab with a journal because each chunk is
 large (many blocks, MiBs), so the per-file metadata cost is small, and rename gives
 atomicity from the filesystem with no recovery code of our own. Every block's CRC32 is in
 the header and is verified on every read; a mismatch is a miss.
@@ -426,20 +429,12 @@ class NVMeStore:
             finally:
                 os.close(fd)
             os.rename(tmp, final)
-            self._fsync_dir()
         except BaseException:
             _unlink_quietly(tmp)
             raise
         finally:
             wb.buf.close()
         return IOResult(job_id, "write", file_id, True, nbytes=h.total_bytes, header=h)
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def _read(self, job_id: int, file_id: str, header: ChunkHeader, positions: list[int]) -> IOResult:
         lo, hi = min(positions), max(positions)
