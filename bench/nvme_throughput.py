@@ -60,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
     align_up,
     block_crc,
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-bytes", type=int, default=2 * MiB,
                    help="bytes per KV block (default 2 MiB: Llama-3-8B, 16 tokens, bf16, one rank)")
     p.add_argument("--chunk-blocks", type=int, default=16, help="blocks per chunk file")
-    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=NVMeTierConfig.io_threads)
     p.add_argument("--max-queued-writes", type=int, default=64)
     p.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--repeats", type=int, default=5)

@@ -1,4 +1,4 @@
-"""vllm_kvtier demo: a real vLLM engine reusing KV blocks from the CPU tier.
+"""vllm_kvtier demo: a real vLLM engine reusing KV blocks from the CPU and NVMe tiers.
 
 What it shows, on a small random-weight Llama built locally (no network, no arguments):
 
@@ -7,7 +7,14 @@ What it shows, on a small random-weight Llama built locally (no network, no argu
     so the time to first token (TTFT) drops;
 (b) a two-turn conversation: turn 2's prompt is turn 1's prompt + turn 1's answer + a new
     user message, so turn 2 loads the blocks of turn 1 (prompt *and* answer, thanks to
-    ``save_decode_blocks``) and computes only the new tokens.
+    ``save_decode_blocks``) and computes only the new tokens;
+(c) the long prompt of (a) once more, after other traffic (two other long documents): the
+    CPU tier is deliberately small (room for ~1.5 long prompts), so by then it has evicted
+    the prompt's blocks and, in write-back mode, demoted them to the NVMe tier (chunk files
+    under ``~/.cache/vllm_kvtier/demo-nvme``, wiped at every start so runs are
+    reproducible). The blocks come back from NVMe: read from disk into CPU slots, then
+    copied into the KV cache (an NVMe load is always asynchronous: the request waits while
+    the files are read).
 
 For every request it prints the TTFT (vLLM's own first-token latency) with the plugin and
 without it (a second engine with no connector, where every request is computed from
@@ -16,8 +23,10 @@ counters). Finally it checks that greedy decoding produced exactly the same toke
 reuse as without.
 
 vLLM's own prefix cache is turned off so that repeats are served by the plugin, not by
-vLLM's GPU/CPU KV cache. The plugin runs on the embedded ``DEFAULT_CONFIG`` below: a CPU
-tier only (the NVMe tier is not available yet).
+vLLM's GPU/CPU KV cache. The plugin runs on the embedded ``DEFAULT_CONFIG`` below: both
+local tiers, CPU DRAM and NVMe (write-back, every block admitted). Its CPU capacity is
+sized for the defaults (tiny model, float32, 2000-token prompts); other ``--size``,
+``--dtype`` or ``--prompt-tokens`` rescale it to the same ~1.5 long prompts.
 
 The engines compute in float32 by default. In bfloat16, a request whose prefix KV comes
 from a cache (this plugin, or vLLM's own prefix cache alike) computes the rest with
@@ -32,9 +41,11 @@ float32 keeps the with/without comparison exact.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,11 +62,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_kvtier.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
 
+BLOCK_SIZE = 64
+
+#: The NVMe tier's directory for this demo (wiped at every start).
+NVME_DIR = Path.home() / ".cache" / "vllm_kvtier" / "demo-nvme"
+
 #: The plugin's configuration for this demo (``kv_connector_extra_config``).
 DEFAULT_CONFIG = {
-    "cpu": {"capacity_bytes": 512 * 2**20},  # 512 MiB of DRAM for the CPU tier
-    "load_mode": "sync",                      # load hits inside the step that schedules them
-    "save_decode_blocks": True,               # save answers too: the next turn reuses them
+    # Deliberately small: 48 blocks of 128 KiB (tiny model, float32, block_size 64), room
+    # for ~1.5 of the 2000-token prompts, so scenario (c) finds its prompt evicted to NVMe.
+    "cpu": {"capacity_bytes": 48 * 128 * 2**10},
+    "nvme": {
+        "path": str(NVME_DIR),
+        "capacity_bytes": 2**30,   # 1 GiB of chunk files
+        "mode": "write-back",      # a block goes to NVMe when the CPU tier evicts it
+        "admit_min_seen": 1,       # admit every block (the default 2 keeps one-off prompts off the SSD)
+    },
+    "load_mode": "sync",           # load CPU hits inside the step that schedules them
+    "save_decode_blocks": True,    # save answers too: the next turn reuses them
 }
 
 KV_TRANSFER_CONFIG = {
@@ -66,7 +90,21 @@ KV_TRANSFER_CONFIG = {
     "kv_connector_extra_config": DEFAULT_CONFIG,
 }
 
-BLOCK_SIZE = 64
+
+def block_bytes(size: str, dtype: str) -> int:
+    """KV bytes of one block: layers x (K, V) x KV heads x head_dim x block_size x element."""
+    m = SIZES[size]
+    return (m["num_hidden_layers"] * 2 * m["num_key_value_heads"] * m["head_dim"] * BLOCK_SIZE
+            * (4 if dtype == "float32" else 2))
+
+
+def kv_transfer_config(args) -> dict:
+    """``KV_TRANSFER_CONFIG``, its CPU tier rescaled to ~1.5 long prompts when the model,
+    dtype or prompt length differ from the defaults."""
+    cfg = copy.deepcopy(KV_TRANSFER_CONFIG)
+    blocks = (3 * ((args.prompt_tokens + args.answer_tokens) // BLOCK_SIZE) + 1) // 2
+    cfg["kv_connector_extra_config"]["cpu"]["capacity_bytes"] = blocks * block_bytes(args.size, args.dtype)
+    return cfg
 
 
 def counters(llm) -> dict[tuple[str, str], float]:
@@ -122,9 +160,21 @@ def run_engine(model_dir: Path, kv_transfer_config: dict | None, args) -> list[d
     recs.append(r1)
     turn2 = turn1 + r1["tokens"] + rand(args.user_tokens)
     recs.append(ask("(b) turn 2 = turn 1 + answer + new", turn2, args.answer_tokens))
+    # Other traffic: two more long documents push (a)'s blocks out of the small CPU tier
+    # (to NVMe, with the plugin); the second one also gives the demotion writes time to land.
+    recs.append(ask("(c) other traffic: document 1", rand(args.prompt_tokens), args.answer_tokens))
+    recs.append(ask("(c) other traffic: document 2", rand(args.prompt_tokens), args.answer_tokens))
+    recs.append(ask("(c) long prompt of (a) again", long_prompt, args.answer_tokens))
+    final = counters(llm)
 
+    try:  # stop the engine core now: the plugin's NVMe I/O threads finish their queue
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
     del llm
     gc.collect()
+    for r in recs:
+        r["final_counters"] = final
     return recs
 
 
@@ -143,17 +193,23 @@ def main() -> int:
     t_all = time.perf_counter()
     model_dir = Path(args.model_dir or os.path.expanduser(f"~/.cache/vllm_kvtier/{args.size}-model"))
     build_model(model_dir, args.size, dtype="bfloat16")
+    kv = kv_transfer_config(args)
+    extra = kv["kv_connector_extra_config"]
+    shutil.rmtree(NVME_DIR, ignore_errors=True)  # reproducible runs: start with an empty NVMe tier
+    NVME_DIR.mkdir(parents=True)
+    bb = block_bytes(args.size, args.dtype)
     print(f"model: random-weight Llama '{args.size}' {SIZES[args.size]} at {model_dir}")
-    print(f"plugin config: {DEFAULT_CONFIG}; {args.dtype}, block_size {BLOCK_SIZE}, "
-          "vLLM prefix caching off",
-          flush=True)
+    print(f"plugin config: {extra}")
+    print(f"  {args.dtype}, block_size {BLOCK_SIZE} ({bb // 2**10} KiB of KV per block), CPU tier "
+          f"{extra['cpu']['capacity_bytes'] // bb} blocks, NVMe tier under {NVME_DIR} (wiped); "
+          "vLLM prefix caching off", flush=True)
 
     print("engine 1: no connector (every request computed from scratch) ...", flush=True)
     base = run_engine(model_dir, None, args)
-    print("engine 2: KVTierConnector ...", flush=True)
-    tier = run_engine(model_dir, KV_TRANSFER_CONFIG, args)
+    print("engine 2: KVTierConnector (CPU + NVMe tiers) ...", flush=True)
+    tier = run_engine(model_dir, kv, args)
 
-    tiers = sorted({t for r in tier for t in r["loaded"]}) or ["cpu"]
+    tiers = ["cpu", "nvme"]
     print()
     head = (f"{'request':38s} {'prompt':>7s} {'TTFT no plugin':>15s} {'TTFT kvtier':>12s} {'speed-up':>9s}"
             + "".join(f" {'loaded ' + t:>11s}" for t in tiers))
@@ -163,14 +219,30 @@ def main() -> int:
         print(f"{k['label']:38s} {len(k['prompt']):7d} {b['ttft'] * 1000:12.0f} ms {k['ttft'] * 1000:9.0f} ms "
               f"{b['ttft'] / k['ttft']:8.1f}x"
               + "".join(f" {k['loaded'].get(t, 0):>4d} blocks" for t in tiers))
-    a_cold, a_warm, _, t2 = tier
+    by = {k["label"][:3] + str(i): (b, k) for i, (b, k) in enumerate(zip(base, tier, strict=True))}
+    del by
+    a_cold, a_warm, _, t2, _, _, c_again = tier
+    b_t2, b_c = base[3], base[6]
+
+    def loaded(r: dict) -> str:
+        return " + ".join(f"{r['loaded'].get(t, 0)} {t}" for t in tiers)
+
     print()
     print(f"(a) repeat: TTFT {a_cold['ttft'] * 1000:.0f} ms cold -> {a_warm['ttft'] * 1000:.0f} ms warm "
           f"({a_warm['ttft'] / a_cold['ttft']:.2f}x), {sum(a_warm['loaded'].values())} of "
-          f"{len(a_warm['prompt']) // BLOCK_SIZE} prompt blocks loaded")
-    print(f"(b) turn 2: TTFT {base[3]['ttft'] * 1000:.0f} ms without reuse -> {t2['ttft'] * 1000:.0f} ms "
-          f"with reuse ({t2['ttft'] / base[3]['ttft']:.2f}x), {sum(t2['loaded'].values())} of "
-          f"{len(t2['prompt']) // BLOCK_SIZE} prompt blocks loaded (turn 1 prompt + answer)")
+          f"{len(a_warm['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(a_warm)})")
+    print(f"(b) turn 2: TTFT {b_t2['ttft'] * 1000:.0f} ms without reuse -> {t2['ttft'] * 1000:.0f} ms "
+          f"with reuse ({t2['ttft'] / b_t2['ttft']:.2f}x), {sum(t2['loaded'].values())} of "
+          f"{len(t2['prompt']) // BLOCK_SIZE} prompt blocks loaded (turn 1 prompt + answer; {loaded(t2)})")
+    print(f"(c) after other traffic: TTFT {b_c['ttft'] * 1000:.0f} ms without reuse -> "
+          f"{c_again['ttft'] * 1000:.0f} ms from NVMe ({c_again['ttft'] / b_c['ttft']:.2f}x; "
+          f"{a_warm['ttft'] * 1000:.0f} ms from DRAM in (a)), {sum(c_again['loaded'].values())} of "
+          f"{len(c_again['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(c_again)})")
+    fc = tier[-1]["final_counters"]
+    files = [f for f in NVME_DIR.rglob("*.kvt") if f.is_file()]
+    print(f"tiers: CPU evicted {int(fc.get(('evictions', 'cpu'), 0))} blocks; NVMe stored "
+          f"{int(fc.get(('blocks_stored', 'nvme'), 0))} blocks (write-back demotions) in {len(files)} chunk "
+          f"files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB under {NVME_DIR}")
 
     same_prompts = all(b["prompt"] == k["prompt"] for b, k in zip(base, tier, strict=True))
     same_tokens = all(b["tokens"] == k["tokens"] for b, k in zip(base, tier, strict=True))
@@ -182,8 +254,11 @@ def main() -> int:
                   f"tokens differ from position {first}")
     print(f"tokens with reuse vs without: {'identical' if same_tokens and same_prompts else 'DIFFERENT'} "
           f"({n} greedy tokens over {len(tier)} requests)")
+    loaded_ok = (sum(a_warm["loaded"].values()) > 0 and sum(t2["loaded"].values()) > 0
+                 and c_again["loaded"].get("nvme", 0) > 0)
+    if not loaded_ok:
+        print("MISSING reuse: (a) and (b) must load blocks, (c) must load from NVMe")
     print(f"done in {time.perf_counter() - t_all:.0f}s")
-    loaded_ok = sum(a_warm["loaded"].values()) > 0 and sum(t2["loaded"].values()) > 0
     return 0 if same_tokens and same_prompts and loaded_ok else 1
 
 

@@ -7,6 +7,7 @@ Prefix caching is off in every engine so reuse really goes through the connector
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -59,10 +60,8 @@ def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) 
 
 
 def close_llm(llm: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
     del llm
     gc.collect()
 

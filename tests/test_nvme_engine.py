@@ -160,3 +160,36 @@ def test_sigkill_mid_write_then_corruption(tiny_model, baseline_of, tmp_path):
         assert r.tokens == baseline_of(p)
     assert data["counters"].get("load_failures|nvme", 0) > 0
     assert data["counters"].get("blocks_loaded|nvme", 0) > 0
+
+
+def test_read_only_nvme_directory_degrades_to_misses(tiny_model, baseline_of, tmp_path):
+    """The NVMe directory sits on a read-only filesystem (a real read-only bind mount):
+    the engine starts, serves correct tokens from recompute and the CPU tier, and counts
+    the failed writes; nothing raises."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a real read-only filesystem")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cmds = [["mount", "--bind", str(ro), str(ro)], ["mount", "-o", "remount,bind,ro", str(ro)]]
+    r = subprocess.run(cmds[0], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount not permitted here: {r.stderr.strip()}")
+    try:
+        if subprocess.run(cmds[1], capture_output=True).returncode != 0:
+            pytest.skip("read-only remount not permitted here")
+        ps = SETS[1]
+        llm = make_llm(tiny_model, nvme_config(ro / "nvme", cpu_blocks=12))
+        try:
+            seq = ps + ps[-1:]  # the last prompt twice in a row: a DRAM hit
+            got = [generate(llm, p) for p in seq]
+            counters = kvtier_counters(llm)
+        finally:
+            close_llm(llm)
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+    assert [g.tokens for g in got] == [baseline_of(p) for p in seq]
+    assert counters.get("store_failures|nvme", 0) > 0
+    assert counters.get("blocks_loaded|nvme", 0) == 0
+    assert got[-1].loaded == (330 - 1) // BLOCK_SIZE  # the DRAM tier still serves

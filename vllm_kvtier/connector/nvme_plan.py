@@ -18,6 +18,7 @@ scheduler thread. No I/O except the header scan at start-up.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 TIER = "nvme"
 _SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at most)
+#: Circuit breaker: after this many write failures in a row, stop writing for a while.
+_BREAKER_FAILURES = 8
+_BREAKER_PAUSE_S = 30.0
 
 
 class NVMePlanner:
@@ -51,6 +55,8 @@ class NVMePlanner:
         self._through: list[tuple[int, BlockKey]] = []
         self._deletes: list[str] = []
         self._acks: dict[str, int] = {}
+        self._failures_in_a_row = 0
+        self._paused_until = 0.0
         self._rebuild(namespace)
 
     # ---- start-up ----------------------------------------------------------------
@@ -84,6 +90,8 @@ class NVMePlanner:
             seen.popitem(last=False)
 
     def admitted(self, key: BlockKey) -> bool:
+        if self._paused_until and time.monotonic() < self._paused_until:
+            return False  # the breaker is open: the disk keeps failing
         return self._seen.get(key, 0) >= self.cfg.admit_min_seen and not self.index.knows(key)
 
     # ---- events from the CPU tier ----------------------------------------------------
@@ -141,6 +149,15 @@ class NVMePlanner:
         return demotes, through, deletes
 
     def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+        if meta.failed:
+            self._failures_in_a_row += len(meta.failed)
+            if self._failures_in_a_row >= _BREAKER_FAILURES:
+                logger.warning("kvtier nvme: %d writes failed in a row; pausing writes for %.0f s",
+                               self._failures_in_a_row, _BREAKER_PAUSE_S)
+                self._paused_until = time.monotonic() + _BREAKER_PAUSE_S
+                self._failures_in_a_row = 0
+        elif meta.written:
+            self._failures_in_a_row = 0
         for fid in meta.failed | meta.bad:
             self._acks.pop(fid, None)
             if self.index.remove(fid):

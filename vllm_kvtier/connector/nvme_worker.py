@@ -31,18 +31,26 @@ class NVMeWorker:
                  counters: Counters) -> None:
         self.cfg = cfg
         self.counters = counters
-        self.store = NVMeStore(cfg.path, namespace, rank, block_bytes, direct_io=cfg.direct_io,
-                               io_threads=cfg.io_threads, max_queued_writes=cfg.max_queued_writes)
-        headers, problems = scan_dir(self.store.dir, namespace, cleanup=True)
-        self.headers: dict[str, ChunkHeader] = headers
-        for reason, n in problems.items():
-            logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", n, reason)
-            self.counters.add("load_failures", TIER, n)
+        self.headers: dict[str, ChunkHeader] = {}
         self._ids = itertools.count(1)
         self._reads: dict[int, NVMeRead] = {}
         self._meta = KVTierWorkerMeta()
         #: slot -> admitted for a shutdown flush (write-back), set by the scheduler.
         self.dirty: set[int] = set()
+        self.store: NVMeStore | None = None
+        try:
+            self.store = NVMeStore(cfg.path, namespace, rank, block_bytes, direct_io=cfg.direct_io,
+                                   io_threads=cfg.io_threads, max_queued_writes=cfg.max_queued_writes)
+        except OSError as e:
+            # Serving goes on without the tier: every NVMe write and read is a miss.
+            logger.error("kvtier nvme: tier disabled, cannot use %s: %s", cfg.path, e)
+            self.counters.add("store_failures", TIER)
+            return
+        headers, problems = scan_dir(self.store.dir, namespace, cleanup=True)
+        self.headers = headers
+        for reason, n in problems.items():
+            logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", n, reason)
+            self.counters.add("load_failures", TIER, n)
 
     # ---- writes -------------------------------------------------------------------
 
@@ -52,6 +60,9 @@ class NVMeWorker:
             for s in job.slots:
                 before_read(s)  # a save into this slot may still be in flight (CUDA)
                 self.dirty.discard(s)
+            if self.store is None:
+                self._meta.failed.add(job.file_id)
+                continue
             wb = self._buffer(job, pool)
             if not self.store.submit_write(next(self._ids), job.file_id, wb):
                 wb.buf.close()
@@ -61,14 +72,15 @@ class NVMeWorker:
     def delete(self, file_ids: list[str]) -> None:
         for fid in file_ids:
             self.headers.pop(fid, None)
-            self.store.submit_delete(fid)
+            if self.store is not None:
+                self.store.submit_delete(fid)
 
     # ---- reads --------------------------------------------------------------------
 
     def start_read(self, read: NVMeRead) -> int | None:
         """Queue a read; its id, or None if the file is unknown here (a miss)."""
         header = self.headers.get(read.file_id)
-        if header is None:
+        if header is None or self.store is None:
             self._meta.bad.add(read.file_id)
             return None
         rid = next(self._ids)
@@ -78,7 +90,7 @@ class NVMeWorker:
 
     def poll(self, pool: CPUPool, on_read: Callable[[int, NVMeRead, bool], None]) -> None:
         """Handle finished I/O: fill slots from completed reads and call ``on_read``."""
-        for res in self.store.poll():
+        for res in self.store.poll() if self.store is not None else ():
             if res.kind == "write":
                 self._on_write(res)
             elif res.kind == "read":
@@ -127,6 +139,8 @@ class NVMeWorker:
     def close(self, pool: CPUPool | None, slot_key: list[bytes | None]) -> None:
         """Flush admitted write-back blocks still only in DRAM (bounded by
         ``flush_on_shutdown_s``), then finish queued I/O and stop."""
+        if self.store is None:
+            return
         deadline = time.monotonic() + self.cfg.flush_on_shutdown_s
         if pool is not None and self.cfg.mode == "write-back" and self.dirty:
             items = [(s, slot_key[s]) for s in sorted(self.dirty) if slot_key[s] is not None]

@@ -136,10 +136,8 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False) -> tuple
 
 
 def _unlink_quietly(p: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         p.unlink()
-    except OSError:
-        pass
 
 
 def probe_direct_io(directory: Path) -> tuple[bool, str]:

@@ -86,9 +86,9 @@ def _copy_rows(
 ) -> int:
     """Copy block rows for every plane; one copy per run of consecutive blocks and slots."""
     # Bounds are checked here, once, because the host path copies by raw pointer.
-    if blocks and not (0 <= min(blocks) and max(blocks) < layout.num_blocks):
+    if blocks and not (min(blocks) >= 0 and max(blocks) < layout.num_blocks):
         raise IndexError(f"block id out of range [0, {layout.num_blocks})")
-    if slots and not (0 <= min(slots) and max(slots) < pool.num_slots):
+    if slots and not (min(slots) >= 0 and max(slots) < pool.num_slots):
         raise IndexError(f"slot out of range [0, {pool.num_slots})")
     if direction == "save":
         pairs = [(kv, host) for kv, host in zip(layout.planes, pool.planes, strict=True)]
