@@ -26,7 +26,7 @@ really cold) after one warm-up request, and reports medians. The script also ass
 every warm KVTier run loaded blocks (``vllm:kvtier_blocks_loaded`` went up) and that the
 greedy tokens of warm runs (``max_tokens=4``) equal those of a cold no-connector run.
 
-    python bench/ttft.py        # ~2 min on 2 quiet CPU cores, ~4 min under other load
+    python bench/ttft.py        # ~2 min on 2 quiet CPU cores, ~3.5 min under other load
     python bench/ttft.py --prompt-tokens 2048 --repeats 5 --json out.json
 
 The machine is shared and noisy: compare ratios measured in the same run, not absolute

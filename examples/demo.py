@@ -219,8 +219,6 @@ def main() -> int:
         print(f"{k['label']:38s} {len(k['prompt']):7d} {b['ttft'] * 1000:12.0f} ms {k['ttft'] * 1000:9.0f} ms "
               f"{b['ttft'] / k['ttft']:8.1f}x"
               + "".join(f" {k['loaded'].get(t, 0):>4d} blocks" for t in tiers))
-    by = {k["label"][:3] + str(i): (b, k) for i, (b, k) in enumerate(zip(base, tier, strict=True))}
-    del by
     a_cold, a_warm, _, t2, _, _, c_again = tier
     b_t2, b_c = base[3], base[6]
 
@@ -241,8 +239,9 @@ def main() -> int:
     fc = tier[-1]["final_counters"]
     files = [f for f in NVME_DIR.rglob("*.kvt") if f.is_file()]
     print(f"tiers: CPU evicted {int(fc.get(('evictions', 'cpu'), 0))} blocks; NVMe stored "
-          f"{int(fc.get(('blocks_stored', 'nvme'), 0))} blocks (write-back demotions) in {len(files)} chunk "
-          f"files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB under {NVME_DIR}")
+          f"{int(fc.get(('blocks_stored', 'nvme'), 0))} blocks while serving (write-back demotions); after "
+          f"the shutdown flush {len(files)} chunk files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB "
+          f"under {NVME_DIR}")
 
     same_prompts = all(b["prompt"] == k["prompt"] for b, k in zip(base, tier, strict=True))
     same_tokens = all(b["tokens"] == k["tokens"] for b, k in zip(base, tier, strict=True))
