@@ -126,6 +126,7 @@ class KVTierConnector(KVConnectorBase_V1):
         )
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             counters = Counters()
             nvme = None
@@ -175,6 +176,8 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierMetadata)
         self._worker.begin_step(meta)  # no-op if handle_preemptions already ran it
         self._worker.start_loads()
+        # No attention metadata: vLLM runs this step only to move KV (nothing scheduled).
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -189,14 +192,14 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        sending, recving = self._worker.transfer_results(finished_req_ids)
+        sending, recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
         return sending or None, recving or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             assert self._worker is not None
-            sending, recving = self._worker.transfer_results(finished_req_ids)
+            sending, recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
             return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def build_connector_worker_meta(self) -> Any:

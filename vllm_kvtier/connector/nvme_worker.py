@@ -131,6 +131,11 @@ class NVMeWorker:
         meta, self._meta = self._meta, KVTierWorkerMeta()
         return None if meta.is_empty() else meta
 
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Idle steps only: give the I/O threads the GIL until a read may have finished."""
+        if self._reads and self.store is not None:
+            self.store.wait(timeout_s)
+
     def pending_reads(self) -> int:
         return len(self._reads)
 

@@ -265,10 +265,16 @@ class WorkerHalf:
             self.counters.add("bytes_loaded", TIER, nblocks * self.layout.block_bytes)
             self.counters.add("load_seconds", TIER, time.perf_counter() - t.started_s)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Return (finished_sending, finished_recving)."""
+    def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> tuple[set[str], set[str]]:
+        """Return (finished_sending, finished_recving).
+
+        ``idle_step``: this step ran no forward (vLLM only waits for transfers); then we
+        wait up to 2 ms for NVMe reads instead of returning at once, so the engine's busy
+        loop does not starve the I/O threads of the GIL."""
         recving: set[str] = set()
         if self.nvme is not None and self.pool is not None:
+            if idle_step:
+                self.nvme.wait_for_reads(0.002)
             self.nvme.poll(self.pool, self._on_read)
         still: list[_AsyncLoad] = []
         for a in self._async_loads:

@@ -329,6 +329,7 @@ class NVMeStore:
         self.max_queued_writes = max_queued_writes
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
+        self._has_done = threading.Event()
         self._seq = itertools.count()
         self._queued_writes = 0
         self._lock = threading.Lock()
@@ -358,6 +359,16 @@ class NVMeStore:
 
     def submit_delete(self, file_id: str) -> None:
         self._queue.put((_PRIORITY["delete"], next(self._seq), ("delete", -1, file_id, None)))
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until some I/O has completed (True) or not.
+
+        For idle engine steps only: while a request waits for its NVMe load, an in-process
+        engine spins through empty steps that hold the GIL; waiting here hands it to the
+        I/O threads (measured: a 2 MiB read went from ~100 ms to ~3 ms)."""
+        done = self._has_done.wait(timeout_s)
+        self._has_done.clear()
+        return done
 
     def poll(self) -> list[IOResult]:
         out = []
@@ -405,6 +416,7 @@ class NVMeStore:
                         self._queued_writes -= 1
             res.seconds = time.perf_counter() - t0
             self._done.put(res)
+            self._has_done.set()
 
     def _write(self, job_id: int, file_id: str, wb: WriteBuffer) -> IOResult:
         crcs = [block_crc(wb.block(i)) for i in range(len(wb.keys))]
