@@ -1,7 +1,7 @@
 """Run requests on a vLLM engine in a fresh process and print the results as JSON.
 
     python -m tests.engine_run MODEL KV_JSON              # the reuse scenario
-    python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON  # these prompts, in order
+    python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON [MAX_TOKENS]  # these prompts, in order
 
 A fresh process guarantees vLLM reads the environment it was given (e.g.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and that nothing survives from an earlier engine but
@@ -22,7 +22,8 @@ if __name__ == "__main__":
     llm = make_llm(model, kv or None)
     if len(sys.argv) > 3:
         prompts = json.loads(Path(sys.argv[3]).read_text())
-        res = {str(i): generate(llm, p, 8) for i, p in enumerate(prompts)}
+        max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+        res = {str(i): generate(llm, p, max_tokens) for i, p in enumerate(prompts)}
         print("PARTIAL " + json.dumps({k: asdict(v) for k, v in res.items()}), flush=True)
     else:
         res = run_scenario(llm, reuse_scenario())

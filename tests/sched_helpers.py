@@ -183,20 +183,12 @@ class FakeWorker:
     fail_load_positions: dict[str, list[int]] = field(default_factory=dict)
 
     def _apply(self, scheduler: Scheduler, meta: KVTierMetadata) -> tuple[set[str], set[str]]:
-        for job in meta.saves + meta.loads:
+        for job in meta.saves + meta.loads + meta.saves_after:
             # Every job touches only blocks its request still owns in this step (a save
             # from freed or reassigned blocks would copy another request's KV).
             owned = set(scheduler.kv_cache_manager.get_block_ids(job.req_id)[0])
             assert set(job.block_ids) <= owned, f"{job} uses blocks {job.req_id} does not own"
-        for job in meta.saves:
-            assert len(job.block_ids) == len(job.slots) == len(job.keys)
-            for slot, key in zip(job.slots, job.keys, strict=True):
-                assert 0 <= slot < meta.num_slots
-                for rid, reads in self.pending_recv.items():
-                    assert slot not in {s for s, _ in reads}, (
-                        f"save of {job.req_id} overwrites slot {slot} under the in-flight "
-                        f"async load of {rid}")
-                self.pool[slot] = key
+        self._apply_saves(meta, meta.saves)  # before the forward, like the real worker
         for job in meta.loads:
             assert len(job.block_ids) == len(job.slots) == len(job.keys)
             reads = list(zip(job.slots, job.keys, strict=True))
@@ -207,6 +199,7 @@ class FakeWorker:
             else:
                 for slot, key in reads:
                     assert self.pool.get(slot) == key, f"sync load of {job.req_id} reads a stale slot {slot}"
+        self._apply_saves(meta, meta.saves_after)  # after the forward
         if self.auto_recv:
             self.recv_done.update(self.pending_recv)
         recving = set()
@@ -219,6 +212,17 @@ class FakeWorker:
             recving.add(rid)
         self.recv_done -= recving
         return set(meta.release), recving
+
+    def _apply_saves(self, meta: KVTierMetadata, jobs: list) -> None:
+        for job in jobs:
+            assert len(job.block_ids) == len(job.slots) == len(job.keys)
+            for slot, key in zip(job.slots, job.keys, strict=True):
+                assert 0 <= slot < meta.num_slots
+                for rid, reads in self.pending_recv.items():
+                    assert slot not in {s for s, _ in reads}, (
+                        f"save of {job.req_id} overwrites slot {slot} under the in-flight "
+                        f"async load of {rid}")
+                self.pool[slot] = key
 
     def step(self, scheduler: Scheduler) -> SchedulerOutput:
         out = scheduler.schedule()
@@ -257,7 +261,7 @@ class FakeWorker:
 
 
 def all_saves(metas: Iterable[KVTierMetadata], req_id: str | None = None) -> list:
-    return [j for m in metas for j in m.saves if req_id is None or j.req_id == req_id]
+    return [j for m in metas for j in m.saves + m.saves_after if req_id is None or j.req_id == req_id]
 
 
 def all_loads(metas: Iterable[KVTierMetadata], req_id: str | None = None) -> list:

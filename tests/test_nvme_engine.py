@@ -58,13 +58,14 @@ def baseline_of(tiny_model):
     return lambda p: table[tuple(p)]
 
 
-def run_process(model: Path, kv: dict, ps: list[list[int]], tmp: Path, *, kill_after_files: Path | None = None) -> dict | None:
+def run_process(model: Path, kv: dict, ps: list[list[int]], tmp: Path, *, kill_after_files: Path | None = None,
+                max_tokens: int = 8) -> dict | None:
     """Run ``ps`` on a fresh engine process; with ``kill_after_files``, SIGKILL it as soon
     as chunk files appear there (a crash in the middle of writing)."""
     pfile = tmp / f"prompts-{time.monotonic_ns()}.json"
     pfile.write_text(json.dumps(ps))
     env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cmd = [sys.executable, "-m", "tests.engine_run", str(model), json.dumps(kv), str(pfile)]
+    cmd = [sys.executable, "-m", "tests.engine_run", str(model), json.dumps(kv), str(pfile), str(max_tokens)]
     if kill_after_files is None:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -119,6 +120,16 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
     for p, r in zip(ps, got, strict=True):
         assert r.tokens == baseline_of(p)
     assert data["counters"].get("blocks_loaded|nvme", 0) == 2 * ((330 - 1) // BLOCK_SIZE)
+
+
+def test_last_request_before_exit_is_stored(tiny_model, tmp_path):
+    """Offline use: the engine stops stepping when the last request returns (here after
+    one token). Its blocks must already be stored: a fresh engine loads all of them."""
+    ps = SETS[3]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
+    run_process(tiny_model, kv, ps, tmp_path, max_tokens=1)
+    data = run_process(tiny_model, kv, ps, tmp_path, max_tokens=1)
+    assert data["counters"].get("blocks_loaded|nvme", 0) == (330 - 1) // BLOCK_SIZE
 
 
 def test_namespace_isolation(tiny_model, tmp_path):

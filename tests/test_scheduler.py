@@ -71,11 +71,9 @@ def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model
     meta = meta_of(out)
     assert meta.loads == [] and meta.saves == [] and meta.release == []
     block_ids = list(sched.kv_cache_manager.get_block_ids("a")[0])
-
-    # The prompt blocks are saved in the step after the prefill forward ran.
-    out = worker.step(sched)
-    assert [j.block_ids for j in meta_of(out).saves] == [tuple(block_ids[:4])]
-    assert meta_of(out).saves[0].keys == tuple(req.block_hashes[:4])
+    # The prompt blocks are saved right after the prefill forward, in the same step.
+    assert [j.block_ids for j in meta.saves_after] == [tuple(block_ids[:4])]
+    assert meta.saves_after[0].keys == tuple(req.block_hashes[:4])
 
     while req.status == RequestStatus.RUNNING:
         out = worker.step(sched)
@@ -89,12 +87,12 @@ def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model
     assert free_blocks(sched) == initial - 6  # 192 computed tokens
     assert sched.has_requests()  # pending push work keeps the engine stepping
 
-    # Next step: the last decode block is saved and the request released; the worker
-    # reports it in finished_sending and vLLM frees it.
+    # The last decode block was saved after the final forward; the next step only
+    # releases the request: the worker reports it in finished_sending and vLLM frees it.
     out = worker.step(sched)
     meta = meta_of(out)
     assert meta.release == ["a"]
-    assert [(j.req_id, j.block_ids) for j in meta.saves] == [("a", (block_ids[5],))]
+    assert meta.saves == [] and meta.saves_after == []
     assert not sched.has_requests()
 
     saves = all_saves(worker.metas, "a")

@@ -186,9 +186,12 @@ class KVTierConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        # Saves never block the step: their source blocks are held until the worker
-        # reports them done (finished_sending) or belong to running requests.
-        return None
+        # After the forward: copy out the blocks this step completed. On CUDA the copies
+        # are queued on our stream and do not block; their source blocks belong to running
+        # requests or are held until the worker reports them (finished_sending).
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

@@ -64,8 +64,12 @@ class NVMeWriteJob:
 class KVTierMetadata(KVConnectorMetadata):
     #: Slots of the CPU pool; the worker allocates the pool when it first sees this.
     num_slots: int
+    #: Saves run before the forward: blocks of finished requests, held for us by vLLM.
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
+    #: Saves run after the forward (in wait_for_save): blocks completed by this very step,
+    #: so they are stored even if the engine never steps again (offline LLM, shutdown).
+    saves_after: list[SaveJob] = field(default_factory=list)
     #: Finished requests whose blocks the scheduler holds for us: report each in
     #: ``finished_sending`` once all its transfers are complete.
     release: list[str] = field(default_factory=list)

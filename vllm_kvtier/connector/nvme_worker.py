@@ -54,9 +54,14 @@ class NVMeWorker:
 
     # ---- writes -------------------------------------------------------------------
 
-    def write(self, jobs: list[NVMeWriteJob], pool: CPUPool, before_read: Callable[[int], None]) -> None:
-        """Copy each job's slots out now, then queue the chunk write."""
+    def write(self, jobs: list[NVMeWriteJob], pool: CPUPool, before_read: Callable[[int], None],
+              holds: Callable[[int, bytes], bool]) -> None:
+        """Copy each job's slots out now, then queue the chunk write. A job whose slots do
+        not all hold their keys (a save into them failed) is not written."""
         for job in jobs:
+            if not all(holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
+                self._meta.failed.add(job.file_id)
+                continue
             for s in job.slots:
                 before_read(s)  # a save into this slot may still be in flight (CUDA)
                 self.dirty.discard(s)

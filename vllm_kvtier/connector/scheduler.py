@@ -10,12 +10,13 @@ What it decides each step (``build_connector_meta``):
   CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
   must compute at least one token to produce logits). Slots read by a load are pinned until
   the load is known to be done.
-* **saves**: every block whose KV is complete (covered by ``num_computed_tokens`` as of the
-  previous step, so the forward that wrote it has run) and whose key is not stored yet:
-  prompt blocks, and generated blocks if ``save_decode_blocks``. A finished request's
-  remaining blocks are saved in the next step while vLLM holds them for us
-  (``request_finished`` returns True), and released when the worker reports the request
-  in ``finished_sending``.
+* **saves**: every block whose KV is complete once this step's forward ran and whose key
+  is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
+  worker copies them right after the forward (``wait_for_save``), so they are stored even
+  if the engine never steps again. Blocks of a request that sync-loads in this step wait
+  for the next step (a failed load would make the KV computed on top of it wrong). What a
+  finished request still lacks is saved before the next forward while vLLM holds its
+  blocks for us (``request_finished`` returns True), released on ``finished_sending``.
 * **eviction**: LRU among unpinned slots (:class:`~vllm_kvtier.index.slot_index.SlotIndex`).
 * **NVMe** (when configured, :mod:`vllm_kvtier.connector.nvme_plan`): a prefix may continue
   into blocks stored on NVMe; such a load is always async, and each NVMe block is promoted
@@ -253,15 +254,21 @@ class SchedulerHalf:
         self._fresh.clear()
         self._refresh_block_ids(scheduler_output)
         saves = list(self._final_saves)
-        for req_id in scheduler_output.num_scheduled_tokens:
+        saves_after: list[SaveJob] = []
+        loads = self._loads
+        # A block computed on top of a sync load that then fails would hold wrong KV: for
+        # a request loading in this step, save only blocks computed before it.
+        sync_loading = {job.req_id for job in loads if not job.asynchronous}
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is None:
                 continue
-            upto = self._saveable_blocks(state.request, state.request.num_computed_tokens)
-            job = self._plan_saves(state, upto)
+            computed = state.request.num_computed_tokens  # before this step
+            if req_id not in sync_loading:
+                computed += n_sched  # complete once this step's forward ran
+            job = self._plan_saves(state, self._saveable_blocks(state.request, computed))
             if job is not None:
-                saves.append(job)
-        loads = self._loads
+                saves_after.append(job)
         # Sync loads run in this step, before any later step's save can reuse their
         # slots (the worker keeps steps in order), so their pins end here: after saves
         # were planned, so no save of this step evicts a slot that this step reads.
@@ -270,15 +277,15 @@ class SchedulerHalf:
                 for s in job.slots:
                     self.index.unpin(s)
         meta = KVTierMetadata(
-            num_slots=self.index.num_slots, saves=saves, loads=loads,
+            num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
             release=self._release, preempted=preempted, step=self._step,
         )
         if self.nvme is not None:
-            saved = {BlockKey(k) for job in saves for k in job.keys}
+            saved = {BlockKey(k) for job in saves + saves_after for k in job.keys}
             meta.demotes, meta.write_through, meta.nvme_deletes = self.nvme.take_jobs(saved, self.index.slot)
             if self.nvme.cfg.mode == "write-back":
                 meta.persist_slots = [
-                    s for job in saves for s, k in zip(job.slots, job.keys, strict=True)
+                    s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if self.nvme.admitted(BlockKey(k))
                 ]
         self._loads, self._final_saves, self._release = [], [], []

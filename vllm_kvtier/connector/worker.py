@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead, SaveJob
 from vllm_kvtier.connector.nvme_worker import NVMeWorker
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
@@ -72,6 +72,7 @@ class WorkerHalf:
         self._slot_key: list[bytes | None] = []
         self._slot_crc: list[int] = []
         self._step_begun = -1
+        self._step_ended = -1
         self._meta: KVTierMetadata | None = None
         self._inflight_saves: dict[str, list[Transfer]] = {}
         self._pending_release: set[str] = set()
@@ -121,9 +122,31 @@ class WorkerHalf:
                 self.engine.order_before_compute(t)
         if self.nvme is not None:
             # Demoted slots are copied out before this step's saves reuse them.
-            self.nvme.write(meta.demotes, self.pool, self._wait_slot)
+            self.nvme.write(meta.demotes, self.pool, self._wait_slot, self._holds)
             self.nvme.delete(meta.nvme_deletes)
-        for job in meta.saves:
+        self._run_saves(meta.saves)
+        self._pending_release.update(meta.release)
+
+    def end_step(self) -> None:
+        """After the forward (from ``wait_for_save``): save the blocks this step completed,
+        then write-through to NVMe. Idempotent per step."""
+        meta = self._meta
+        if meta is None or meta.step == self._step_ended or self.pool is None:
+            return
+        self._step_ended = meta.step
+        self._run_saves(meta.saves_after)
+        if self.nvme is not None:
+            for job in meta.saves + meta.saves_after:
+                self.nvme.dirty.difference_update(job.slots)
+            self.nvme.dirty.update(meta.persist_slots)
+            self.nvme.write(meta.write_through, self.pool, self._wait_slot, self._holds)
+
+    def _holds(self, slot: int, key: bytes) -> bool:
+        return self._slot_key[slot] == key
+
+    def _run_saves(self, jobs: list[SaveJob]) -> None:
+        assert self.engine is not None and self.pool is not None
+        for job in jobs:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
             except Exception:  # a failed save is a future miss, never a failed step
@@ -142,12 +165,6 @@ class WorkerHalf:
                 t.wait()
                 for s in job.slots:
                     self._slot_crc[s] = self.pool.checksum(s)
-        self._pending_release.update(meta.release)
-        if self.nvme is not None:
-            for job in meta.saves:
-                self.nvme.dirty.difference_update(job.slots)
-            self.nvme.dirty.update(meta.persist_slots)
-            self.nvme.write(meta.write_through, self.pool, self._wait_slot)
 
     def _wait_slot(self, slot: int) -> None:
         t = self._slot_save.pop(slot, None)
