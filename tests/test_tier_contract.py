@@ -1,23 +1,28 @@
 """One contract suite, run against every BlockTier (vllm_kvtier.tiers.base).
 
-Each tier is the real medium: a dict, a CPU pool, chunk files in tmp_path. Damage is done
-through the medium (a stored bytearray, the pool's plane, the file on disk), never by
+Each tier is the real medium: a dict, a CPU pool, chunk files in tmp_path, objects in a
+bucket of a moto S3 server on 127.0.0.1. Damage is done through the medium (a stored
+bytearray, the pool's plane, the file on disk, the object overwritten with boto3), never by
 calling into the tier's private state.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
+from tests import s3_server as s3srv
+from tests.s3_server import MotoServer, plain_client, requires_s3
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.tiers.base import MAX_KEY_BYTES, BlockTier
-from vllm_kvtier.tiers.keyed import CPUTier, NVMeTier
+from vllm_kvtier.tiers.keyed import CPUTier, NVMeTier, S3Tier
 from vllm_kvtier.tiers.memory import MemoryTier
 
 BLOCK = 3000  # deliberately not a multiple of 4096: the disk format pads it
 FITS = 6  # blocks each tier is sized to hold
+s3_server = s3srv.s3_server  # fixture: a moto server for this module, started by the s3 tier only
 
 
 def key(i: int) -> bytes:
@@ -28,15 +33,22 @@ def block(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(BLOCK))
 
 
-@pytest.fixture(params=["memory", "cpu", "nvme"])
+@pytest.fixture(params=["memory", "cpu", "nvme", pytest.param("s3", marks=[pytest.mark.s3, requires_s3])])
 def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[BlockTier]:
     t: BlockTier
     if request.param == "memory":
         t = MemoryTier(FITS * BLOCK, BLOCK)
     elif request.param == "cpu":
         t = CPUTier(FITS * BLOCK, BLOCK)
-    else:
+    elif request.param == "nvme":
         t = NVMeTier(tmp_path / "nvme", FITS * NVMeTier.file_bytes(BLOCK), BLOCK)
+    else:
+        from vllm_kvtier.tiers.s3 import S3Config
+
+        server: MotoServer = request.getfixturevalue("s3_server")
+        cfg = S3Config(bucket=server.create_bucket(), prefix="contract/", endpoint_url=server.url,
+                       path_style=True, io_threads=2)
+        t = S3Tier(cfg, FITS * S3Tier.file_bytes(BLOCK), BLOCK)
     yield t
     t.close()
 
@@ -64,6 +76,15 @@ def corrupt(t: BlockTier, k: bytes) -> None:
             b = f.read(1)
             f.seek(offset + BLOCK // 2)
             f.write(bytes([b[0] ^ 0xFF]))
+    elif isinstance(t, S3Tier):
+        # The whole object replaced by garbage of the same size, straight through boto3.
+        loc = t.location(k)
+        assert loc is not None
+        cfg = t.store.config
+        assert cfg.endpoint_url is not None
+        client, bucket = plain_client(cfg.endpoint_url, cfg.ca_bundle), cfg.bucket
+        size = client.head_object(Bucket=bucket, Key=loc[0])["ContentLength"]
+        client.put_object(Bucket=bucket, Key=loc[0], Body=os.urandom(size))
     else:
         raise AssertionError(f"no fault drill for {type(t)}")
 

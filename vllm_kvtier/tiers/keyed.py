@@ -1,10 +1,12 @@
 """Keyed adapters that make the real media meet :class:`~vllm_kvtier.tiers.base.BlockTier`.
 
 :class:`CPUTier` is a :class:`~vllm_kvtier.index.slot_index.SlotIndex` over a one-plane
-:class:`~vllm_kvtier.tiers.cpu.CPUPool`. :class:`NVMeTier` is an
-:class:`~vllm_kvtier.tiers.nvme.NVMeStore` plus an in-memory index of key -> (file, block)
-rebuilt from the chunk headers at construction, so a tier opened on a directory finds what
-an earlier one stored there. Both verify a CRC32 on every ``get``.
+:class:`~vllm_kvtier.tiers.cpu.CPUPool`. :class:`NVMeTier` and :class:`S3Tier` are a
+submit/poll chunk store (:class:`~vllm_kvtier.tiers.nvme.NVMeStore`,
+:class:`~vllm_kvtier.tiers.s3.S3Store`) plus an in-memory index of key -> (chunk, block)
+rebuilt from the chunk headers at construction (:class:`ChunkStoreTier`), so a tier opened
+on a directory or bucket prefix finds what an earlier one stored there. All verify a CRC32
+on every ``get``. ``S3Tier`` needs boto3 only when constructed.
 
 They serve tools, tests and the tier contract; the connector drives the same media
 asynchronously. Same threading and failure rules as BlockTier: one caller thread; a
@@ -20,7 +22,7 @@ import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from vllm_kvtier.tiers.base import count_failure, refusal
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, file_id_for, scan_dir
+from vllm_kvtier.tiers.s3 import S3Config, S3Store
 
 logger = logging.getLogger(__name__)
 
@@ -100,74 +103,42 @@ class CPUTier:
             self.index.remove(key)
 
 
-class NVMeTier:
-    """Blocks in chunk files, one block per file, least recently used files evicted.
+class ChunkStoreTier:
+    """Blocks in one-block chunk objects of a submit/poll store, least recently used
+    chunks evicted. The store is an :class:`~vllm_kvtier.tiers.nvme.NVMeStore` or an
+    :class:`~vllm_kvtier.tiers.s3.S3Store` (same submit/poll shape); subclasses build it
+    and rebuild the index from what it holds.
 
     Writes and reads go through the store's I/O threads; each call submits one job and
     polls until it completes or ``timeout_s`` passes (then it is a failure, and a late
     result is cleaned up on a later call). See BlockTier for the contract.
     """
 
-    name = "nvme"
+    name = "chunks"
+    store: Any
 
-    def __init__(
-        self,
-        path: str | Path,
-        capacity_bytes: int,
-        block_bytes: int,
-        namespace: str = "contract0000000",
-        rank: int = 0,
-        *,
-        timeout_s: float = 10.0,
-        direct_io: Literal["auto", "on", "off"] = "auto",
-    ) -> None:
+    def __init__(self, store: Any, capacity_bytes: int, block_bytes: int, timeout_s: float) -> None:
         self.block_bytes = block_bytes
         self.capacity_bytes = capacity_bytes
         self.timeout_s = timeout_s
         self.counters = Counters()
-        self.store = NVMeStore(path, namespace, rank, block_bytes, direct_io=direct_io)
+        self.store = store
         self._files: OrderedDict[str, ChunkHeader] = OrderedDict()  # least recently used first
         self._where: dict[bytes, tuple[str, int]] = {}  # key -> (file_id, position in file)
         self._usage = 0
         self._jobs = itertools.count()
         self._abandoned: set[int] = set()
         self._closed = False
-        self._rebuild()
 
     @staticmethod
     def file_bytes(block_bytes: int) -> int:
-        """Disk bytes one block takes: a one-entry header plus the block padded to its stride."""
+        """Bytes one block takes on the medium: a one-entry header plus the block padded to
+        its stride."""
         return header_bytes_for(1) + align_up(block_bytes)
 
-    def _rebuild(self) -> None:
-        found, problems = scan_dir(self.store.dir, self.store.namespace, cleanup=True)
-        if problems:
-            logger.warning("kvtier nvme tier: %s: dropped at start: %s", self.store.dir, problems)
-        # Oldest written first: recency across a restart is approximate (reads do not
-        # update mtime, and the filesystem clock is coarse).
-        for file_id in sorted(found, key=self._mtime_ns):
-            h = found[file_id]
-            if h.block_bytes != self.block_bytes:
-                logger.warning("kvtier nvme tier: ignoring %s: blocks of %d B", file_id, h.block_bytes)
-                continue
-            self._add_file(file_id, h)
-        while self._usage > self.capacity_bytes:
-            self._evict_oldest()
-
-    def _mtime_ns(self, file_id: str) -> int:
-        try:
-            return os.stat(self.store.path(file_id)).st_mtime_ns
-        except OSError:  # gone since the scan: sorts first, and a read of it will miss
-            return 0
-
-    def location(self, key: bytes) -> tuple[Path, int] | None:
-        """The file holding ``key`` and the byte offset of its block (for fault drills and
-        tools), or None."""
-        loc = self._where.get(key)
-        if loc is None:
-            return None
-        file_id, pos = loc
-        return self.store.path(file_id), self._files[file_id].block_offset(pos)
+    def _drops_on(self, reason: str) -> bool:
+        """Whether a failed read with this reason drops (and deletes) the chunk."""
+        return True
 
     def put(self, key: bytes, data: bytes | memoryview) -> bool:
         why = "tier is closed" if self._closed else refusal(key, data, self.block_bytes)
@@ -215,7 +186,8 @@ class NVMeTier:
             count_failure(self, "load_failures", key, f"read timed out after {self.timeout_s} s", logger)
             return None
         if not res.ok or not res.blocks:
-            self._drop_file(file_id)
+            if self._drops_on(res.reason):
+                self._drop_file(file_id)
             count_failure(self, "load_failures", key, f"read of {file_id} failed ({res.reason})", logger)
             return None
         data = res.blocks[0].tobytes()
@@ -293,3 +265,105 @@ class NVMeTier:
                 if r.kind == "write" and r.ok and not self._closed:
                     self.store.submit_delete(r.file_id)
         return mine
+
+
+class NVMeTier(ChunkStoreTier):
+    """Blocks in chunk files, one block per file. See ChunkStoreTier and BlockTier."""
+
+    name = "nvme"
+    store: NVMeStore
+
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        block_bytes: int,
+        namespace: str = "contract0000000",
+        rank: int = 0,
+        *,
+        timeout_s: float = 10.0,
+        direct_io: Literal["auto", "on", "off"] = "auto",
+    ) -> None:
+        store = NVMeStore(path, namespace, rank, block_bytes, direct_io=direct_io)
+        super().__init__(store, capacity_bytes, block_bytes, timeout_s)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        found, problems = scan_dir(self.store.dir, self.store.namespace, cleanup=True)
+        if problems:
+            logger.warning("kvtier nvme tier: %s: dropped at start: %s", self.store.dir, problems)
+        # Oldest written first: recency across a restart is approximate (reads do not
+        # update mtime, and the filesystem clock is coarse).
+        for file_id in sorted(found, key=self._mtime_ns):
+            h = found[file_id]
+            if h.block_bytes != self.block_bytes:
+                logger.warning("kvtier nvme tier: ignoring %s: blocks of %d B", file_id, h.block_bytes)
+                continue
+            self._add_file(file_id, h)
+        while self._usage > self.capacity_bytes:
+            self._evict_oldest()
+
+    def _mtime_ns(self, file_id: str) -> int:
+        try:
+            return os.stat(self.store.path(file_id)).st_mtime_ns
+        except OSError:  # gone since the scan: sorts first, and a read of it will miss
+            return 0
+
+    def location(self, key: bytes) -> tuple[Path, int] | None:
+        """The file holding ``key`` and the byte offset of its block (for fault drills and
+        tools), or None."""
+        loc = self._where.get(key)
+        if loc is None:
+            return None
+        file_id, pos = loc
+        return self.store.path(file_id), self._files[file_id].block_offset(pos)
+
+
+class S3Tier(ChunkStoreTier):
+    """Blocks in chunk objects of an S3 bucket, one block per object (the connector packs
+    many; this adapter serves the contract suite and tools). The index is rebuilt with
+    :meth:`S3Store.scan` at construction, oldest object first, and the tier owns its
+    (namespace, rank) prefix: evicting deletes objects.
+
+    A read that fails because the endpoint is unhealthy (timeout, throttling, breaker
+    open, deadline) is a miss that keeps the entry; one whose object is damaged or gone
+    (checksum, truncated, missing) drops it.
+    """
+
+    name = "s3"
+    store: S3Store
+
+    def __init__(
+        self,
+        config: S3Config,
+        capacity_bytes: int,
+        block_bytes: int,
+        namespace: str = "contract0000000",
+        rank: int = 0,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        if timeout_s is None:  # a write may overrun its deadline by one attempt's timeouts
+            timeout_s = config.deadline_s + config.connect_timeout_s + config.read_timeout_s + 1.0
+        super().__init__(
+            S3Store(config, namespace, rank, block_bytes), capacity_bytes, block_bytes, timeout_s
+        )
+        found = self.store.scan(cleanup=True)
+        if self.store.last_scan.problems:
+            logger.warning("kvtier s3 tier: dropped at start: %s", self.store.last_scan.problems)
+        for file_id, h in found.items():
+            self._add_file(file_id, h)
+        while self._usage > self.capacity_bytes:
+            self._evict_oldest()
+
+    def _drops_on(self, reason: str) -> bool:
+        return reason in ("checksum", "truncated", "missing", "namespace", "format")
+
+    def location(self, key: bytes) -> tuple[str, int] | None:
+        """The object key holding ``key`` and the byte offset of its block (for fault
+        drills and tools), or None."""
+        loc = self._where.get(key)
+        if loc is None:
+            return None
+        file_id, pos = loc
+        return self.store.key(file_id), self._files[file_id].block_offset(pos)
