@@ -15,6 +15,8 @@ demo: venv
 
 bench: venv
 	@.venv/bin/python bench/cpu_tier_throughput.py
+	@.venv/bin/python bench/nvme_throughput.py
+	@.venv/bin/python bench/s3_throughput.py
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/ttft.py
 
 lint: venv

@@ -32,6 +32,14 @@ _CRC = struct.Struct("<I")
 class ChunkFormatError(ValueError):
     """A chunk header or block that does not verify. Treated as a miss by callers."""
 
+    @property
+    def reason(self) -> str:
+        """A short, stable label for counters and logs."""
+        for word in ("checksum", "truncated", "namespace"):
+            if word in str(self):
+                return word
+        return "format"
+
 
 def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN

@@ -69,10 +69,7 @@ def rank_dir(root: str | Path, namespace: str, rank: int) -> Path:
 def error_reason(e: BaseException) -> str:
     """A short, stable label for a failure (used in counters and logs)."""
     if isinstance(e, ChunkFormatError):
-        for word in ("checksum", "truncated", "namespace"):
-            if word in str(e):
-                return word
-        return "format"
+        return e.reason
     if isinstance(e, FileNotFoundError):
         return "missing"
     if isinstance(e, OSError):

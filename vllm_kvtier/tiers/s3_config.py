@@ -131,10 +131,7 @@ def object_key(cfg: S3Config, namespace: str, rank: int, object_id: str) -> str:
 def error_reason(e: BaseException) -> str:
     """A short, stable label for a failure (counters, logs, ``IOResult.reason``)."""
     if isinstance(e, ChunkFormatError):
-        for word in ("checksum", "truncated", "namespace"):
-            if word in str(e):
-                return word
-        return "format"
+        return e.reason
     if isinstance(e, BreakerOpen):
         return "breaker_open"
     if isinstance(e, DeadlineExceeded):
