@@ -168,7 +168,7 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         if value not in allowed:
             raise ConfigError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
         return _build(tp, value, path)

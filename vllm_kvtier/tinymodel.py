@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, Any]] = {
     # ~3 MB: unit and end-to-end tests.
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),

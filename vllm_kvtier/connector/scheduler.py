@@ -272,9 +272,9 @@ class SchedulerHalf:
         # Sync loads run in this step, before any later step's save can reuse their
         # slots (the worker keeps steps in order), so their pins end here: after saves
         # were planned, so no save of this step evicts a slot that this step reads.
-        for job in loads:
-            if not job.asynchronous:
-                for s in job.slots:
+        for load in loads:
+            if not load.asynchronous:
+                for s in load.slots:
                     self.index.unpin(s)
         meta = KVTierMetadata(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,

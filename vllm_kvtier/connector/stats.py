@@ -8,7 +8,9 @@ registry (multiprocess-safe metric classes are passed in by vLLM).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+
+from prometheus_client import Counter, Gauge
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -52,12 +54,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         names = list(labelnames) + ["tier"]
+        counter_cls = cast(type[Counter], self._counter_cls)
+        gauge_cls = cast(type[Gauge], self._gauge_cls)
         self._counters = {
-            m: self._counter_cls(name=f"vllm:kvtier_{m}", documentation=doc, labelnames=names)
+            m: counter_cls(name=f"vllm:kvtier_{m}", documentation=doc, labelnames=names)
             for m, doc in COUNTERS.items()
         }
         self._gauges = {
-            m: self._gauge_cls(
+            m: gauge_cls(
                 name=f"vllm:kvtier_{m}", documentation=doc, labelnames=names,
                 multiprocess_mode="mostrecent",
             )

@@ -52,7 +52,7 @@ class _Done:
 
 
 class _FutureTransfer:
-    def __init__(self, fut: Future[None], nbytes: int, started_s: float) -> None:
+    def __init__(self, fut: Future[int], nbytes: int, started_s: float) -> None:
         self._fut = fut
         self.nbytes = nbytes
         self.started_s = started_s
@@ -161,6 +161,7 @@ def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | 
             if room == 0 and len(parts) < nthreads:
                 parts.append([])
                 room = share
+    assert pool is not None
     futures = [pool.submit(_memmove_seq, p) for p in parts[1:] if p]
     _memmove_seq(parts[0])
     for f in futures:
