@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 from prometheus_client import Counter, Gauge
-
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
