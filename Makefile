@@ -20,8 +20,9 @@ bench: venv
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/ttft.py
 
 lint: venv
-	@.venv/bin/python -m ruff check vllm_kvtier tests bench examples
-	@.venv/bin/python -m ruff format --check vllm_kvtier
+	@.venv/bin/pip install -q --no-deps -r requirements/dev.txt >/dev/null 2>&1
+	@.venv/bin/python -m ruff check vllm_kvtier
+	@.venv/bin/python -m mypy vllm_kvtier
 
 clean:
 	rm -rf .venv .venv-setup.log bench/results
