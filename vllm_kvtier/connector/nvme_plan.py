@@ -148,6 +148,15 @@ class NVMePlanner:
         self.counters.set_gauge("capacity_bytes", TIER, self.index.capacity_bytes * self.world_size)
         return demotes, through, deletes
 
+    def drop_key(self, key: BlockKey) -> None:
+        """``key``'s bytes are wrong (computed on top of a failed load): drop the file that
+        holds or is writing it."""
+        fid = self.index.file_holding(key)
+        if fid is not None:
+            self.index.remove(fid)
+            self._acks.pop(fid, None)
+            self._deletes.append(fid)
+
     def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
         if meta.failed:
             self._failures_in_a_row += len(meta.failed)

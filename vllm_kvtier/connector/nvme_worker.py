@@ -93,7 +93,8 @@ class NVMeWorker:
         self.store.submit_read(rid, read.file_id, header, list(read.positions))
         return rid
 
-    def poll(self, pool: CPUPool, on_read: Callable[[int, NVMeRead, bool], None]) -> None:
+    def poll(self, pool: CPUPool, on_read: Callable[[int, NVMeRead, bool], None],
+             before_write: Callable[[int], None]) -> None:
         """Handle finished I/O: fill slots from completed reads and call ``on_read``."""
         for res in self.store.poll() if self.store is not None else ():
             if res.kind == "write":
@@ -107,6 +108,7 @@ class NVMeWorker:
                 if ok:
                     assert res.blocks is not None
                     for slot, data in zip(read.slots, res.blocks, strict=True):
+                        before_write(slot)  # a device copy may still use the slot (CUDA)
                         pool.copy_slot_in(slot, data)
                     self.counters.add("blocks_loaded", TIER, len(read.slots))
                     self.counters.add("bytes_loaded", TIER, res.nbytes)

@@ -61,6 +61,11 @@ class _ReqState:
     #: NVMe files pinned by an async load of this request, and keys being promoted.
     pinned_files: list[str] = field(default_factory=list)
     promoting: list[BlockKey] = field(default_factory=list)
+    #: An async load of this request is in flight (until finished_recving).
+    async_loading: bool = False
+    #: position -> key of every block this request saved, to undo the ones computed on
+    #: top of a block that then failed to load.
+    saved: dict[int, BlockKey] = field(default_factory=dict)
 
 
 class SchedulerHalf:
@@ -150,20 +155,25 @@ class SchedulerHalf:
         bs = self.block_size
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
-        slots: list[int] = []
+        slots = [-1] * n  # -1: cannot be loaded, the worker reports it failed (recompute)
         reads: dict[str, list[tuple[int, int, BlockKey]]] = {}  # file -> (position, slot, key)
-        for k in keys:
+        # Pin every key already in DRAM first: promoting the NVMe ones below allocates
+        # slots, and must not evict a key this same load reads from DRAM.
+        for i, k in enumerate(keys):
             s = self.index.slot(k)
-            if s is not None:
+            if s is not None and k not in self._promoting:
                 self.index.touch(k)
                 self.index.pin(s)
-                slots.append(s)
+                slots[i] = s
                 self.counters.add("hit_blocks", TIER)
+        for i, k in enumerate(keys):
+            if slots[i] >= 0:
                 continue
             loc = self.nvme.index.locate(k) if self.nvme is not None else None
-            assert loc is not None, "matched key vanished between match and alloc"
+            if loc is None:  # gone since the match (e.g. its file failed): recompute it
+                continue
             s = self._promote(k, loc[0])
-            slots.append(s)
+            slots[i] = s
             if s >= 0:
                 reads.setdefault(loc[0], []).append((loc[1], s, k))
                 state.promoting.append(k)
@@ -182,6 +192,7 @@ class SchedulerHalf:
             state.pinned_files.append(fid)
         self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, nvme_reads))
         state.loaded.update(zip(blocks, keys, strict=True))
+        state.async_loading = asynchronous
         if asynchronous:
             state.pinned_slots.extend(s for s in slots if s >= 0)
 
@@ -232,6 +243,7 @@ class SchedulerHalf:
             blocks.append(state.block_ids[i])
             slots.append(alloc.slot)
             keys.append(key)
+            state.saved[i] = key
         for s in slots:
             self.index.unpin(s)
         state.next_save = max(state.next_save, upto)
@@ -323,6 +335,7 @@ class SchedulerHalf:
             self._end_async_load(state)
 
     def _end_async_load(self, state: _ReqState) -> None:
+        state.async_loading = False
         for s in state.pinned_slots:
             self.index.unpin(s)
         state.pinned_slots = []
@@ -344,7 +357,9 @@ class SchedulerHalf:
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return False, None
-        if state.pinned_slots:
+        if state.async_loading:
+            # vLLM keeps the blocks until finished_recving; the loaded range is not valid
+            # KV yet, so nothing may be saved from it.
             self._held[request.request_id] = state  # unpinned on finished_recving
             return False, None
         state.block_ids = list(block_ids)
@@ -375,9 +390,18 @@ class SchedulerHalf:
                     self._promoting.discard(key)
                     if self.index.remove(key):
                         logger.warning("kvtier: dropped a block that failed to load")
-                    # vLLM recomputes it: save it again once it is complete.
-                    if b in state.block_ids:
-                        state.next_save = min(state.next_save, state.block_ids.index(b))
+                    if b not in state.block_ids:
+                        continue
+                    pos = state.block_ids.index(b)
+                    # Blocks this request computed (and saved) after the bad one attended
+                    # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
+                    # saved again once complete.
+                    for p in [p for p in state.saved if p > pos]:
+                        poisoned = state.saved.pop(p)
+                        self.index.remove(poisoned)
+                        if self.nvme is not None:
+                            self.nvme.drop_key(poisoned)
+                    state.next_save = min(state.next_save, pos)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if self.nvme is not None and isinstance(meta, KVTierWorkerMeta):
             self.nvme.on_worker_meta(meta)

@@ -63,7 +63,8 @@ class WorkerHalf:
         self.namespace = namespace
         self.rank = rank
         self.nvme: NVMeWorker | None = None
-        #: slot -> the last save into it (CUDA saves complete asynchronously).
+        #: slot -> the last transfer that reads or writes it (CUDA copies complete
+        #: asynchronously): waited for before the host itself touches the slot.
         self._slot_save: dict[int, Transfer] = {}
         self.counters = Counters()
         self.layout: KVLayout | None = None
@@ -216,6 +217,9 @@ class WorkerHalf:
             logger.warning("kvtier: %d of %d blocks of request %s failed to load; recomputing",
                            len(failed), len(job.block_ids), job.req_id)
             self.counters.add("load_failures", TIER, len(failed))
+        if transfer is not None:
+            for s in slots:
+                self._slot_save[s] = transfer
         if job.asynchronous:
             self._async_loads.append(_AsyncLoad(job.req_id, transfer, failed, blocks))
             return
@@ -271,6 +275,8 @@ class WorkerHalf:
         if blocks:
             try:
                 a.transfer = self.engine.submit("load", blocks, slots, background=True)
+                for s in slots:
+                    self._slot_save[s] = a.transfer
             except Exception:
                 logger.exception("kvtier: load of %d blocks failed", len(blocks))
                 a.failed_blocks.update(blocks)
@@ -292,7 +298,7 @@ class WorkerHalf:
         if self.nvme is not None and self.pool is not None:
             if idle_step:
                 self.nvme.wait_for_reads(0.002)
-            self.nvme.poll(self.pool, self._on_read)
+            self.nvme.poll(self.pool, self._on_read, self._wait_slot)
         still: list[_AsyncLoad] = []
         for a in self._async_loads:
             if a.pending_reads is not None:

@@ -104,6 +104,15 @@ class ChunkIndex:
                 del self._loc[k]
         return f.keys
 
+    def file_holding(self, key: BlockKey) -> str | None:
+        """The file that stores or is writing ``key``, if any."""
+        loc = self._loc.get(key)
+        if loc is not None:
+            return loc[0]
+        if key in self._pending:
+            return next((fid for fid, f in self._files.items() if not f.confirmed and key in f.keys), None)
+        return None
+
     def touch(self, file_id: str) -> None:
         if file_id in self._files:
             self._files.move_to_end(file_id)
