@@ -290,7 +290,7 @@ def test_unanswered_request_is_a_deadline_miss_not_a_stall(s3_server: MotoServer
         proxy.hang(10)
         t0 = time.monotonic()
         s.submit_read(7, "h", h, [0])
-        assert time.monotonic() - t0 < 0.05  # submit never blocks
+        assert time.monotonic() - t0 < 0.3  # submit never blocks (it does not wait 0.8 s)
         r = wait(s, 7)
         took = time.monotonic() - t0
         assert not r.ok and r.reason == "deadline"
@@ -322,7 +322,7 @@ def test_server_stopped_then_restarted(tmp_path: Path) -> None:
             t0 = time.monotonic()
             assert s.submit_write(20, "during", chunk(5, 1))
             r = wait(s, 20)
-            assert not r.ok and r.reason == "breaker_open" and time.monotonic() - t0 < 0.25
+            assert not r.ok and r.reason == "breaker_open" and time.monotonic() - t0 < 1.0
             assert sum(requests(s).values()) == sent
             snap = s.breaker.snapshot()
             assert snap.opens >= 1 and snap.rejected >= 1
