@@ -55,6 +55,8 @@ class NVMePlanner:
         self._through: list[tuple[int, BlockKey]] = []
         self._deletes: list[str] = []
         self._acks: dict[str, int] = {}
+        #: Files that failed on some rank: a late "written" from another rank is ignored.
+        self._failed_files: OrderedDict[str, None] = OrderedDict()
         self._failures_in_a_row = 0
         self._paused_until = 0.0
         self._rebuild(namespace)
@@ -169,11 +171,14 @@ class NVMePlanner:
             self._failures_in_a_row = 0
         for fid in meta.failed | meta.bad:
             self._acks.pop(fid, None)
+            self._failed_files[fid] = None
+            while len(self._failed_files) > 4096:
+                self._failed_files.popitem(last=False)
             if self.index.remove(fid):
                 logger.warning("kvtier nvme: dropped chunk %s (write failed or unreadable)", fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
         for fid, n in meta.written.items():
-            if fid in meta.failed:
+            if fid in meta.failed or fid in self._failed_files:
                 continue
             self._acks[fid] = self._acks.get(fid, 0) + n
             if self._acks[fid] >= self.world_size:
