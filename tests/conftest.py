@@ -59,6 +59,17 @@ def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) 
     return LLM(**args)
 
 
+def run_reuse(model: Path, kv_transfer_config: dict[str, Any] | None,
+              scenario: Scenario | None = None) -> tuple[dict[str, Result], dict[str, float]]:
+    """Run the reuse scenario (or ``scenario``) on a fresh engine; its results and the
+    plugin's final counters."""
+    llm = make_llm(model, kv_transfer_config)
+    try:
+        return run_scenario(llm, scenario or reuse_scenario()), kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+
+
 def close_llm(llm: Any) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()

@@ -17,6 +17,7 @@ from tests.conftest import (
     make_llm,
     rand_tokens,
     reuse_scenario,
+    run_reuse,
     run_scenario,
 )
 
@@ -37,12 +38,7 @@ def _check_reuse(res) -> None:
 
 @pytest.mark.parametrize("load_mode", ["sync", "async"])
 def test_reuse_in_process(tiny_model, baseline, load_mode):
-    llm = make_llm(tiny_model, kvtier_config({"load_mode": load_mode}))
-    try:
-        res = run_scenario(llm, reuse_scenario())
-        counters = kvtier_counters(llm)
-    finally:
-        close_llm(llm)
+    res, counters = run_reuse(tiny_model, kvtier_config({"load_mode": load_mode}))
     assert_same_tokens(baseline, res)
     _check_reuse(res)
     assert counters["blocks_stored|cpu"] >= 11
@@ -52,21 +48,13 @@ def test_reuse_in_process(tiny_model, baseline, load_mode):
 def test_entry_point_registration(tiny_model, baseline):
     """`{"kv_connector": "KVTierConnector"}` alone works through the vllm.general_plugins
     entry point (no kv_connector_module_path)."""
-    llm = make_llm(tiny_model, kvtier_config(module_path=False))
-    try:
-        res = run_scenario(llm, reuse_scenario()[:2])
-    finally:
-        close_llm(llm)
+    res, _ = run_reuse(tiny_model, kvtier_config(module_path=False), reuse_scenario()[:2])
     assert res["repeat"].tokens == baseline["repeat"].tokens
     assert res["repeat"].loaded == P1_BLOCKS
 
 
 def test_decode_blocks_not_saved_when_disabled(tiny_model, baseline):
-    llm = make_llm(tiny_model, kvtier_config({"save_decode_blocks": False}))
-    try:
-        res = run_scenario(llm, reuse_scenario())
-    finally:
-        close_llm(llm)
+    res, _ = run_reuse(tiny_model, kvtier_config({"save_decode_blocks": False}))
     assert_same_tokens(baseline, res)
     # Only turn 1's 10 full prompt blocks are stored, not the 11th, filled by its answer.
     assert res["turn2"].loaded == 10
@@ -116,23 +104,14 @@ def test_injected_load_failures_recompute(tiny_model, baseline):
 
 
 def test_async_load_failures_recompute(tiny_model, baseline):
-    llm = make_llm(tiny_model, kvtier_config({"load_mode": "async",
-                                              "fault_injection": {"load_error_rate": 0.5, "seed": 5}}))
-    try:
-        res = run_scenario(llm, reuse_scenario())
-        counters = kvtier_counters(llm)
-    finally:
-        close_llm(llm)
+    res, counters = run_reuse(tiny_model, kvtier_config(
+        {"load_mode": "async", "fault_injection": {"load_error_rate": 0.5, "seed": 5}}))
     assert_same_tokens(baseline, res)
     assert counters["load_failures|cpu"] > 0
 
 
 def test_checksum_mode(tiny_model, baseline):
-    llm = make_llm(tiny_model, kvtier_config({"cpu": {"capacity_bytes": 32 * 2**20, "checksum": True}}))
-    try:
-        res = run_scenario(llm, reuse_scenario())
-    finally:
-        close_llm(llm)
+    res, _ = run_reuse(tiny_model, kvtier_config({"cpu": {"capacity_bytes": 32 * 2**20, "checksum": True}}))
     assert_same_tokens(baseline, res)
     _check_reuse(res)
 

@@ -55,7 +55,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm_kvtier")
 
-__all__ = ["KVTierConnector"]
+__all__ = ["KVTierConnector", "register"]
+
+CONNECTOR_NAME = "KVTierConnector"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
+    work without ``kv_connector_module_path``. vLLM calls this in every process; calling
+    it twice is harmless."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
 
 
 def _block_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,7 @@ class WorkerHalf:
         self.nvme: NVMeWorker | None = None
         #: slot -> the last transfer that reads or writes it (CUDA copies complete
         #: asynchronously): waited for before the host itself touches the slot.
-        self._slot_save: dict[int, Transfer] = {}
+        self._slot_busy: dict[int, Transfer] = {}
         self.counters = Counters()
         self.layout: KVLayout | None = None
         self.pool: CPUPool | None = None
@@ -158,8 +159,7 @@ class WorkerHalf:
             for s, k in zip(job.slots, job.keys, strict=True):
                 self._slot_key[s] = k
             self._inflight_saves.setdefault(job.req_id, []).append(t)
-            for s in job.slots:
-                self._slot_save[s] = t
+            self._mark_busy(job.slots, t)
             self.counters.add("blocks_stored", TIER, len(job.block_ids))
             self.counters.add("bytes_stored", TIER, t.nbytes)
             if self.cfg.cpu.checksum:
@@ -167,8 +167,14 @@ class WorkerHalf:
                 for s in job.slots:
                     self._slot_crc[s] = self.pool.checksum(s)
 
+    def _mark_busy(self, slots: Iterable[int], t: Transfer) -> None:
+        """Remember device copies still using these slots (CUDA); host copies are done."""
+        if not t.done():
+            for s in slots:
+                self._slot_busy[s] = t
+
     def _wait_slot(self, slot: int) -> None:
-        t = self._slot_save.pop(slot, None)
+        t = self._slot_busy.pop(slot, None)
         if t is not None:
             t.wait()
 
@@ -218,8 +224,7 @@ class WorkerHalf:
                            len(failed), len(job.block_ids), job.req_id)
             self.counters.add("load_failures", TIER, len(failed))
         if transfer is not None:
-            for s in slots:
-                self._slot_save[s] = transfer
+            self._mark_busy(slots, transfer)
         if job.asynchronous:
             self._async_loads.append(_AsyncLoad(job.req_id, transfer, failed, blocks))
             return
@@ -275,8 +280,7 @@ class WorkerHalf:
         if blocks:
             try:
                 a.transfer = self.engine.submit("load", blocks, slots, background=True)
-                for s in slots:
-                    self._slot_save[s] = a.transfer
+                self._mark_busy(slots, a.transfer)
             except Exception:
                 logger.exception("kvtier: load of %d blocks failed", len(blocks))
                 a.failed_blocks.update(blocks)

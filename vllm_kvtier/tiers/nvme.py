@@ -137,6 +137,16 @@ def _unlink_quietly(p: Path) -> None:
         p.unlink()
 
 
+def drain(q: queue.SimpleQueue[IOResult]) -> list[IOResult]:
+    """Everything queued right now, without waiting (completion queues of the stores)."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
 def probe_direct_io(directory: Path) -> tuple[bool, str]:
     """Whether O_DIRECT works here, and why not if it does not."""
     if not hasattr(os, "O_DIRECT"):
@@ -368,12 +378,7 @@ class NVMeStore:
         return done
 
     def poll(self) -> list[IOResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._done)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued I/O (up to ``timeout_s``) and stop the threads."""

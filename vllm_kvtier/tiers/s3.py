@@ -75,7 +75,7 @@ from vllm_kvtier.tiers.chunkfile import (
     make_header,
 )
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
-from vllm_kvtier.tiers.nvme import BUFFERS, AlignedBuffer, IOResult, WriteBuffer
+from vllm_kvtier.tiers.nvme import BUFFERS, AlignedBuffer, IOResult, WriteBuffer, drain
 from vllm_kvtier.tiers.resilience import BreakerSnapshot, CircuitBreaker, RetryPolicy, call_with_retries
 from vllm_kvtier.tiers.s3_config import (
     HEAD_PROBE_BYTES,
@@ -310,12 +310,7 @@ class S3Store:
                 job.done = True
                 job.reason = "deadline"
             self._finish_read(job, None)
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._done)
 
     def stats(self) -> S3Stats:
         with self._lock:
