@@ -3,6 +3,10 @@
     python -m tests.engine_run MODEL KV_JSON              # the reuse scenario
     python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON [MAX_TOKENS]  # these prompts, in order
 
+With ``KVTIER_TEST_READY_FILE`` set, the file is created once the engine is up; with
+``KVTIER_TEST_GO_FILE``, the prompts wait until that file exists (another instance stores
+first), then ``KVTIER_TEST_GO_DELAY_S`` more seconds.
+
 A fresh process guarantees vLLM reads the environment it was given (e.g.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and that nothing survives from an earlier engine but
 what the plugin stored on disk.
@@ -11,7 +15,9 @@ what the plugin stored on disk.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +26,13 @@ from tests.conftest import close_llm, generate, kvtier_counters, make_llm, reuse
 if __name__ == "__main__":
     model, kv = Path(sys.argv[1]), json.loads(sys.argv[2])
     llm = make_llm(model, kv or None)
+    if os.environ.get("KVTIER_TEST_READY_FILE"):
+        Path(os.environ["KVTIER_TEST_READY_FILE"]).touch()
+    if os.environ.get("KVTIER_TEST_GO_FILE"):
+        go, deadline = Path(os.environ["KVTIER_TEST_GO_FILE"]), time.monotonic() + 600
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(float(os.environ.get("KVTIER_TEST_GO_DELAY_S", "0")))
     if len(sys.argv) > 3:
         prompts = json.loads(Path(sys.argv[3]).read_text())
         max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8

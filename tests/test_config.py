@@ -52,7 +52,12 @@ def test_config_file(tmp_path):
         ({"min_load_blocks": 0}, "min_load_blocks", ">= 1"),
         ({"fault_injection": {"load_error_rate": 2}}, "fault_injection.load_error_rate", "[0, 1]"),
         ({"nvme": {"path": "/x"}}, "nvme.capacity_bytes", "required"),
-        ({"s3": {}}, "s3", "not available"),
+        ({"mooncake": {}}, "mooncake", "not available"),
+        ({"s3": {}}, "s3.bucket", "is required"),
+        ({"s3": {"bucket": "kvb", "aws_secret_access_key": "x"}}, "s3.aws_secret_access_key", "unknown key"),
+        ({"s3": {"bucket": "kvb", "chunk_blocks": 0}}, "s3.chunk_blocks", ">= 1"),
+        ({"s3": {"bucket": "kvb", "mode": "later"}}, "s3.mode", "must be one of"),
+        ({"s3": {"bucket": "kvb", "endpoint_url": "http://u:p@minio:9000"}}, "s3.endpoint_url", "credentials"),
     ],
 )
 def test_bad_input_names_the_field(extra, field, words):

@@ -1,11 +1,12 @@
-"""Scheduler-half policy with the NVMe planner, on plain integer-like keys (no engine)."""
+"""Scheduler-half policy with lower-tier planners (NVMe, S3), on plain keys (no engine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.nvme_plan import NVMePlanner
+from vllm_kvtier.connector.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.metrics import Counters
@@ -31,8 +32,8 @@ class FakeRequest:
 def make(tmp_path, num_slots: int) -> SchedulerHalf:
     cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, "admit_min_seen": 1}})
     counters = Counters()
-    planner = NVMePlanner(cfg.nvme, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
-    return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096, nvme=planner,
+    planners = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
+    return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096, lower=planners,
                          counters=counters)
 
 
@@ -41,13 +42,14 @@ def test_promotions_never_evict_dram_blocks_of_the_same_load(tmp_path):
     request hitting K0..K9 must promote K0, K1 without evicting K2..K9 (which it reads
     from DRAM in the same load): it used to crash the engine on an assertion."""
     half = make(tmp_path, num_slots=10)
-    assert half.nvme is not None
+    nvme = half.lower_tier("nvme")
+    assert nvme is not None
     for i in range(2, 10):
         half.index.allocate(key(i))
     half.index.allocate(key(100))
     half.index.allocate(key(101))
-    half.nvme.note_request([key(100), key(101)])  # they were part of an earlier prompt
-    half.nvme.index.add_existing("f0", [key(0), key(1)], 3 * 4096)
+    nvme.note_request([key(100), key(101)])  # they were part of an earlier prompt
+    nvme.index.add_existing("f0", [key(0), key(1)], 3 * 4096)
 
     req = FakeRequest("r", [key(i) for i in range(11)], num_prompt_tokens=10 * BS + 1)
     assert half.get_num_new_matched_tokens(req, 0) == (10 * BS, True)  # NVMe -> async
@@ -73,7 +75,7 @@ def test_abort_during_async_load_is_not_held_even_without_pins(tmp_path):
     busy = [half.index.allocate(key(100 + i)).slot for i in range(2)]
     for s in busy:
         half.index.pin(s)  # every slot is read by some transfer right now
-    half.nvme.index.add_existing("f0", [key(0), key(1)], 3 * 4096)
+    half.lower_tier("nvme").index.add_existing("f0", [key(0), key(1)], 3 * 4096)
     req = FakeRequest("r", [key(0), key(1), key(2)], num_prompt_tokens=2 * BS + 1)
     assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     half.update_state_after_alloc(req, [7, 8, 9], 2 * BS)
@@ -100,3 +102,50 @@ class _Out:
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_block_state: None = None
     scheduled_cached_reqs: _Cached = field(default_factory=_Cached)
+
+
+def make_two_tiers(tmp_path, num_slots: int, s3_mode: str = "write-through") -> SchedulerHalf:
+    """CPU + NVMe (write-back) + an S3 planner (no bucket needed: the planner is pure)."""
+    cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, "admit_min_seen": 1}})
+    counters = Counters()
+    planners = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
+    s3 = ChunkPlanner(ChunkPolicy("s3", s3_mode, 1, 16, None), world_size=1, block_bytes_per_rank=4096,
+                      counters=counters, found=[{}])
+    return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096,
+                         lower=[*planners, s3], counters=counters)
+
+
+def test_lookup_prefers_the_fastest_lower_tier_and_continues_into_s3(tmp_path):
+    half = make_two_tiers(tmp_path, num_slots=8)
+    nvme, s3 = half.lower_tier("nvme"), half.lower_tier("s3")
+    nvme.index.add_existing("n0", [key(0), key(1)], 3 * 4096)
+    s3.index.add_existing("o0", [key(1), key(2), key(3)], 4 * 4096)  # key(1) in both
+    req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
+    assert half.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    half.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
+    meta = half.build_connector_meta(_Out({}))
+    (load,) = meta.loads
+    by_tier = {(r.tier, r.file_id): (r.positions, r.keys) for r in load.reads}
+    assert by_tier == {("nvme", "n0"): ((0, 1), (key(0), key(1))), ("s3", "o0"): ((1, 2), (key(2), key(3)))}
+    assert load.asynchronous and -1 not in load.slots
+    # A chunk being read is pinned: neither tier may evict it until the load ends.
+    assert half.counters.totals["hit_blocks|nvme"] == 2 and half.counters.totals["hit_blocks|s3"] == 2
+
+
+def test_each_lower_tier_takes_cpu_blocks_by_its_own_mode(tmp_path):
+    """NVMe write-back gets blocks when DRAM evicts them; S3 write-through gets every
+    saved block at once; deletes and persist slots are tagged with their tier."""
+    half = make_two_tiers(tmp_path, num_slots=2)
+    req = FakeRequest("r", [key(i) for i in range(4)], num_prompt_tokens=3 * BS)
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    half.update_state_after_alloc(req, [1, 2, 3], 0)
+    meta = half.build_connector_meta(_Out({"r": 2 * BS}))
+    assert [k for j in meta.saves_after for k in j.keys] == [key(0), key(1)]
+    assert meta.demotes == []
+    assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(0), key(1)))]
+    assert meta.persist_slots == {"nvme": [s for j in meta.saves_after for s in j.slots]}
+    req.num_computed_tokens = 2 * BS
+    meta = half.build_connector_meta(_Out({"r": BS}))
+    # Key 2 evicted key 0 from the 2-slot DRAM tier: NVMe demotes it; S3 already has it.
+    assert [(j.tier, j.keys) for j in meta.demotes] == [("nvme", (key(0),))]
+    assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(2),))]

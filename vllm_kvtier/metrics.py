@@ -28,12 +28,16 @@ COUNTERS: dict[str, str] = {
     "store_skipped": "Blocks not stored because every slot was in use by transfers.",
     "load_seconds": "Seconds spent in load transfers (sum).",
     "store_seconds": "Seconds spent in store transfers (sum).",
+    "requests": "Requests sent to a remote tier's endpoint (S3: every HTTP attempt).",
+    "retries": "Requests to a remote tier retried after a transient failure.",
+    "breaker_opens": "Times a tier's circuit breaker opened (the endpoint kept failing).",
 }
 
 #: gauge metric -> help text
 GAUGES: dict[str, str] = {
     "usage_bytes": "Bytes of a tier holding blocks.",
     "capacity_bytes": "Configured capacity of a tier in bytes.",
+    "breaker_state": "Circuit breaker of a remote tier: 0 closed, 1 half-open (probing), 2 open.",
 }
 
 

@@ -29,8 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.connector.metadata import KVTierMetadata
-from vllm_kvtier.connector.nvme_plan import NVMePlanner
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.worker import WorkerHalf
@@ -142,16 +142,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             counters = Counters()
-            nvme = None
-            if self.cfg.nvme is not None:
-                nvme = NVMePlanner(self.cfg.nvme, namespace=self.namespace, world_size=world,
-                                   block_bytes_per_rank=block_bytes, counters=counters)
+            lower = make_planners(self.cfg, namespace=self.namespace, world_size=world,
+                                  block_bytes_per_rank=block_bytes, counters=counters)
             self._sched = SchedulerHalf(
                 self.cfg,
                 block_size=self.block_size,
                 num_slots=pool_slots(self.cfg, block_bytes, world),
                 slot_bytes_total=block_bytes * world,
-                nvme=nvme,
+                lower=lower,
                 counters=counters,
             )
         else:
@@ -235,6 +233,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.close()
 
     # ---- scheduler role ----------------------------------------------------------
 

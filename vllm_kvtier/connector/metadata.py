@@ -24,9 +24,11 @@ class SaveJob:
 
 
 @dataclass(frozen=True)
-class NVMeRead:
-    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk file ``file_id``."""
+class ChunkRead:
+    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk ``file_id`` of ``tier``
+    ("nvme": a file, "s3": an object)."""
 
+    tier: str
     file_id: str
     positions: tuple[int, ...]
     slots: tuple[int, ...]
@@ -38,8 +40,8 @@ class LoadJob:
     """Copy CPU ``slots[i]`` into engine ``block_ids[i]``; ``asynchronous`` jobs are
     reported through ``finished_recving``, sync jobs complete before the forward.
 
-    ``reads`` first fill some of the slots from NVMe (a promotion: the block stays in the
-    CPU tier afterwards). A slot of -1 means the block cannot be loaded (no CPU slot was
+    ``reads`` first fill some of the slots from a lower tier (NVMe, S3: a promotion, the
+    block stays in the CPU tier afterwards). A slot of -1 means the block cannot be loaded (no CPU slot was
     free for its promotion): the worker reports it failed and vLLM recomputes it.
     """
 
@@ -48,13 +50,14 @@ class LoadJob:
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
     asynchronous: bool
-    reads: tuple[NVMeRead, ...] = ()
+    reads: tuple[ChunkRead, ...] = ()
 
 
 @dataclass(frozen=True)
-class NVMeWriteJob:
-    """Write CPU ``slots[i]`` (holding ``keys[i]``) to NVMe as one chunk file."""
+class ChunkWriteJob:
+    """Write CPU ``slots[i]`` (holding ``keys[i]``) to ``tier`` as one chunk."""
 
+    tier: str
     file_id: str
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
@@ -73,15 +76,15 @@ class KVTierMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks the scheduler holds for us: report each in
     #: ``finished_sending`` once all its transfers are complete.
     release: list[str] = field(default_factory=list)
-    #: NVMe writes of blocks evicted from the CPU tier: done before this step's saves
-    #: overwrite their slots.
-    demotes: list[NVMeWriteJob] = field(default_factory=list)
-    #: NVMe writes of blocks saved in this step (write-through): done after the saves.
-    write_through: list[NVMeWriteJob] = field(default_factory=list)
-    #: Chunk files evicted from NVMe.
-    nvme_deletes: list[str] = field(default_factory=list)
-    #: Slots whose block may be flushed to NVMe at shutdown (write-back, admitted).
-    persist_slots: list[int] = field(default_factory=list)
+    #: Lower-tier writes of blocks evicted from the CPU tier: done before this step's
+    #: saves overwrite their slots.
+    demotes: list[ChunkWriteJob] = field(default_factory=list)
+    #: Lower-tier writes of blocks saved in this step (write-through): after the saves.
+    write_through: list[ChunkWriteJob] = field(default_factory=list)
+    #: (tier, chunk id) evicted from a lower tier: delete them.
+    deletes: list[tuple[str, str]] = field(default_factory=list)
+    #: tier -> slots whose block may be flushed to it at shutdown (write-back, admitted).
+    persist_slots: dict[str, list[int]] = field(default_factory=dict)
     #: Requests preempted this step: their blocks may be rewritten by this step's forward,
     #: so saves still in flight from them must finish first.
     preempted: list[str] = field(default_factory=list)
@@ -93,12 +96,12 @@ class KVTierMetadata(KVConnectorMetadata):
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """What workers tell the scheduler each step (merged over TP ranks by vLLM)."""
 
-    #: file_id -> number of ranks that wrote it durably.
-    written: dict[str, int] = field(default_factory=dict)
-    #: Files whose write failed on some rank.
-    failed: set[str] = field(default_factory=set)
-    #: Files found unreadable (missing, truncated, bad checksum) on some rank.
-    bad: set[str] = field(default_factory=set)
+    #: (tier, chunk id) -> number of ranks that wrote it durably.
+    written: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (tier, chunk id) whose write failed on some rank.
+    failed: set[tuple[str, str]] = field(default_factory=set)
+    #: (tier, chunk id) found unreadable (missing, truncated, bad checksum) on some rank.
+    bad: set[tuple[str, str]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
         assert isinstance(other, KVTierWorkerMeta)

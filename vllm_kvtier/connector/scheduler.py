@@ -18,11 +18,11 @@ What it decides each step (``build_connector_meta``):
   finished request still lacks is saved before the next forward while vLLM holds its
   blocks for us (``request_finished`` returns True), released on ``finished_sending``.
 * **eviction**: LRU among unpinned slots (:class:`~vllm_kvtier.index.slot_index.SlotIndex`).
-* **NVMe** (when configured, :mod:`vllm_kvtier.connector.nvme_plan`): a prefix may continue
-  into blocks stored on NVMe; such a load is always async, and each NVMe block is promoted
-  into a CPU slot (read there by the worker, then copied into the engine's block). Blocks
-  evicted from the CPU tier are demoted to NVMe (write-back) or written at once
-  (write-through).
+* **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.connector.chunk_plan`): a
+  prefix may continue into blocks stored below the CPU tier (each key is looked up in
+  CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
+  CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
+  from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
 A key is readable as soon as its save is issued: the worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead, SaveJob
-from vllm_kvtier.connector.nvme_plan import NVMePlanner
+from vllm_kvtier.connector.chunk_plan import ChunkPlanner
+from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.metrics import Counters
@@ -56,10 +56,13 @@ class _ReqState:
     pinned_slots: list[int] = field(default_factory=list)
     #: block id -> key for blocks loaded into this request, to map load errors to keys.
     loaded: dict[int, BlockKey] = field(default_factory=dict)
+    #: key -> (lower tier, chunk) it is promoted from, to cool that chunk down on failure.
+    sources: dict[BlockKey, tuple[ChunkPlanner, str]] = field(default_factory=dict)
     #: Whether any save was issued for this request's blocks.
     saves_issued: bool = False
-    #: NVMe files pinned by an async load of this request, and keys being promoted.
-    pinned_files: list[str] = field(default_factory=list)
+    #: Lower-tier chunks (tier, id) pinned by an async load of this request, and keys
+    #: being promoted.
+    pinned_files: list[tuple[ChunkPlanner, str]] = field(default_factory=list)
     promoting: list[BlockKey] = field(default_factory=list)
     #: An async load of this request is in flight (until finished_recving).
     async_loading: bool = False
@@ -71,16 +74,17 @@ class _ReqState:
 class SchedulerHalf:
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
-        nvme: NVMePlanner | None = None, counters: Counters | None = None,
+        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None,
     ) -> None:
-        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges)."""
+        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
+        ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
         self.cfg = cfg
         self.block_size = block_size
         self.index = SlotIndex(num_slots)
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
-        self.nvme = nvme
-        #: Keys whose CPU slot is being filled from NVMe: not readable from CPU yet.
+        self.lower = list(lower or [])
+        #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self._promoting: set[BlockKey] = set()
         self._reqs: dict[str, _ReqState] = {}
         self._match_start: dict[str, int] = {}
@@ -110,29 +114,43 @@ class SchedulerHalf:
         after that call)."""
         start = num_computed_tokens // self.block_size
         self._match_start[request.request_id] = start
+        for tier in self.lower:
+            tier.refresh()
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
-        n, from_nvme = self._match(request.block_hashes, start, limit)
+        n, from_lower = self._match(request.block_hashes, start, limit)
         if n < self.cfg.min_load_blocks:
             return 0, False
-        return n * self.block_size, from_nvme or self.cfg.load_mode == "async"
+        return n * self.block_size, from_lower or self.cfg.load_mode == "async"
 
     def _match(self, hashes: list[bytes], start: int, limit: int) -> tuple[int, bool]:
-        """Length of the run of loadable keys from ``start``, and whether any is on NVMe."""
-        n, from_nvme = 0, False
+        """Length of the run of loadable keys from ``start``, and whether any is below CPU."""
+        n, from_lower = 0, False
         for h in hashes[start:limit]:
             key = BlockKey(h)
             if key in self._promoting:
-                break  # its CPU copy is being read from NVMe right now
+                break  # its CPU copy is being read from a lower tier right now
             if key in self.index:
                 n += 1
-            elif self.nvme is not None and self.nvme.index.locate(key) is not None:
+            elif self._locate(key) is not None:
                 n += 1
-                from_nvme = True
+                from_lower = True
             else:
                 break
-        return n, from_nvme
+        return n, from_lower
+
+    def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
+        """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
+        for tier in self.lower:
+            loc = tier.locate(key)
+            if loc is not None:
+                return tier, loc[0], loc[1]
+        return None
+
+    def lower_tier(self, name: str) -> ChunkPlanner | None:
+        """The planner of lower tier ``name`` ("nvme", "s3"), if configured."""
+        return next((t for t in self.lower if t.tier == name), None)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -148,17 +166,18 @@ class SchedulerHalf:
             # Second call after an async load completed: vLLM may have added blocks.
             state.block_ids = list(block_ids)
             return
-        if self.nvme is not None:
-            self.nvme.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
+        for tier in self.lower:
+            tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
         if num_external_tokens <= 0:
             return
         bs = self.block_size
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
         slots = [-1] * n  # -1: cannot be loaded, the worker reports it failed (recompute)
-        reads: dict[str, list[tuple[int, int, BlockKey]]] = {}  # file -> (position, slot, key)
-        # Pin every key already in DRAM first: promoting the NVMe ones below allocates
-        # slots, and must not evict a key this same load reads from DRAM.
+        # (planner, chunk) -> [(position, slot, key)]
+        reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
+        # Pin every key already in DRAM first: promoting the lower-tier ones below
+        # allocates slots, and must not evict a key this same load reads from DRAM.
         for i, k in enumerate(keys):
             s = self.index.slot(k)
             if s is not None and k not in self._promoting:
@@ -169,41 +188,43 @@ class SchedulerHalf:
         for i, k in enumerate(keys):
             if slots[i] >= 0:
                 continue
-            loc = self.nvme.index.locate(k) if self.nvme is not None else None
-            if loc is None:  # gone since the match (e.g. its file failed): recompute it
+            loc = self._locate(k)
+            if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
                 continue
-            s = self._promote(k, loc[0])
+            tier, fid, pos = loc
+            s = self._promote(k)
             slots[i] = s
             if s >= 0:
-                reads.setdefault(loc[0], []).append((loc[1], s, k))
+                reads.setdefault((tier, fid), []).append((pos, s, k))
                 state.promoting.append(k)
-            self.counters.add("hit_blocks", "nvme")
+                state.sources[k] = (tier, fid)
+            self.counters.add("hit_blocks", tier.tier)
         blocks = state.block_ids[start : start + n]
         asynchronous = self.cfg.load_mode == "async" or bool(reads) or -1 in slots
-        nvme_reads = tuple(
-            NVMeRead(fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
-                     tuple(k for _, _, k in items))
-            for fid, items in reads.items()
+        chunk_reads = tuple(
+            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
+                      tuple(k for _, _, k in items))
+            for (tier, fid), items in reads.items()
         )
-        for fid in reads:
-            assert self.nvme is not None
-            self.nvme.index.pin(fid)
-            self.nvme.index.touch(fid)
-            state.pinned_files.append(fid)
-        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, nvme_reads))
+        for tier, fid in reads:
+            tier.index.pin(fid)
+            tier.index.touch(fid)
+            state.pinned_files.append((tier, fid))
+        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, chunk_reads))
         state.loaded.update(zip(blocks, keys, strict=True))
         state.async_loading = asynchronous
         if asynchronous:
             state.pinned_slots.extend(s for s in slots if s >= 0)
 
-    def _promote(self, key: BlockKey, file_id: str) -> int:
-        """A CPU slot for an NVMe block about to be read (pinned), or -1 if none is free."""
+    def _promote(self, key: BlockKey) -> int:
+        """A CPU slot for a lower-tier block about to be read (pinned), or -1 if none is free."""
         alloc = self.index.allocate(key)
         if alloc is None:
             self.counters.add("store_skipped", TIER)
             return -1
-        if alloc.evicted is not None and self.nvme is not None:
-            self.nvme.on_cpu_evict(alloc.slot, alloc.evicted)
+        if alloc.evicted is not None:
+            for tier in self.lower:
+                tier.on_cpu_evict(alloc.slot, alloc.evicted)
         self.index.pin(alloc.slot)
         self._promoting.add(key)
         return alloc.slot
@@ -233,10 +254,10 @@ class SchedulerHalf:
             if alloc is None:
                 self.counters.add("store_skipped", TIER)
                 continue
-            if self.nvme is not None:
+            for tier in self.lower:
                 if alloc.evicted is not None:
-                    self.nvme.on_cpu_evict(alloc.slot, alloc.evicted)
-                self.nvme.on_cpu_save(alloc.slot, key)
+                    tier.on_cpu_evict(alloc.slot, alloc.evicted)
+                tier.on_cpu_save(alloc.slot, key)
             # Held until the job is planned: a later block of this job must not evict
             # this one (the job would write the slot twice, and lose its prefix).
             self.index.pin(alloc.slot)
@@ -292,13 +313,16 @@ class SchedulerHalf:
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
             release=self._release, preempted=preempted, step=self._step,
         )
-        if self.nvme is not None:
-            saved = {BlockKey(k) for job in saves + saves_after for k in job.keys}
-            meta.demotes, meta.write_through, meta.nvme_deletes = self.nvme.take_jobs(saved, self.index.slot)
-            if self.nvme.cfg.mode == "write-back":
-                meta.persist_slots = [
+        saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
+        for tier in self.lower:
+            demotes, through, deletes = tier.take_jobs(saved, self.index.slot)
+            meta.demotes += demotes
+            meta.write_through += through
+            meta.deletes += [(tier.tier, fid) for fid in deletes]
+            if tier.policy.mode == "write-back":
+                meta.persist_slots[tier.tier] = [
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
-                    if self.nvme.admitted(BlockKey(k))
+                    if tier.admitted(BlockKey(k))
                 ]
         self._loads, self._final_saves, self._release = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
@@ -339,9 +363,8 @@ class SchedulerHalf:
         for s in state.pinned_slots:
             self.index.unpin(s)
         state.pinned_slots = []
-        if self.nvme is not None:
-            for fid in state.pinned_files:
-                self.nvme.index.unpin(fid)
+        for tier, fid in state.pinned_files:
+            tier.index.unpin(fid)
         state.pinned_files = []
         self._promoting.difference_update(state.promoting)
         state.promoting = []
@@ -388,6 +411,11 @@ class SchedulerHalf:
                 for b in bad & state.loaded.keys():
                     key = state.loaded.pop(b)
                     self._promoting.discard(key)
+                    src = state.sources.pop(key, None)
+                    if src is not None:
+                        # Not offered again for a while: the request is rescheduled at
+                        # once, and a tier that just failed would fail it again (a loop).
+                        src[0].cool_down(src[1])
                     if self.index.remove(key):
                         logger.warning("kvtier: dropped a block that failed to load")
                     if b not in state.block_ids:
@@ -399,12 +427,13 @@ class SchedulerHalf:
                     for p in [p for p in state.saved if p > pos]:
                         poisoned = state.saved.pop(p)
                         self.index.remove(poisoned)
-                        if self.nvme is not None:
-                            self.nvme.drop_key(poisoned)
+                        for tier in self.lower:
+                            tier.drop_key(poisoned)
                     state.next_save = min(state.next_save, pos)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self.nvme is not None and isinstance(meta, KVTierWorkerMeta):
-            self.nvme.on_worker_meta(meta)
+        if isinstance(meta, KVTierWorkerMeta):
+            for tier in self.lower:
+                tier.on_worker_meta(meta)
         for req_id in connector_output.finished_sending or ():
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
@@ -431,3 +460,8 @@ class SchedulerHalf:
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()
+
+    def close(self) -> None:
+        """Shutdown: stop background rescans of the lower tiers."""
+        for tier in self.lower:
+            tier.close()

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, NVMeRead, SaveJob
-from vllm_kvtier.connector.nvme_worker import NVMeWorker
+from vllm_kvtier.connector.chunk_worker import ChunkWorker
+from vllm_kvtier.connector.lower import make_workers
+from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -50,11 +51,12 @@ class _AsyncLoad:
     transfer: Transfer | None
     failed_blocks: set[int]
     loading_blocks: list[int]
-    #: NVMe reads still filling CPU slots; the slot -> engine copy starts after them.
+    #: Lower-tier reads (tier, read id) still filling CPU slots; the slot -> engine copy
+    #: starts after them.
     job: LoadJob | None = None
-    pending_reads: set[int] | None = None
-    #: Blocks of this load that came from NVMe (counted under that tier, not "cpu").
-    nvme_blocks: int = 0
+    pending_reads: set[tuple[str, int]] | None = None
+    #: Blocks of this load that came from lower tiers (counted there, not under "cpu").
+    lower_blocks: int = 0
 
 
 class WorkerHalf:
@@ -63,7 +65,8 @@ class WorkerHalf:
         self.num_blocks = num_blocks
         self.namespace = namespace
         self.rank = rank
-        self.nvme: NVMeWorker | None = None
+        #: The tiers below CPU, by name ("nvme", "s3"); built with the pool.
+        self.lower: dict[str, ChunkWorker] = {}
         #: slot -> the last transfer that reads or writes it (CUDA copies complete
         #: asynchronously): waited for before the host itself touches the slot.
         self._slot_busy: dict[int, Transfer] = {}
@@ -103,9 +106,8 @@ class WorkerHalf:
         self.engine = make_copy_engine(self.layout, self.pool)
         self._slot_key = [None] * num_slots
         self._slot_crc = [0] * num_slots
-        if self.cfg.nvme is not None:
-            self.nvme = NVMeWorker(self.cfg.nvme, namespace=self.namespace, rank=self.rank,
-                                   block_bytes=self.pool.slot_bytes, counters=self.counters)
+        self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
+                                  block_bytes=self.pool.slot_bytes, counters=self.counters)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -122,26 +124,26 @@ class WorkerHalf:
             # before our copies out of them complete.
             for t in self._inflight_saves.pop(req_id, []):
                 self.engine.order_before_compute(t)
-        if self.nvme is not None:
-            # Demoted slots are copied out before this step's saves reuse them.
-            self.nvme.write(meta.demotes, self.pool, self._wait_slot, self._holds)
-            self.nvme.delete(meta.nvme_deletes)
+        # Demoted slots are copied out before this step's saves reuse them.
+        for name, tier in self.lower.items():
+            tier.write([j for j in meta.demotes if j.tier == name], self.pool, self._wait_slot, self._holds)
+            tier.delete([fid for t, fid in meta.deletes if t == name])
         self._run_saves(meta.saves)
         self._pending_release.update(meta.release)
 
     def end_step(self) -> None:
         """After the forward (from ``wait_for_save``): save the blocks this step completed,
-        then write-through to NVMe. Idempotent per step."""
+        then write-through to the lower tiers. Idempotent per step."""
         meta = self._meta
         if meta is None or meta.step == self._step_ended or self.pool is None:
             return
         self._step_ended = meta.step
         self._run_saves(meta.saves_after)
-        if self.nvme is not None:
+        for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
-                self.nvme.dirty.difference_update(job.slots)
-            self.nvme.dirty.update(meta.persist_slots)
-            self.nvme.write(meta.write_through, self.pool, self._wait_slot, self._holds)
+                tier.dirty.difference_update(job.slots)
+            tier.dirty.update(meta.persist_slots.get(name, ()))
+            tier.write([j for j in meta.write_through if j.tier == name], self.pool, self._wait_slot, self._holds)
 
     def _holds(self, slot: int, key: bytes) -> bool:
         return self._slot_key[slot] == key
@@ -208,7 +210,7 @@ class WorkerHalf:
     def _start_load(self, job: LoadJob) -> None:
         assert self.engine is not None
         if job.reads or -1 in job.slots:
-            self._start_nvme_load(job)
+            self._start_lower_load(job)
             return
         blocks, slots, failed = self._verify(job)
         transfer: Transfer | None = None
@@ -238,38 +240,40 @@ class WorkerHalf:
             self._account_load(transfer, len(blocks))
         self._load_errors.update(failed)
 
-    def _start_nvme_load(self, job: LoadJob) -> None:
-        """Async load with blocks on NVMe: read them into their CPU slots first."""
+    def _start_lower_load(self, job: LoadJob) -> None:
+        """Async load with blocks below CPU: read them into their CPU slots first."""
         failed = {b for b, s in zip(job.block_ids, job.slots, strict=True) if s < 0}
-        pending: set[int] = set()
+        pending: set[tuple[str, int]] = set()
         for read in job.reads:
-            rid = self.nvme.start_read(read) if self.nvme is not None else None
+            tier = self.lower.get(read.tier)
+            rid = tier.start_read(read) if tier is not None else None
             if rid is None:
                 failed.update(self._blocks_of(job, read.slots))
             else:
-                pending.add(rid)
-        n_nvme = sum(len(r.slots) for r in job.reads)
-        self._async_loads.append(_AsyncLoad(job.req_id, None, failed, [], job, pending, n_nvme))
+                pending.add((read.tier, rid))
+        n_lower = sum(len(r.slots) for r in job.reads)
+        self._async_loads.append(_AsyncLoad(job.req_id, None, failed, [], job, pending, n_lower))
 
     @staticmethod
     def _blocks_of(job: LoadJob, slots: tuple[int, ...]) -> set[int]:
         wanted = set(slots)
         return {b for b, s in zip(job.block_ids, job.slots, strict=True) if s in wanted}
 
-    def _on_read(self, rid: int, read: NVMeRead, ok: bool) -> None:
+    def _on_read(self, rid: int, read: ChunkRead, ok: bool) -> None:
         if ok:
             for s, k in zip(read.slots, read.keys, strict=True):
                 self._slot_key[s] = k
                 if self.cfg.cpu.checksum and self.pool is not None:
                     self._slot_crc[s] = self.pool.checksum(s)
+        ref = (read.tier, rid)
         for a in self._async_loads:
-            if a.pending_reads is not None and rid in a.pending_reads:
-                a.pending_reads.discard(rid)
+            if a.pending_reads is not None and ref in a.pending_reads:
+                a.pending_reads.discard(ref)
                 if not ok and a.job is not None:
                     a.failed_blocks.update(self._blocks_of(a.job, read.slots))
 
-    def _finish_nvme_stage(self, a: _AsyncLoad) -> None:
-        """All NVMe reads of ``a`` are done: copy its good slots into the engine blocks."""
+    def _finish_lower_stage(self, a: _AsyncLoad) -> None:
+        """All lower-tier reads of ``a`` are done: copy its good slots into the engine blocks."""
         assert a.job is not None and self.engine is not None
         blocks, slots, failed = self._verify(a.job, skip=a.failed_blocks)
         a.failed_blocks |= failed
@@ -296,26 +300,28 @@ class WorkerHalf:
         """Return (finished_sending, finished_recving).
 
         ``idle_step``: this step ran no forward (vLLM only waits for transfers); then we
-        wait up to 2 ms for NVMe reads instead of returning at once, so the engine's busy
-        loop does not starve the I/O threads of the GIL."""
+        wait up to 2 ms for lower-tier reads instead of returning at once, so the engine's
+        busy loop does not starve the I/O threads of the GIL."""
         recving: set[str] = set()
-        if self.nvme is not None and self.pool is not None:
-            if idle_step:
-                self.nvme.wait_for_reads(0.002)
-            self.nvme.poll(self.pool, self._on_read, self._wait_slot)
+        if self.pool is not None:
+            for tier in self.lower.values():
+                if idle_step and tier.pending_reads():
+                    tier.wait_for_reads(0.002)
+                    idle_step = False  # one wait per step
+                tier.poll(self.pool, self._on_read, self._wait_slot)
         still: list[_AsyncLoad] = []
         for a in self._async_loads:
             if a.pending_reads is not None:
                 if a.pending_reads:
                     still.append(a)
                     continue
-                self._finish_nvme_stage(a)
+                self._finish_lower_stage(a)
             if a.transfer is not None:
                 try:
                     if not a.transfer.done():
                         still.append(a)
                         continue
-                    self._account_load(a.transfer, max(0, len(a.loading_blocks) - a.nvme_blocks))
+                    self._account_load(a.transfer, max(0, len(a.loading_blocks) - a.lower_blocks))
                 except Exception:
                     logger.exception("kvtier: async load for %s failed", a.req_id)
                     self.counters.add("load_failures", TIER, len(a.loading_blocks))
@@ -338,7 +344,10 @@ class WorkerHalf:
         return sending, recving
 
     def worker_meta(self) -> KVTierWorkerMeta | None:
-        return self.nvme.take_meta() if self.nvme is not None else None
+        meta = KVTierWorkerMeta()
+        for tier in self.lower.values():
+            tier.take_meta(meta)
+        return None if meta.is_empty() else meta
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -350,6 +359,6 @@ class WorkerHalf:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-        if self.nvme is not None:
-            self.nvme.close(self.pool, self._slot_key)
-            self.nvme = None
+        for tier in self.lower.values():
+            tier.close(self.pool, self._slot_key)
+        self.lower = {}

@@ -27,7 +27,8 @@ class _File:
 
 
 class ChunkIndex:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int | None) -> None:
+        """``capacity_bytes`` None: unbounded (the tier is bounded elsewhere)."""
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._files: OrderedDict[str, _File] = OrderedDict()  # LRU: oldest first
@@ -51,6 +52,9 @@ class ChunkIndex:
 
         Returns the evicted file ids (the caller deletes them), or None if it cannot fit
         (everything else pinned or in flight; nothing is changed then)."""
+        if self.capacity_bytes is None:
+            self._add(file_id, keys, nbytes)
+            return []
         if nbytes > self.capacity_bytes:
             return None
         victims: list[str] = []
@@ -66,10 +70,13 @@ class ChunkIndex:
         for fid in victims:
             self.evicted_blocks += len(self._files[fid].keys)
             self.remove(fid)
+        self._add(file_id, keys, nbytes)
+        return victims
+
+    def _add(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> None:
         self._files[file_id] = _File(tuple(keys), nbytes)
         self._pending.update(keys)
         self.used_bytes += nbytes
-        return victims
 
     def confirm(self, file_id: str) -> None:
         f = self._files.get(file_id)
@@ -82,7 +89,7 @@ class ChunkIndex:
 
     def add_existing(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> bool:
         """A file found on disk at start-up. False if it does not fit (caller deletes it)."""
-        if self.used_bytes + nbytes > self.capacity_bytes:
+        if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
             return False
         self._files[file_id] = _File(tuple(keys), nbytes)
         self.used_bytes += nbytes

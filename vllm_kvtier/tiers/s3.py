@@ -119,14 +119,15 @@ class _ReadJob:
     job_id: int
     object_id: str
     key: str
-    header: ChunkHeader
+    #: None until fetched, for an object this process has not seen (another writer's).
+    header: ChunkHeader | None
     positions: list[int]
     deadline: float
     t0: float
-    buffer: AlignedBuffer
+    buffer: AlignedBuffer | None = None
     #: position -> offset of its block in ``buffer``
-    offsets: dict[int, int]
-    remaining: int
+    offsets: dict[int, int] = field(default_factory=dict)
+    remaining: int = 0
     reason: str = ""
     done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -212,6 +213,7 @@ class S3Store:
         self.max_queued_writes = config.max_queued_writes
         self._lock = threading.Lock()
         self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
+        self._has_done = threading.Event()
         self._pending: set[_ReadJob] = set()
         self._queued_writes = 0
         self._closed = False
@@ -255,18 +257,37 @@ class S3Store:
         self._writers.submit(functools.partial(self._run_write, job_id, object_id, wb))
         return True
 
-    def submit_read(self, job_id: int, object_id: str, header: ChunkHeader, positions: list[int]) -> None:
+    def submit_read(
+        self, job_id: int, object_id: str, header: ChunkHeader | None, positions: list[int]
+    ) -> None:
         """Queue a load of the blocks at ``positions`` (any order; the result's ``blocks``
-        follow it). The result arrives by poll within ``deadline_s`` of this call."""
+        follow it). The result arrives by poll within ``deadline_s`` of this call.
+
+        ``header`` None: an object this process has not indexed (another instance wrote
+        it; the scheduler found it by listing). Its header is fetched and verified first,
+        one more ranged GET within the same deadline, and comes back in the result's
+        ``header`` for the caller to keep."""
         t0 = time.perf_counter()
-        if self._closed or not positions or not all(0 <= p < header.nblocks for p in positions):
-            why = "closed" if self._closed else "bad_request"
-            self._emit(IOResult(job_id, "read", object_id, False, reason=why))
+        bad = not positions or (header is not None and not all(0 <= p < header.nblocks for p in positions))
+        if self._closed or bad:
+            self._emit(IOResult(job_id, "read", object_id, False, reason="closed" if self._closed else "bad_request"))
             return
+        job = _ReadJob(
+            job_id, object_id, self.key(object_id), header, list(positions),
+            time.monotonic() + self.config.deadline_s, t0,
+        )
+        with self._lock:
+            self._pending.add(job)
+        if header is None:
+            self._readers.submit(functools.partial(self._fetch_header, job))
+        else:
+            self._start_runs(job, header)
+
+    def _start_runs(self, job: _ReadJob, header: ChunkHeader) -> None:
+        """Queue one ranged GET per contiguous run of wanted blocks (any thread)."""
         spans: list[Span] = []
-        offsets: dict[int, int] = {}
         total = 0
-        for lo, hi in contiguous_runs(positions):
+        for lo, hi in contiguous_runs(job.positions):
             # Every block wanted: a plain GET of the whole object. Same request count; it
             # brings the 4 KiB header along (compared with the index's copy) and spares
             # servers that serve a range by copying it out of the object (moto does).
@@ -275,24 +296,29 @@ class S3Store:
             length = header.total_bytes if whole else header.block_offset(hi) + header.block_bytes - start
             spans.append(Span(lo, hi, start, total, length, whole))
             for p in range(lo, hi + 1):
-                offsets[p] = total + header.block_offset(p) - start
+                job.offsets[p] = total + header.block_offset(p) - start
             total += length
-        job = _ReadJob(
-            job_id,
-            object_id,
-            self.key(object_id),
-            header,
-            list(positions),
-            time.monotonic() + self.config.deadline_s,
-            t0,
-            BUFFERS.take(total),
-            offsets,
-            len(spans),
-        )
-        with self._lock:
-            self._pending.add(job)
+        job.buffer = BUFFERS.take(total)
+        job.remaining = len(spans)
         for span in spans:
             self._readers.submit(functools.partial(self._fetch_run, job, span))
+
+    def _fetch_header(self, job: _ReadJob) -> None:
+        got = self._read_header((job.object_id, None, job.key), job.deadline)
+        if isinstance(got, ChunkHeader) and not all(0 <= p < got.nblocks for p in job.positions):
+            got = "bad_request"
+        with job.lock:
+            if job.done:  # expired meanwhile: already reported
+                return
+            if isinstance(got, str):
+                job.done = True
+                job.reason = got
+            else:
+                job.header = got
+        if isinstance(got, str):
+            self._finish_read(job, None)
+        else:
+            self._start_runs(job, got)
 
     def submit_delete(self, object_id: str) -> None:
         self._writers.submit(functools.partial(self._run_delete, object_id))
@@ -311,6 +337,13 @@ class S3Store:
                 job.reason = "deadline"
             self._finish_read(job, None)
         return drain(self._done)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until some job has completed (True) or not; for idle
+        engine steps only (hands the GIL to the I/O threads, as NVMeStore.wait)."""
+        done = self._has_done.wait(timeout_s)
+        self._has_done.clear()
+        return done
 
     def stats(self) -> S3Stats:
         with self._lock:
@@ -431,6 +464,7 @@ class S3Store:
             with self._lock:
                 self._failures[res.reason] = self._failures.get(res.reason, 0) + 1
         self._done.put(res)
+        self._has_done.set()
 
     def _run_write(self, job_id: int, object_id: str, wb: WriteBuffer) -> None:
         t0 = time.perf_counter()
@@ -497,7 +531,8 @@ class S3Store:
             last = job.remaining == 0
         if finish:
             self._finish_read(job, None if job.reason else job.buffer)
-        if last and job.reason:  # no result holds the buffer: return it once no run writes to it
+        if last and job.reason and job.buffer is not None:
+            # No result holds the buffer: return it once no run writes to it.
             job.buffer.close()
 
     def _fetch_and_verify(self, job: _ReadJob, span: Span) -> None:
@@ -505,11 +540,13 @@ class S3Store:
         whole object, its header against the index's) checked as the bytes arrive. Its own
         function so that no slice of the buffer outlives it: a buffer with live slices
         cannot go back to the pool."""
+        assert job.buffer is not None and job.header is not None
+        header = job.header
         with job.buffer.view[span.buf_off : span.buf_off + span.length] as view:
             start = None if span.whole else span.obj_start
 
             def attempt() -> None:  # a retry starts over, with a fresh verifier
-                verify = SpanVerifier(job.header, span, view)
+                verify = SpanVerifier(header, span, view)
                 self._get_into(job.key, start, view, verify)
                 verify.finish()
 
@@ -522,6 +559,7 @@ class S3Store:
         if buffer is None:
             self._emit(IOResult(job.job_id, "read", job.object_id, False, reason=job.reason, seconds=seconds))
             return
+        assert job.header is not None
         bb = job.header.block_bytes
         blocks = [buffer.view[job.offsets[p] : job.offsets[p] + bb] for p in job.positions]
         self._emit(
@@ -534,6 +572,7 @@ class S3Store:
                 seconds=seconds,
                 blocks=blocks,
                 buffer=buffer,
+                header=job.header,
             )
         )
 
@@ -694,10 +733,13 @@ class S3Store:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
 
-    def _read_header(self, item: tuple[str, int, str]) -> ChunkHeader | str:
-        """The verified header of one object (one ranged GET, two for > 58 blocks)."""
-        _, size, key = item
-        deadline = time.monotonic() + self.config.deadline_s
+    def _read_header(self, item: tuple[str, int | None, str], deadline: float | None = None) -> ChunkHeader | str:
+        """The verified header of one object (one ranged GET, two for > 58 blocks).
+        ``size`` None (not listed): unknown; a short object then fails its GET."""
+        _, size_or_none, key = item
+        size = HEAD_PROBE_BYTES if size_or_none is None else size_or_none
+        if deadline is None:
+            deadline = time.monotonic() + self.config.deadline_s
         try:
             if size < 64:
                 raise ChunkFormatError("truncated header")
@@ -705,6 +747,8 @@ class S3Store:
             self._call(functools.partial(self._get_into, key, 0, memoryview(head)), deadline)
             # Not verified yet: bound the header length by the object's size.
             need = header_bytes_for(int.from_bytes(head[28:32], "little"))
+            if size_or_none is None:
+                size = max(size, need)
             if need > size:
                 raise ChunkFormatError(f"truncated header: {size} of {need} bytes")
             if need > len(head):
@@ -714,7 +758,7 @@ class S3Store:
             h = decode_header(bytes(head), self.namespace)
             if h.block_bytes != self.block_bytes:
                 raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}")
-            if size < h.total_bytes:
+            if size_or_none is not None and size < h.total_bytes:
                 raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes")
             return h
         except Exception as e:

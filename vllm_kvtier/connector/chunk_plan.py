@@ -1,0 +1,296 @@
+"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3): admission,
+demotion, chunking, eviction, and what other instances stored (S3 rescans).
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
+shared bucket run on a background thread and are merged at the next step.
+
+* **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
+  requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
+  endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
+* **Write-back**: a block goes down when the CPU tier evicts it; the worker copies the
+  slot out before the same step's saves reuse it. **Write-through**: every admitted
+  block saved to the CPU tier is also written at once. With both NVMe and S3 configured,
+  each tier takes the CPU tier's blocks by its own mode: the hierarchy is inclusive, so
+  a block evicted from NVMe is usually still in S3 (nothing is copied NVMe -> S3).
+* **Chunking**: one step's writes are grouped, in order, into chunks of up to
+  ``chunk_blocks`` blocks, so I/Os are large and requests few.
+* **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
+  deleted by the worker) to make room. A key becomes loadable only when every TP rank
+  reported its chunk durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from vllm_kvtier.connector.metadata import ChunkWriteJob, KVTierWorkerMeta
+from vllm_kvtier.index.chunk_index import ChunkIndex
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
+from vllm_kvtier.tiers.nvme import file_id_for
+
+logger = logging.getLogger(__name__)
+
+_SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at most)
+#: Circuit breaker on writes: after this many write failures in a row, stop for a while.
+_BREAKER_FAILURES = 8
+_BREAKER_PAUSE_S = 30.0
+#: A chunk whose read just failed is not offered to lookups for this long (a chunk with
+#: bad bytes is dropped outright; this covers a tier that is slow, throttling or down).
+_FAILED_READ_COOLDOWN_S = 10.0
+
+#: One index per TP rank: chunk id -> header, as found in the tier.
+Found = list[dict[str, ChunkHeader]]
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """What the planner needs to know of a tier's configuration."""
+
+    tier: str
+    mode: Literal["write-back", "write-through"]
+    admit_min_seen: int
+    chunk_blocks: int
+    #: For the whole engine (all ranks); None: unbounded (e.g. a bucket with a lifecycle rule).
+    capacity_bytes: int | None
+
+
+class Rescanner:
+    """Runs ``scan`` every ``interval_s`` on a daemon thread; results wait in a queue.
+
+    ``scan`` may block for seconds (it lists a bucket); it never runs on the scheduler
+    thread. A failed scan is logged and skipped.
+    """
+
+    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float) -> None:
+        self._scan = scan
+        self._interval_s = interval_s
+        self._results: queue.SimpleQueue[Found] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._results.put(self._scan())
+            except Exception:
+                logger.exception("kvtier: rescan failed")
+
+    def take(self) -> Found | None:
+        """The newest finished scan, or None."""
+        found = None
+        while True:
+            try:
+                found = self._results.get_nowait()
+            except queue.Empty:
+                return found
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class ChunkPlanner:
+    def __init__(
+        self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
+        found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.tier = policy.tier
+        self.world_size = world_size
+        self.block_bytes = block_bytes_per_rank
+        self.counters = counters
+        # Capacity is per engine; each rank stores its shard of every chunk.
+        cap = policy.capacity_bytes
+        self.index = ChunkIndex(None if cap is None else cap // world_size)
+        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
+        self._demote: list[tuple[int, BlockKey]] = []
+        self._through: list[tuple[int, BlockKey]] = []
+        self._deletes: list[str] = []
+        self._acks: dict[str, int] = {}
+        #: Chunks that failed on some rank: a late "written" from another rank is ignored.
+        self._failed_files: OrderedDict[str, None] = OrderedDict()
+        self._failures_in_a_row = 0
+        self._paused_until = 0.0
+        #: chunk id -> monotonic time until which lookups skip it (a read of it failed).
+        self._cooling: dict[str, float] = {}
+        self._rescanner = rescanner
+        self._on_close = on_close
+        n_blocks, n_files = self._adopt(found, delete_unfit=True)
+        if n_files:
+            logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
+
+    # ---- what the tier holds -------------------------------------------------------
+
+    def _adopt(self, found: Found, *, delete_unfit: bool) -> tuple[int, int]:
+        """Index chunks present on every rank and not known yet; (blocks, chunks) added.
+
+        ``delete_unfit``: a chunk that does not fit the capacity is deleted (our own
+        start-up); after a rescan it is only ignored (another instance may be using it)."""
+        common = set(found[0]).intersection(*found[1:]) if found else set()
+        known = set(self.index.file_ids())
+        n_blocks = n_files = 0
+        for fid in [f for f in found[0] if f in common and f not in known]:  # oldest first
+            h = found[0][fid]
+            if h.block_bytes != self.block_bytes or fid in self._failed_files:
+                continue
+            if self.index.add_existing(fid, [BlockKey(k) for k in h.keys], h.total_bytes):
+                n_blocks += h.nblocks
+                n_files += 1
+            elif delete_unfit:
+                self._deletes.append(fid)
+        return n_blocks, n_files
+
+    def refresh(self) -> None:
+        """Merge the newest background rescan, if one finished (cheap: a queue poll).
+        Called before lookups, so a request sees what other instances stored."""
+        found = self._rescanner.take() if self._rescanner is not None else None
+        if found is not None:
+            n_blocks, n_files = self._adopt(found, delete_unfit=False)
+            if n_files:
+                logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
+
+    def locate(self, key: BlockKey) -> tuple[str, int] | None:
+        """(chunk id, position) of ``key`` if it is loadable now."""
+        loc = self.index.locate(key)
+        if loc is not None and self._cooling:
+            until = self._cooling.get(loc[0])
+            if until is not None:
+                if time.monotonic() < until:
+                    return None
+                del self._cooling[loc[0]]
+        return loc
+
+    def cool_down(self, file_id: str) -> None:
+        """A read of ``file_id`` failed: skip it in lookups for a while."""
+        self._cooling[file_id] = time.monotonic() + _FAILED_READ_COOLDOWN_S
+        if len(self._cooling) > 4096:
+            now = time.monotonic()
+            self._cooling = {f: t for f, t in self._cooling.items() if t > now}
+
+    # ---- admission -----------------------------------------------------------------
+
+    def note_request(self, keys: Sequence[bytes]) -> None:
+        """Count one more request whose prompt holds ``keys``."""
+        seen = self._seen
+        for k in keys:
+            key = BlockKey(k)
+            seen[key] = seen.get(key, 0) + 1
+            seen.move_to_end(key)
+        while len(seen) > _SEEN_TABLE_SIZE:
+            seen.popitem(last=False)
+
+    def admitted(self, key: BlockKey) -> bool:
+        if self._paused_until and time.monotonic() < self._paused_until:
+            return False  # the breaker is open: the tier keeps failing
+        return self._seen.get(key, 0) >= self.policy.admit_min_seen and not self.index.knows(key)
+
+    # ---- events from the CPU tier ----------------------------------------------------
+
+    def on_cpu_evict(self, slot: int, key: BlockKey) -> None:
+        if self.policy.mode == "write-back" and self.admitted(key):
+            self._demote.append((slot, key))
+
+    def on_cpu_save(self, slot: int, key: BlockKey) -> None:
+        if self.policy.mode == "write-through" and self.admitted(key):
+            self._through.append((slot, key))
+
+    # ---- per step --------------------------------------------------------------------
+
+    def file_bytes(self, nblocks: int) -> int:
+        return header_bytes_for(nblocks) + nblocks * align_up(self.block_bytes)
+
+    def _chunk(self, items: list[tuple[int, BlockKey]]) -> list[ChunkWriteJob]:
+        jobs = []
+        n = self.policy.chunk_blocks
+        for i in range(0, len(items), n):
+            part = [(s, k) for s, k in items[i : i + n] if not self.index.knows(k)]
+            if not part:
+                continue
+            keys = [k for _, k in part]
+            fid = file_id_for(keys)
+            evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
+            if evicted is None:
+                self.counters.add("store_skipped", self.tier, len(keys))
+                continue
+            self._deletes.extend(evicted)
+            jobs.append(ChunkWriteJob(self.tier, fid, tuple(s for s, _ in part), tuple(keys)))
+        return jobs
+
+    def take_jobs(
+        self, saved_this_step: set[BlockKey], cpu_slot_of: Callable[[BlockKey], int | None]
+    ) -> tuple[list[ChunkWriteJob], list[ChunkWriteJob], list[str]]:
+        """(demotes, write-through writes, deletes) for this step's metadata.
+
+        The worker copies demoted slots *before* this step's saves and write-through slots
+        *after* them, so a pair is dropped when the slot will not hold that key's bytes at
+        that moment: a demoted key saved in this same step (its bytes never reached the
+        slot), or a write-through key whose slot was reused later in the step.
+        """
+        self.refresh()
+        self._demote = [(s, k) for s, k in self._demote if k not in saved_this_step]
+        self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
+        before = self.index.evicted_blocks
+        demotes = self._chunk(self._demote)
+        through = self._chunk(self._through)
+        self.counters.add("evictions", self.tier, self.index.evicted_blocks - before)
+        deletes = self._deletes
+        self._demote, self._through, self._deletes = [], [], []
+        self.counters.set_gauge("usage_bytes", self.tier, self.index.used_bytes * self.world_size)
+        if self.index.capacity_bytes is not None:
+            self.counters.set_gauge("capacity_bytes", self.tier, self.index.capacity_bytes * self.world_size)
+        return demotes, through, deletes
+
+    def drop_key(self, key: BlockKey) -> None:
+        """``key``'s bytes are wrong (computed on top of a failed load): drop the chunk
+        that holds or is writing it."""
+        fid = self.index.file_holding(key)
+        if fid is not None:
+            self.index.remove(fid)
+            self._acks.pop(fid, None)
+            self._deletes.append(fid)
+
+    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+        tier = self.tier
+        failed = {fid for t, fid in meta.failed if t == tier}
+        bad = {fid for t, fid in meta.bad if t == tier}
+        written = {fid: n for (t, fid), n in meta.written.items() if t == tier}
+        if failed:
+            self._failures_in_a_row += len(failed)
+            if self._failures_in_a_row >= _BREAKER_FAILURES:
+                logger.warning("kvtier %s: %d writes failed in a row; pausing writes for %.0f s",
+                               tier, self._failures_in_a_row, _BREAKER_PAUSE_S)
+                self._paused_until = time.monotonic() + _BREAKER_PAUSE_S
+                self._failures_in_a_row = 0
+        elif written:
+            self._failures_in_a_row = 0
+        for fid in failed | bad:
+            self._acks.pop(fid, None)
+            self._failed_files[fid] = None
+            while len(self._failed_files) > 4096:
+                self._failed_files.popitem(last=False)
+            if self.index.remove(fid):
+                logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
+            self._deletes.append(fid)  # delete whatever a rank may have left
+        for fid, n in written.items():
+            if fid in failed or fid in self._failed_files:
+                continue
+            self._acks[fid] = self._acks.get(fid, 0) + n
+            if self._acks[fid] >= self.world_size:
+                del self._acks[fid]
+                self.index.confirm(fid)
+
+    def close(self) -> None:
+        if self._rescanner is not None:
+            self._rescanner.close()
+        if self._on_close is not None:
+            self._on_close()

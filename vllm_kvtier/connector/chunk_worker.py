@@ -1,0 +1,227 @@
+"""Worker side of a chunk tier (NVMe files, S3 objects): moves blocks between CPU pool
+slots and chunks.
+
+Who calls it: :class:`~vllm_kvtier.connector.worker.WorkerHalf`, from the worker's main
+thread. I/O runs on the store's threads (:class:`ChunkStore`); this class only copies slot
+bytes into write buffers (fast memory copies, so the slot can be reused by this step's
+saves) and read buffers back into slots, and reports outcomes to the scheduler
+(``KVTierWorkerMeta``). Nothing here raises into vLLM: failures are results.
+
+A failed read is a miss either way; it marks the chunk *bad* (the scheduler forgets and
+deletes it) only when the bytes are wrong or gone (checksum, truncated, not found...). A
+read that failed for the path to it (deadline, throttling, breaker open, timeout) leaves
+the chunk alone: on a shared bucket it is good data other instances use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from vllm_kvtier.connector.metadata import ChunkRead, ChunkWriteJob, KVTierWorkerMeta
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.chunkfile import ChunkHeader
+from vllm_kvtier.tiers.cpu import CPUPool
+from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, file_id_for
+
+logger = logging.getLogger(__name__)
+
+#: Read failures that mean the stored chunk itself is wrong or gone. Any other reason
+#: (deadline, throttled, breaker_open, timeout, unavailable, permission...) is about the
+#: way to it, and leaves the chunk indexed.
+BAD_CHUNK_READS = frozenset({"checksum", "truncated", "namespace", "format", "missing", "bad_request", "io_error"})
+
+
+class ChunkStore(Protocol):
+    """The submit/poll data path of a chunk tier (``NVMeStore``, ``S3Store``).
+
+    Called from one thread (the worker's); ``submit_*`` never block; results come back
+    through ``poll``; ``close`` blocks (shutdown only)."""
+
+    def submit_write(self, job_id: int, file_id: str, wb: WriteBuffer) -> bool: ...
+    def submit_read(self, job_id: int, file_id: str, header: ChunkHeader, positions: list[int]) -> None: ...
+    def submit_delete(self, file_id: str) -> None: ...
+    def poll(self) -> list[IOResult]: ...
+    def wait(self, timeout_s: float) -> bool: ...
+    def close(self, timeout_s: float = 30.0) -> None: ...
+
+
+class ChunkWorker:
+    def __init__(
+        self, tier: str, store: ChunkStore | None, *, counters: Counters,
+        mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
+        headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
+        remote_stats: Callable[[], Any] | None = None,
+    ) -> None:
+        """``store`` None: the tier could not start here; every write and read is a miss.
+        ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
+        read a chunk whose header we do not have (S3: another instance wrote it).
+        ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics."""
+        self.tier = tier
+        self.store = store
+        self.counters = counters
+        self.mode = mode
+        self.chunk_blocks = chunk_blocks
+        self.flush_on_shutdown_s = flush_on_shutdown_s
+        self.headers: dict[str, ChunkHeader] = headers or {}
+        self.fetches_headers = fetches_headers
+        self._ids = itertools.count(1)
+        self._reads: dict[int, ChunkRead] = {}
+        self._meta = KVTierWorkerMeta()
+        #: slot -> admitted for a shutdown flush (write-back), set by the scheduler.
+        self.dirty: set[int] = set()
+        self._remote_stats = remote_stats
+        self._reported = (0, 0, 0)  # requests, retries, breaker opens already counted
+
+    # ---- writes -------------------------------------------------------------------
+
+    def write(self, jobs: list[ChunkWriteJob], pool: CPUPool, before_read: Callable[[int], None],
+              holds: Callable[[int, bytes], bool]) -> None:
+        """Copy each job's slots out now, then queue the chunk write. A job whose slots do
+        not all hold their keys (a save into them failed) is not written."""
+        for job in jobs:
+            ref = (self.tier, job.file_id)
+            if not all(holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
+                self._meta.failed.add(ref)
+                continue
+            for s in job.slots:
+                before_read(s)  # a save into this slot may still be in flight (CUDA)
+                self.dirty.discard(s)
+            if self.store is None:
+                self._meta.failed.add(ref)
+                continue
+            wb = self._buffer(job.keys, job.slots, pool)
+            if not self.store.submit_write(next(self._ids), job.file_id, wb):
+                wb.buf.close()
+                self.counters.add("store_skipped", self.tier, len(job.keys))
+                self._meta.failed.add(ref)
+
+    def delete(self, file_ids: list[str]) -> None:
+        for fid in file_ids:
+            self.headers.pop(fid, None)
+            if self.store is not None:
+                self.store.submit_delete(fid)
+
+    # ---- reads --------------------------------------------------------------------
+
+    def start_read(self, read: ChunkRead) -> int | None:
+        """Queue a read; its id, or None if it cannot be read here (a miss)."""
+        header = self.headers.get(read.file_id)
+        if self.store is None or (header is None and not self.fetches_headers):
+            self._meta.bad.add((self.tier, read.file_id))
+            return None
+        rid = next(self._ids)
+        self._reads[rid] = read
+        # header None only for a store that fetches it (see fetches_headers).
+        self.store.submit_read(rid, read.file_id, header, list(read.positions))  # type: ignore[arg-type]
+        return rid
+
+    def poll(self, pool: CPUPool, on_read: Callable[[int, ChunkRead, bool], None],
+             before_write: Callable[[int], None]) -> None:
+        """Handle finished I/O: fill slots from completed reads and call ``on_read``."""
+        for res in self.store.poll() if self.store is not None else ():
+            if res.kind == "write":
+                self._on_write(res)
+            elif res.kind == "read":
+                read = self._reads.pop(res.job_id, None)
+                if read is None:
+                    res.release()
+                    continue
+                ok = res.ok
+                if ok:
+                    assert res.blocks is not None
+                    for slot, data in zip(read.slots, res.blocks, strict=True):
+                        before_write(slot)  # a device copy may still use the slot (CUDA)
+                        pool.copy_slot_in(slot, data)
+                    if res.header is not None:
+                        self.headers.setdefault(read.file_id, res.header)
+                    self.counters.add("blocks_loaded", self.tier, len(read.slots))
+                    self.counters.add("bytes_loaded", self.tier, res.nbytes)
+                    self.counters.add("load_seconds", self.tier, res.seconds)
+                else:
+                    logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
+                                   self.tier, read.file_id, res.reason, len(read.slots))
+                    self.counters.add("load_failures", self.tier, len(read.slots))
+                    if res.reason in BAD_CHUNK_READS:
+                        self._meta.bad.add((self.tier, read.file_id))
+                        self.headers.pop(read.file_id, None)
+                res.release()
+                on_read(res.job_id, read, ok)
+        self._report_remote()
+
+    def _report_remote(self) -> None:
+        """Requests, retries and breaker state of a remote store, as counters and a gauge."""
+        if self._remote_stats is None:
+            return
+        st = self._remote_stats()
+        now = (sum(st.requests.values()), st.retries, st.breaker.opens)
+        for name, new, old in zip(("requests", "retries", "breaker_opens"), now, self._reported, strict=True):
+            self.counters.add(name, self.tier, new - old)
+        self._reported = now
+        self.counters.set_gauge("breaker_state", self.tier, int(st.breaker.state))
+
+    def _on_write(self, res: IOResult) -> None:
+        ref = (self.tier, res.file_id)
+        if res.ok:
+            assert res.header is not None
+            self.headers[res.file_id] = res.header
+            self._meta.written[ref] = self._meta.written.get(ref, 0) + 1
+            self.counters.add("blocks_stored", self.tier, res.header.nblocks)
+            self.counters.add("bytes_stored", self.tier, res.nbytes)
+            self.counters.add("store_seconds", self.tier, res.seconds)
+        else:
+            self.counters.add("store_failures", self.tier)
+            self._meta.failed.add(ref)
+
+    def take_meta(self, into: KVTierWorkerMeta) -> None:
+        """Move what happened since the last call into ``into``."""
+        m, self._meta = self._meta, KVTierWorkerMeta()
+        for ref, n in m.written.items():
+            into.written[ref] = into.written.get(ref, 0) + n
+        into.failed |= m.failed
+        into.bad |= m.bad
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Idle steps only: give the I/O threads the GIL until a read may have finished."""
+        if self._reads and self.store is not None:
+            self.store.wait(timeout_s)
+
+    def pending_reads(self) -> int:
+        return len(self._reads)
+
+    # ---- shutdown -----------------------------------------------------------------
+
+    def close(self, pool: CPUPool | None, slot_key: list[bytes | None]) -> None:
+        """Flush admitted write-back blocks still only in DRAM (bounded by
+        ``flush_on_shutdown_s``), then finish queued I/O and stop."""
+        if self.store is None:
+            return
+        deadline = time.monotonic() + self.flush_on_shutdown_s
+        if pool is not None and self.mode == "write-back" and self.dirty:
+            items = [(s, k) for s in sorted(self.dirty) if (k := slot_key[s]) is not None]
+            written = 0
+            for i in range(0, len(items), self.chunk_blocks):
+                if time.monotonic() > deadline:
+                    break
+                part = items[i : i + self.chunk_blocks]
+                keys = tuple(k for _, k in part)
+                wb = self._buffer(keys, tuple(s for s, _ in part), pool)
+                while not self.store.submit_write(next(self._ids), file_id_for(keys), wb):
+                    if time.monotonic() > deadline:
+                        wb.buf.close()
+                        break
+                    time.sleep(0.01)
+                else:
+                    written += len(keys)
+            logger.info("kvtier %s: flushed %d write-back blocks at shutdown", self.tier, written)
+        self.store.close(timeout_s=max(0.0, deadline - time.monotonic()) + 5.0)
+
+    @staticmethod
+    def _buffer(keys: tuple[bytes, ...], slots: tuple[int, ...], pool: CPUPool) -> WriteBuffer:
+        wb = WriteBuffer(list(keys), pool.slot_bytes)
+        for i, s in enumerate(slots):
+            pool.copy_slot_out(s, wb.block(i))
+        return wb

@@ -1,0 +1,424 @@
+"""``kvtier doctor``: the brief's pre-deployment checklist, run against a config and a machine.
+
+Two steps, so the checks can be read and tested alone:
+
+- :func:`probe_machine` measures this machine: DRAM from ``/proc/meminfo`` (and the cgroup
+  memory limit of a container), the NVMe path's disk with :func:`shutil.disk_usage`,
+  RDMA devices under ``/sys/class/infiniband``, and the GPUs through ``torch.cuda`` when
+  no size is given (torch is imported only then; never vllm).
+- :func:`run_checks` judges a parsed :class:`~vllm_kvtier.config.KVTierConfig`, the
+  operator's :class:`Target` and the :class:`Machine`; it reads nothing but the alert
+  rules file it is given. Each check is PASS, WARN or FAIL with the reason.
+
+Called from the CLI thread; nothing here raises on a bad machine: what cannot be measured
+becomes a WARN saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.plan import CPU_BUDGET_RANGE, KVModel, RequestKV, gpu_kv_budget, human_bytes, request_kv
+
+#: workload each shipped (or expected) preset is made for
+PRESET_WORKLOADS = {"interactive": "interactive", "long-context": "long-context", "batch": "batch"}
+#: the brief's tier choice by workload, below the GPU
+WORKLOAD_TIERS = {"interactive": ("cpu",), "long-context": ("cpu", "nvme"), "batch": ("cpu", "nvme", "s3")}
+#: above this share of the GPU KV budget the brief calls usage dangerous
+GPU_USAGE_LIMIT = 0.9
+#: what an alert rule must watch, and substrings of the metrics that show it
+ALERT_SIGNALS = {
+    "GPU KV usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "swapping": ("kvtier_blocks_loaded", "kvtier_blocks_stored", "swap_in", "swap_out", "num_preemptions"),
+}
+RDMA_SECTIONS = ("nixl", "mooncake")
+_TIER_NAMES = {"cpu": "CPU", "nvme": "NVMe", "s3": "S3", "nixl": "NIXL", "mooncake": "Mooncake"}
+
+
+class Status(enum.Enum):
+    PASS = "PASS"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    reason: str
+
+
+@dataclass(frozen=True)
+class Disk:
+    path: str  # the directory measured: the NVMe path or its nearest existing parent
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What :func:`probe_machine` measured. None: could not be measured here."""
+
+    dram_total_bytes: int | None
+    dram_available_bytes: int | None
+    cgroup_limit_bytes: int | None
+    gpu_memory_bytes: int | None
+    gpu_source: str
+    rdma_devices: tuple[str, ...]
+    nvme_disk: Disk | None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the operator plans to serve (doctor's command-line inputs)."""
+
+    model: KVModel | None = None
+    kv_dtype: str = "bf16"
+    context_tokens: int | None = None
+    concurrency: int = 1
+    gpu_util: float = 0.9
+    weights_bytes: int | None = None
+    gpu_kv_bytes: int | None = None
+    pcie_bytes_per_s: float = 64e9
+    prefill_tokens_per_s: float | None = None
+    ttft_slo_s: float | None = None
+    workload: str | None = None
+    prometheus_rules: str | None = None
+
+
+# -- measuring --------------------------------------------------------------------------
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``{"MemTotal": ..., "MemAvailable": ...}``); {} if unreadable."""
+    out = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        return {}
+    return out
+
+
+def cgroup_memory_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """The container's memory limit (cgroup v2 ``memory.max`` or v1), None when unlimited."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            text = (Path(root) / name).read_text().strip()
+        except OSError:
+            continue
+        # v1 writes "no limit" as a huge page-aligned number
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+        return None
+    return None
+
+
+def _detect_gpus() -> tuple[int | None, str]:
+    try:
+        import torch
+    except ImportError:
+        return None, "no GPU detected (torch is not installed)"
+    if not torch.cuda.is_available():
+        return None, "no GPU detected (torch.cuda is not available)"
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return sum(p.total_memory for p in props), f"torch.cuda: {len(props)} x {props[0].name}"
+
+
+def _disk(path: str) -> Disk | None:
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        du = shutil.disk_usage(p)
+    except OSError:
+        return None
+    return Disk(str(p), du.total, du.free)
+
+
+def probe_machine(cfg: KVTierConfig, gpu_memory_bytes: int | None = None, *, detect_gpu: bool = True) -> Machine:
+    """Measure this machine for ``cfg``.
+
+    ``gpu_memory_bytes`` given, or ``detect_gpu`` false: torch is not imported.
+    """
+    mem = read_meminfo()
+    gpu: int | None
+    if gpu_memory_bytes is not None:
+        gpu, source = gpu_memory_bytes, "--gpu-memory-bytes"
+    elif detect_gpu:
+        gpu, source = _detect_gpus()
+    else:
+        gpu, source = None, "GPU not probed"
+    ib = Path("/sys/class/infiniband")
+    rdma = tuple(sorted(os.listdir(ib))) if ib.is_dir() else ()
+    disk = _disk(cfg.nvme.path) if cfg.nvme is not None else None
+    return Machine(mem.get("MemTotal"), mem.get("MemAvailable"), cgroup_memory_limit(), gpu, source, rdma, disk)
+
+
+# -- checks -----------------------------------------------------------------------------
+
+
+def _pct(part: float, whole: float) -> str:
+    if whole <= 0:
+        return "n/a"
+    return f"{part / whole:.0%}" if part < 10 * whole else f"{part / whole:,.0f}x"
+
+
+def check_kv_size(t: Target, req: RequestKV | None) -> Check:
+    if t.model is None or req is None:
+        return Check("kv-size", Status.WARN, "no model given (--model-config or --layers/--kv-heads/--head-dim "
+                                             "and --context-tokens): KV size not computed")
+    extra = "" if req.gpu_bytes == req.model_bytes else f" (vLLM allocates {human_bytes(req.gpu_bytes)})"
+    return Check("kv-size", Status.PASS,
+                 f"{t.model.name} {t.kv_dtype}: {req.tokens:,}-token request = {req.model_bytes:,} B "
+                 f"({human_bytes(req.model_bytes)}){extra}; x{t.concurrency} = "
+                 f"{human_bytes(t.concurrency * req.gpu_bytes)}")
+
+
+def _gpu_budget(t: Target, m: Machine) -> tuple[int | None, str]:
+    if t.gpu_kv_bytes is not None:
+        return t.gpu_kv_bytes, "--gpu-kv-bytes"
+    if m.gpu_memory_bytes is None:
+        return None, m.gpu_source
+    weights = t.weights_bytes or 0
+    how = f"{t.gpu_util:g} x {human_bytes(m.gpu_memory_bytes)} ({m.gpu_source})"
+    how += f" - weights {human_bytes(weights)}" if t.weights_bytes is not None else ", weights not subtracted"
+    return gpu_kv_budget(m.gpu_memory_bytes, t.gpu_util, weights), how
+
+
+def check_gpu_budget(t: Target, m: Machine, req: RequestKV | None) -> Check:
+    budget, how = _gpu_budget(t, m)
+    if budget is None:
+        return Check("gpu-kv-budget", Status.WARN, f"{how}: give --gpu-memory-bytes or --gpu-kv-bytes")
+    if budget <= 0:
+        return Check("gpu-kv-budget", Status.FAIL, f"no room for KV: budget {how} = {budget:,} B")
+    if req is None:
+        return Check("gpu-kv-budget", Status.WARN, f"KV budget {human_bytes(budget)} ({how}); KV size unknown")
+    need = t.concurrency * req.gpu_bytes
+    fits = budget // req.gpu_bytes
+    head = f"{t.concurrency} x {req.tokens:,} tokens need {human_bytes(need)} = {_pct(need, budget)} of the " \
+           f"GPU KV budget {human_bytes(budget)} ({how})"
+    if fits == 0:
+        return Check("gpu-kv-budget", Status.FAIL, f"{head}: not even one request fits (vLLM refuses to start)")
+    if need > GPU_USAGE_LIMIT * budget:
+        return Check("gpu-kv-budget", Status.WARN, f"{head}: above {GPU_USAGE_LIMIT:.0%} is dangerous; "
+                                                   f"{fits} fit at once, the rest wait or swap")
+    if t.gpu_kv_bytes is None and t.weights_bytes is None:
+        return Check("gpu-kv-budget", Status.WARN, f"{head}; give --weights-bytes for a real budget")
+    return Check("gpu-kv-budget", Status.PASS, head)
+
+
+def check_cpu_budget(cfg: KVTierConfig, m: Machine, req: RequestKV | None) -> Check:
+    if m.dram_available_bytes is None or m.dram_total_bytes is None:
+        return Check("cpu-budget", Status.WARN, "cannot read MemTotal/MemAvailable from /proc/meminfo")
+    avail, where = m.dram_available_bytes, "MemAvailable"
+    if m.cgroup_limit_bytes is not None and m.cgroup_limit_bytes < avail:
+        avail, where = m.cgroup_limit_bytes, "the container's cgroup memory limit"
+    if cfg.cpu.capacity_bytes is not None:
+        budget, how = cfg.cpu.capacity_bytes, "cpu.capacity_bytes"
+    else:
+        # The connector sizes the pool from psutil's available memory, which ignores cgroups.
+        budget = int(cfg.cpu.capacity_fraction * m.dram_available_bytes)
+        how = f"cpu.capacity_fraction {cfg.cpu.capacity_fraction:g} x MemAvailable"
+    head = f"CPU budget {human_bytes(budget)} ({how}) = {_pct(budget, avail)} of {human_bytes(avail)} ({where})"
+    if budget > avail:
+        return Check("cpu-budget", Status.FAIL, f"{head}: more DRAM than is available")
+    hi = CPU_BUDGET_RANGE[1]
+    if budget > hi * avail:
+        return Check("cpu-budget", Status.WARN, f"{head}: above the 50-70% rule's {hi:.0%}, little headroom left")
+    if req is not None and budget < req.stored_bytes:
+        return Check("cpu-budget", Status.WARN, f"{head}: holds no whole {req.tokens:,}-token request "
+                                                f"({human_bytes(req.stored_bytes)})")
+    return Check("cpu-budget", Status.PASS, head)
+
+
+def check_nvme_space(cfg: KVTierConfig, m: Machine) -> Check:
+    if cfg.nvme is None:
+        return Check("nvme-space", Status.PASS, "no NVMe tier configured")
+    cap, d = cfg.nvme.capacity_bytes, m.nvme_disk
+    if d is None:
+        return Check("nvme-space", Status.WARN, f"cannot measure the disk of nvme.path {cfg.nvme.path}")
+    head = f"nvme.capacity_bytes {human_bytes(cap)} on {d.path}: {human_bytes(d.free_bytes)} free of " \
+           f"{human_bytes(d.total_bytes)}"
+    if cap > d.total_bytes:
+        return Check("nvme-space", Status.FAIL, f"{head}: larger than the disk")
+    if cap > d.free_bytes:
+        return Check("nvme-space", Status.WARN, f"{head}: more than is free (fine only if the store already "
+                                                "holds the difference)")
+    return Check("nvme-space", Status.PASS, head)
+
+
+def config_tiers(cfg: KVTierConfig) -> list[str]:
+    """The tiers below the GPU that ``cfg`` configures (sections later versions add included)."""
+    tiers = ["cpu"] + (["nvme"] if cfg.nvme is not None else [])
+    return tiers + [t for t in ("s3", *RDMA_SECTIONS) if getattr(cfg, t, None) is not None]
+
+
+def _workload(cfg: KVTierConfig, t: Target) -> tuple[str | None, str]:
+    if t.workload is not None:
+        return t.workload, "--workload"
+    if t.ttft_slo_s is not None and t.ttft_slo_s <= 1.0:
+        return "interactive", f"--ttft-slo-s {t.ttft_slo_s:g} <= 1 s"
+    if cfg.preset in PRESET_WORKLOADS:
+        return PRESET_WORKLOADS[cfg.preset], f"preset {cfg.preset}"
+    return None, ""
+
+
+def check_strategy(cfg: KVTierConfig, t: Target) -> Check:
+    tiers = config_tiers(cfg)
+    layout = "GPU + " + " + ".join(_TIER_NAMES[x] for x in tiers)
+    workload, how = _workload(cfg, t)
+    if workload is None:
+        return Check("strategy", Status.WARN, f"workload not stated (--workload or --ttft-slo-s); config: {layout}")
+    problems = []
+    made_for = PRESET_WORKLOADS.get(cfg.preset or "")
+    if made_for is not None and made_for != workload:
+        problems.append(f"preset {cfg.preset!r} is made for {made_for} serving")
+    if workload == "interactive":
+        slow = [x for x in tiers if x in ("nvme", "s3")]
+        if slow:
+            problems.append(f"{' and '.join(slow)} on the path of TTFT < 1 s requests (recommended: GPU + CPU)")
+        if cfg.load_mode != "sync":
+            problems.append("load_mode async: sync loads give the lowest TTFT")
+    else:
+        missing = [x for x in WORKLOAD_TIERS[workload] if x not in tiers]
+        if missing:
+            want = " + ".join(_TIER_NAMES[x] for x in WORKLOAD_TIERS[workload])
+            problems.append(f"no {' or '.join(missing)} tier (recommended: GPU + {want}, for capacity and cost)")
+    reason = f"{workload} workload ({how}), config: {layout}"
+    return Check("strategy", Status.WARN if problems else Status.PASS, "; ".join([reason, *problems]))
+
+
+def check_bandwidth(t: Target, req: RequestKV | None, workload: str | None) -> Check:
+    if req is None:
+        return Check("cpu-bandwidth", Status.WARN, "KV size unknown: PCIe load time not compared with the TTFT SLO")
+    load = req.stored_bytes / t.pcie_bytes_per_s
+    head = f"loading a {req.tokens:,}-token request from CPU over PCIe at {t.pcie_bytes_per_s / 1e9:g} GB/s " \
+           f"takes {load:.2f} s"
+    recompute = None if t.prefill_tokens_per_s is None else req.tokens / t.prefill_tokens_per_s
+    vs = "" if recompute is None else f" (recompute {recompute:.2f} s)"
+    if t.ttft_slo_s is None:
+        status = Status.PASS if workload == "batch" else Status.WARN
+        return Check("cpu-bandwidth", status, f"{head}{vs}; no --ttft-slo-s to compare with")
+    if load <= t.ttft_slo_s:
+        return Check("cpu-bandwidth", Status.PASS, f"{head}{vs}, within the TTFT SLO {t.ttft_slo_s:g} s")
+    if recompute is not None and load >= recompute:
+        return Check("cpu-bandwidth", Status.FAIL, f"{head}{vs}: over the TTFT SLO {t.ttft_slo_s:g} s and "
+                                                   "slower than recomputing")
+    return Check("cpu-bandwidth", Status.WARN, f"{head}{vs}: over the TTFT SLO {t.ttft_slo_s:g} s for a full hit; "
+                                               "shorter contexts or FP8 KV halve it")
+
+
+def _strings(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path, value
+
+
+def rdma_requirements(config: dict[str, Any]) -> list[str]:
+    """Fields of a config (as a dict) that need an RDMA network: NIXL/Mooncake sections, rdma:// URLs."""
+    found = [s for s in RDMA_SECTIONS if config.get(s) is not None]
+    return found + [p for p, v in _strings(config) if v.startswith("rdma://")]
+
+
+def check_rdma(needs: list[str], m: Machine) -> Check:
+    """``needs``: the config fields that need RDMA (:func:`rdma_requirements`)."""
+    if not needs:
+        return Check("rdma", Status.PASS, "no NIXL/Mooncake RDMA configured")
+    if not m.rdma_devices:
+        return Check("rdma", Status.FAIL, f"{', '.join(needs)} need InfiniBand/RoCE, and /sys/class/infiniband "
+                                          "lists no device")
+    return Check("rdma", Status.PASS, f"{', '.join(needs)}: RDMA devices {', '.join(m.rdma_devices)}")
+
+
+def check_fp8(t: Target, m: Machine) -> Check:
+    if t.kv_dtype == "fp8":
+        return Check("fp8", Status.PASS, "FP8 KV cache: twice the context of BF16 in every tier")
+    if t.model is None or t.context_tokens is None:
+        return Check("fp8", Status.WARN, f"{t.kv_dtype} KV, model unknown: FP8 (--kv-cache-dtype fp8) not evaluated")
+    budget, _ = _gpu_budget(t, m)
+    now, fp8 = request_kv(t.model, t.kv_dtype, t.context_tokens), request_kv(t.model, "fp8", t.context_tokens)
+    if budget is None or budget <= 0:
+        return Check("fp8", Status.WARN, f"FP8 would make a request {human_bytes(fp8.gpu_bytes)} instead of "
+                                         f"{human_bytes(now.gpu_bytes)}; GPU budget unknown")
+    fit_now, fit_fp8 = budget // now.gpu_bytes, budget // fp8.gpu_bytes
+    head = f"{t.kv_dtype} KV: {fit_now} request(s) fit on the GPU, FP8 (--kv-cache-dtype fp8) would fit {fit_fp8}"
+    ok = t.kv_dtype != "fp32" and fit_now >= t.concurrency
+    return Check("fp8", Status.PASS if ok else Status.WARN, head + ("" if ok else f" (need {t.concurrency})"))
+
+
+def _alert_exprs(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        if "alert" in value and isinstance(value.get("expr"), str):
+            yield value["expr"]
+        for v in value.values():
+            yield from _alert_exprs(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _alert_exprs(v)
+
+
+def check_alerting(rules_path: str | None) -> Check:
+    if rules_path is None:
+        return Check("alerting", Status.WARN, "no --prometheus-rules file: swap and GPU KV usage alerts not verified")
+    try:
+        docs = list(yaml.safe_load_all(Path(rules_path).read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        return Check("alerting", Status.FAIL, f"--prometheus-rules {rules_path}: cannot read: {e}")
+    exprs = [e for d in docs for e in _alert_exprs(d)]
+    if not exprs:
+        return Check("alerting", Status.FAIL, f"{rules_path} holds no alert rule (alert + expr)")
+    missing = [sig for sig, metrics in ALERT_SIGNALS.items() if not any(n in e for e in exprs for n in metrics)]
+    if missing:
+        return Check("alerting", Status.WARN, f"{len(exprs)} alert rules, none on {' or '.join(missing)}")
+    return Check("alerting", Status.PASS, f"{len(exprs)} alert rules in {rules_path}, on GPU KV usage and swapping")
+
+
+def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
+    """The checklist, in the brief's order (plus the machine's DRAM and disk)."""
+    req = None
+    if t.model is not None and t.context_tokens is not None:
+        req = request_kv(t.model, t.kv_dtype, t.context_tokens)
+    return [
+        check_kv_size(t, req),
+        check_gpu_budget(t, m, req),
+        check_cpu_budget(cfg, m, req),
+        check_nvme_space(cfg, m),
+        check_strategy(cfg, t),
+        check_bandwidth(t, req, _workload(cfg, t)[0]),
+        check_rdma(rdma_requirements(dataclasses.asdict(cfg)), m),
+        check_fp8(t, m),
+        check_alerting(t.prometheus_rules),
+    ]
+
+
+def render_checks(checks: list[Check]) -> str:
+    """One line per check, ``STATUS name  reason``, then a summary line."""
+    width = max(len(c.name) for c in checks)
+    lines = [f"{c.status.value}  {c.name:<{width}}  {c.reason}" for c in checks]
+    counts = {s: sum(c.status is s for c in checks) for s in Status}
+    lines.append(", ".join(f"{n} {s.value}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def checks_to_dict(checks: list[Check]) -> dict[str, Any]:
+    return {"checks": [{"name": c.name, "status": c.status.value, "reason": c.reason} for c in checks],
+            "failed": any(c.status is Status.FAIL for c in checks)}
