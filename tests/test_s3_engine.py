@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import close_llm, generate, kvtier_counters, make_llm
-from tests.s3_server import FaultProxy, MotoServer, s3_bucket, s3_server  # noqa: F401 - fixtures
-from tests.test_nvme_engine import BLOCK_BYTES, SETS, baseline_of, results, run_process  # noqa: F401 - fixture
+from tests import s3_server as s3srv
+from tests import test_nvme_engine as nvme_engine
+from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
+from tests.s3_server import FaultProxy, MotoServer
+from tests.test_nvme_engine import BLOCK_BYTES, SETS, results, run_process
+
+# Fixtures from other modules, bound to names in this one.
+s3_server = s3srv.s3_server
+s3_bucket = s3srv.s3_bucket
+baseline_of = nvme_engine.baseline_of
 
 pytestmark = pytest.mark.s3
 
@@ -31,8 +38,6 @@ def s3_config(endpoint: str, bucket: str, *, cpu_blocks: int = 64, nvme: Path | 
     }
     if nvme is not None:
         kv["nvme"] = {"path": str(nvme), "capacity_bytes": 64 * 2**20}
-    from tests.conftest import kvtier_config
-
     return kvtier_config(kv)
 
 

@@ -149,3 +149,23 @@ def test_each_lower_tier_takes_cpu_blocks_by_its_own_mode(tmp_path):
     # Key 2 evicted key 0 from the 2-slot DRAM tier: NVMe demotes it; S3 already has it.
     assert [(j.tier, j.keys) for j in meta.demotes] == [("nvme", (key(0),))]
     assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(2),))]
+
+
+def test_s3_capacity_evicts_lru_objects_and_deletes_them(tmp_path):
+    """With s3.capacity_bytes, the oldest objects make room and go out as s3 deletes."""
+    cfg = parse_config({})
+    counters = Counters()
+    per_object = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=1,
+                              block_bytes_per_rank=4096, counters=counters, found=[{}]).file_bytes(2)
+    s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, 2 * per_object), world_size=1,
+                      block_bytes_per_rank=4096, counters=counters, found=[{}])
+    half = SchedulerHalf(cfg, block_size=BS, num_slots=16, slot_bytes_total=4096, lower=[s3], counters=counters)
+    s3.index.add_existing("old", [key(100), key(101)], per_object)
+    s3.index.add_existing("newer", [key(102), key(103)], per_object)
+    req = FakeRequest("r", [key(i) for i in range(3)], num_prompt_tokens=2 * BS + 1)
+    half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, [1, 2, 3], 0)
+    meta = half.build_connector_meta(_Out({"r": 2 * BS + 1}))
+    assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(0), key(1)))]
+    assert meta.deletes == [("s3", "old")]
+    assert s3.index.used_bytes <= 2 * per_object and counters.totals["evictions|s3"] == 2

@@ -29,6 +29,7 @@ import yaml
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.plan import CPU_BUDGET_RANGE, KVModel, RequestKV, gpu_kv_budget, human_bytes, request_kv
+from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
 
 #: workload each shipped (or expected) preset is made for
 PRESET_WORKLOADS = {"interactive": "interactive", "long-context": "long-context", "batch": "batch"}
@@ -97,34 +98,6 @@ class Target:
 
 
 # -- measuring --------------------------------------------------------------------------
-
-
-def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (``{"MemTotal": ..., "MemAvailable": ...}``); {} if unreadable."""
-    out = {}
-    try:
-        for line in Path(path).read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        return {}
-    return out
-
-
-def cgroup_memory_limit(root: str = "/sys/fs/cgroup") -> int | None:
-    """The container's memory limit (cgroup v2 ``memory.max`` or v1), None when unlimited."""
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        try:
-            text = (Path(root) / name).read_text().strip()
-        except OSError:
-            continue
-        # v1 writes "no limit" as a huge page-aligned number
-        if text.isdigit() and int(text) < 2**60:
-            return int(text)
-        return None
-    return None
 
 
 def _detect_gpus() -> tuple[int | None, str]:
@@ -230,9 +203,10 @@ def check_cpu_budget(cfg: KVTierConfig, m: Machine, req: RequestKV | None) -> Ch
     if cfg.cpu.capacity_bytes is not None:
         budget, how = cfg.cpu.capacity_bytes, "cpu.capacity_bytes"
     else:
-        # The connector sizes the pool from psutil's available memory, which ignores cgroups.
-        budget = int(cfg.cpu.capacity_fraction * m.dram_available_bytes)
-        how = f"cpu.capacity_fraction {cfg.cpu.capacity_fraction:g} x MemAvailable"
+        # As the connector sizes it: of the available memory, capped by the cgroup.
+        base, _ = available_memory()
+        budget = int(cfg.cpu.capacity_fraction * min(base, avail))
+        how = f"cpu.capacity_fraction {cfg.cpu.capacity_fraction:g} x available memory"
     head = f"CPU budget {human_bytes(budget)} ({how}) = {_pct(budget, avail)} of {human_bytes(avail)} ({where})"
     if budget > avail:
         return Check("cpu-budget", Status.FAIL, f"{head}: more DRAM than is available")

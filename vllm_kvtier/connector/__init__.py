@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -36,6 +35,7 @@ from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.worker import WorkerHalf
 from vllm_kvtier.index.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.sysmem import available_memory
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -94,9 +94,9 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) ->
         budget = cfg.cpu.capacity_bytes
         source = "cpu.capacity_bytes"
     else:
-        available = psutil.virtual_memory().available
+        available, where = available_memory()
         budget = int(available * cfg.cpu.capacity_fraction)
-        source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB available"
+        source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB ({where})"
     per_block = block_bytes_per_rank * world_size
     slots = budget // per_block if per_block else 0
     logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots,
