@@ -209,7 +209,8 @@ class FaultProxy:
     * ``pass``: forward every request;
     * ``slowdown``: answer ``503 SlowDown`` to the next ``count`` requests (None: all), then pass;
     * ``hang``: hold each request without answering until ``hang_s`` passes or the proxy
-      closes, then drop the connection.
+      closes, then drop the connection;
+    * ``delay``: forward every request after waiting ``delay_s`` (a slow, throttled link).
     """
 
     def __init__(self, upstream_url: str) -> None:
@@ -218,6 +219,7 @@ class FaultProxy:
         self.mode = "pass"
         self.remaining: int | None = None
         self.hang_s = 30.0
+        self.delay_s = 0.0
         self.seen = 0
         self.injected = 0
         self._lock = threading.Lock()
@@ -240,6 +242,10 @@ class FaultProxy:
     def hang(self, seconds: float = 30.0) -> None:
         with self._lock:
             self.mode, self.hang_s = "hang", seconds
+
+    def delay(self, seconds: float) -> None:
+        with self._lock:
+            self.mode, self.delay_s = "delay", seconds
 
     def decide(self) -> str:
         with self._lock:
@@ -277,6 +283,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             proxy._closing.wait(proxy.hang_s)
             self.close_connection = True
             return
+        if what == "delay":
+            proxy._closing.wait(proxy.delay_s)
         if what == "slowdown":
             self.send_response(503, "Slow Down")
             self.send_header("Content-Type", "application/xml")

@@ -125,6 +125,19 @@ _S3_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(S3TierConfig)) 
 
 
 @dataclass(frozen=True)
+class LoadOrRecomputeConfig:
+    """For hits below the CPU tier: load only the part of the prefix that is faster to
+    read than to compute again (measured tier bandwidth and latency against the measured
+    prefill rate, kept up to date at run time). CPU hits are always loaded."""
+
+    enabled: bool = True
+    #: Starting estimate of the prefill rate; None: 5000 tokens/s until measured.
+    prefill_tokens_per_s: float | None = None
+    #: A tier not read from for this long gets one load anyway, to measure it again.
+    probe_interval_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class FaultInjectionConfig:
     """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
 
@@ -150,6 +163,7 @@ class KVTierConfig:
     save_decode_blocks: bool = True
     #: Do not load hits shorter than this many blocks (recompute is cheaper).
     min_load_blocks: int = 1
+    load_or_recompute: LoadOrRecomputeConfig = field(default_factory=LoadOrRecomputeConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
@@ -300,6 +314,11 @@ def _validate(cfg: KVTierConfig) -> None:
         for name in ("rescan_interval_s", "flush_on_shutdown_s"):
             if getattr(s3, name) < 0:
                 raise ConfigError(f"s3.{name}", f"must be >= 0, got {getattr(s3, name)}")
+    lr = cfg.load_or_recompute
+    if lr.prefill_tokens_per_s is not None and lr.prefill_tokens_per_s <= 0:
+        raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")
+    if lr.probe_interval_s < 0:
+        raise ConfigError("load_or_recompute.probe_interval_s", f"must be >= 0, got {lr.probe_interval_s}")
     if cfg.min_load_blocks < 1:
         raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
     r = cfg.fault_injection.load_error_rate

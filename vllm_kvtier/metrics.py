@@ -31,6 +31,9 @@ COUNTERS: dict[str, str] = {
     "requests": "Requests sent to a remote tier's endpoint (S3: every HTTP attempt).",
     "retries": "Requests to a remote tier retried after a transient failure.",
     "breaker_opens": "Times a tier's circuit breaker opened (the endpoint kept failing).",
+    "reads": "Read requests completed by a lower tier (one per chunk read).",
+    "recompute_chosen_blocks": "Blocks found in a tier but recomputed, because loading was estimated slower.",
+    "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
 }
 
 #: gauge metric -> help text
@@ -38,6 +41,9 @@ GAUGES: dict[str, str] = {
     "usage_bytes": "Bytes of a tier holding blocks.",
     "capacity_bytes": "Configured capacity of a tier in bytes.",
     "breaker_state": "Circuit breaker of a remote tier: 0 closed, 1 half-open (probing), 2 open.",
+    "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
+    "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
+    "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
 }
 
 

@@ -138,6 +138,7 @@ class ChunkWorker:
                         pool.copy_slot_in(slot, data)
                     if res.header is not None:
                         self.headers.setdefault(read.file_id, res.header)
+                    self.counters.add("reads", self.tier)
                     self.counters.add("blocks_loaded", self.tier, len(read.slots))
                     self.counters.add("bytes_loaded", self.tier, res.nbytes)
                     self.counters.add("load_seconds", self.tier, res.seconds)

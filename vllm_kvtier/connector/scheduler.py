@@ -36,7 +36,9 @@ from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
+from vllm_kvtier.connector.load_policy import LoadPolicy
 from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.metrics import Counters
@@ -99,6 +101,14 @@ class SchedulerHalf:
         self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
+        lr = cfg.load_or_recompute
+        self.load_policy: LoadPolicy | None = None
+        if lr.enabled and self.lower:
+            self.load_policy = LoadPolicy(
+                CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
+                block_bytes=self.lower[0].block_bytes, block_size=block_size,
+                lower_tiers=[t.tier for t in self.lower],
+            )
 
     # ---- lookups ---------------------------------------------------------------
 
@@ -119,26 +129,29 @@ class SchedulerHalf:
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
-        n, from_lower = self._match(request.block_hashes, start, limit)
-        if n < self.cfg.min_load_blocks:
+        tiers = self._match(request.block_hashes, start, limit)
+        if self.load_policy is not None:
+            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
+        if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
-        return n * self.block_size, from_lower or self.cfg.load_mode == "async"
+        from_lower = any(t != TIER for t in tiers)
+        return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
 
-    def _match(self, hashes: list[bytes], start: int, limit: int) -> tuple[int, bool]:
-        """Length of the run of loadable keys from ``start``, and whether any is below CPU."""
-        n, from_lower = 0, False
+    def _match(self, hashes: list[bytes], start: int, limit: int) -> list[str]:
+        """The tier of each key of the run of loadable keys from ``start``."""
+        tiers: list[str] = []
         for h in hashes[start:limit]:
             key = BlockKey(h)
             if key in self._promoting:
                 break  # its CPU copy is being read from a lower tier right now
             if key in self.index:
-                n += 1
-            elif self._locate(key) is not None:
-                n += 1
-                from_lower = True
-            else:
+                tiers.append(TIER)
+                continue
+            loc = self._locate(key)
+            if loc is None:
                 break
-        return n, from_lower
+            tiers.append(loc[0].tier)
+        return tiers
 
     def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
         """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
@@ -168,6 +181,11 @@ class SchedulerHalf:
             return
         for tier in self.lower:
             tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
+        if self.load_policy is not None:
+            if num_external_tokens > 0:
+                self.load_policy.commit(req_id)
+            else:
+                self.load_policy.forget(req_id)
         if num_external_tokens <= 0:
             return
         bs = self.block_size
@@ -286,6 +304,12 @@ class SchedulerHalf:
                 self._drop(req_id)
         self._fresh.clear()
         self._refresh_block_ids(scheduler_output)
+        if self.load_policy is not None:
+            self.load_policy.observe_step(sum(
+                n for req_id, n in scheduler_output.num_scheduled_tokens.items()
+                if (st := self._reqs.get(req_id)) is not None
+                and st.request.num_computed_tokens < st.request.num_prompt_tokens
+            ))
         saves = list(self._final_saves)
         saves_after: list[SaveJob] = []
         loads = self._loads
@@ -430,6 +454,9 @@ class SchedulerHalf:
                         for tier in self.lower:
                             tier.drop_key(poisoned)
                     state.next_save = min(state.next_save, pos)
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self.load_policy is not None and stats is not None:
+            self.load_policy.observe_stats(stats)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVTierWorkerMeta):
             for tier in self.lower:

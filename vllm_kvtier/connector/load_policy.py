@@ -1,0 +1,96 @@
+"""Load-or-recompute at the scheduler: decisions per request, and the samples that keep
+the estimates of :class:`~vllm_kvtier.index.cost.CostModel` current.
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+scheduler thread. Nothing blocks.
+
+Samples: tier reads come from the workers' counters (``reads``, ``bytes_loaded``,
+``load_seconds`` per tier) inside the ``KVConnectorStats`` that vLLM hands to
+``update_connector_output``; the prefill rate is timed here, as the prompt tokens a step
+scheduled over the time until the next step is scheduled (an idle gap between steps would
+look like a slow prefill, so one sample may lower the estimate by at most half).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm_kvtier.index.cost import CostModel, Decision
+from vllm_kvtier.metrics import Counters
+
+logger = logging.getLogger(__name__)
+
+_MIN_PREFILL_SAMPLE_TOKENS = 32
+_LOG_EVERY_S = 10.0
+
+
+class LoadPolicy:
+    def __init__(self, cost: CostModel, counters: Counters, *, block_bytes: int, block_size: int,
+                 lower_tiers: list[str]) -> None:
+        """``block_bytes``: of one block on one rank (what one worker reads)."""
+        self.cost = cost
+        self.counters = counters
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.lower_tiers = lower_tiers
+        self._pending: dict[str, Decision] = {}
+        self._last_step: tuple[float, int] | None = None
+        self._last_log = 0.0
+
+    def decide(self, req_id: str, block_tiers: list[str]) -> int:
+        """How many blocks of the matched run to load (the rest is recomputed)."""
+        if all(t == "cpu" for t in block_tiers):
+            self._pending.pop(req_id, None)
+            return len(block_tiers)
+        now = time.monotonic()
+        d = self.cost.decide(block_tiers, self.block_bytes, self.block_size, now)
+        self._pending[req_id] = d
+        if d.recomputed and now - self._last_log > _LOG_EVERY_S:
+            self._last_log = now
+            est = ", ".join(f"{t} {self.cost.tier(t).bandwidth_Bps / 1e6:.0f} MB/s + "
+                            f"{self.cost.tier(t).latency_s * 1e3:.1f} ms" for t in d.recomputed)
+            logger.info("kvtier: recomputing %d blocks found in %s instead of loading them "
+                        "(estimates: %s; prefill %.0f tokens/s)", sum(d.recomputed.values()),
+                        "/".join(d.recomputed), est, self.cost.prefill_tokens_per_s)
+        return d.load_blocks
+
+    def commit(self, req_id: str) -> None:
+        """The request was admitted with the last decision: count it."""
+        d = self._pending.pop(req_id, None)
+        if d is None:
+            return
+        for tier, n in d.recomputed.items():
+            self.counters.add("recompute_chosen_blocks", tier, n)
+        if d.probe:
+            self.counters.add("load_probes", "all")
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    # ---- samples -----------------------------------------------------------------------
+
+    def observe_step(self, prefill_tokens: int) -> None:
+        """Called once per scheduled step with the prompt tokens it computes."""
+        now = time.monotonic()
+        if self._last_step is not None:
+            t0, tokens = self._last_step
+            if tokens >= _MIN_PREFILL_SAMPLE_TOKENS:
+                rate = tokens / max(now - t0, 1e-6)
+                self.cost.observe_prefill(tokens, tokens / max(rate, 0.5 * self.cost.prefill_tokens_per_s))
+        self._last_step = (now, prefill_tokens)
+        self.counters.set_gauge("estimated_prefill_tokens_per_s", "compute", self.cost.prefill_tokens_per_s)
+
+    def observe_stats(self, stats: Any) -> None:
+        """Worker counters of one step (``KVTierStats.data``), summed over ranks."""
+        counters = (getattr(stats, "data", None) or {}).get("counters") or {}
+        now = time.monotonic()
+        for tier in self.lower_tiers:
+            reads = counters.get(f"reads|{tier}", 0)
+            if reads:
+                self.cost.observe_reads(tier, reads, counters.get(f"bytes_loaded|{tier}", 0),
+                                        counters.get(f"load_seconds|{tier}", 0), now)
+            est = self.cost.tier(tier)
+            self.counters.set_gauge("estimated_bandwidth_bytes_per_s", tier, est.bandwidth_Bps)
+            self.counters.set_gauge("estimated_latency_seconds", tier, est.latency_s)
