@@ -177,3 +177,16 @@ def test_preemption_swaps_back_in_from_cpu(tiny_model):
     assert got == base
     assert mets.get("vllm:num_preemptions", 0) > 0
     assert counters["blocks_loaded|cpu"] > 0, "resumed requests should swap in from the CPU tier"
+
+
+def test_layer_pipelined_sync_loads(tiny_model, baseline):
+    """Sync loads copied layer by layer on the copy thread, each layer waited for by vLLM's
+    wait_for_layer_load just before its attention: same tokens, same blocks loaded, and
+    no layer was left for the end-of-step fallback (so the forward really waited per layer)."""
+    res, counters = run_reuse(tiny_model, kvtier_config({"layer_pipelined_loads": "on"}))
+    assert_same_tokens(baseline, res)
+    _check_reuse(res)
+    # Present only if a wait_for_layer_load found its layer pending (vLLM's snapshot
+    # truncates counter values to integers, so the seconds themselves read as 0).
+    assert "load_wait_seconds|cpu" in counters
+    assert counters.get("layer_loads_unwaited|cpu", 0) == 0

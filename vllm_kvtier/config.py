@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.index.policy import EvictionName
 from vllm_kvtier.tiers.s3_config import S3Config
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -54,6 +55,13 @@ class CPUTierConfig:
     prefault: bool = False
     #: Pinned (page-locked) host memory for DMA; "auto" pins when the KV cache is on CUDA.
     pin_memory: Literal["auto", "on", "off"] = "auto"
+    #: Which block leaves a full pool: "s3fifo" (scan-resistant: blocks reused by
+    #: several requests, such as shared system prompts, survive a flood of one-off
+    #: documents; see bench/trace_replay.py) or "lru" (least recently used).
+    eviction: EvictionName = "s3fifo"
+    #: Share of the pool that explicit prefix pins with a TTL may hold; pins beyond it
+    #: are refused (and counted), so pinned prefixes never starve ordinary traffic.
+    max_pinned_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,12 @@ class NVMeTierConfig:
     max_queued_writes: int = 64
     #: Upper bound on the time spent at shutdown flushing write-back blocks.
     flush_on_shutdown_s: float = 10.0
+    #: How blocks are stored. "native": the KV cache's bytes as they are. "fp8": e4m3 with
+    #: a float32 scale per 1024 elements (vllm_kvtier/transfer/fp8.py): half the bytes and
+    #: I/O of bf16/fp16, a quarter of fp32, at the cost of a small numeric drift in what is
+    #: loaded back (measured in bench/fp8_drift.py). A cache already in FP8 is stored as is.
+    #: Each setting has its own namespace: neither ever reads the other's blocks.
+    storage_dtype: Literal["native", "fp8"] = "native"
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,9 @@ class S3TierConfig:
     rescan_interval_s: float = 60.0
     #: Upper bound on the time spent at shutdown flushing write-back blocks.
     flush_on_shutdown_s: float = 10.0
+    #: "native" or "fp8": as :attr:`NVMeTierConfig.storage_dtype` (fp8 halves PUT/GET bytes
+    #: of a bf16 cache). Instances sharing a bucket share blocks only with the same setting.
+    storage_dtype: Literal["native", "fp8"] = "native"
 
 
 #: Fields of the flat ``s3`` section that belong to :class:`S3TierConfig` itself.
@@ -164,6 +181,10 @@ class KVTierConfig:
     #: Do not load hits shorter than this many blocks (recompute is cheaper).
     min_load_blocks: int = 1
     load_or_recompute: LoadOrRecomputeConfig = field(default_factory=LoadOrRecomputeConfig)
+    #: Sync loads layer by layer, so that layer i+1 is copied while layer i computes
+    #: (``wait_for_layer_load``). "auto": on for a CUDA KV cache (PCIe copies are worth
+    #: hiding), off for a host KV cache (a memcpy of the whole prefix is ~1% of its prefill).
+    layer_pipelined_loads: Literal["auto", "on", "off"] = "auto"
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
@@ -288,6 +309,11 @@ def _validate(cfg: KVTierConfig) -> None:
         raise ConfigError(
             "cpu.capacity_fraction",
             f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {c.capacity_fraction}",
+        )
+    if not 0.0 <= c.max_pinned_fraction <= 0.9:
+        raise ConfigError(
+            "cpu.max_pinned_fraction",
+            f"must be in [0, 0.9] (keep room for unpinned blocks), got {c.max_pinned_fraction}",
         )
     n = cfg.nvme
     if n is not None:

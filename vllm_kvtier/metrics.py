@@ -34,6 +34,8 @@ COUNTERS: dict[str, str] = {
     "reads": "Read requests completed by a lower tier (one per chunk read).",
     "recompute_chosen_blocks": "Blocks found in a tier but recomputed, because loading was estimated slower.",
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
+    "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
+    "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
 }
 
 #: gauge metric -> help text

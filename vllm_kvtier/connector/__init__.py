@@ -143,7 +143,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             counters = Counters()
             lower = make_planners(self.cfg, namespace=self.namespace, world_size=world,
-                                  block_bytes_per_rank=block_bytes, counters=counters)
+                                  block_bytes_per_rank=block_bytes, counters=counters,
+                                  kv_dtype=getattr(spec, "dtype", None))  # the worker's layout dtype
             self._sched = SchedulerHalf(
                 self.cfg,
                 block_size=self.block_size,
@@ -191,7 +192,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self._idle_step = getattr(forward_context, "attn_metadata", None) is None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-by-layer loads wait between attention layers: a full CUDA graph would
+        # replay past those waits.
+        return str((extra_config or {}).get("layer_pipelined_loads", "auto")) != "off"
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None

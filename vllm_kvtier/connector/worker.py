@@ -83,6 +83,10 @@ class WorkerHalf:
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
         self._load_errors: set[int] = set()
+        #: Layer-by-layer sync loads: on once the pool exists and the config/device say so.
+        self.layered = False
+        #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
+        self._layer_loads: dict[str, list[tuple[Transfer, list[int]]]] = {}
         self._rng = random.Random(cfg.fault_injection.seed)
 
     # ---- setup -------------------------------------------------------------------
@@ -104,10 +108,13 @@ class WorkerHalf:
         pin = pin_cfg == "on" or (pin_cfg == "auto" and self.layout.device.type == "cuda")
         self.pool = CPUPool(num_slots, self.layout.plane_bytes, pin=pin, prefault=self.cfg.cpu.prefault)
         self.engine = make_copy_engine(self.layout, self.pool)
+        mode = self.cfg.layer_pipelined_loads
+        self.layered = mode == "on" or (mode == "auto" and self.layout.device.type == "cuda")
         self._slot_key = [None] * num_slots
         self._slot_crc = [0] * num_slots
         self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
-                                  block_bytes=self.pool.slot_bytes, counters=self.counters)
+                                  block_bytes=self.pool.slot_bytes, counters=self.counters,
+                                  kv_dtype=self.layout.dtype)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -117,6 +124,7 @@ class WorkerHalf:
         if meta.step == self._step_begun:
             return
         self._step_begun = meta.step
+        self._finish_layered_loads()
         self._ensure_pool(meta.num_slots)
         assert self.engine is not None and self.pool is not None
         for req_id in meta.preempted:
@@ -138,6 +146,7 @@ class WorkerHalf:
         if meta is None or meta.step == self._step_ended or self.pool is None:
             return
         self._step_ended = meta.step
+        self._finish_layered_loads()
         self._run_saves(meta.saves_after)
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
@@ -213,6 +222,9 @@ class WorkerHalf:
             self._start_lower_load(job)
             return
         blocks, slots, failed = self._verify(job)
+        if blocks and self.layered and not job.asynchronous:
+            self._start_layered_load(job, blocks, slots, failed)
+            return
         transfer: Transfer | None = None
         if blocks:
             try:
@@ -239,6 +251,52 @@ class WorkerHalf:
                 blocks = []
             self._account_load(transfer, len(blocks))
         self._load_errors.update(failed)
+
+    def _start_layered_load(self, job: LoadJob, blocks: list[int], slots: list[int], failed: set[int]) -> None:
+        """Sync load, one transfer per layer: the forward waits for each layer just before
+        its attention runs (``wait_for_layer``)."""
+        assert self.engine is not None
+        if failed:
+            self.counters.add("load_failures", TIER, len(failed))
+            self._load_errors.update(failed)
+        try:
+            layers = self.engine.submit_layers(blocks, slots)
+        except Exception:
+            logger.exception("kvtier: load of %d blocks failed", len(blocks))
+            self.counters.add("load_failures", TIER, len(blocks))
+            self._load_errors.update(blocks)
+            return
+        for name, t in layers.items():
+            self._layer_loads.setdefault(name, []).append((t, blocks))
+        last = list(layers.values())[-1]  # layers are copied in order: the last ends last
+        self._mark_busy(slots, last)
+        if self.layout is not None:
+            self.counters.add("blocks_loaded", TIER, len(blocks))
+            self.counters.add("bytes_loaded", TIER, len(blocks) * self.layout.block_bytes)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention (``wait_for_layer_load``): its rows are in place."""
+        pending = self._layer_loads.pop(layer_name, None)
+        if not pending or self.engine is None:
+            return
+        t0 = time.perf_counter()
+        for t, blocks in pending:
+            try:
+                self.engine.order_before_compute(t)
+            except Exception:
+                logger.exception("kvtier: layer load of %s failed", layer_name)
+                self.counters.add("load_failures", TIER, len(blocks))
+                self._load_errors.update(blocks)
+        self.counters.add("load_wait_seconds", TIER, time.perf_counter() - t0)
+        if not self._layer_loads:
+            self.counters.add("load_seconds", TIER, max(time.perf_counter() - t.started_s for t, _ in pending))
+
+    def _finish_layered_loads(self) -> None:
+        """Layers the forward did not ask for (or no forward ran): wait for them now."""
+        if self._layer_loads:
+            self.counters.add("layer_loads_unwaited", TIER, len(self._layer_loads))
+        for name in list(self._layer_loads):
+            self.wait_for_layer(name)
 
     def _start_lower_load(self, job: LoadJob) -> None:
         """Async load with blocks below CPU: read them into their CPU slots first."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal, Protocol
@@ -67,6 +68,33 @@ class _FutureTransfer:
         self._fut.result()
 
 
+class _EventTransfer:
+    """One layer of a layer-by-layer host load: set by the copy thread when the layer's
+    rows are in place (or its copy failed: ``wait`` re-raises)."""
+
+    def __init__(self, nbytes: int, started_s: float) -> None:
+        self.nbytes = nbytes
+        self.started_s = started_s
+        self.finished_s = 0.0
+        self.error: BaseException | None = None
+        self._event = threading.Event()
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.finished_s = time.perf_counter()
+        self._event.set()
+
+    def done(self) -> bool:
+        if self._event.is_set() and self.error is not None:
+            raise self.error
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class _CudaTransfer:
     def __init__(self, event: torch.cuda.Event, nbytes: int, started_s: float) -> None:
         self.event = event
@@ -82,9 +110,10 @@ class _CudaTransfer:
 
 def _copy_rows(
     layout: KVLayout, pool: CPUPool, direction: Direction, blocks: list[int], slots: list[int],
-    non_blocking: bool, host_threads: ThreadPoolExecutor | None = None,
+    non_blocking: bool, host_threads: ThreadPoolExecutor | None = None, only_planes: list[int] | None = None,
 ) -> int:
-    """Copy block rows for every plane; one copy per run of consecutive blocks and slots."""
+    """Copy block rows for every plane (or ``only_planes``); one copy per run of
+    consecutive blocks and slots."""
     # Bounds are checked here, once, because the host path copies by raw pointer.
     if blocks and not (min(blocks) >= 0 and max(blocks) < layout.num_blocks):
         raise IndexError(f"block id out of range [0, {layout.num_blocks})")
@@ -96,6 +125,8 @@ def _copy_rows(
     else:
         pairs = [(host, kv) for kv, host in zip(layout.planes, pool.planes, strict=True)]
         triples = runs(slots, blocks)
+    if only_planes is not None:
+        pairs = [pairs[i] for i in only_planes]
     if layout.device.type == "cpu":
         small = [t for t in triples if t[2] * layout.plane_bytes[0] < _TORCH_COPY_MIN_BYTES]
         large = [t for t in triples if t[2] * layout.plane_bytes[0] >= _TORCH_COPY_MIN_BYTES]
@@ -207,6 +238,29 @@ class HostCopyEngine:
         _copy_rows(self.layout, self.pool, direction, blocks, slots, False, self._helpers)
         return _Done(nbytes, t0)
 
+    def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
+        """Load slots into blocks layer by layer on the copy thread, in forward order; one
+        transfer per layer, so the forward waits only for the layer it is about to run
+        while the next layers are still being copied (memmove releases the GIL)."""
+        t0 = time.perf_counter()
+        per_layer = self.layout.layer_planes()
+        out = {
+            name: _EventTransfer(sum(self.layout.plane_bytes[i] for i in idx) * len(blocks), t0)
+            for name, idx in per_layer.items()
+        }
+
+        def run() -> None:
+            for name, idx in per_layer.items():
+                try:
+                    # One thread: the compute threads are busy with the forward.
+                    _copy_rows(self.layout, self.pool, "load", blocks, slots, False, None, idx)
+                    out[name].set()
+                except BaseException as e:  # reported to the waiter, who recomputes
+                    out[name].set(e)
+
+        self._bg.submit(run)
+        return dict(out)
+
     def order_before_compute(self, transfer: Transfer) -> None:
         """Make the model's next reads of the KV cache see ``transfer`` (sync loads)."""
         transfer.wait()
@@ -242,6 +296,21 @@ class CudaCopyEngine:
             event = torch.cuda.Event()
             event.record(self.stream)
         return _CudaTransfer(event, nbytes, t0)
+
+    def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
+        """Load layer by layer on the copy stream, one event per layer: the forward's
+        stream waits for a layer's event just before that layer's attention, so the
+        copies of later layers overlap the compute of earlier ones."""
+        t0 = time.perf_counter()
+        out: dict[str, Transfer] = {}
+        self.stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        with torch.cuda.stream(self.stream):
+            for name, idx in self.layout.layer_planes().items():
+                _copy_rows(self.layout, self.pool, "load", blocks, slots, True, None, idx)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                out[name] = _CudaTransfer(event, sum(self.layout.plane_bytes[i] for i in idx) * len(blocks), t0)
+        return out
 
     def order_before_compute(self, transfer: Transfer) -> None:
         assert isinstance(transfer, _CudaTransfer)

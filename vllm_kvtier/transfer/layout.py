@@ -33,6 +33,15 @@ class KVLayout:
     device: torch.device
     dtype: torch.dtype
     description: str  # e.g. "2 layers x 1 plane [N,H,B,2D] bfloat16", for logs
+    #: the layer (vLLM's layer name) each plane belongs to, in plane order
+    plane_layers: tuple[str, ...] = ()
+
+    def layer_planes(self) -> dict[str, list[int]]:
+        """Layer name -> indices of its planes, in forward order (for layer-by-layer loads)."""
+        out: dict[str, list[int]] = {}
+        for i, name in enumerate(self.plane_layers):
+            out.setdefault(name, []).append(i)
+        return out
 
     @property
     def block_bytes(self) -> int:
@@ -56,6 +65,7 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
     if not kv_caches:
         raise ValueError("no KV cache tensors were registered")
     planes: list[torch.Tensor] = []
+    plane_layers: list[str] = []
     dtypes = set()
     devices = set()
     shapes = set()
@@ -78,6 +88,7 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
                 )
             n_rest = math.prod(rest)
             planes.append(p.reshape(num_blocks, n_rest).view(torch.uint8))
+            plane_layers.append(name)
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"KV tensors must share one dtype and device, got {dtypes} {devices}")
     dtype = dtypes.pop()
@@ -92,6 +103,7 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
         device=devices.pop(),
         dtype=dtype,
         description=desc,
+        plane_layers=tuple(plane_layers),
     )
 
 
