@@ -612,6 +612,8 @@ def test_dashboard_queries_use_existing_metrics(known_metrics):
         "vllm:kvtier_load_seconds_total",
         "vllm:kvtier_load_failures_total",
         "vllm:kvtier_store_failures_total",
+        "vllm:kvtier_request_load_wait_seconds_bucket",
+        "vllm:kvtier_request_loaded_blocks_bucket",
     } <= used
 
 
@@ -631,6 +633,9 @@ def test_metric_check_rejects_names_that_do_not_exist(known_metrics):
     ):
         assert unknown_metrics(f"sum(rate({wrong}[5m]))", known_metrics) == {wrong}
     assert "vllm:kvtier_blocks_loaded" not in known_metrics  # counters only with _total
+    # histograms only with _bucket, _sum, _count
+    assert "vllm:kvtier_request_load_wait_seconds" not in known_metrics
+    assert "vllm:kvtier_request_load_wait_seconds_bucket" in known_metrics
 
 
 # ---- the alert rules -------------------------------------------------------------------

@@ -5,14 +5,18 @@ plain dicts inside vLLM's ``KVConnectorStats`` and become Prometheus metrics on 
 ``/metrics`` in the API-server process (``vllm_kvtier.connector.stats``).
 
 A sample key is ``"<metric>|<tier>"`` (``"blocks_loaded|cpu"``); the Prometheus name is
-``vllm:kvtier_<metric>_total`` for counters and ``vllm:kvtier_<metric>`` for gauges, with
-a ``tier`` label. Counters are summed over TP ranks (bytes are real bytes moved; blocks
-count once per rank's shard).
+``vllm:kvtier_<metric>_total`` for counters and ``vllm:kvtier_<metric>`` for gauges and
+histograms, with a ``tier`` label. Counters are summed over TP ranks (bytes are real bytes
+moved; blocks count once per rank's shard). Histogram observations travel as lists of
+values and are observed one by one where the metrics live. The standalone exporter
+(:mod:`vllm_kvtier.exporter`) serves the same metrics named ``kvtier_<metric>...``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 #: counter metric -> help text
 COUNTERS: dict[str, str] = {
@@ -49,6 +53,33 @@ GAUGES: dict[str, str] = {
 }
 
 
+
+@dataclass(frozen=True)
+class HistogramSpec:
+    help: str
+    #: Upper bounds of the buckets (``+Inf`` is added by prometheus_client).
+    buckets: tuple[float, ...]
+
+
+#: histogram metric -> help text and buckets. Observed once per request by the scheduler.
+HISTOGRAMS: dict[str, HistogramSpec] = {
+    "request_load_wait_seconds": HistogramSpec(
+        "Seconds a request waited for its KV to load, from the scheduler issuing the load to the worker "
+        "reporting it done, by the slowest tier it read. Async loads only take time here: a sync load runs "
+        "inside the step that computes on it and counts 0 (its in-forward wait is load_wait_seconds_total).",
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    ),
+    "request_loaded_blocks": HistogramSpec(
+        "Blocks one request's load copies from a tier (one observation per tier the load reads).",
+        tuple(float(2**i) for i in range(13)),  # 1 .. 4096
+    ),
+}
+
+#: What :meth:`Counters.drain` returns and ``KVTierStats.data`` holds:
+#: ``{"counters": {key: delta}, "gauges": {key: value}, "histograms": {key: [value, ...]}}``.
+StatsData = dict[str, dict[str, Any]]
+
+
 def sample_key(metric: str, tier: str) -> str:
     return f"{metric}|{tier}"
 
@@ -59,12 +90,14 @@ def split_key(key: str) -> tuple[str, str]:
 
 
 class Counters:
-    """Monotonic counters and last-value gauges, drained as deltas each step."""
+    """Monotonic counters, last-value gauges and histogram observations, drained as deltas
+    each step."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self._delta: dict[str, float] = defaultdict(float)
         self._gauges: dict[str, float] = {}
+        self._observed: dict[str, list[float]] = defaultdict(list)
 
     def add(self, metric: str, tier: str, value: float = 1) -> None:
         if value:
@@ -75,11 +108,20 @@ class Counters:
     def set_gauge(self, metric: str, tier: str, value: float) -> None:
         self._gauges[sample_key(metric, tier)] = value
 
-    def drain(self) -> dict[str, dict[str, float]] | None:
-        """Deltas since the last drain and the current gauges, or None if nothing changed."""
-        if not self._delta and not self._gauges:
+    def observe(self, metric: str, tier: str, value: float) -> None:
+        """One observation of histogram ``metric`` (declared in :data:`HISTOGRAMS`)."""
+        self._observed[sample_key(metric, tier)].append(value)
+
+    def drain(self) -> StatsData | None:
+        """Deltas since the last drain, the current gauges and the observations since the
+        last drain (key ``"histograms"``, only when there are some), or None if nothing
+        changed."""
+        if not self._delta and not self._gauges and not self._observed:
             return None
-        out = {"counters": dict(self._delta), "gauges": dict(self._gauges)}
+        out: StatsData = {"counters": dict(self._delta), "gauges": dict(self._gauges)}
+        if self._observed:
+            out["histograms"] = dict(self._observed)
         self._delta.clear()
         self._gauges.clear()
+        self._observed = defaultdict(list)
         return out

@@ -31,6 +31,7 @@ its loads and keeps steps in order, so a load issued later always sees the bytes
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,10 @@ class _ReqState:
     #: position -> key of every block this request saved, to undo the ones computed on
     #: top of a block that then failed to load.
     saved: dict[int, BlockKey] = field(default_factory=dict)
+    #: time.monotonic() when its async load was issued, and the slowest tier it reads
+    #: (for the load-wait histogram, observed on finished_recving).
+    load_issued_s: float | None = None
+    load_tier: str = TIER
 
 
 class SchedulerHalf:
@@ -228,11 +233,38 @@ class SchedulerHalf:
             tier.index.pin(fid)
             tier.index.touch(fid)
             state.pinned_files.append((tier, fid))
-        self._loads.append(LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, chunk_reads))
+        job = LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, chunk_reads)
+        self._loads.append(job)
         state.loaded.update(zip(blocks, keys, strict=True))
         state.async_loading = asynchronous
         if asynchronous:
             state.pinned_slots.extend(s for s in slots if s >= 0)
+        self._observe_load_issued(state, job)
+
+    def _observe_load_issued(self, state: _ReqState, job: LoadJob) -> None:
+        """Per-request load histograms: blocks copied from each tier now; the wait is 0
+        for a sync load (it runs in the step that computes on it), and for an async one
+        runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
+        per_tier = {TIER: sum(1 for s in job.slots if s >= 0)}
+        for read in job.reads:
+            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
+            per_tier[TIER] -= len(read.slots)
+        for tier, n in per_tier.items():
+            if n > 0:
+                self.counters.observe("request_loaded_blocks", tier, n)
+        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        touched = [t for t, n in per_tier.items() if n > 0] or [TIER]
+        slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
+        if job.asynchronous:
+            state.load_issued_s, state.load_tier = time.monotonic(), slowest
+        else:
+            self.counters.observe("request_load_wait_seconds", slowest, 0.0)
+
+    def _observe_load_done(self, state: _ReqState) -> None:
+        if state.load_issued_s is not None:
+            self.counters.observe("request_load_wait_seconds", state.load_tier,
+                                  time.monotonic() - state.load_issued_s)
+            state.load_issued_s = None
 
     def _promote(self, key: BlockKey) -> int:
         """A CPU slot for a lower-tier block about to be read (pinned), or -1 if none is free."""
@@ -426,6 +458,7 @@ class SchedulerHalf:
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id) or self._held.get(req_id)
             if state is not None:
+                self._observe_load_done(state)
                 self._end_async_load(state)
                 if req_id in self._held and req_id not in self._releasing:
                     del self._held[req_id]

@@ -8,33 +8,39 @@ registry (multiprocess-safe metric classes are passed in by vLLM).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
-from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-from vllm_kvtier.metrics import COUNTERS, GAUGES, split_key
+from vllm_kvtier.exporter import PromMetrics
+
+_SECTIONS = ("counters", "gauges", "histograms")
 
 
 class KVTierStats(KVConnectorStats):
-    """``data = {"counters": {key: delta}, "gauges": {key: value}}``."""
+    """``data = {"counters": {key: delta}, "gauges": {key: value}, "histograms": {key: [value, ...]}}``
+    (keys ``"<metric>|<tier>"``, :mod:`vllm_kvtier.metrics`). Aggregating sums counters,
+    keeps the latest gauges and concatenates histogram observations."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
-        super().__init__(data=data or {"counters": {}, "gauges": {}})
-        self.data.setdefault("counters", {})
-        self.data.setdefault("gauges", {})
+        super().__init__(data=data if data is not None else {})
+        for section in _SECTIONS:
+            self.data.setdefault(section, {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}}
+        self.data = {section: {} for section in _SECTIONS}
 
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
         c = self.data["counters"]
         for k, v in other.data.get("counters", {}).items():
             c[k] = c.get(k, 0) + v
         self.data["gauges"].update(other.data.get("gauges", {}))
+        h = self.data["histograms"]
+        for k, values in other.data.get("histograms", {}).items():
+            h[k] = [*h.get(k, ()), *values]  # new lists: other's data is never modified
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -43,39 +49,26 @@ class KVTierStats(KVConnectorStats):
             out[k.replace("|", "_")] = round(v, 6)
         for k, v in sorted(self.data["gauges"].items()):
             out[k.replace("|", "_")] = v
+        for k, values in sorted(self.data["histograms"].items()):
+            name = k.replace("|", "_")
+            out[f"{name}_count"] = len(values)
+            out[f"{name}_sum"] = round(sum(values), 6)
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not self.data["gauges"]
+        return not any(self.data[section] for section in _SECTIONS)
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
+    """Built once by vLLM's Prometheus stat logger (``build_prom_metrics``); ``observe``
+    is called from its thread with each step's aggregated ``KVTierStats.data``."""
+
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        names = list(labelnames) + ["tier"]
-        counter_cls = cast(type[Counter], self._counter_cls)
-        gauge_cls = cast(type[Gauge], self._gauge_cls)
-        self._counters = {
-            m: counter_cls(name=f"vllm:kvtier_{m}", documentation=doc, labelnames=names)
-            for m, doc in COUNTERS.items()
-        }
-        self._gauges = {
-            m: gauge_cls(
-                name=f"vllm:kvtier_{m}", documentation=doc, labelnames=names,
-                multiprocess_mode="mostrecent",
-            )
-            for m, doc in GAUGES.items()
-        }
-
-    def _labels(self, engine_idx: int, tier: str) -> list[object]:
-        return list(self.per_engine_labelvalues.get(engine_idx, [])) + [tier]
+        self._metrics = PromMetrics(
+            prefix="vllm:kvtier_", labelnames=list(labelnames), counter_cls=self._counter_cls,
+            gauge_cls=self._gauge_cls, histogram_cls=self._histogram_cls,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, value in transfer_stats_data.get("counters", {}).items():
-            metric, tier = split_key(key)
-            if metric in self._counters and value > 0:
-                self._counters[metric].labels(*self._labels(engine_idx, tier)).inc(value)
-        for key, value in transfer_stats_data.get("gauges", {}).items():
-            metric, tier = split_key(key)
-            if metric in self._gauges:
-                self._gauges[metric].labels(*self._labels(engine_idx, tier)).set(value)
+        self._metrics.observe(transfer_stats_data, list(self.per_engine_labelvalues.get(engine_idx, [])))

@@ -1,0 +1,125 @@
+"""Prometheus metrics from the plugin's stats, on vLLM's ``/metrics`` or on a port of their own.
+
+:class:`PromMetrics` makes one Prometheus metric per declaration in
+:mod:`vllm_kvtier.metrics` (``COUNTERS``, ``GAUGES``, ``HISTOGRAMS``) and feeds them from a
+stats data dict (``KVTierStats.data``: counter deltas, last gauge values, histogram
+observations). vLLM's stat logger uses it through
+:class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with vLLM's metric classes and
+names ``vllm:kvtier_...``.
+
+:class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
+``/metrics`` (offline ``LLM`` use, tools): the same metrics on a registry the caller passes
+in (never the process-global one), served by prometheus_client's HTTP server. Its names
+have no ``vllm:`` prefix (``kvtier_blocks_loaded_total``, ``kvtier_usage_bytes``,
+``kvtier_request_load_wait_seconds_bucket``): they are not vLLM's metrics, and a Prometheus
+scraping both endpoints then sees no clash. This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from vllm_kvtier.metrics import COUNTERS, GAUGES, HISTOGRAMS, split_key
+
+#: Name prefix of the standalone exporter's metrics.
+STANDALONE_PREFIX = "kvtier_"
+
+
+class PromMetrics:
+    """Every declared metric as a Prometheus metric, labelled ``labelnames`` + ``tier``.
+
+    ``counter_cls``/``gauge_cls``/``histogram_cls``: prometheus_client's classes or
+    vLLM's replacements (multiprocess-safe, Ray). ``registry``: passed to each metric when
+    given; ``None`` leaves the classes' own default (vLLM's classes register where vLLM
+    serves them). Metric objects are thread-safe; :meth:`observe` may be called from any
+    thread and does not block on I/O.
+    """
+
+    def __init__(
+        self, *, prefix: str, labelnames: Sequence[str] = (), registry: CollectorRegistry | None = None,
+        counter_cls: Any = Counter, gauge_cls: Any = Gauge, histogram_cls: Any = Histogram,
+    ) -> None:
+        names = [*labelnames, "tier"]
+        reg: dict[str, Any] = {} if registry is None else {"registry": registry}
+        self.counters = {
+            m: counter_cls(name=f"{prefix}{m}", documentation=doc, labelnames=names, **reg)
+            for m, doc in COUNTERS.items()
+        }
+        self.gauges = {
+            m: gauge_cls(name=f"{prefix}{m}", documentation=doc, labelnames=names,
+                         multiprocess_mode="mostrecent", **reg)
+            for m, doc in GAUGES.items()
+        }
+        self.histograms = {
+            m: histogram_cls(name=f"{prefix}{m}", documentation=spec.help, labelnames=names,
+                             buckets=list(spec.buckets), **reg)
+            for m, spec in HISTOGRAMS.items()
+        }
+
+    def observe(self, data: Mapping[str, Any], labelvalues: Sequence[object] = ()) -> None:
+        """Add one stats data dict: counters grow by their deltas, gauges take their values,
+        each histogram value is observed. Undeclared metrics are ignored (a newer worker
+        may send some)."""
+        for key, value in (data.get("counters") or {}).items():
+            metric, tier = split_key(key)
+            if metric in self.counters and value > 0:
+                self.counters[metric].labels(*labelvalues, tier).inc(value)
+        for key, value in (data.get("gauges") or {}).items():
+            metric, tier = split_key(key)
+            if metric in self.gauges:
+                self.gauges[metric].labels(*labelvalues, tier).set(value)
+        for key, values in (data.get("histograms") or {}).items():
+            metric, tier = split_key(key)
+            if metric in self.histograms:
+                child = self.histograms[metric].labels(*labelvalues, tier)
+                for v in values:
+                    child.observe(v)
+
+
+class StandaloneExporter:
+    """The plugin's metrics on ``registry``, named ``kvtier_...``, optionally served over HTTP.
+
+    ``labels``: constant labels on every sample (``{"model_name": ...}``). Whoever holds the
+    stats (a stat logger, a tool polling ``KVTierStats``) calls :meth:`observe` with each
+    data dict, from any thread; :meth:`start` serves ``registry`` on ``/metrics`` from a
+    daemon thread until :meth:`stop`.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, labels: Mapping[str, str] | None = None) -> None:
+        self.registry = registry
+        self._labels = dict(labels or {})
+        self.metrics = PromMetrics(prefix=STANDALONE_PREFIX, labelnames=list(self._labels), registry=registry)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def observe(self, stats_data: Mapping[str, Any]) -> None:
+        """Add one ``KVTierStats.data`` dict (or :meth:`Counters.drain` output)."""
+        self.metrics.observe(stats_data, list(self._labels.values()))
+
+    def start(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``addr:port`` (port 0: a free one); returns the bound port.
+        Raises ``OSError`` if the port cannot be bound, ``RuntimeError`` if already serving."""
+        if self._server is not None:
+            raise RuntimeError(f"kvtier exporter already serving on port {self.port}")
+        self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+        return int(self._server.server_port)
+
+    @property
+    def port(self) -> int | None:
+        """The bound port while serving, else None."""
+        return None if self._server is None else int(self._server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (blocks until the server thread exits)."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server, self._thread = None, None
