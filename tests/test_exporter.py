@@ -124,3 +124,28 @@ def test_stop_closes_the_port_and_start_twice_is_refused(exporter):
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
     exporter.stop()  # harmless
+
+
+def test_engine_serves_the_standalone_endpoint(tiny_model):
+    """``exporter.port`` on a real engine: the scheduler process serves kvtier_* metrics,
+    the workers' figures included (a repeated prompt's CPU loads)."""
+    import random
+    import socket
+
+    from tests.conftest import close_llm, generate, kvtier_config, make_llm, rand_tokens
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt = rand_tokens(random.Random(7), 200)
+    llm = make_llm(tiny_model, kvtier_config({"exporter": {"port": port, "addr": "127.0.0.1"}}))
+    try:
+        generate(llm, prompt)
+        again = generate(llm, prompt)
+        got = scrape(port)
+    finally:
+        close_llm(llm)
+    assert again.loaded > 0
+    loaded = {lab["tier"]: v for lab, v in got["kvtier_blocks_loaded_total"]}
+    assert loaded["cpu"] == again.loaded
+    assert any(v > 0 for _, v in got["kvtier_blocks_stored_total"])

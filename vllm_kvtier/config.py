@@ -155,6 +155,17 @@ class LoadOrRecomputeConfig:
 
 
 @dataclass(frozen=True)
+class ExporterConfig:
+    """A standalone Prometheus endpoint (``kvtier_*`` names, its own registry) for setups
+    that do not scrape vLLM's ``/metrics`` (offline ``LLM`` use, tools). Served from the
+    scheduler process, with the workers' figures as vLLM hands them to the scheduler."""
+
+    #: TCP port; None: off (vLLM's own /metrics carries everything as ``vllm:kvtier_*``).
+    port: int | None = None
+    addr: str = "0.0.0.0"
+
+
+@dataclass(frozen=True)
 class FaultInjectionConfig:
     """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
 
@@ -185,6 +196,7 @@ class KVTierConfig:
     #: (``wait_for_layer_load``). "auto": on for a CUDA KV cache (PCIe copies are worth
     #: hiding), off for a host KV cache (a memcpy of the whole prefix is ~1% of its prefill).
     layer_pipelined_loads: Literal["auto", "on", "off"] = "auto"
+    exporter: ExporterConfig = field(default_factory=ExporterConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
@@ -345,6 +357,8 @@ def _validate(cfg: KVTierConfig) -> None:
         raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")
     if lr.probe_interval_s < 0:
         raise ConfigError("load_or_recompute.probe_interval_s", f"must be >= 0, got {lr.probe_interval_s}")
+    if cfg.exporter.port is not None and not 0 <= cfg.exporter.port < 65536:
+        raise ConfigError("exporter.port", f"must be in [0, 65535], got {cfg.exporter.port}")
     if cfg.min_load_blocks < 1:
         raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
     r = cfg.fault_injection.load_error_rate

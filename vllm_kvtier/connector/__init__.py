@@ -137,6 +137,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
             )
         )
+        self._exporter: Any = None
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._idle_step = False
@@ -153,6 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 lower=lower,
                 counters=counters,
             )
+            self._exporter = self._start_exporter()
         else:
             self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks,
                                       namespace=self.namespace, rank=_worker_rank())
@@ -232,10 +234,29 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    def _start_exporter(self) -> Any:
+        ex = self.cfg.exporter
+        if ex.port is None:
+            return None
+        from prometheus_client import CollectorRegistry
+
+        from vllm_kvtier.exporter import StandaloneExporter
+
+        exporter = StandaloneExporter(CollectorRegistry(), labels={"namespace": self.namespace})
+        try:
+            port = exporter.start(ex.port, ex.addr)
+        except OSError as e:  # a busy port must not stop the engine
+            logger.error("kvtier: standalone exporter not started on %s:%s: %s", ex.addr, ex.port, e)
+            return None
+        logger.info("kvtier: standalone metrics on http://%s:%d/metrics", ex.addr, port)
+        return exporter
+
     def get_kv_connector_stats(self) -> KVTierStats | None:
         half = self._sched if self._sched is not None else self._worker
         assert half is not None
         data = half.stats()
+        if data and self._exporter is not None:
+            self._exporter.observe(data)
         return KVTierStats(data) if data else None
 
     def shutdown(self) -> None:
@@ -243,6 +264,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._sched is not None:
             self._sched.close()
+        if self._exporter is not None:
+            self._exporter.stop()
 
     # ---- scheduler role ----------------------------------------------------------
 
@@ -263,6 +286,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.update_connector_output(connector_output)
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self._exporter is not None and stats is not None:
+            self._exporter.observe(stats.data)  # the workers' figures of this step
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
