@@ -2,8 +2,9 @@
 
 Each tier is the real medium: a dict, a CPU pool, chunk files in tmp_path, objects in a
 bucket of a moto S3 server on 127.0.0.1. Damage is done through the medium (a stored
-bytearray, the pool's plane, the file on disk, the object overwritten with boto3), never by
-calling into the tier's private state.
+bytearray, the pool's plane, the file on disk, the object overwritten with boto3, the value
+overwritten through a raw Mooncake client), never by calling into the tier's private state.
+The Mooncake tier runs against a real ``mooncake_master`` on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import mooncake_server as mcsrv
 from tests import s3_server as s3srv
+from tests.mooncake_server import MooncakeMaster, requires_mooncake
 from tests.s3_server import MotoServer, plain_client, requires_s3
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.tiers.base import MAX_KEY_BYTES, BlockTier
-from vllm_kvtier.tiers.keyed import CPUTier, NVMeTier, S3Tier
+from vllm_kvtier.tiers.keyed import CPUTier, MooncakeTier, NVMeTier, S3Tier
 from vllm_kvtier.tiers.memory import MemoryTier
 
 BLOCK = 3000  # deliberately not a multiple of 4096: the disk format pads it
 FITS = 6  # blocks each tier is sized to hold
 s3_server = s3srv.s3_server  # fixture: a moto server for this module, started by the s3 tier only
+mooncake_master = mcsrv.mooncake_master  # fixture: a mooncake_master, started by the mooncake tier only
 
 
 def key(i: int) -> bytes:
@@ -33,7 +37,11 @@ def block(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(BLOCK))
 
 
-@pytest.fixture(params=["memory", "cpu", "nvme", pytest.param("s3", marks=[pytest.mark.s3, requires_s3])])
+@pytest.fixture(params=[
+    "memory", "cpu", "nvme",
+    pytest.param("s3", marks=[pytest.mark.s3, requires_s3]),
+    pytest.param("mooncake", marks=[pytest.mark.mooncake, requires_mooncake]),
+])
 def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[BlockTier]:
     t: BlockTier
     if request.param == "memory":
@@ -42,6 +50,10 @@ def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[BlockTier]:
         t = CPUTier(FITS * BLOCK, BLOCK)
     elif request.param == "nvme":
         t = NVMeTier(tmp_path / "nvme", FITS * NVMeTier.file_bytes(BLOCK), BLOCK)
+    elif request.param == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        # timeout_s: close waits for the client to leave the pool (~2 s), inside the test.
+        t = MooncakeTier(master.config(), FITS * MooncakeTier.file_bytes(BLOCK), BLOCK, timeout_s=15.0)
     else:
         from vllm_kvtier.tiers.s3 import S3Config
 
@@ -85,6 +97,15 @@ def corrupt(t: BlockTier, k: bytes) -> None:
         client, bucket = plain_client(cfg.endpoint_url, cfg.ca_bundle), cfg.bucket
         size = client.head_object(Bucket=bucket, Key=loc[0])["ContentLength"]
         client.put_object(Bucket=bucket, Key=loc[0], Body=os.urandom(size))
+    elif isinstance(t, MooncakeTier):
+        # One byte of the block flipped, written back over the value through a raw client.
+        loc = t.location(k)
+        assert loc is not None
+        mkey, offset = loc
+        with mcsrv.raw_client(t.store.config.master) as client:
+            value = bytearray(client.get(mkey))
+            value[offset + BLOCK // 2] ^= 0xFF
+            assert client.upsert(mkey, bytes(value)) == 0
     else:
         raise AssertionError(f"no fault drill for {type(t)}")
 

@@ -1,12 +1,13 @@
 """Keyed adapters that make the real media meet :class:`~vllm_kvtier.tiers.base.BlockTier`.
 
 :class:`CPUTier` is a :class:`~vllm_kvtier.index.slot_index.SlotIndex` over a one-plane
-:class:`~vllm_kvtier.tiers.cpu.CPUPool`. :class:`NVMeTier` and :class:`S3Tier` are a
-submit/poll chunk store (:class:`~vllm_kvtier.tiers.nvme.NVMeStore`,
-:class:`~vllm_kvtier.tiers.s3.S3Store`) plus an in-memory index of key -> (chunk, block)
-rebuilt from the chunk headers at construction (:class:`ChunkStoreTier`), so a tier opened
-on a directory or bucket prefix finds what an earlier one stored there. All verify a CRC32
-on every ``get``. ``S3Tier`` needs boto3 only when constructed.
+:class:`~vllm_kvtier.tiers.cpu.CPUPool`. :class:`NVMeTier`, :class:`S3Tier` and
+:class:`MooncakeTier` are a submit/poll chunk store (:class:`~vllm_kvtier.tiers.nvme.NVMeStore`,
+:class:`~vllm_kvtier.tiers.s3.S3Store`, :class:`~vllm_kvtier.tiers.mooncake.MooncakeStore`)
+plus an in-memory index of key -> (chunk, block) (:class:`ChunkStoreTier`); the NVMe and S3
+ones rebuild it from the chunk headers at construction, so a tier opened on a directory or
+bucket prefix finds what an earlier one stored there. All verify a CRC32 on every ``get``.
+``S3Tier`` needs boto3 and ``MooncakeTier`` the mooncake package only when constructed.
 
 They serve tools, tests and the tier contract; the connector drives the same media
 asynchronously. Same threading and failure rules as BlockTier: one caller thread; a
@@ -32,6 +33,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import count_failure, refusal
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
+from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore
 from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, file_id_for, scan_dir
 from vllm_kvtier.tiers.s3 import S3Config, S3Store
 
@@ -362,6 +364,49 @@ class S3Tier(ChunkStoreTier):
     def location(self, key: bytes) -> tuple[str, int] | None:
         """The object key holding ``key`` and the byte offset of its block (for fault
         drills and tools), or None."""
+        loc = self._where.get(key)
+        if loc is None:
+            return None
+        file_id, pos = loc
+        return self.store.key(file_id), self._files[file_id].block_offset(pos)
+
+
+class MooncakeTier(ChunkStoreTier):
+    """Blocks in chunk objects of a Mooncake Store pool, one block per object (the connector
+    packs many; this adapter serves the contract suite and tools). The tier keeps its own
+    least-recently-used bound of ``capacity_bytes`` on what it wrote; Mooncake may evict
+    sooner when the pool fills (leases and eviction are Mooncake's), and such a block then
+    reads as a counted miss. The index starts empty: Mooncake cannot list keys, so objects
+    an earlier process wrote are not found (they stay until Mooncake evicts them).
+
+    A read that fails because the pool is unhealthy (master gone, transfer failure,
+    breaker open, deadline) is a miss that keeps the entry; one whose object is damaged or
+    gone (checksum, format, missing...) drops it.
+    """
+
+    name = "mooncake"
+    store: MooncakeStore
+
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        capacity_bytes: int,
+        block_bytes: int,
+        namespace: str = "contract0000000",
+        rank: int = 0,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        if timeout_s is None:  # a read fails by its deadline; a write is bounded by the client's RPC timeouts
+            timeout_s = config.deadline_s + 1.0
+        super().__init__(MooncakeStore(config, namespace, rank, block_bytes), capacity_bytes, block_bytes, timeout_s)
+
+    def _drops_on(self, reason: str) -> bool:
+        return reason in ("checksum", "truncated", "missing", "namespace", "format", "bad_request")
+
+    def location(self, key: bytes) -> tuple[str, int] | None:
+        """The Mooncake key holding ``key`` and the byte offset of its block in the value
+        (for fault drills and tools), or None."""
         loc = self._where.get(key)
         if loc is None:
             return None

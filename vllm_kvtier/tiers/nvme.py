@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from vllm_kvtier.tiers.chunkfile import (
     ALIGN,
@@ -285,6 +285,13 @@ class WriteBuffer:
         return self.buf.view[off : off + self.block_bytes]
 
 
+class Releasable(Protocol):
+    """Memory behind a read result: an :class:`AlignedBuffer`, or a slice of a store's own
+    registered arena (:mod:`~vllm_kvtier.tiers.mooncake`). ``close`` gives it back."""
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class IOResult:
     job_id: int
@@ -299,7 +306,7 @@ class IOResult:
     blocks: list[memoryview] | None = None
     #: reads: the buffer behind ``blocks``; :meth:`release` returns it to the pool for
     #: reuse, so copy the blocks out before releasing and keep no view of them after.
-    buffer: AlignedBuffer | None = None
+    buffer: Releasable | None = None
 
     def release(self) -> None:
         if self.blocks is not None:
