@@ -75,3 +75,58 @@ def test_namespace_changes_with_every_field():
         assert ns not in seen
         seen.add(ns)
     assert namespace(base) == namespace(NamespaceFields(**base.__dict__))  # stable
+
+
+# ---- eviction policies and key pins through the index ----------------------------------
+
+
+def test_default_policy_is_lru_and_the_name_selects_another():
+    assert SlotIndex(3).eviction == "lru"
+    assert SlotIndex(3, eviction="s3fifo").eviction == "s3fifo"
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        SlotIndex(3, eviction="mru")
+
+
+def test_s3fifo_index_keeps_a_reused_prefix_through_a_flood_lru_does_not():
+    def run(eviction: str) -> list[bool]:
+        idx = SlotIndex(40, eviction=eviction)
+        prompt = [k(i) for i in range(10)]  # a system prompt's blocks
+        for key in prompt:
+            idx.allocate(key)
+        for key in prompt:  # a second request hits them, as the scheduler does
+            idx.touch(key)
+        for i in range(100, 200):  # one-off documents: 100 blocks through 40 slots
+            assert idx.allocate(k(i)) is not None
+        return [key in idx for key in prompt]
+
+    assert not any(run("lru"))
+    assert all(run("s3fifo"))
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_pins_and_removal_hold_under_every_policy(eviction):
+    idx = SlotIndex(2, eviction=eviction)
+    s0 = idx.allocate(k(0)).slot
+    idx.allocate(k(1))
+    idx.pin(s0)
+    assert idx.allocate(k(2)).evicted == k(1)
+    idx.pin(idx.slot(k(2)))
+    assert idx.allocate(k(3)) is None and idx.evictions == 1
+    assert idx.remove(k(0))
+    assert idx.allocate(k(3)) is None  # the removed key's slot is still read
+    idx.unpin(s0)
+    assert idx.allocate(k(3)).slot == s0
+    assert sorted(s for _, s in idx.items()) == [0, 1] and len(idx) == idx.used_slots == 2
+
+
+def test_key_pin_and_slot_pin_are_separate():
+    idx = SlotIndex(2, eviction="s3fifo", max_pinned_fraction=0.5, clock=lambda: 0.0)
+    s = idx.allocate(k(0)).slot
+    idx.allocate(k(1))
+    idx.pin_key(k(0), 30)
+    idx.pin(s)
+    idx.unpin(s)  # the transfer ended: the key pin still holds
+    assert not idx.is_pinned(s) and idx.key_pinned(k(0))
+    assert idx.allocate(k(2)).evicted == k(1)
+    assert idx.unpin_key(k(0))
+    assert idx.key_pinned(k(0)) is False and idx.allocate(k(3)).evicted is not None

@@ -37,6 +37,7 @@ COUNTERS: dict[str, str] = {
     "breaker_opens": "Times a tier's circuit breaker opened (the endpoint kept failing).",
     "reads": "Read requests completed by a lower tier (one per chunk read).",
     "recompute_chosen_blocks": "Blocks found in a tier but recomputed, because loading was estimated slower.",
+    "pin_refusals": "Key pins (kvtier_pin_ttl_s) refused because cpu.max_pinned_fraction of the slots were pinned.",
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
@@ -46,6 +47,7 @@ COUNTERS: dict[str, str] = {
 GAUGES: dict[str, str] = {
     "usage_bytes": "Bytes of a tier holding blocks.",
     "capacity_bytes": "Configured capacity of a tier in bytes.",
+    "pinned_blocks": "Blocks held by a key pin (kvtier_pin_ttl_s) that has not expired.",
     "breaker_state": "Circuit breaker of a remote tier: 0 closed, 1 half-open (probing), 2 open.",
     "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",

@@ -17,7 +17,11 @@ What it decides each step (``build_connector_meta``):
   for the next step (a failed load would make the KV computed on top of it wrong). What a
   finished request still lacks is saved before the next forward while vLLM holds its
   blocks for us (``request_finished`` returns True), released on ``finished_sending``.
-* **eviction**: LRU among unpinned slots (:class:`~vllm_kvtier.index.slot_index.SlotIndex`).
+* **eviction**: S3-FIFO (default; scan-resistant: one-off documents do not push out a
+  reused system prompt) or LRU, among unpinned slots
+  (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
+  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` (bounded by
+  ``cpu.max_pinned_fraction``).
 * **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.connector.chunk_plan`): a
   prefix may continue into blocks stored below the CPU tier (each key is looked up in
   CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
@@ -47,6 +51,7 @@ from vllm_kvtier.metrics import Counters
 logger = logging.getLogger(__name__)
 
 TIER = "cpu"
+_MAX_PIN_TTL_S = 7 * 86400.0
 
 
 @dataclass
@@ -87,7 +92,8 @@ class SchedulerHalf:
         ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
         self.cfg = cfg
         self.block_size = block_size
-        self.index = SlotIndex(num_slots)
+        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
+        self._last_pin_refusals = 0
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
         self.lower = list(lower or [])
@@ -290,9 +296,24 @@ class SchedulerHalf:
             n = min(n, request.num_prompt_tokens // self.block_size)
         return min(n, len(request.block_hashes))
 
+    def _pin_ttl_s(self, request: Any) -> float | None:
+        """``kvtier_pin_ttl_s`` from the request's ``kv_transfer_params``, if valid."""
+        params = getattr(request, "kv_transfer_params", None)
+        ttl = params.get("kvtier_pin_ttl_s") if isinstance(params, dict) else None
+        if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl <= _MAX_PIN_TTL_S:
+            return float(ttl)
+        return None
+
+    def _pin_prompt(self, state: _ReqState, ttl_s: float, lo: int, hi: int) -> None:
+        """Key-pin the stored prompt blocks in [lo, hi) of a request that asked for it."""
+        hashes = state.request.block_hashes
+        for i in range(lo, min(hi, state.request.num_prompt_tokens // self.block_size, len(hashes))):
+            self.index.pin_key(BlockKey(hashes[i]), ttl_s)
+
     def _plan_saves(self, state: _ReqState, upto: int) -> SaveJob | None:
         blocks, slots, keys = [], [], []
         hashes = state.request.block_hashes
+        first = state.next_save
         for i in range(state.next_save, upto):
             if i >= len(state.block_ids):
                 break
@@ -317,6 +338,9 @@ class SchedulerHalf:
             state.saved[i] = key
         for s in slots:
             self.index.unpin(s)
+        ttl = self._pin_ttl_s(state.request)
+        if ttl is not None:
+            self._pin_prompt(state, ttl, first, upto)
         state.next_save = max(state.next_save, upto)
         if not blocks:
             return None
@@ -383,6 +407,9 @@ class SchedulerHalf:
         self._loads, self._final_saves, self._release = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
+        self.counters.add("pin_refusals", TIER, self.index.pin_refusals - self._last_pin_refusals)
+        self._last_pin_refusals = self.index.pin_refusals
+        self.counters.set_gauge("pinned_blocks", TIER, self.index.pinned_keys)
         self.counters.set_gauge("usage_bytes", TIER, len(self.index) * self.slot_bytes_total)
         self.counters.set_gauge("capacity_bytes", TIER, self.index.num_slots * self.slot_bytes_total)
         return meta

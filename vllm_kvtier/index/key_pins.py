@@ -77,6 +77,11 @@ class KeyPins(Generic[K]):
         """When ``key``'s pin ends (it may have passed if :meth:`expire` was not called)."""
         return self._deadline.get(key)
 
+    @property
+    def heap_entries(self) -> int:
+        """Deadline entries held, stale ones included: at most 2 x pins + 65 (memory bound)."""
+        return len(self._heap)
+
     def __contains__(self, key: object) -> bool:
         return key in self._deadline
 

@@ -6,19 +6,37 @@ thread-safe, by design: the scheduler is single-threaded). It never blocks and d
 The index maps :data:`BlockKey` -> slot number in ``[0, num_slots)``. Slots are chosen
 here, not by the worker, so every TP rank writes its shard of a key into the same slot.
 
-Policy: least-recently-used eviction among *unpinned* entries. A pin is a reference count
-held while a transfer that reads the slot is in flight (an async load), so a slot is never
-reused under a running transfer. Writes need no pin: the worker executes saves and loads
-in the order the scheduler issued them.
+Eviction: an :class:`~vllm_kvtier.index.policy.EvictionPolicy` (``lru`` or the
+scan-resistant ``s3fifo``) picks the victim among keys that are neither slot-pinned nor
+key-pinned. Two kinds of pin, kept apart:
+
+* **slot pins** (:meth:`SlotIndex.pin` / :meth:`SlotIndex.unpin`): a reference count held
+  while a transfer that reads the slot is in flight (an async load), so a slot is never
+  reused under a running transfer. Writes need no pin: the worker executes saves and
+  loads in the order the scheduler issued them.
+* **key pins** (:meth:`SlotIndex.pin_key` / :meth:`SlotIndex.unpin_key`): "keep this
+  prefix's blocks for ``ttl_s`` seconds", for prefixes the user declares hot. At most
+  ``max_pinned_fraction`` of the slots may be key-pinned; further pins are refused and
+  counted (``pin_refusals``). Deadlines are read from ``clock`` (monotonic seconds) and
+  checked lazily, when a victim is needed or pins are queried.
+
+Every method is atomic with respect to the index (one thread); none raises on a full or
+pinned pool: :meth:`SlotIndex.allocate` returns None, :meth:`SlotIndex.pin_key` returns
+an outcome.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_kvtier.index.key_pins import KeyPins, PinOutcome
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.policy import EvictionPolicy, make_policy
+
+__all__ = ["Allocation", "PinOutcome", "SlotIndex"]
 
 
 @dataclass(frozen=True)
@@ -30,14 +48,31 @@ class Allocation:
 
 
 class SlotIndex:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        eviction: str | EvictionPolicy[BlockKey] = "lru",
+        max_pinned_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``eviction``: a policy name (``cpu.eviction``) or a policy object for this many
+        slots. ``max_pinned_fraction``: the share of slots :meth:`pin_key` may hold.
+        ``clock``: monotonic seconds, for pin deadlines (tests pass a fake one)."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self.num_slots = num_slots
-        self._slot_of: OrderedDict[BlockKey, int] = OrderedDict()  # LRU order: oldest first
+        self.policy: EvictionPolicy[BlockKey] = (
+            make_policy(eviction, num_slots) if isinstance(eviction, str) else eviction
+        )
+        self._slot_of: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...
         self._pins: dict[int, int] = {}  # slot -> number of in-flight readers
         self._orphans: set[int] = set()  # slots removed from the index while pinned
+        self._key_pins: KeyPins[BlockKey] = KeyPins(int(max_pinned_fraction * num_slots))
+        self._clock = clock
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -59,9 +94,12 @@ class SlotIndex:
         return n
 
     def touch(self, key: BlockKey) -> None:
-        """Mark ``key`` most recently used."""
+        """Record a reuse of ``key`` (a hit, or a save that found it stored): LRU makes it
+        the most recently used; S3-FIFO raises its reuse counter."""
         if key in self._slot_of:
-            self._slot_of.move_to_end(key)
+            self.policy.access(key)
+
+    # ---- slot pins (in-flight transfers) -----------------------------------------------
 
     def pin(self, slot: int) -> None:
         """Hold ``slot`` against eviction and reuse until the matching :meth:`unpin`."""
@@ -80,8 +118,55 @@ class SlotIndex:
     def is_pinned(self, slot: int) -> bool:
         return slot in self._pins
 
+    # ---- key pins (hot prefixes, with a TTL) -------------------------------------------
+
+    def pin_key(self, key: BlockKey, ttl_s: float) -> PinOutcome:
+        """Keep ``key`` stored for ``ttl_s`` more seconds (never evicted meanwhile).
+
+        Pinning a pinned key extends its deadline (never shortens it) and costs no budget.
+        A key not stored is :attr:`PinOutcome.ABSENT` (pin a prefix after its blocks were
+        saved); beyond the budget, :attr:`PinOutcome.REFUSED`. ``ttl_s`` must be a finite
+        number > 0 (ValueError otherwise: the caller validates user input at its edge).
+        """
+        if not (ttl_s > 0 and math.isfinite(ttl_s)):
+            raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s}")
+        now = self._clock()
+        self._key_pins.expire(now)
+        if key not in self._slot_of:
+            return PinOutcome.ABSENT
+        return self._key_pins.pin(key, now + ttl_s)
+
+    def unpin_key(self, key: BlockKey) -> bool:
+        """Release ``key``'s pin now (it stays stored, under the eviction policy again)."""
+        return self._key_pins.unpin(key)
+
+    def key_pinned(self, key: BlockKey) -> bool:
+        """Whether ``key`` holds an unexpired key pin."""
+        self._key_pins.expire(self._clock())
+        return key in self._key_pins
+
+    @property
+    def pinned_keys(self) -> int:
+        """Keys holding an unexpired key pin."""
+        self._key_pins.expire(self._clock())
+        return len(self._key_pins)
+
+    @property
+    def max_pinned_keys(self) -> int:
+        return self._key_pins.max_pins
+
+    @property
+    def pin_refusals(self) -> int:
+        """Key pins refused because the budget was spent (monotonic)."""
+        return self._key_pins.refusals
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def _evictable(self, key: BlockKey) -> bool:
+        return self._slot_of[key] not in self._pins and key not in self._key_pins
+
     def allocate(self, key: BlockKey) -> Allocation | None:
-        """Give ``key`` a slot, evicting the least recently used unpinned key if full.
+        """Give ``key`` a slot, evicting the policy's choice among unpinned keys if full.
 
         Returns None when every slot is pinned (the caller skips the save). ``key`` must
         not be present already.
@@ -92,21 +177,26 @@ class SlotIndex:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((k for k, s in self._slot_of.items() if s not in self._pins), None)
+            if self._key_pins:
+                self._key_pins.expire(self._clock())
+            victim = self.policy.evict(self._evictable)
             if victim is None:
                 return None
             slot = self._slot_of.pop(victim)
             evicted = victim
             self.evictions += 1
         self._slot_of[key] = slot
+        self.policy.insert(key)
         return Allocation(slot, evicted)
 
     def remove(self, key: BlockKey) -> bool:
-        """Drop ``key`` (e.g. its block failed to load). A pinned slot returns to the free
-        list only when its last reader unpins it."""
+        """Drop ``key`` and its key pin (e.g. its block failed to load). A slot-pinned slot
+        returns to the free list only when its last reader unpins it."""
         slot = self._slot_of.pop(key, None)
         if slot is None:
             return False
+        self.policy.discard(key)
+        self._key_pins.unpin(key)
         if slot in self._pins:
             self._orphans.add(slot)
         else:
@@ -114,8 +204,14 @@ class SlotIndex:
         return True
 
     def items(self) -> list[tuple[BlockKey, int]]:
-        """Snapshot of (key, slot), least recently used first."""
-        return list(self._slot_of.items())
+        """Snapshot of (key, slot), in the policy's eviction order (next victim first;
+        for LRU: least recently used first)."""
+        return [(k, self._slot_of[k]) for k in self.policy]
+
+    @property
+    def eviction(self) -> str:
+        """The eviction policy's name (``lru``, ``s3fifo``)."""
+        return self.policy.name
 
     @property
     def used_slots(self) -> int:
