@@ -7,6 +7,10 @@ bytes into write buffers (fast memory copies, so the slot can be reused by this 
 saves) and read buffers back into slots, and reports outcomes to the scheduler
 (``KVTierWorkerMeta``). Nothing here raises into vLLM: failures are results.
 
+A tier may store blocks encoded (``storage_dtype: fp8``): the codec turns slot rows into
+the stored block in ``_buffer`` and back in ``poll``, on this thread (~1 ms per 2 MiB
+bf16 block each way; see :mod:`vllm_kvtier.transfer.fp8`).
+
 A failed read is a miss either way; it marks the chunk *bad* (the scheduler forgets and
 deletes it) only when the bytes are wrong or gone (checksum, truncated, not found...). A
 read that failed for the path to it (deadline, throttling, breaker open, timeout) leaves
@@ -26,6 +30,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, file_id_for
+from vllm_kvtier.transfer.fp8 import BlockCodec
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +59,15 @@ class ChunkWorker:
         self, tier: str, store: ChunkStore | None, *, counters: Counters,
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
-        remote_stats: Callable[[], Any] | None = None,
+        remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
         ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
         read a chunk whose header we do not have (S3: another instance wrote it).
-        ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics."""
+        ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
+        ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
+        block size); None: the slot's bytes are stored as they are."""
+        self.codec = codec
         self.tier = tier
         self.store = store
         self.counters = counters
@@ -130,12 +138,17 @@ class ChunkWorker:
                 if read is None:
                     res.release()
                     continue
-                ok = res.ok
+                ok, reason = res.ok, res.reason
                 if ok:
                     assert res.blocks is not None
-                    for slot, data in zip(read.slots, res.blocks, strict=True):
-                        before_write(slot)  # a device copy may still use the slot (CUDA)
-                        pool.copy_slot_in(slot, data)
+                    try:
+                        for slot, data in zip(read.slots, res.blocks, strict=True):
+                            before_write(slot)  # a device copy may still use the slot (CUDA)
+                            self._fill(pool, slot, data)
+                    except ValueError as e:  # a block of the wrong size: never served
+                        logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
+                        ok, reason = False, "format"
+                if ok:
                     if res.header is not None:
                         self.headers.setdefault(read.file_id, res.header)
                     self.counters.add("reads", self.tier)
@@ -144,9 +157,9 @@ class ChunkWorker:
                     self.counters.add("load_seconds", self.tier, res.seconds)
                 else:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
-                                   self.tier, read.file_id, res.reason, len(read.slots))
+                                   self.tier, read.file_id, reason, len(read.slots))
                     self.counters.add("load_failures", self.tier, len(read.slots))
-                    if res.reason in BAD_CHUNK_READS:
+                    if reason in BAD_CHUNK_READS:
                         self._meta.bad.add((self.tier, read.file_id))
                         self.headers.pop(read.file_id, None)
                 res.release()
@@ -220,9 +233,18 @@ class ChunkWorker:
             logger.info("kvtier %s: flushed %d write-back blocks at shutdown", self.tier, written)
         self.store.close(timeout_s=max(0.0, deadline - time.monotonic()) + 5.0)
 
-    @staticmethod
-    def _buffer(keys: tuple[bytes, ...], slots: tuple[int, ...], pool: CPUPool) -> WriteBuffer:
-        wb = WriteBuffer(list(keys), pool.slot_bytes)
+    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...], pool: CPUPool) -> WriteBuffer:
+        codec = self.codec
+        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes)
         for i, s in enumerate(slots):
-            pool.copy_slot_out(s, wb.block(i))
+            if codec is None:
+                pool.copy_slot_out(s, wb.block(i))
+            else:  # straight from the slot's rows into the buffer: no staging copy
+                codec.encode([p[s] for p in pool.planes], wb.block(i))
         return wb
+
+    def _fill(self, pool: CPUPool, slot: int, data: memoryview) -> None:
+        if self.codec is None:
+            pool.copy_slot_in(slot, data)
+        else:
+            self.codec.decode(data, [p[slot] for p in pool.planes])

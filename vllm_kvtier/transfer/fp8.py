@@ -36,7 +36,10 @@ bytes and the element size alone (:func:`stored_block_bytes`): the scheduler, wh
 sees the attention backend's planes, computes the same size as the worker. Groups follow
 plane boundaries whenever a plane holds a multiple of 1024 elements (block_size x heads x
 head_size: every usual geometry); otherwise a group may span two planes, which is only a
-shared scale.
+shared scale. Measured (the tiny random model in transformers, 48 prompts, the first
+token's |logprob difference| after quantizing its KV): groups of 64 (token x head) 0.116,
+of 1024 0.130, of 8192 0.125, one scale per tensor 0.164; bf16 rounding, for scale, 0.008.
+The 3-bit mantissa dominates; finer scales would buy ~10% of the drift for 6% more bytes.
 
 Who calls it: :class:`~vllm_kvtier.connector.chunk_worker.ChunkWorker`, from the worker's
 main thread, once per block written or read. Pure torch on CPU tensors; no I/O, no state.
@@ -56,9 +59,10 @@ import torch
 GROUP = 1024
 #: Largest finite e4m3fn value: a group's maximum is scaled to it.
 FP8_MAX = 448.0
-#: Smallest group maximum we scale by: keeps ``FP8_MAX / amax`` finite for all-zero and
-#: subnormal groups (their elements then encode as 0 or nearly so).
-_MIN_AMAX = 2.0**-100
+#: Smallest group maximum we scale by: the smallest power of two that keeps
+#: ``FP8_MAX / amax`` finite in float32. An all-zero group stays exactly zero; a group of
+#: tinier values (fp32 subnormals; KV never is) keeps an absolute error <= 2^-128 / 448.
+MIN_AMAX = 2.0**-118
 #: The dtypes FP8Codec encodes.
 FP8_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -184,7 +188,7 @@ def _encode(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     for start, rows, cols in _groups(x.numel()):
         xs = x[start : start + rows * cols].view(rows, cols)
         # abs().amax() is ~10x faster than aminmax on CPU; the temporary is one row.
-        amax = xs.abs().amax(dim=1).float().clamp_min_(_MIN_AMAX)
+        amax = xs.abs().amax(dim=1).float().clamp_min_(MIN_AMAX)
         g0 = start // GROUP
         torch.div(amax, FP8_MAX, out=s[g0 : g0 + rows])
         # |x| * (448 / amax) <= 448 * (1 + 2^-23): rounds to 448, never to NaN (>= 464).
