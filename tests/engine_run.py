@@ -5,7 +5,9 @@
 
 With ``KVTIER_TEST_READY_FILE`` set, the file is created once the engine is up; with
 ``KVTIER_TEST_GO_FILE``, the prompts wait until that file exists (another instance stores
-first), then ``KVTIER_TEST_GO_DELAY_S`` more seconds.
+first), then ``KVTIER_TEST_GO_DELAY_S`` more seconds; with ``KVTIER_TEST_HOLD_FILE``, the
+engine stays up after the prompts (results already printed on a ``PARTIAL`` line) until
+that file exists.
 
 A fresh process guarantees vLLM reads the environment it was given (e.g.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and that nothing survives from an earlier engine but
@@ -38,6 +40,10 @@ if __name__ == "__main__":
         max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8
         res = {str(i): generate(llm, p, max_tokens) for i, p in enumerate(prompts)}
         print("PARTIAL " + json.dumps({k: asdict(v) for k, v in res.items()}), flush=True)
+        if os.environ.get("KVTIER_TEST_HOLD_FILE"):  # stay in the pool until told (P/D tests)
+            hold, until = Path(os.environ["KVTIER_TEST_HOLD_FILE"]), time.monotonic() + 600
+            while not hold.exists() and time.monotonic() < until:
+                time.sleep(0.05)
     else:
         res = run_scenario(llm, reuse_scenario())
     counters = kvtier_counters(llm)

@@ -27,6 +27,7 @@ import yaml
 
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.policy import EvictionName
+from vllm_kvtier.tiers.mooncake import MooncakeConfig
 from vllm_kvtier.tiers.s3_config import S3Config
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -137,8 +138,38 @@ class S3TierConfig:
     storage_dtype: Literal["native", "fp8"] = "native"
 
 
-#: Fields of the flat ``s3`` section that belong to :class:`S3TierConfig` itself.
+@dataclass(frozen=True)
+class MooncakeTierConfig:
+    """A Mooncake Store pool (``mooncake_master`` plus clients pooling their DRAM, TCP or
+    RDMA), shared by every instance that points at the same master: the KV store pool of
+    prefill/decode disaggregation (the prefill instance writes, the decode one loads).
+
+    In YAML the section is flat: the fields of
+    :class:`~vllm_kvtier.tiers.mooncake.MooncakeConfig` (master, metadata_server,
+    local_hostname, protocol, device_name, segment and buffer sizes, deadline_s, threads,
+    replicas, breaker) next to the policy fields below. One object per block, named by the
+    block's chained hash, so any instance finds a prefix from its own block hashes; leases
+    and eviction are Mooncake's. ``kv_role: kv_consumer`` makes this instance read-only.
+    """
+
+    store: MooncakeConfig
+    #: "write-through" (default): every admitted block saved to DRAM is put at once (a
+    #: decode instance can load it as soon as the prefill step ran); "write-back": on
+    #: DRAM eviction.
+    mode: Literal["write-back", "write-through"] = "write-through"
+    admit_min_seen: int = 1
+    #: A lookup asks the master whether blocks exist; it waits at most this long (a dead
+    #: master is a miss, never a stalled scheduler).
+    lookup_timeout_s: float = 0.05
+    #: Decode side of P/D: when the prefill instance says (``kv_transfer_params``) that it
+    #: stored N blocks, wait up to this long for them to appear in the pool before
+    #: recomputing instead.
+    handoff_wait_s: float = 5.0
+
+
+#: Fields of the flat ``s3`` / ``mooncake`` sections that belong to the tier config itself.
 _S3_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(S3TierConfig)) - {"store"}
+_MOONCAKE_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(MooncakeTierConfig)) - {"store"}
 
 
 @dataclass(frozen=True)
@@ -183,6 +214,7 @@ class KVTierConfig:
     cpu: CPUTierConfig = field(default_factory=CPUTierConfig)
     nvme: NVMeTierConfig | None = None
     s3: S3TierConfig | None = None
+    mooncake: MooncakeTierConfig | None = None
     #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
     #: request (lowest latency). "async": the request waits while other requests run.
     load_mode: LoadMode = "sync"
@@ -202,7 +234,7 @@ class KVTierConfig:
 
 #: Sections that later issues fill in. Named here so the error says "not available"
 #: instead of "unknown key".
-_FUTURE_SECTIONS = ("mooncake", "nixl")
+_FUTURE_SECTIONS = ("nixl",)
 
 
 def available_presets() -> list[str]:
@@ -260,7 +292,9 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
         if tp is S3TierConfig:
-            return _build_s3(value, path)
+            return _build_flat(S3TierConfig, S3Config, _S3_POLICY_FIELDS, value, path)
+        if tp is MooncakeTierConfig:
+            return _build_flat(MooncakeTierConfig, MooncakeConfig, _MOONCAKE_POLICY_FIELDS, value, path)
         return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
@@ -299,18 +333,19 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _build_s3(data: Mapping[str, Any], path: str) -> S3TierConfig:
-    """The flat ``s3`` section: policy fields are :class:`S3TierConfig`'s, the rest the
-    store's :class:`S3Config` (which validates itself and names ``s3.<field>`` on error)."""
-    store_fields = {f.name for f in dataclasses.fields(S3Config)}
+def _build_flat(tier_cls: type, store_cls: type, policy_fields: frozenset[str], data: Mapping[str, Any],
+                path: str) -> Any:
+    """A flat tier section (``s3``, ``mooncake``): policy fields are ``tier_cls``'s, the
+    rest the store's config (which validates itself and names ``<section>.<field>``)."""
+    store_fields = {f.name for f in dataclasses.fields(store_cls)}
     for key in data:
-        if key not in store_fields and key not in _S3_POLICY_FIELDS:
-            allowed = ", ".join(sorted(store_fields | _S3_POLICY_FIELDS))
+        if key not in store_fields and key not in policy_fields:
+            allowed = ", ".join(sorted(store_fields | policy_fields))
             raise ConfigError(f"{path}.{key}", f"unknown key; allowed: {allowed}")
-    hints = typing.get_type_hints(S3TierConfig)
-    policy = {k: _check_value(f"{path}.{k}", v, hints[k]) for k, v in data.items() if k in _S3_POLICY_FIELDS}
-    store = _build(S3Config, {k: v for k, v in data.items() if k in store_fields}, path)
-    return S3TierConfig(store, **policy)
+    hints = typing.get_type_hints(tier_cls)
+    policy = {k: _check_value(f"{path}.{k}", v, hints[k]) for k, v in data.items() if k in policy_fields}
+    store = _build(store_cls, {k: v for k, v in data.items() if k in store_fields}, path)
+    return tier_cls(store, **policy)
 
 
 def _validate(cfg: KVTierConfig) -> None:
@@ -352,6 +387,13 @@ def _validate(cfg: KVTierConfig) -> None:
         for name in ("rescan_interval_s", "flush_on_shutdown_s"):
             if getattr(s3, name) < 0:
                 raise ConfigError(f"s3.{name}", f"must be >= 0, got {getattr(s3, name)}")
+    mc = cfg.mooncake
+    if mc is not None:
+        if mc.admit_min_seen < 1:
+            raise ConfigError("mooncake.admit_min_seen", f"must be >= 1, got {mc.admit_min_seen}")
+        for name in ("lookup_timeout_s", "handoff_wait_s"):
+            if getattr(mc, name) < 0:
+                raise ConfigError(f"mooncake.{name}", f"must be >= 0, got {getattr(mc, name)}")
     lr = cfg.load_or_recompute
     if lr.prefill_tokens_per_s is not None and lr.prefill_tokens_per_s <= 0:
         raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")

@@ -38,6 +38,8 @@ COUNTERS: dict[str, str] = {
     "reads": "Read requests completed by a lower tier (one per chunk read).",
     "recompute_chosen_blocks": "Blocks found in a tier but recomputed, because loading was estimated slower.",
     "pin_refusals": "Key pins (kvtier_pin_ttl_s) refused because cpu.max_pinned_fraction of the slots were pinned.",
+    "lookup_timeouts": "Lookups in a key-value pool (Mooncake) that did not answer within lookup_timeout_s (a miss).",
+    "handoff_timeouts": "P/D decode requests whose prefilled blocks did not all appear in the pool in time.",
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",

@@ -145,7 +145,8 @@ class KVTierConnector(KVConnectorBase_V1):
             counters = Counters()
             lower = make_planners(self.cfg, namespace=self.namespace, world_size=world,
                                   block_bytes_per_rank=block_bytes, counters=counters,
-                                  kv_dtype=getattr(spec, "dtype", None))  # the worker's layout dtype
+                                  kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
+                                  read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
             self._sched = SchedulerHalf(
                 self.cfg,
                 block_size=self.block_size,

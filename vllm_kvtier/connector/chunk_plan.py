@@ -57,11 +57,15 @@ class ChunkPolicy:
     """What the planner needs to know of a tier's configuration."""
 
     tier: str
-    mode: Literal["write-back", "write-through"]
+    #: "read-only": this instance never writes the tier (a P/D decode instance's pool).
+    mode: Literal["write-back", "write-through", "read-only"]
     admit_min_seen: int
     chunk_blocks: int
     #: For the whole engine (all ranks); None: unbounded (e.g. a bucket with a lifecycle rule).
     capacity_bytes: int | None
+    #: Chunks of one block named by the block's key (hex), so another instance finds a
+    #: prefix from its own block hashes without a listing (a key-value pool).
+    key_named: bool = False
 
 
 class Rescanner:
@@ -103,7 +107,10 @@ class ChunkPlanner:
     def __init__(
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
         found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
+        oracle: Callable[[list[str]], list[bool] | None] | None = None,
     ) -> None:
+        """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
+        listed), or None when it could not tell in time; it must not block for long."""
         self.policy = policy
         self.tier = policy.tier
         self.world_size = world_size
@@ -125,6 +132,7 @@ class ChunkPlanner:
         self._cooling: dict[str, float] = {}
         self._rescanner = rescanner
         self._on_close = on_close
+        self._oracle = oracle
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
@@ -158,6 +166,23 @@ class ChunkPlanner:
             n_blocks, n_files = self._adopt(found, delete_unfit=False)
             if n_files:
                 logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
+
+    def discover(self, keys: Sequence[BlockKey]) -> None:
+        """Key-named tiers: ask the oracle about ``keys`` this index does not know, and
+        index the ones that exist (scheduler thread; bounded by the oracle's timeout)."""
+        if self._oracle is None:
+            return
+        unknown = [k for k in keys if self.index.locate(k) is None and not self.index.knows(k)]
+        if not unknown:
+            return
+        got = self._oracle([k.hex() for k in unknown])
+        if got is None:
+            return
+        nbytes = self.file_bytes(1)
+        for k, present in zip(unknown, got, strict=True):
+            if present:
+                self._failed_files.pop(k.hex(), None)  # it is there again (rewritten)
+                self.index.add_existing(k.hex(), [k], nbytes)
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
@@ -217,12 +242,13 @@ class ChunkPlanner:
             if not part:
                 continue
             keys = [k for _, k in part]
-            fid = file_id_for(keys)
+            fid = keys[0].hex() if self.policy.key_named else file_id_for(keys)
             evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
             if evicted is None:
                 self.counters.add("store_skipped", self.tier, len(keys))
                 continue
             self._deletes.extend(evicted)
+            self._failed_files.pop(fid, None)  # a key-named chunk may be written again
             jobs.append(ChunkWriteJob(self.tier, fid, tuple(s for s, _ in part), tuple(keys)))
         return jobs
 

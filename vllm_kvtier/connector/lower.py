@@ -6,36 +6,142 @@ role: :func:`make_planners`; worker role: :func:`make_workers`, once the CPU poo
 Both may block at start-up (a directory scan; a bucket listing bounded by its deadline).
 A tier that cannot start is logged and disabled (every write and read a miss); serving
 goes on.
+
+Storage format (``storage_dtype``): both sides derive it, the stored block size and the
+tier's namespace from the same facts (the config, the engine's block bytes per rank and
+KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from dataclasses import dataclass
 
-from vllm_kvtier.config import KVTierConfig, S3TierConfig
+import torch
+
+from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
+from vllm_kvtier.transfer.fp8 import (
+    StorageDtype,
+    StorageFormat,
+    make_codec,
+    storage_format,
+    stored_block_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
 
+def tier_namespace(namespace: str, fmt: StorageFormat) -> str:
+    """The namespace a tier stores under: the engine's for native blocks (what earlier
+    versions stored stays readable), else a 16-hex-digit digest of it and the format, so
+    FP8 and native blocks of one engine never meet (a namespace mismatch is a miss)."""
+    if fmt == "native":
+        return namespace
+    return hashlib.sha256(f"{namespace}/{fmt}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TierFormat:
+    """How one tier stores this engine's blocks."""
+
+    fmt: StorageFormat
+    namespace: str
+    #: Bytes of one stored block of this rank (the chunk header's block_bytes).
+    block_bytes: int
+
+
+def tier_format(tier: str, storage_dtype: StorageDtype, *, namespace: str, block_bytes: int,
+                kv_dtype: torch.dtype | None) -> TierFormat:
+    """A tier's format, namespace and stored block size, from what both sides know:
+    ``block_bytes`` (of this rank's shard of a block) and the KV cache's dtype."""
+    fmt = storage_format(storage_dtype, kv_dtype)
+    if storage_dtype != "native" and fmt == "native":
+        logger.info("kvtier %s: storage_dtype %s on a %s KV cache: blocks are stored as they are",
+                    tier, storage_dtype, kv_dtype)
+    size = stored_block_bytes(block_bytes, kv_dtype.itemsize if kv_dtype is not None else 1, fmt)
+    return TierFormat(fmt, tier_namespace(namespace, fmt), size)
+
+
 def make_planners(
-    cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters
+    cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters,
+    kv_dtype: torch.dtype | None = None, read_only_pool: bool = False,
 ) -> list[ChunkPlanner]:
-    """Planners of the configured lower tiers, fastest first."""
+    """Planners of the configured lower tiers, fastest first. ``kv_dtype``: the KV
+    cache's element type (None: unknown, then every tier stores native blocks).
+    ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``)."""
     planners = []
     n = cfg.nvme
     if n is not None:
-        found = [scan_dir(rank_dir(n.path, namespace, r), namespace)[0] for r in range(world_size)]
+        f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
+                        kv_dtype=kv_dtype)
+        found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace)[0] for r in range(world_size)]
         policy = ChunkPolicy("nvme", n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes)
-        planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes_per_rank,
+        planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes,
                                      counters=counters, found=found))
     if cfg.s3 is not None:
-        planners.append(_s3_planner(cfg.s3, namespace, world_size, block_bytes_per_rank, counters))
+        f = tier_format("s3", cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
+                        kv_dtype=kv_dtype)
+        planners.append(_s3_planner(cfg.s3, f.namespace, world_size, f.block_bytes, counters))
+    if cfg.mooncake is not None:
+        planners.append(_mooncake_planner(cfg.mooncake, namespace, world_size, block_bytes_per_rank, counters,
+                                          read_only_pool))
     return planners
+
+
+def _mooncake_planner(
+    mc: MooncakeTierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters,
+    read_only: bool,
+) -> ChunkPlanner:
+    """One object per block, named by its key: lookups ask the master which exist (a pool
+    cannot be listed), in a background thread bounded by ``lookup_timeout_s``."""
+    import dataclasses
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    policy = ChunkPolicy("mooncake", "read-only" if read_only else mc.mode, mc.admit_min_seen, 1, None,
+                         key_named=True)
+    common = {"world_size": world_size, "block_bytes_per_rank": block_bytes, "counters": counters,
+              "found": [{} for _ in range(world_size)]}
+    try:
+        from vllm_kvtier.tiers.mooncake import MooncakeStore
+
+        # The scheduler only asks what exists: a pure client (no pool memory of its own).
+        light = dataclasses.replace(mc.store, global_segment_bytes=0, transfer_buffer_bytes=1 << 20, io_threads=1)
+        stores = [MooncakeStore(light, namespace, r, block_bytes) for r in range(world_size)]
+    except Exception as e:
+        logger.error("kvtier mooncake: tier disabled, cannot reach master %s: %s", mc.store.master, e)
+        counters.add("store_failures", "mooncake")
+        return ChunkPlanner(policy, **common)  # type: ignore[arg-type]
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
+    inflight: list[Future[list[bool]]] = []
+
+    def exists_everywhere(ids: list[str]) -> list[bool]:
+        per_rank = [st.exists(ids) for st in stores]
+        return [all(col) for col in zip(*per_rank, strict=True)]
+
+    def oracle(ids: list[str]) -> list[bool] | None:
+        if inflight and not inflight[0].done():
+            counters.add("lookup_timeouts", "mooncake")
+            return None  # the previous lookup still hangs (master gone?): a miss
+        inflight[:] = [pool.submit(exists_everywhere, ids)]
+        try:
+            return inflight[0].result(timeout=mc.lookup_timeout_s)
+        except FutureTimeout:
+            counters.add("lookup_timeouts", "mooncake")
+            return None
+
+    def close() -> None:
+        pool.shutdown(wait=False)
+        for st in stores:
+            st.close(timeout_s=1.0)
+
+    return ChunkPlanner(policy, oracle=oracle, on_close=close, **common)  # type: ignore[arg-type]
 
 
 def _s3_planner(
@@ -72,36 +178,40 @@ def _s3_planner(
 
 
 def make_workers(
-    cfg: KVTierConfig, *, namespace: str, rank: int, block_bytes: int, counters: Counters
+    cfg: KVTierConfig, *, namespace: str, rank: int, block_bytes: int, counters: Counters,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, ChunkWorker]:
-    """This rank's data path of each configured lower tier, by tier name."""
+    """This rank's data path of each configured lower tier, by tier name. ``block_bytes``:
+    a CPU pool slot's; ``kv_dtype``: the KV cache's (None: unknown, native storage)."""
     workers: dict[str, ChunkWorker] = {}
     n = cfg.nvme
     if n is not None:
+        f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
         nvme_store: NVMeStore | None = None
         headers: dict[str, ChunkHeader] = {}
         try:
-            nvme_store = NVMeStore(n.path, namespace, rank, block_bytes, direct_io=n.direct_io,
+            nvme_store = NVMeStore(n.path, f.namespace, rank, f.block_bytes, direct_io=n.direct_io,
                                    io_threads=n.io_threads, max_queued_writes=n.max_queued_writes)
         except OSError as e:
             # Serving goes on without the tier: every NVMe write and read is a miss.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
             counters.add("store_failures", "nvme")
         if nvme_store is not None:
-            headers, problems = scan_dir(nvme_store.dir, namespace, cleanup=True)
+            headers, problems = scan_dir(nvme_store.dir, f.namespace, cleanup=True)
             for reason, count in problems.items():
                 logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
                 counters.add("load_failures", "nvme", count)
         workers["nvme"] = ChunkWorker("nvme", nvme_store, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
-                                      headers=headers)
+                                      headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype))
     s3 = cfg.s3
     if s3 is not None:
+        f = tier_format("s3", s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
         s3_store = None
         try:
             from vllm_kvtier.tiers.s3 import S3Store
 
-            s3_store = S3Store(s3.store, namespace, rank, block_bytes)
+            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes)
         except Exception as e:
             logger.error("kvtier s3: tier disabled, cannot use bucket %r: %s", s3.store.bucket, e)
             counters.add("store_failures", "s3")
@@ -109,6 +219,19 @@ def make_workers(
         # its first read (one ranged GET) and kept.
         workers["s3"] = ChunkWorker("s3", s3_store, counters=counters, mode=s3.mode,
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
-                                    fetches_headers=True,
+                                    fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None)
+    mc = cfg.mooncake
+    if mc is not None:
+        mc_store = None
+        try:
+            from vllm_kvtier.tiers.mooncake import MooncakeStore
+
+            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes)
+        except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
+            logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
+            counters.add("store_failures", "mooncake")
+        workers["mooncake"] = ChunkWorker("mooncake", mc_store, counters=counters, mode=mc.mode, chunk_blocks=1,
+                                          flush_on_shutdown_s=0.0, fetches_headers=True,
+                                          remote_stats=mc_store.stats if mc_store is not None else None)
     return workers

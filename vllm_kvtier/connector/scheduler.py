@@ -94,6 +94,9 @@ class SchedulerHalf:
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
         self._last_pin_refusals = 0
+        #: P/D decode side: request -> when it started waiting for its prefilled blocks.
+        self._handoff_since: dict[str, float] = {}
+        self._handoff_wait_s = cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
         self.lower = list(lower or [])
@@ -128,11 +131,16 @@ class SchedulerHalf:
         n_prompt = request.num_prompt_tokens
         return max(0, (n_prompt - 1) // self.block_size)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM may ask again in a later step if it cannot admit the request now; the
         only state kept is the latest answer's starting block, which
         ``update_state_after_alloc`` needs (vLLM sets ``request.num_computed_tokens`` only
-        after that call)."""
+        after that call).
+
+        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
+        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
+        all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
+        is there (the rest is recomputed)."""
         start = num_computed_tokens // self.block_size
         self._match_start[request.request_id] = start
         for tier in self.lower:
@@ -140,13 +148,40 @@ class SchedulerHalf:
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
+        keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
+        for tier in self.lower:
+            tier.discover([k for k in keys if k not in self.index])
         tiers = self._match(request.block_hashes, start, limit)
+        if self._await_handoff(request, start, limit, len(tiers)):
+            return None, False
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
         if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
         from_lower = any(t != TIER for t in tiers)
         return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
+
+    def _await_handoff(self, request: Any, start: int, limit: int, found: int) -> bool:
+        """Whether to ask vLLM to retry: blocks a prefill instance stored are not all
+        visible yet (its puts may land after its answer reached the proxy)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return False
+        expected = params.get("kvtier_pool_blocks")
+        if not isinstance(expected, int) or isinstance(expected, bool):
+            return False
+        if found >= min(expected, limit) - start:
+            self._handoff_since.pop(request.request_id, None)
+            return False
+        now = time.monotonic()
+        since = self._handoff_since.setdefault(request.request_id, now)
+        if now - since < self._handoff_wait_s:
+            return True
+        self._handoff_since.pop(request.request_id, None)
+        self.counters.add("handoff_timeouts", "all")
+        logger.warning("kvtier: request %s: %d of %d prefilled blocks found in the pool after %.1f s; "
+                       "recomputing the rest", request.request_id, found, expected - start, now - since)
+        return False
 
     def _match(self, hashes: list[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -460,9 +495,11 @@ class SchedulerHalf:
         free the blocks twice).
         """
         self._match_start.pop(request.request_id, None)  # aborted before admission
+        self._handoff_since.pop(request.request_id, None)
+        params = self._handoff_params(request)
         state = self._reqs.pop(request.request_id, None)
         if state is None:
-            return False, None
+            return False, params
         if state.async_loading:
             # vLLM keeps the blocks until finished_recving; the loaded range is not valid
             # KV yet, so nothing may be saved from it.
@@ -479,7 +516,18 @@ class SchedulerHalf:
             self._held[request.request_id] = state
             self._release.append(request.request_id)
             self._releasing.add(request.request_id)
-        return hold, None
+        return hold, params
+
+    def _handoff_params(self, request: Any) -> dict | None:
+        """P/D prefill side: tell the decode instance (through the proxy) how many prompt
+        blocks this instance puts into the shared pool."""
+        params = getattr(request, "kv_transfer_params", None)
+        pool = self.lower_tier("mooncake")
+        if not isinstance(params, dict) or not params.get("do_remote_decode") or pool is None:
+            return None
+        if pool.policy.mode == "read-only":
+            return None
+        return {"kvtier_pool_blocks": request.num_prompt_tokens // self.block_size}
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():
