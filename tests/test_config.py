@@ -59,7 +59,7 @@ def test_config_file(tmp_path):
         ({"nvme": {"path": "/x"}}, "nvme.capacity_bytes", "required"),
         ({"nixl": {}}, "nixl", "not available"),
         ({"mooncake": {}}, "mooncake.master", "is required"),
-        ({"mooncake": {"master": "m:50051", "protocol": "ib"}}, "mooncake.protocol", "allowed"),
+        ({"mooncake": {"master": "m:50051", "protocol": "ib"}}, "mooncake.protocol", "must be one of"),
         ({"mooncake": {"master": "m:50051", "handoff_wait_s": -1}}, "mooncake.handoff_wait_s", ">= 0"),
         ({"s3": {}}, "s3.bucket", "is required"),
         ({"s3": {"bucket": "kvb", "aws_secret_access_key": "x"}}, "s3.aws_secret_access_key", "unknown key"),

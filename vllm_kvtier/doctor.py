@@ -32,7 +32,10 @@ from vllm_kvtier.plan import CPU_BUDGET_RANGE, KVModel, RequestKV, gpu_kv_budget
 from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
 
 #: workload each shipped (or expected) preset is made for
-PRESET_WORKLOADS = {"interactive": "interactive", "long-context": "long-context", "batch": "batch"}
+PRESET_WORKLOADS = {
+    "interactive": "interactive", "shared-prompt": "interactive", "long-context": "long-context",
+    "offline-batch": "batch", "batch": "batch",
+}
 #: the brief's tier choice by workload, below the GPU
 WORKLOAD_TIERS = {"interactive": ("cpu",), "long-context": ("cpu", "nvme"), "batch": ("cpu", "nvme", "s3")}
 #: above this share of the GPU KV budget the brief calls usage dangerous
