@@ -186,6 +186,18 @@ class LoadOrRecomputeConfig:
 
 
 @dataclass(frozen=True)
+class PrefetchConfig:
+    """Promote a conversation's blocks that left DRAM back into it when its request ends,
+    ahead of the next turn (only with a tier below CPU)."""
+
+    enabled: bool = True
+    #: Promotions in flight at most (a bandwidth and memory budget).
+    max_inflight_blocks: int = 256
+    #: A queued prefetch older than this is dropped.
+    max_age_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class ExporterConfig:
     """A standalone Prometheus endpoint (``kvtier_*`` names, its own registry) for setups
     that do not scrape vLLM's ``/metrics`` (offline ``LLM`` use, tools). Served from the
@@ -228,6 +240,7 @@ class KVTierConfig:
     #: (``wait_for_layer_load``). "auto": on for a CUDA KV cache (PCIe copies are worth
     #: hiding), off for a host KV cache (a memcpy of the whole prefix is ~1% of its prefill).
     layer_pipelined_loads: Literal["auto", "on", "off"] = "auto"
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
@@ -399,6 +412,10 @@ def _validate(cfg: KVTierConfig) -> None:
         raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")
     if lr.probe_interval_s < 0:
         raise ConfigError("load_or_recompute.probe_interval_s", f"must be >= 0, got {lr.probe_interval_s}")
+    if cfg.prefetch.max_inflight_blocks < 1:
+        raise ConfigError("prefetch.max_inflight_blocks", f"must be >= 1, got {cfg.prefetch.max_inflight_blocks}")
+    if cfg.prefetch.max_age_s < 0:
+        raise ConfigError("prefetch.max_age_s", f"must be >= 0, got {cfg.prefetch.max_age_s}")
     if cfg.exporter.port is not None and not 0 <= cfg.exporter.port < 65536:
         raise ConfigError("exporter.port", f"must be in [0, 65535], got {cfg.exporter.port}")
     if cfg.min_load_blocks < 1:

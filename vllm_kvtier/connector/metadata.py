@@ -63,6 +63,15 @@ class ChunkWriteJob:
     keys: tuple[bytes, ...]
 
 
+@dataclass(frozen=True)
+class PrefetchJob:
+    """Fill CPU slots from lower tiers ahead of a request (no engine block involved): a
+    prefix predicted to come back is promoted before it is asked for."""
+
+    prefetch_id: int
+    reads: tuple[ChunkRead, ...]
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     #: Slots of the CPU pool; the worker allocates the pool when it first sees this.
@@ -88,6 +97,8 @@ class KVTierMetadata(KVConnectorMetadata):
     #: Requests preempted this step: their blocks may be rewritten by this step's forward,
     #: so saves still in flight from them must finish first.
     preempted: list[str] = field(default_factory=list)
+    #: Promotions ahead of requests (prefetch), read by the workers' I/O threads.
+    prefetches: list[PrefetchJob] = field(default_factory=list)
     #: Step counter, to run each step's saves exactly once.
     step: int = 0
 
@@ -102,13 +113,21 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     failed: set[tuple[str, str]] = field(default_factory=set)
     #: (tier, chunk id) found unreadable (missing, truncated, bad checksum) on some rank.
     bad: set[tuple[str, str]] = field(default_factory=set)
+    #: prefetch id -> number of ranks whose prefetch reads all succeeded.
+    prefetched: dict[int, int] = field(default_factory=dict)
+    #: Prefetches that failed on some rank.
+    prefetch_failed: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
         assert isinstance(other, KVTierWorkerMeta)
         written = dict(self.written)
         for k, v in other.written.items():
             written[k] = written.get(k, 0) + v
-        return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad)
+        prefetched = dict(self.prefetched)
+        for i, n in other.prefetched.items():
+            prefetched[i] = prefetched.get(i, 0) + n
+        return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad, prefetched,
+                                self.prefetch_failed | other.prefetch_failed)
 
     def is_empty(self) -> bool:
-        return not (self.written or self.failed or self.bad)
+        return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed)

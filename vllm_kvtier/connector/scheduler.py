@@ -43,6 +43,7 @@ from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
 from vllm_kvtier.connector.load_policy import LoadPolicy
 from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from vllm_kvtier.connector.prefetch import Prefetcher
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
@@ -123,6 +124,13 @@ class SchedulerHalf:
                 block_bytes=self.lower[0].block_bytes, block_size=block_size,
                 lower_tiers=[t.tier for t in self.lower],
             )
+        self.prefetcher: Prefetcher | None = None
+        if cfg.prefetch.enabled and self.lower:
+            self.prefetcher = Prefetcher(
+                self.index, self.lower, self.counters, self._promoting, world_size=self.lower[0].world_size,
+                max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
+                locate=self._locate, on_cpu_evict=self._on_cpu_evict,
+            )
 
     # ---- lookups ---------------------------------------------------------------
 
@@ -154,6 +162,9 @@ class SchedulerHalf:
         tiers = self._match(request.block_hashes, start, limit)
         if self._await_handoff(request, start, limit, len(tiers)):
             return None, False
+        nxt = start + len(tiers)
+        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
+            return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
         if len(tiers) < self.cfg.min_load_blocks:
@@ -249,6 +260,8 @@ class SchedulerHalf:
                 self.index.pin(s)
                 slots[i] = s
                 self.counters.add("hit_blocks", TIER)
+                if self.prefetcher is not None:
+                    self.prefetcher.note_hit(k)
         for i, k in enumerate(keys):
             if slots[i] >= 0:
                 continue
@@ -314,11 +327,14 @@ class SchedulerHalf:
             self.counters.add("store_skipped", TIER)
             return -1
         if alloc.evicted is not None:
-            for tier in self.lower:
-                tier.on_cpu_evict(alloc.slot, alloc.evicted)
+            self._on_cpu_evict(alloc.slot, alloc.evicted)
         self.index.pin(alloc.slot)
         self._promoting.add(key)
         return alloc.slot
+
+    def _on_cpu_evict(self, slot: int, key: BlockKey) -> None:
+        for tier in self.lower:
+            tier.on_cpu_evict(slot, key)
 
     def record_lookup(self, request: Any) -> None:
         self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
@@ -395,6 +411,9 @@ class SchedulerHalf:
                 self._drop(req_id)
         self._fresh.clear()
         self._refresh_block_ids(scheduler_output)
+        # Before this step's saves are planned: a prefetch slot is pinned, so no save of
+        # this step can take it, and it can only evict blocks saved in earlier steps.
+        prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
         if self.load_policy is not None:
             self.load_policy.observe_step(sum(
                 n for req_id, n in scheduler_output.num_scheduled_tokens.items()
@@ -426,7 +445,7 @@ class SchedulerHalf:
                     self.index.unpin(s)
         meta = KVTierMetadata(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
-            release=self._release, preempted=preempted, step=self._step,
+            release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
         for tier in self.lower:
@@ -510,6 +529,9 @@ class SchedulerHalf:
         job = self._plan_saves(state, upto)
         if job is not None:
             self._final_saves.append(job)
+        if self.prefetcher is not None:
+            # Its next turn starts with these blocks: bring back the ones that left DRAM.
+            self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
         # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
         hold = job is not None or state.saves_issued
         if hold:
@@ -569,6 +591,8 @@ class SchedulerHalf:
         if isinstance(meta, KVTierWorkerMeta):
             for tier in self.lower:
                 tier.on_worker_meta(meta)
+            if self.prefetcher is not None:
+                self.prefetcher.on_worker_meta(meta)
         for req_id in connector_output.finished_sending or ():
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
@@ -591,7 +615,11 @@ class SchedulerHalf:
         return list(self._final_saves)
 
     def has_pending_work(self) -> bool:
-        return bool(self._final_saves or self._release or self._loads or self._releasing)
+        """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
+        releases to issue, or prefetches queued or in flight (they land between requests)."""
+        pf = self.prefetcher
+        return bool(self._final_saves or self._release or self._loads or self._releasing
+                    or (pf is not None and pf.has_work()))
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()

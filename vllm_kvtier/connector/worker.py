@@ -34,7 +34,14 @@ import torch
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.connector.lower import make_workers
-from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from vllm_kvtier.connector.metadata import (
+    ChunkRead,
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadJob,
+    PrefetchJob,
+    SaveJob,
+)
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -83,6 +90,10 @@ class WorkerHalf:
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
         self._load_errors: set[int] = set()
+        #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
+        self._prefetch_reads: dict[tuple[str, int], int] = {}
+        self._prefetch_left: dict[int, list] = {}
+        self._prefetch_done = KVTierWorkerMeta()
         #: Layer-by-layer sync loads: on once the pool exists and the config/device say so.
         self.layered = False
         #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
@@ -137,6 +148,8 @@ class WorkerHalf:
             tier.write([j for j in meta.demotes if j.tier == name], self.pool, self._wait_slot, self._holds)
             tier.delete([fid for t, fid in meta.deletes if t == name])
         self._run_saves(meta.saves)
+        for pf in meta.prefetches:
+            self._start_prefetch(pf)
         self._pending_release.update(meta.release)
 
     def end_step(self) -> None:
@@ -317,6 +330,28 @@ class WorkerHalf:
         wanted = set(slots)
         return {b for b, s in zip(job.block_ids, job.slots, strict=True) if s in wanted}
 
+    def _start_prefetch(self, job: PrefetchJob) -> None:
+        """Read a prefetch's chunks into their CPU slots (reported in worker meta)."""
+        state: list = [0, False]  # reads left, any failed
+        for read in job.reads:
+            tier = self.lower.get(read.tier)
+            rid = tier.start_read(read) if tier is not None else None
+            if rid is None:
+                state[1] = True
+            else:
+                self._prefetch_reads[(read.tier, rid)] = job.prefetch_id
+                state[0] += 1
+        self._prefetch_left[job.prefetch_id] = state
+        if state[0] == 0:
+            self._end_prefetch(job.prefetch_id)
+
+    def _end_prefetch(self, pid: int) -> None:
+        _, failed = self._prefetch_left.pop(pid)
+        if failed:
+            self._prefetch_done.prefetch_failed.add(pid)
+        else:
+            self._prefetch_done.prefetched[pid] = 1
+
     def _on_read(self, rid: int, read: ChunkRead, ok: bool) -> None:
         if ok:
             for s, k in zip(read.slots, read.keys, strict=True):
@@ -324,6 +359,14 @@ class WorkerHalf:
                 if self.cfg.cpu.checksum and self.pool is not None:
                     self._slot_crc[s] = self.pool.checksum(s)
         ref = (read.tier, rid)
+        pid = self._prefetch_reads.pop(ref, None)
+        if pid is not None:
+            state = self._prefetch_left[pid]
+            state[0] -= 1
+            state[1] = state[1] or not ok
+            if state[0] == 0:
+                self._end_prefetch(pid)
+            return
         for a in self._async_loads:
             if a.pending_reads is not None and ref in a.pending_reads:
                 a.pending_reads.discard(ref)
@@ -402,7 +445,7 @@ class WorkerHalf:
         return sending, recving
 
     def worker_meta(self) -> KVTierWorkerMeta | None:
-        meta = KVTierWorkerMeta()
+        meta, self._prefetch_done = self._prefetch_done, KVTierWorkerMeta()
         for tier in self.lower.values():
             tier.take_meta(meta)
         return None if meta.is_empty() else meta

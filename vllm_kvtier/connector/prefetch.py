@@ -1,0 +1,195 @@
+"""Prefetch: promote a prefix that is predictably coming back from NVMe / S3 / the pool into
+the CPU tier before its request arrives, so that request loads it synchronously from DRAM
+instead of waiting for a lower tier.
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+scheduler thread. Nothing blocks: this plans promotions; the workers' I/O threads read.
+
+What is predicted: a conversation's next turn. When a request finishes, the blocks of its
+prompt and answer that are no longer in DRAM (evicted while it ran, e.g. by concurrent
+traffic, and demoted below) are queued; the next turn's prompt starts with exactly those
+blocks. A request that asked to pin its prompt (``kvtier_pin_ttl_s``) is treated the same.
+
+Budget and cancellation: at most ``max_inflight_blocks`` promotions in flight; a
+prefetch never evicts a block of the chain it is restoring (those are pinned while slots
+are chosen), and never takes a slot when every slot is pinned: then it is cancelled,
+counted, and the rest of its queue dropped (memory is needed for live requests). Queued
+prefetches older than ``max_age_s`` are dropped. A block being prefetched is not readable
+from DRAM until every TP rank reported it; a request that needs it meanwhile is asked
+again next step (its KV is about to be in DRAM; a read fails or completes within its
+deadline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_kvtier.connector.chunk_plan import ChunkPlanner
+from vllm_kvtier.connector.metadata import ChunkRead, KVTierWorkerMeta, PrefetchJob
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.metrics import Counters
+
+TIER = "cpu"
+
+
+@dataclass
+class _Queued:
+    chain: tuple[BlockKey, ...]
+    queued_s: float
+
+
+@dataclass
+class _InFlight:
+    keys: list[BlockKey]
+    slots: list[int]
+    files: list[tuple[ChunkPlanner, str]]
+    acks: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+
+
+class Prefetcher:
+    def __init__(
+        self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promoting: set[BlockKey], *,
+        world_size: int, max_inflight_blocks: int, max_age_s: float,
+        locate: Callable[[BlockKey], tuple[ChunkPlanner, str, int] | None],
+        on_cpu_evict: Callable[[int, BlockKey], None],
+    ) -> None:
+        self.index = index
+        self.lower = lower
+        self.counters = counters
+        self.promoting = promoting  # the scheduler's set: keys whose CPU slot is being filled
+        self.world_size = world_size
+        self.max_inflight_blocks = max_inflight_blocks
+        self.max_age_s = max_age_s
+        self._locate = locate
+        self._on_cpu_evict = on_cpu_evict
+        self._queue: deque[_Queued] = deque()
+        self._inflight: dict[int, _InFlight] = {}
+        self._ids = itertools.count(1)
+        #: Keys brought up by a prefetch and not used yet (to count useful prefetches).
+        self.prefetched: set[BlockKey] = set()
+
+    def is_inflight(self, key: BlockKey) -> bool:
+        """``key`` is being prefetched into DRAM right now (readable within a read's time)."""
+        return any(key in f.keys for f in self._inflight.values())
+
+    def has_work(self) -> bool:
+        return bool(self._queue or self._inflight)
+
+    def inflight_blocks(self) -> int:
+        return sum(len(f.keys) for f in self._inflight.values())
+
+    def predict(self, chain: list[BlockKey]) -> None:
+        """A request over ``chain`` (its full blocks, in order) ended: its next turn will
+        start with them. Queue the ones that left DRAM."""
+        if any(k not in self.index and k not in self.promoting for k in chain):
+            self._queue.append(_Queued(tuple(chain), time.monotonic()))
+
+    def note_hit(self, key: BlockKey) -> None:
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.counters.add("prefetch_used_blocks", TIER)
+
+    def take_jobs(self) -> list[PrefetchJob]:
+        """Promotions to issue in this step, within the budget."""
+        jobs: list[PrefetchJob] = []
+        now = time.monotonic()
+        while self._queue and self.inflight_blocks() < self.max_inflight_blocks:
+            q = self._queue.popleft()
+            if now - q.queued_s > self.max_age_s:
+                self.counters.add("prefetch_dropped", TIER, 1)
+                continue
+            job = self._plan(q.chain)
+            if job is None:  # no slot without evicting live data: memory is needed
+                self.counters.add("prefetch_cancelled", TIER, len(self._queue) + 1)
+                self._queue.clear()
+                break
+            if job.reads:
+                jobs.append(job)
+        return jobs
+
+    def _plan(self, chain: tuple[BlockKey, ...]) -> PrefetchJob | None:
+        # Pin the chain's blocks still in DRAM: restoring its head must not evict its tail.
+        held = [s for k in chain if (s := self.index.slot(k)) is not None]
+        for s in held:
+            self.index.pin(s)
+        try:
+            budget = self.max_inflight_blocks - self.inflight_blocks()
+            keys: list[BlockKey] = []
+            slots: list[int] = []
+            reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
+            for k in chain:
+                if k in self.index or k in self.promoting:
+                    continue
+                loc = self._locate(k)
+                if loc is None:
+                    break  # the rest of the chain is useless without this block
+                if len(keys) >= budget:
+                    break
+                alloc = self.index.allocate(k)
+                if alloc is None:
+                    self._undo(keys, slots)
+                    return None
+                if alloc.evicted is not None:
+                    self._on_cpu_evict(alloc.slot, alloc.evicted)
+                self.index.pin(alloc.slot)
+                self.promoting.add(k)
+                keys.append(k)
+                slots.append(alloc.slot)
+                tier, fid, pos = loc
+                reads.setdefault((tier, fid), []).append((pos, alloc.slot, k))
+        finally:
+            for s in held:
+                self.index.unpin(s)
+        pid = next(self._ids)
+        flight = _InFlight(keys, slots, [])
+        for (tier, fid), items in reads.items():
+            tier.index.pin(fid)
+            flight.files.append((tier, fid))
+            flight.tiers[tier.tier] = flight.tiers.get(tier.tier, 0) + len(items)
+        if keys:
+            self._inflight[pid] = flight
+        return PrefetchJob(pid, tuple(
+            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
+                      tuple(k for _, _, k in items))
+            for (tier, fid), items in reads.items()
+        ))
+
+    def _undo(self, keys: list[BlockKey], slots: list[int]) -> None:
+        for k, s in zip(keys, slots, strict=True):
+            self.index.unpin(s)
+            self.index.remove(k)
+            self.promoting.discard(k)
+
+    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+        for pid in meta.prefetch_failed:
+            f = self._inflight.pop(pid, None)
+            if f is not None:
+                self._finish(f)
+                for k in f.keys:
+                    self.index.remove(k)  # its slot holds nothing valid
+                self.counters.add("prefetch_failures", TIER, len(f.keys))
+        for pid, n in meta.prefetched.items():
+            f = self._inflight.get(pid)
+            if f is None:
+                continue
+            f.acks += n
+            if f.acks >= self.world_size:
+                del self._inflight[pid]
+                self._finish(f)
+                self.prefetched.update(f.keys)
+                for tier, count in f.tiers.items():
+                    self.counters.add("prefetch_blocks", tier, count)
+
+    def _finish(self, f: _InFlight) -> None:
+        for s in f.slots:
+            self.index.unpin(s)
+        for k in f.keys:
+            self.promoting.discard(k)
+        for tier, fid in f.files:
+            tier.index.unpin(fid)
