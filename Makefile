@@ -13,11 +13,9 @@ test-fast: venv   ## skip the multiprocess and API-server tests
 demo: venv
 	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python examples/demo.py
 
-bench: venv
-	@.venv/bin/python bench/cpu_tier_throughput.py
-	@.venv/bin/python bench/nvme_throughput.py
-	@.venv/bin/python bench/s3_throughput.py
-	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/ttft.py
+bench: venv   ## CPU, NVMe, S3 tiers and TTFT; a table of ratios and bench/results/summary.png (kvtier bench --help)
+	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python -m vllm_kvtier.cli bench \
+		cpu_tier_throughput nvme_throughput s3_throughput ttft
 
 lint: venv
 	@.venv/bin/pip install -q --no-deps -r requirements/dev.txt >/dev/null 2>&1

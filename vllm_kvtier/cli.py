@@ -6,9 +6,13 @@
                                            KV size per token and request, tier by tier
     kvtier doctor '<extra json>' --model-config config.json --context-tokens 128K ...
                                            the pre-deployment checklist: PASS / WARN / FAIL
+    kvtier bench [NAMES...] [--quick] [--report-only]
+                                           run the benchmarks under bench/ (source checkout),
+                                           a table of ratios against targets and a PNG chart
 
-Exit status: 0 when valid (doctor: no FAIL), 1 when doctor found a FAIL, 2 with the
-offending field, option or file named when the input is bad.
+Exit status: 0 when valid (doctor: no FAIL; bench: every run finished and no FAIL), 1 when
+doctor or bench found a FAIL, 2 with the offending field, option or file named when the
+input is bad.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -173,18 +178,90 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 1 if any(ch.status is Status.FAIL for ch in checks) else 0
 
 
+_DESCRIPTION = """\
+Operator commands for vllm_kvtier, the vLLM KV-connector plugin that tiers the KV cache to CPU
+DRAM, NVMe, S3 and Mooncake: check a kv_connector_extra_config before deploying it, size the KV
+cache of a model tier by tier, run the pre-deployment checklist on this machine, and run the
+benchmarks of a source checkout. 'kvtier COMMAND --help' explains each command, with examples."""
+
+_EPILOG = """\
+examples:
+  kvtier presets
+  kvtier check-config '{"preset": "interactive", "cpu": {"capacity_bytes": 34359738368}}'
+  kvtier plan --model-config ./Llama-3-70B/config.json --context-tokens 128K --kv-dtype fp8
+  kvtier doctor --preset interactive --model-config ./config.json --context-tokens 32K --ttft-slo-s 2
+  kvtier bench --quick
+
+exit status: 0 when all is well, 1 when doctor or bench found a FAIL, 2 when the input is bad
+(the message names the field, option or file)."""
+
+
+def _sub(sub: Any, name: str, help_: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows a paragraph of description and an epilog of examples."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=help_, description=description, epilog="examples:\n" + examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    return p
+
+
+def _add_bench(sub: Any) -> None:
+    from vllm_kvtier.benchreport import BENCHMARKS, FAST
+
+    listing = "\n".join(f"  {s.name:<20} {s.about}{'' if s.fast else ' (minutes)'}" for s in BENCHMARKS)
+    b = _sub(sub, "bench", "run the benchmarks under bench/ and chart their ratios against the targets",
+             "Runs the benchmark scripts of a source checkout (bench/ is not in the wheel) one after the\n"
+             "other, each as a subprocess of this Python, with a progress line each (the script's own\n"
+             "output goes to <results-dir>/<name>.log). Then reads their JSONs and prints one row per\n"
+             "headline ratio (ours over the reference) with its target and PASS / FAIL / — (no target,\n"
+             "or not run), and draws the same ratios as a PNG bar chart. Compare ratios of one run: the\n"
+             "absolute figures depend on the machine and its load.\n\n"
+             f"benchmarks (default: {', '.join(FAST)};\n'all' runs every one, with those that start vLLM engines):\n"
+             + listing,
+             "  kvtier bench                             # the fast ones, a minute or two\n"
+             "  kvtier bench --quick                     # the same, smaller sizes, a few seconds each\n"
+             "  kvtier bench all                         # every benchmark (tens of minutes on CPU)\n"
+             "  kvtier bench ttft trace_replay --quick\n"
+             "  kvtier bench --report-only               # just the table and chart from bench/results\n"
+             "  kvtier bench --report-only --results-dir /tmp/r --png /tmp/r/chart.png")
+    b.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: the fast ones; 'all')")
+    b.add_argument("--quick", action="store_true",
+                   help="pass each script its smaller-size options (fewer repeats, fewer MiB or tokens)")
+    b.add_argument("--results-dir", metavar="DIR", help="where the JSONs and logs go (default: bench/results)")
+    b.add_argument("--png", metavar="FILE", help="the chart (default: <results-dir>/summary.png)")
+    b.add_argument("--report-only", action="store_true",
+                   help="run nothing: render the table and chart from the JSONs already there (default: all of them)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtier", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="kvtier", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("presets", help="list the shipped presets")
-    chk = sub.add_parser("check-config", help="validate kv_connector_extra_config")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _sub(sub, "presets", "list the shipped presets",
+         "Lists the presets shipped with the plugin (interactive, long-context, offline-batch, ...), one per\n"
+         "line. A preset fills in every field of kv_connector_extra_config for one kind of workload; fields\n"
+         "you set yourself override it. 'kvtier check-config' shows what a preset expands to.",
+         "  kvtier presets\n"
+         "  kvtier check-config '{\"preset\": \"long-context\"}'")
+    chk = _sub(sub, "check-config", "validate kv_connector_extra_config and print it in full",
+               "Parses a kv_connector_extra_config exactly as the connector will at start-up, preset and\n"
+               "defaults applied, and prints the result as YAML. A bad value exits 2 with the field named\n"
+               "and the values it allows, before any engine is started.",
+               "  kvtier check-config '{\"preset\": \"interactive\", \"cpu\": {\"capacity_bytes\": 1073741824}}'\n"
+               "  kvtier check-config --file configs/long-context.yaml\n"
+               "  kvtier check-config '{\"cpu\": {\"capacity_bytes\": 68719476736}}' --file configs/long-context.yaml")
     chk.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config")
     chk.add_argument("--file", help="a YAML file with the same fields")
 
-    plan = sub.add_parser("plan", help="KV size per token and request, and what fits in each tier",
-                          description="The KV-size formula for one model, context length and "
-                                      "concurrency, against GPU, CPU DRAM, NVMe and S3; load vs recompute time.")
+    plan = _sub(sub, "plan", "KV size per token and request, and what fits in each tier",
+                "The KV-size formula for one model (a local config.json, or layers / KV heads / head dim),\n"
+                "context length and concurrency: bytes per token and per request, how many requests of that\n"
+                "length fit in GPU memory, CPU DRAM and NVMe, the time to load a request's KV from each tier\n"
+                "against recomputing it, and the CPU tier budget to configure. Handles GQA, MQA, MLA and\n"
+                "sliding-window models, or says which it cannot. Nothing is downloaded.",
+                "  kvtier plan --model-config ./Meta-Llama-3-70B/config.json --context-tokens 128K\n"
+                "  kvtier plan --layers 32 --kv-heads 8 --head-dim 128 --context-tokens 32K --concurrency 16 \\\n"
+                "      --gpu-memory-bytes 80GB --weights-bytes 16GB --dram-bytes 512GiB --kv-dtype fp8\n"
+                "  kvtier plan --model-config config.json --context-tokens 1M --prefill-tokens-per-s 8000 --json")
     _add_model_args(plan)
     _add_hw_args(plan)
     g = plan.add_argument_group("tiers")
@@ -196,9 +273,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--s3-gb-per-s", default="1.25", help="object-store bandwidth, GB/s (default 1.25 = 10 Gbit/s)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of text")
 
-    doc = sub.add_parser("doctor", help="pre-deployment checklist for a config on this machine",
-                         description="The pre-deployment checklist against a kvtier config and this machine. Each "
-                                     "line is PASS, WARN or FAIL; exit status 1 if any FAIL.")
+    doc = _sub(sub, "doctor", "pre-deployment checklist for a config on this machine",
+               "The pre-deployment checklist against a kvtier config (JSON, --file or --preset) and this\n"
+               "machine: the model's KV size at the target context, the GPU KV budget, the strategy against\n"
+               "the workload, CPU offload bandwidth against the TTFT SLO, RDMA when NIXL or Mooncake RDMA is\n"
+               "configured, FP8, and alerting. Each line is PASS, WARN or FAIL with the reason; exit status\n"
+               "1 if any FAIL.",
+               "  kvtier doctor --preset interactive --model-config ./config.json --context-tokens 32K \\\n"
+               "      --ttft-slo-s 2 --workload interactive --prometheus-rules docker/prometheus/kvtier-alerts.yaml\n"
+               "  kvtier doctor --file configs/long-context.yaml --layers 80 --kv-heads 8 --head-dim 128 \\\n"
+               "      --context-tokens 128K --gpu-kv-bytes 40GB --json")
     doc.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config")
     doc.add_argument("--file", help="a YAML file with the same fields")
     doc.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
@@ -208,7 +292,51 @@ def _parser() -> argparse.ArgumentParser:
     doc.add_argument("--workload", choices=["interactive", "long-context", "batch"], help="what is served")
     doc.add_argument("--prometheus-rules", metavar="PATH", help="alert rules file (Prometheus or PrometheusRule)")
     doc.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_bench(sub)
     return ap
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from vllm_kvtier import benchreport as br
+
+    try:
+        # A report of what is there covers every benchmark (missing ones read "not run").
+        names = br.resolve_names(args.names or (["all"] if args.report_only else []))
+    except ValueError as e:
+        raise PlanInputError("NAME", str(e)) from None
+    bench_dir = br.find_bench_dir()
+    if bench_dir is None and not (args.report_only and args.results_dir):
+        looked = Path(br.__file__).resolve().parent.parent / "bench"
+        print(f"kvtier bench: no benchmark scripts in {looked}: kvtier bench runs them from a source checkout "
+              "(bench/ is not in the wheel): clone the repository and pip install -e . there, or render "
+              "JSONs you have with --report-only --results-dir DIR", file=sys.stderr)
+        return 2
+    if args.results_dir:
+        results_dir = Path(args.results_dir)
+    else:
+        assert bench_dir is not None
+        results_dir = bench_dir / "results"
+    if args.report_only and not results_dir.is_dir():
+        raise PlanInputError("--results-dir", f"no such directory: {results_dir}")
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlanInputError("--results-dir", f"cannot create {results_dir}: {e.strerror}") from None
+    stale: dict[str, str] = {}
+    if not args.report_only:
+        assert bench_dir is not None
+        live = sys.stdout.isatty()
+        for i, name in enumerate(names, 1):
+            outcome = br.run_benchmark(br.BY_NAME[name], bench_dir, results_dir, quick=args.quick, index=i,
+                                       total=len(names), out=sys.stdout, live=live)
+            if outcome.failure:
+                stale[name] = outcome.failure
+        print()
+    report = br.read_report(results_dir, names, stale)
+    print(br.render_table(report))
+    png = br.render_png(report, Path(args.png) if args.png else results_dir / "summary.png")
+    print(f"chart: {png}")
+    return 0 if report.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,9 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in available_presets():
             print(p)
         return 0
-    if args.cmd in ("plan", "doctor"):
+    if args.cmd in ("plan", "doctor", "bench"):
+        run = {"plan": _run_plan, "doctor": _run_doctor, "bench": _run_bench}[args.cmd]
         try:
-            return _run_plan(args) if args.cmd == "plan" else _run_doctor(args)
+            return run(args)
         except (PlanInputError, ConfigError) as e:
             print(f"kvtier {args.cmd}: {e}", file=sys.stderr)
             return 2
