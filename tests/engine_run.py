@@ -38,12 +38,22 @@ if __name__ == "__main__":
     if len(sys.argv) > 3:
         prompts = json.loads(Path(sys.argv[3]).read_text())
         max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+        if os.environ.get("KVTIER_TEST_KV_PARAMS"):  # P/D prefill: hand-off params in, theirs out
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                extra_args={"kv_transfer_params": json.loads(os.environ["KVTIER_TEST_KV_PARAMS"])})
+            generate(llm, prompts[0], 1)  # first step: the workers publish their NIXL addresses
+            outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
+            print("PARAMS " + json.dumps([o.kv_transfer_params for o in outs]), flush=True)
         res = {str(i): generate(llm, p, max_tokens) for i, p in enumerate(prompts)}
         print("PARTIAL " + json.dumps({k: asdict(v) for k, v in res.items()}), flush=True)
-        if os.environ.get("KVTIER_TEST_HOLD_FILE"):  # stay in the pool until told (P/D tests)
+        if os.environ.get("KVTIER_TEST_HOLD_FILE"):  # stay up until told (P/D tests), stepping
             hold, until = Path(os.environ["KVTIER_TEST_HOLD_FILE"]), time.monotonic() + 600
             while not hold.exists() and time.monotonic() < until:
-                time.sleep(0.05)
+                llm.llm_engine.step()  # idle steps: hand-off notifications and expiries
+                time.sleep(0.02)
     else:
         res = run_scenario(llm, reuse_scenario())
     counters = kvtier_counters(llm)

@@ -28,6 +28,7 @@ import yaml
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.policy import EvictionName
 from vllm_kvtier.tiers.mooncake import MooncakeConfig
+from vllm_kvtier.tiers.nixl_agent import NixlConfig
 from vllm_kvtier.tiers.s3_config import S3Config
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
@@ -167,9 +168,24 @@ class MooncakeTierConfig:
     handoff_wait_s: float = 5.0
 
 
+@dataclass(frozen=True)
+class NixlTierConfig:
+    """Prefill/decode disaggregation peer to peer: the decode instance reads a prompt's
+    blocks straight out of the prefill instance's CPU tier over NIXL (UCX: RDMA, or TCP /
+    shared memory on one host), using the ``kv_transfer_params`` vLLM passes through the
+    request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl_agent.NixlConfig`'s
+    fields (backends, deadline_s, num_threads) next to ``hold_s``."""
+
+    store: NixlConfig
+    #: Prefill side: how long a finished request's blocks stay pinned for the decode side
+    #: to read them; reclaimed then if no read came (a decode instance that died).
+    hold_s: float = 60.0
+
+
 #: Fields of the flat ``s3`` / ``mooncake`` sections that belong to the tier config itself.
 _S3_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(S3TierConfig)) - {"store"}
 _MOONCAKE_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(MooncakeTierConfig)) - {"store"}
+_NIXL_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(NixlTierConfig)) - {"store"}
 
 
 @dataclass(frozen=True)
@@ -227,6 +243,7 @@ class KVTierConfig:
     nvme: NVMeTierConfig | None = None
     s3: S3TierConfig | None = None
     mooncake: MooncakeTierConfig | None = None
+    nixl: NixlTierConfig | None = None
     #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
     #: request (lowest latency). "async": the request waits while other requests run.
     load_mode: LoadMode = "sync"
@@ -247,7 +264,7 @@ class KVTierConfig:
 
 #: Sections that later issues fill in. Named here so the error says "not available"
 #: instead of "unknown key".
-_FUTURE_SECTIONS = ("nixl",)
+_FUTURE_SECTIONS: tuple[str, ...] = ()
 
 
 def available_presets() -> list[str]:
@@ -308,6 +325,8 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
             return _build_flat(S3TierConfig, S3Config, _S3_POLICY_FIELDS, value, path)
         if tp is MooncakeTierConfig:
             return _build_flat(MooncakeTierConfig, MooncakeConfig, _MOONCAKE_POLICY_FIELDS, value, path)
+        if tp is NixlTierConfig:
+            return _build_flat(NixlTierConfig, NixlConfig, _NIXL_POLICY_FIELDS, value, path)
         return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
@@ -325,6 +344,11 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(path, f"must be a string, got {value!r}")
         return value
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(path, f"must be a list, got {value!r}")
+        item = typing.get_args(tp)[0]
+        return tuple(_check_value(f"{path}[{i}]", v, item) for i, v in enumerate(value))
     raise TypeError(f"unsupported annotation {tp!r} for {path}")  # programming error
 
 
@@ -407,6 +431,8 @@ def _validate(cfg: KVTierConfig) -> None:
         for name in ("lookup_timeout_s", "handoff_wait_s"):
             if getattr(mc, name) < 0:
                 raise ConfigError(f"mooncake.{name}", f"must be >= 0, got {getattr(mc, name)}")
+    if cfg.nixl is not None and cfg.nixl.hold_s <= 0:
+        raise ConfigError("nixl.hold_s", f"must be > 0, got {cfg.nixl.hold_s}")
     lr = cfg.load_or_recompute
     if lr.prefill_tokens_per_s is not None and lr.prefill_tokens_per_s <= 0:
         raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")

@@ -152,6 +152,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 block_size=self.block_size,
                 num_slots=pool_slots(self.cfg, block_bytes, world),
                 slot_bytes_total=block_bytes * world,
+                world_size=world,
                 lower=lower,
                 counters=counters,
             )

@@ -36,6 +36,19 @@ class ChunkRead:
 
 
 @dataclass(frozen=True)
+class PeerRead:
+    """P/D peer to peer: fill CPU ``slots[i]`` with block ``keys[i]`` read over NIXL from
+    slot ``remote_slots[i]`` of a prefill instance's CPU tier. ``peer``: that instance's
+    published description per TP rank (``kv_transfer_params``, JSON-safe)."""
+
+    req_id: str
+    peer: dict
+    remote_slots: tuple[int, ...]
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class LoadJob:
     """Copy CPU ``slots[i]`` into engine ``block_ids[i]``; ``asynchronous`` jobs are
     reported through ``finished_recving``, sync jobs complete before the forward.
@@ -51,6 +64,8 @@ class LoadJob:
     keys: tuple[bytes, ...]
     asynchronous: bool
     reads: tuple[ChunkRead, ...] = ()
+    #: P/D peer to peer: slots filled over NIXL from a prefill instance first.
+    peer_read: PeerRead | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,10 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     prefetched: dict[int, int] = field(default_factory=dict)
     #: Prefetches that failed on some rank.
     prefetch_failed: set[int] = field(default_factory=set)
+    #: P/D prefill side: rank -> how a decode instance reads this rank's CPU tier (NIXL).
+    peer_info: dict[int, dict] = field(default_factory=dict)
+    #: P/D prefill side: requests whose blocks a decode instance has read (release them).
+    peer_done: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
         assert isinstance(other, KVTierWorkerMeta)
@@ -127,7 +146,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         for i, n in other.prefetched.items():
             prefetched[i] = prefetched.get(i, 0) + n
         return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad, prefetched,
-                                self.prefetch_failed | other.prefetch_failed)
+                                self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
+                                self.peer_done | other.peer_done)
 
     def is_empty(self) -> bool:
-        return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed)
+        return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
+                    or self.peer_info or self.peer_done)

@@ -42,7 +42,15 @@ from typing import Any
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
 from vllm_kvtier.connector.load_policy import LoadPolicy
-from vllm_kvtier.connector.metadata import ChunkRead, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from vllm_kvtier.connector.metadata import (
+    ChunkRead,
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadJob,
+    PeerRead,
+    SaveJob,
+)
+from vllm_kvtier.connector.peer_plan import PeerPlan, PeerPlanner
 from vllm_kvtier.connector.prefetch import Prefetcher
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
@@ -87,7 +95,7 @@ class _ReqState:
 class SchedulerHalf:
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
-        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None,
+        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
         ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
@@ -101,6 +109,9 @@ class SchedulerHalf:
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
         self.lower = list(lower or [])
+        self.peer_plan: PeerPlanner | None = None
+        if cfg.nixl is not None:
+            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, hold_s=cfg.nixl.hold_s)
         #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self._promoting: set[BlockKey] = set()
         self._reqs: dict[str, _ReqState] = {}
@@ -156,6 +167,10 @@ class SchedulerHalf:
         limit = min(self._loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
+        if self.peer_plan is not None:
+            n = self.peer_plan.match(request, start, limit)
+            if n is not None and n >= self.cfg.min_load_blocks:
+                return n * self.block_size, True  # read from the prefill instance over NIXL
         keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
         for tier in self.lower:
             tier.discover([k for k in keys if k not in self.index])
@@ -245,6 +260,10 @@ class SchedulerHalf:
                 self.load_policy.forget(req_id)
         if num_external_tokens <= 0:
             return
+        plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
+        if plan is not None:
+            self._peer_load(state, plan, start, num_external_tokens // self.block_size)
+            return
         bs = self.block_size
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
@@ -319,6 +338,39 @@ class SchedulerHalf:
             self.counters.observe("request_load_wait_seconds", state.load_tier,
                                   time.monotonic() - state.load_issued_s)
             state.load_issued_s = None
+
+    def _peer_load(self, state: _ReqState, plan: PeerPlan, start: int, n: int) -> None:
+        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
+        keys are pinned and used as they are, the others get a pinned slot to read into."""
+        keys = list(plan.keys[:n])
+        slots = [-1] * len(keys)
+        remote, local, wanted = [], [], []
+        for i, k in enumerate(keys):
+            s = self.index.slot(k)
+            if s is not None and k not in self._promoting:
+                self.index.touch(k)
+                self.index.pin(s)
+                slots[i] = s
+                self.counters.add("hit_blocks", TIER)
+        for i, k in enumerate(keys):
+            if slots[i] >= 0:
+                continue
+            s = self._promote(k)
+            slots[i] = s
+            if s >= 0:
+                remote.append(plan.remote_slots[i])
+                local.append(s)
+                wanted.append(k)
+                state.promoting.append(k)
+        self.counters.add("hit_blocks", "peer", len(wanted))
+        blocks = state.block_ids[start : start + len(keys)]
+        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted)) \
+            if wanted else None
+        self._loads.append(LoadJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys), True,
+                                   peer_read=read))
+        state.loaded.update(zip(blocks, keys, strict=True))
+        state.async_loading = True
+        state.pinned_slots.extend(s for s in slots if s >= 0)
 
     def _promote(self, key: BlockKey) -> int:
         """A CPU slot for a lower-tier block about to be read (pinned), or -1 if none is free."""
@@ -414,6 +466,8 @@ class SchedulerHalf:
         # Before this step's saves are planned: a prefetch slot is pinned, so no save of
         # this step can take it, and it can only evict blocks saved in earlier steps.
         prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
+        if self.peer_plan is not None:
+            self.peer_plan.expire()
         if self.load_policy is not None:
             self.load_policy.observe_step(sum(
                 n for req_id, n in scheduler_output.num_scheduled_tokens.items()
@@ -516,6 +570,8 @@ class SchedulerHalf:
         self._match_start.pop(request.request_id, None)  # aborted before admission
         self._handoff_since.pop(request.request_id, None)
         params = self._handoff_params(request)
+        if self.peer_plan is not None:
+            self.peer_plan.forget(request.request_id)
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return False, params
@@ -532,6 +588,10 @@ class SchedulerHalf:
         if self.prefetcher is not None:
             # Its next turn starts with these blocks: bring back the ones that left DRAM.
             self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
+        if self.peer_plan is not None:
+            peer = self.peer_plan.params_for(request, self.block_size)
+            if peer is not None:
+                params = {**(params or {}), **peer}
         # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
         hold = job is not None or state.saves_issued
         if hold:
@@ -593,6 +653,8 @@ class SchedulerHalf:
                 tier.on_worker_meta(meta)
             if self.prefetcher is not None:
                 self.prefetcher.on_worker_meta(meta)
+            if self.peer_plan is not None:
+                self.peer_plan.on_worker_meta(meta)
         for req_id in connector_output.finished_sending or ():
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
@@ -619,7 +681,10 @@ class SchedulerHalf:
         releases to issue, or prefetches queued or in flight (they land between requests)."""
         pf = self.prefetcher
         return bool(self._final_saves or self._release or self._loads or self._releasing
-                    or (pf is not None and pf.has_work()))
+                    or (pf is not None and pf.has_work())
+                    # blocks held for a decode instance: keep stepping to see its read's
+                    # notification (or the hold expire)
+                    or (self.peer_plan is not None and self.peer_plan.holding() > 0))
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()

@@ -42,6 +42,7 @@ from vllm_kvtier.connector.metadata import (
     PrefetchJob,
     SaveJob,
 )
+from vllm_kvtier.connector.peer import PeerLink
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -90,6 +91,12 @@ class WorkerHalf:
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
         self._load_errors: set[int] = set()
+        #: P/D peer to peer over NIXL (a ``nixl`` section): this rank's agent and stamps.
+        self.peer: PeerLink | None = None
+        self._peer_published = False
+        self._peer_done: set[str] = set()
+        #: CUDA saves whose slots get their stamp once the copy is done: (transfer, slots, keys)
+        self._unstamped: list[tuple[Transfer, tuple[int, ...], tuple[bytes, ...]]] = []
         #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
         self._prefetch_reads: dict[tuple[str, int], int] = {}
         self._prefetch_left: dict[int, list] = {}
@@ -123,6 +130,12 @@ class WorkerHalf:
         self.layered = mode == "on" or (mode == "auto" and self.layout.device.type == "cuda")
         self._slot_key = [None] * num_slots
         self._slot_crc = [0] * num_slots
+        if self.cfg.nixl is not None:
+            try:
+                self.peer = PeerLink(self.cfg.nixl, self.pool, rank=self.rank, counters=self.counters)
+            except Exception as e:  # ImportError (install hint), no UCX...: P/D falls back to recompute
+                logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
+                self.counters.add("store_failures", "peer")
         self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
                                   block_bytes=self.pool.slot_bytes, counters=self.counters,
                                   kv_dtype=self.layout.dtype)
@@ -178,10 +191,19 @@ class WorkerHalf:
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
-                    self._slot_key[s] = None
+                    self._set_slot_key(s, None)
                 continue
             for s, k in zip(job.slots, job.keys, strict=True):
                 self._slot_key[s] = k
+            if self.peer is not None:
+                # A peer may read these slots: stamp them only once their bytes are complete.
+                for s in job.slots:
+                    self.peer.stamp(s, None)
+                if t.done():
+                    for s, k in zip(job.slots, job.keys, strict=True):
+                        self.peer.stamp(s, k)
+                else:
+                    self._unstamped.append((t, job.slots, job.keys))
             self._inflight_saves.setdefault(job.req_id, []).append(t)
             self._mark_busy(job.slots, t)
             self.counters.add("blocks_stored", TIER, len(job.block_ids))
@@ -190,6 +212,12 @@ class WorkerHalf:
                 t.wait()
                 for s in job.slots:
                     self._slot_crc[s] = self.pool.checksum(s)
+
+    def _set_slot_key(self, slot: int, key: bytes | None) -> None:
+        """``slot`` now holds ``key`` completely (None: nothing valid)."""
+        self._slot_key[slot] = key
+        if self.peer is not None:
+            self.peer.stamp(slot, key)
 
     def _mark_busy(self, slots: Iterable[int], t: Transfer) -> None:
         """Remember device copies still using these slots (CUDA); host copies are done."""
@@ -231,7 +259,7 @@ class WorkerHalf:
 
     def _start_load(self, job: LoadJob) -> None:
         assert self.engine is not None
-        if job.reads or -1 in job.slots:
+        if job.reads or job.peer_read is not None or -1 in job.slots:
             self._start_lower_load(job)
             return
         blocks, slots, failed = self._verify(job)
@@ -323,6 +351,13 @@ class WorkerHalf:
             else:
                 pending.add((read.tier, rid))
         n_lower = sum(len(r.slots) for r in job.reads)
+        if job.peer_read is not None:
+            prid = self.peer.read(job.peer_read) if self.peer is not None else None
+            if prid is None:
+                failed.update(self._blocks_of(job, job.peer_read.slots))
+            else:
+                pending.add(("peer", prid))
+            n_lower += len(job.peer_read.slots)
         self._async_loads.append(_AsyncLoad(job.req_id, None, failed, [], job, pending, n_lower))
 
     @staticmethod
@@ -355,7 +390,7 @@ class WorkerHalf:
     def _on_read(self, rid: int, read: ChunkRead, ok: bool) -> None:
         if ok:
             for s, k in zip(read.slots, read.keys, strict=True):
-                self._slot_key[s] = k
+                self._set_slot_key(s, k)
                 if self.cfg.cpu.checksum and self.pool is not None:
                     self._slot_crc[s] = self.pool.checksum(s)
         ref = (read.tier, rid)
@@ -410,6 +445,8 @@ class WorkerHalf:
                     tier.wait_for_reads(0.002)
                     idle_step = False  # one wait per step
                 tier.poll(self.pool, self._on_read, self._wait_slot)
+            if self.peer is not None:
+                self._poll_peer()
         still: list[_AsyncLoad] = []
         for a in self._async_loads:
             if a.pending_reads is not None:
@@ -444,8 +481,37 @@ class WorkerHalf:
                 self._pending_release.discard(req_id)
         return sending, recving
 
+    def _poll_peer(self) -> None:
+        assert self.peer is not None
+        if self._unstamped:
+            left = []
+            for t, slots, keys in self._unstamped:
+                if t.done():
+                    for s, k in zip(slots, keys, strict=True):
+                        if self._slot_key[s] == k:
+                            self.peer.stamp(s, k)
+                else:
+                    left.append((t, slots, keys))
+            self._unstamped = left
+        self._peer_done |= self.peer.done_requests()
+        for prid, res in self.peer.poll():
+            for s, k in zip(res.read.slots, res.read.keys, strict=True):
+                self._slot_key[s] = k if k in res.good else None  # stamps are already right
+            ref = ("peer", prid)
+            for a in self._async_loads:
+                if a.pending_reads is not None and ref in a.pending_reads:
+                    a.pending_reads.discard(ref)
+                    if a.job is not None:
+                        bad = [s for s, k in zip(res.read.slots, res.read.keys, strict=True) if k not in res.good]
+                        a.failed_blocks.update(self._blocks_of(a.job, tuple(bad)))
+
     def worker_meta(self) -> KVTierWorkerMeta | None:
         meta, self._prefetch_done = self._prefetch_done, KVTierWorkerMeta()
+        if self.peer is not None:
+            if not self._peer_published:
+                meta.peer_info[self.rank] = self.peer.describe()
+                self._peer_published = True
+            meta.peer_done, self._peer_done = self._peer_done, set()
         for tier in self.lower.values():
             tier.take_meta(meta)
         return None if meta.is_empty() else meta
@@ -463,3 +529,6 @@ class WorkerHalf:
         for tier in self.lower.values():
             tier.close(self.pool, self._slot_key)
         self.lower = {}
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None

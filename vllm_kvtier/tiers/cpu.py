@@ -46,6 +46,11 @@ class CPUPool:
         )
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The one allocation behind every plane (for registering it with NIXL)."""
+        return self._buf
+
+    @property
     def nbytes(self) -> int:
         return self._buf.numel()
 

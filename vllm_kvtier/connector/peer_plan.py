@@ -1,0 +1,148 @@
+"""Scheduler side of P/D peer to peer over NIXL (the ``nixl`` section).
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+scheduler thread. Pure bookkeeping; the workers move the bytes
+(:mod:`vllm_kvtier.connector.peer`).
+
+Prefill side (a request with ``kv_transfer_params.do_remote_decode``): when the request
+finishes, its prompt blocks sit in CPU slots (saved, or being saved this step); those
+slots are pinned for ``hold_s`` and ``request_finished`` returns, as ``kv_transfer_params``,
+where they are: every rank's NIXL description, the slots, the block keys. A decode
+instance's read notifies the prefill ranks and the slots are released; if no read comes
+(the decode instance died, the proxy gave up), the hold expires and the slots are
+reclaimed (``peer_hold_timeouts``).
+
+Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks whose keys
+match the request's own block hashes (so a mismatched model or prompt is never loaded)
+are an async load: each gets a CPU slot, the worker reads slots and stamps over NIXL, and
+only blocks whose stamp is the expected key are used; the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kvtier.connector.metadata import KVTierWorkerMeta
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.metrics import Counters
+
+logger = logging.getLogger(__name__)
+
+TIER = "peer"
+PARAM = "kvtier_peer"
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What a decode request will read: ``remote_slots[i]`` holds ``keys[i]`` (blocks
+    ``start`` .. ``start + n``)."""
+
+    peer: dict
+    remote_slots: tuple[int, ...]
+    keys: tuple[BlockKey, ...]
+
+
+class PeerPlanner:
+    def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, hold_s: float) -> None:
+        self.index = index
+        self.counters = counters
+        self.world_size = world_size
+        self.hold_s = hold_s
+        self._ranks: dict[int, dict] = {}
+        #: prefill side: request -> (pinned slots, deadline)
+        self._holds: dict[str, tuple[list[int], float]] = {}
+        #: decode side: request -> its plan, between the lookup and the allocation
+        self._plans: dict[str, PeerPlan] = {}
+        #: decode side: requests that already tried once (a failed read is recomputed, not
+        #: retried: vLLM reschedules the request at once, and a gone peer would loop)
+        self._attempted: set[str] = set()
+
+    # ---- prefill side -------------------------------------------------------------------
+
+    def params_for(self, request: Any, block_size: int) -> dict | None:
+        """At ``request_finished`` of a request to hand off: pin its prompt's slots and
+        say where they are. None if this is not such a request or the ranks have not
+        published their NIXL description yet."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return None
+        if len(self._ranks) < self.world_size:
+            logger.warning("kvtier peer: request %s: workers have not published their NIXL address yet; "
+                           "the decode instance will recompute", request.request_id)
+            return None
+        slots, keys = [], []
+        for h in request.block_hashes[: request.num_prompt_tokens // block_size]:
+            s = self.index.slot(BlockKey(h))
+            if s is None:
+                break
+            slots.append(s)
+            keys.append(h.hex())
+        if not slots:
+            return None
+        for s in slots:
+            self.index.pin(s)
+        self._holds[request.request_id] = (slots, time.monotonic() + self.hold_s)
+        self.counters.add("peer_offered_blocks", TIER, len(slots))
+        return {PARAM: {"ranks": {str(r): d for r, d in self._ranks.items()}, "slots": slots, "keys": keys}}
+
+    def release(self, req_id: str) -> None:
+        held = self._holds.pop(req_id, None)
+        if held is not None:
+            for s in held[0]:
+                self.index.unpin(s)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for req_id in [r for r, (_, t) in self._holds.items() if t <= now]:
+            self.release(req_id)
+            self.counters.add("peer_hold_timeouts", TIER)
+            logger.warning("kvtier peer: request %s: no decode instance read its blocks in %.0f s; released",
+                           req_id, self.hold_s)
+
+    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+        self._ranks.update(meta.peer_info)
+        for req_id in meta.peer_done:
+            self.release(req_id)
+
+    def holding(self) -> int:
+        return len(self._holds)
+
+    # ---- decode side --------------------------------------------------------------------
+
+    def match(self, request: Any, start: int, limit: int) -> int | None:
+        """Blocks ``start``.. of the request a prefill instance offers (None: no offer)."""
+        params = getattr(request, "kv_transfer_params", None)
+        offer = params.get(PARAM) if isinstance(params, dict) and params.get("do_remote_prefill") else None
+        if not isinstance(offer, dict) or request.request_id in self._attempted:
+            return None
+        try:
+            keys, slots = list(offer["keys"]), [int(s) for s in offer["slots"]]
+            peer = {"ranks": dict(offer["ranks"])}
+        except (KeyError, TypeError, ValueError):
+            return None
+        n = 0
+        hashes = request.block_hashes
+        for i in range(start, min(limit, len(keys), len(slots))):
+            if not isinstance(keys[i], str) or hashes[i].hex() != keys[i]:
+                break  # another prompt or another model: never load it
+            n += 1
+        if n:
+            self._plans[request.request_id] = PeerPlan(
+                peer, tuple(slots[start : start + n]), tuple(BlockKey(hashes[i]) for i in range(start, start + n))
+            )
+        return n
+
+    def take_plan(self, req_id: str) -> PeerPlan | None:
+        plan = self._plans.pop(req_id, None)
+        if plan is not None:
+            self._attempted.add(req_id)
+        return plan
+
+    def forget(self, req_id: str) -> None:
+        """The request ended (decode side)."""
+        self._plans.pop(req_id, None)
+        self._attempted.discard(req_id)
