@@ -40,8 +40,8 @@ def test_loads_the_prefix_that_wins_when_tiers_mix():
 def test_estimates_follow_samples_and_stale_tiers_are_probed_once():
     m = CostModel(prefill_tokens_per_s=10_000, probe_interval_s=30)
     m.tier("s3").latency_s = 0.01
-    for _ in range(20):  # reads of 1 MB take 1 s: about 1 MB/s
-        m.observe_reads("s3", reads=4, nbytes=4 * MB, seconds=4.0, now=100.0)
+    for _ in range(20):  # requests' loads of 1 MB take 1 s: about 1 MB/s
+        m.observe_load("s3", nbytes=MB, seconds=1.0, now=100.0)
     assert 0.8 * MB < m.tier("s3").bandwidth_Bps < 1.2 * MB
     for _ in range(20):
         m.observe_prefill(tokens=2000, seconds=1.0)

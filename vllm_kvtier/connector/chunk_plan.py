@@ -289,6 +289,8 @@ class ChunkPlanner:
         tier = self.tier
         failed = {fid for t, fid in meta.failed if t == tier}
         bad = {fid for t, fid in meta.bad if t == tier}
+        refused = {fid for t, fid in meta.refused if t == tier}  # dropped like failures, but
+        # a full queue is back-pressure: it does not count toward the write breaker
         written = {fid: n for (t, fid), n in meta.written.items() if t == tier}
         if failed:
             self._failures_in_a_row += len(failed)
@@ -299,7 +301,7 @@ class ChunkPlanner:
                 self._failures_in_a_row = 0
         elif written:
             self._failures_in_a_row = 0
-        for fid in failed | bad:
+        for fid in failed | bad | refused:
             self._acks.pop(fid, None)
             self._failed_files[fid] = None
             while len(self._failed_files) > 4096:
@@ -308,7 +310,7 @@ class ChunkPlanner:
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
         for fid, n in written.items():
-            if fid in failed or fid in self._failed_files:
+            if fid in failed or fid in refused or fid in self._failed_files:
                 continue
             self._acks[fid] = self._acks.get(fid, 0) + n
             if self._acks[fid] >= self.world_size:

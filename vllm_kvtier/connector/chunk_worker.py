@@ -105,7 +105,7 @@ class ChunkWorker:
             if not self.store.submit_write(next(self._ids), job.file_id, wb):
                 wb.buf.close()
                 self.counters.add("store_skipped", self.tier, len(job.keys))
-                self._meta.failed.add(ref)
+                self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
 
     def delete(self, file_ids: list[str]) -> None:
         for fid in file_ids:
@@ -197,6 +197,7 @@ class ChunkWorker:
             into.written[ref] = into.written.get(ref, 0) + n
         into.failed |= m.failed
         into.bad |= m.bad
+        into.refused |= m.refused
 
     def wait_for_reads(self, timeout_s: float) -> None:
         """Idle steps only: give the I/O threads the GIL until a read may have finished."""

@@ -4,9 +4,9 @@ the estimates of :class:`~vllm_kvtier.index.cost.CostModel` current.
 Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
 scheduler thread. Nothing blocks.
 
-Samples: tier reads come from the workers' counters (``reads``, ``bytes_loaded``,
-``load_seconds`` per tier) inside the ``KVConnectorStats`` that vLLM hands to
-``update_connector_output``; the prefill rate is timed here, as the prompt tokens a step
+Samples: a load's time is measured per request, from the scheduler issuing it to vLLM
+reporting it done (``observe_load``: the time the request really waited, queueing behind
+other loads included); the prefill rate is timed here, as the prompt tokens a step
 scheduled over the time until the next step is scheduled (an idle gap between steps would
 look like a slow prefill, so one sample may lower the estimate by at most half).
 """
@@ -56,6 +56,12 @@ class LoadPolicy:
                         "/".join(d.recomputed), est, self.cost.prefill_tokens_per_s)
         return d.load_blocks
 
+    def observe_load(self, tier: str, blocks: int, seconds: float) -> None:
+        """A request's async load of ``blocks`` blocks, the slowest from ``tier``, took
+        ``seconds`` until done."""
+        if tier in self.lower_tiers and blocks > 0:
+            self.cost.observe_load(tier, blocks * self.block_bytes, seconds, time.monotonic())
+
     def commit(self, req_id: str) -> None:
         """The request was admitted with the last decision: count it."""
         d = self._pending.pop(req_id, None)
@@ -84,13 +90,7 @@ class LoadPolicy:
 
     def observe_stats(self, stats: Any) -> None:
         """Worker counters of one step (``KVTierStats.data``), summed over ranks."""
-        counters = (getattr(stats, "data", None) or {}).get("counters") or {}
-        now = time.monotonic()
         for tier in self.lower_tiers:
-            reads = counters.get(f"reads|{tier}", 0)
-            if reads:
-                self.cost.observe_reads(tier, reads, counters.get(f"bytes_loaded|{tier}", 0),
-                                        counters.get(f"load_seconds|{tier}", 0), now)
             est = self.cost.tier(tier)
             self.counters.set_gauge("estimated_bandwidth_bytes_per_s", tier, est.bandwidth_Bps)
             self.counters.set_gauge("estimated_latency_seconds", tier, est.latency_s)

@@ -136,6 +136,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     peer_info: dict[int, dict] = field(default_factory=dict)
     #: P/D prefill side: requests whose blocks a decode instance has read (release them).
     peer_done: set[str] = field(default_factory=set)
+    #: (tier, chunk id) not written because the tier's write queue was full on some rank
+    #: (back-pressure: not a failure of the tier, so it does not count toward its breaker).
+    refused: set[tuple[str, str]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
         assert isinstance(other, KVTierWorkerMeta)
@@ -147,8 +150,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             prefetched[i] = prefetched.get(i, 0) + n
         return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad, prefetched,
                                 self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
-                                self.peer_done | other.peer_done)
+                                self.peer_done | other.peer_done, self.refused | other.refused)
 
     def is_empty(self) -> bool:
         return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
-                    or self.peer_info or self.peer_done)
+                    or self.peer_info or self.peer_done or self.refused)

@@ -90,6 +90,8 @@ class _ReqState:
     #: (for the load-wait histogram, observed on finished_recving).
     load_issued_s: float | None = None
     load_tier: str = TIER
+    #: blocks of that async load read from a tier below CPU (for the load-time estimate)
+    load_lower_blocks: int = 0
 
 
 class SchedulerHalf:
@@ -254,10 +256,8 @@ class SchedulerHalf:
         for tier in self.lower:
             tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
         if self.load_policy is not None:
-            if num_external_tokens > 0:
-                self.load_policy.commit(req_id)
-            else:
-                self.load_policy.forget(req_id)
+            # Count the decision even when it was to load nothing (all recomputed).
+            self.load_policy.commit(req_id)
         if num_external_tokens <= 0:
             return
         plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
@@ -330,13 +330,16 @@ class SchedulerHalf:
         slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
         if job.asynchronous:
             state.load_issued_s, state.load_tier = time.monotonic(), slowest
+            state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
         else:
             self.counters.observe("request_load_wait_seconds", slowest, 0.0)
 
     def _observe_load_done(self, state: _ReqState) -> None:
         if state.load_issued_s is not None:
-            self.counters.observe("request_load_wait_seconds", state.load_tier,
-                                  time.monotonic() - state.load_issued_s)
+            waited = time.monotonic() - state.load_issued_s
+            self.counters.observe("request_load_wait_seconds", state.load_tier, waited)
+            if self.load_policy is not None:
+                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
             state.load_issued_s = None
 
     def _peer_load(self, state: _ReqState, plan: PeerPlan, start: int, n: int) -> None:

@@ -13,11 +13,10 @@ load(k)``, and recomputes the rest; the CPU tier costs ``bytes / cpu bandwidth``
 DRAM prefix always wins.
 
 Estimates move by an exponentially weighted average (of times per byte and per token)
-of observed samples: tier reads
-(bytes, seconds, reads) reported by the workers, and prefill steps (tokens, seconds)
-timed by the scheduler. A tier that is never loaded from would never be measured again,
-so when the estimate says "recompute" and the last sample is older than
-``probe_interval_s``, one load is let through to refresh it.
+of observed samples: requests' loads (bytes, seconds from issue to done) and prefill
+steps (tokens, seconds), both timed by the scheduler. A tier that is never loaded from
+would never be measured again, so when the estimate says "recompute" and the last sample
+is older than ``probe_interval_s``, one load is let through to refresh it.
 """
 
 from __future__ import annotations
@@ -70,18 +69,15 @@ class CostModel:
 
     # ---- samples -----------------------------------------------------------------------
 
-    def observe_reads(self, tier: str, reads: float, nbytes: float, seconds: float, now: float) -> None:
-        """``reads`` completed reads of ``nbytes`` in total took ``seconds`` (summed)."""
-        if reads <= 0 or nbytes <= 0 or seconds <= 0:
+    def observe_load(self, tier: str, nbytes: float, seconds: float, now: float) -> None:
+        """One request's blocks from ``tier`` (``nbytes`` per rank) took ``seconds`` from
+        the load being issued until it was done: what the decision is about, queueing
+        behind other loads included (per-read timings are not: reads of one request run in
+        parallel and wait for each other)."""
+        if nbytes <= 0 or seconds <= 0:
             return
         est = self.tier(tier)
-        per_read_s, per_read_b = seconds / reads, nbytes / reads
-        # One kind of sample cannot separate latency from bandwidth: keep the latency
-        # below the observed time, and credit the rest of the time to the bytes.
-        est.latency_s = min(est.latency_s, 0.5 * per_read_s)
-        # Average seconds per byte, not bytes per second: the estimate is a time, and a
-        # tier that turns 50x slower must show it after a sample or two.
-        s_per_b = max(per_read_s - est.latency_s, 1e-9) / per_read_b
+        s_per_b = max(seconds - est.latency_s, 1e-9) / nbytes
         est.bandwidth_Bps = 1.0 / (1.0 / est.bandwidth_Bps + _ALPHA * (s_per_b - 1.0 / est.bandwidth_Bps))
         est.last_sample_s = now
 

@@ -148,7 +148,9 @@ class MooncakeConfig:
     io_threads: int = 2
     #: Jobs moved by one batch call.
     max_batch: int = 16
-    max_queued_writes: int = 32
+    #: Writes waiting beyond this are refused (counted as store_skipped). One object per
+    #: block: a 4096-token prompt queues 64+ puts in one step.
+    max_queued_writes: int = 256
     #: Copies Mooncake keeps of each chunk (in different segments where it can).
     replicas: int = 1
     #: Consecutive unhealthy batches that open the circuit breaker.
