@@ -26,20 +26,10 @@ and every ``pd`` request loaded ``(prompt_tokens - 1) // block_size`` blocks fro
 with no handoff timeout. The ratio P/D over recompute should be well below 1 (lower is
 better); for reference, the spine's warm/cold target for the CPU tier is 0.2.
 
-Two settings differ from the plugin's defaults, because with the defaults the decode
-instance did not load the prompts on this machine (both reproducible with the flags):
-
-* the prefill instance's ``mooncake.max_queued_writes`` is 256 (``--max-queued-writes``),
-  not 32. A 4096-token prompt is 64 blocks, all handed to the store's write queue in one
-  step; when its I/O threads lag (a loaded machine), the writes past 32 are skipped, and 8
-  skipped writes in a row pause the tier's writes for 30 s, so the next prompts never reach
-  the pool and the decode instance waits ``handoff_wait_s`` (10 s here), then recomputes;
-* the decode instance's ``load_or_recompute`` is off (``--load-or-recompute on`` turns it
-  on). Its tier bandwidth estimate (``CostModel.observe_reads``) divides one read's bytes
-  by the average read's time from submission, as if each read had the tier to itself; a
-  request's 63 block reads are submitted together and queue behind one another, so the
-  first P/D load was estimated at ~12 MB/s (a few % of what the pool delivers), and from
-  then on the policy recomputed every prompt although the pool held its blocks.
+Both instances run with the plugin's defaults. (This benchmark found two bugs, fixed
+since: a full pool write queue counted as a failing tier and paused its writes, and the
+load-or-recompute estimate took per-read times of parallel reads as the tier's speed; the
+flags below reproduce the old settings for comparison.)
 
     python bench/pd_ttft.py                    # 4096-token prompts, 3 repeats: ~2-4 min on 2 CPU cores
     python bench/pd_ttft.py --prompt-tokens 2048 --repeats 5
@@ -91,10 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=512 * MiB)
     p.add_argument("--cpu-tier-bytes", type=int, default=512 * MiB)
     p.add_argument("--segment-bytes", type=int, default=1 << 30, help="the prefill instance's pool segment")
-    p.add_argument("--load-or-recompute", choices=["off", "on"], default="off",
-                   help="the decode instance's load_or_recompute policy (see the doc; the plugin's default is on)")
+    p.add_argument("--load-or-recompute", choices=["off", "on"], default="on",
+                   help="the decode instance's load_or_recompute policy (the plugin's default: on)")
     p.add_argument("--max-queued-writes", type=int, default=256,
-                   help="the prefill instance's mooncake.max_queued_writes (see the doc; the tier's default is 32)")
+                   help="the prefill instance's mooncake.max_queued_writes (the tier's default: 256)")
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "pd_ttft.json"))
     p.add_argument("--prefill-worker", default=None, help=argparse.SUPPRESS)  # internal: the spec file

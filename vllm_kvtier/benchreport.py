@@ -164,6 +164,18 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
               ("--models", "tiny", "--prompts", "8"),
               (Metric("FP8 payload bytes / native, bf16 KV", _fp8_bytes("bench"), Target("<=", 0.55)),
                Metric("FP8 payload bytes / native, fp32 KV", _fp8_bytes("tiny"), Target("<=", 0.3)))),
+    BenchSpec("pool_throughput", "Mooncake pool tier store/load against plain Mooncake batch calls", False,
+              ("--total-mib", "64", "--repeats", "3"),
+              (Metric("pool store / plain Mooncake", _case("throughput", "store", "ratio"), Target(">=", 0.8)),
+               Metric("pool load / plain Mooncake", _case("throughput", "load", "ratio"), Target(">=", 0.8)))),
+    BenchSpec("nixl_throughput", "NIXL block reads (P/D peer path) against raw NIXL transfers", False,
+              ("--total-mib", "64", "--repeats", "3"),
+              (Metric("NIXL 64 KiB blocks / raw NIXL", _case("throughput", "64KiB", "ratio"), Target(">=", 0.8)),
+               Metric("NIXL 2 MiB blocks / raw NIXL", _case("throughput", "2048KiB", "ratio"), Target(">=", 0.8)))),
+    BenchSpec("pd_ttft", "decode-instance TTFT with P/D through the pool against recompute", False,
+              ("--prompt-tokens", "2048", "--repeats", "2"),
+              (Metric("P/D decode TTFT / recompute", lambda d: float(d["summary"]["pd_over_recompute"]),
+                      Target("<", 1.0)),)),
 )
 BY_NAME: dict[str, BenchSpec] = {s.name: s for s in BENCHMARKS}
 FAST: tuple[str, ...] = tuple(s.name for s in BENCHMARKS if s.fast)
