@@ -262,10 +262,6 @@ class KVTierConfig:
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
-#: Sections that later issues fill in. Named here so the error says "not available"
-#: instead of "unknown key".
-_FUTURE_SECTIONS: tuple[str, ...] = ()
-
 
 def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
@@ -359,8 +355,6 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            if not prefix and key in _FUTURE_SECTIONS:
-                raise ConfigError(path, "this tier is not available in this version of vllm_kvtier")
             raise ConfigError(path, f"unknown key; allowed: {', '.join(sorted(names))}")
         kwargs[key] = _check_value(path, value, hints[key])
     for f in dataclasses.fields(cls):
