@@ -262,7 +262,6 @@ class KVTierConfig:
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
 
-
 def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
