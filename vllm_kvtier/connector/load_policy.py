@@ -72,9 +72,6 @@ class LoadPolicy:
         if d.probe:
             self.counters.add("load_probes", "all")
 
-    def forget(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
-
     # ---- samples -----------------------------------------------------------------------
 
     def observe_step(self, prefill_tokens: int) -> None:
