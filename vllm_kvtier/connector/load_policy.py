@@ -72,6 +72,10 @@ class LoadPolicy:
         if d.probe:
             self.counters.add("load_probes", "all")
 
+    def forget(self, req_id: str) -> None:
+        """The request ended (it may have been looked up and never admitted)."""
+        self._pending.pop(req_id, None)
+
     # ---- samples -----------------------------------------------------------------------
 
     def observe_step(self, prefill_tokens: int) -> None:

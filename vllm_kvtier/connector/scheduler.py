@@ -575,6 +575,8 @@ class SchedulerHalf:
         params = self._handoff_params(request)
         if self.peer_plan is not None:
             self.peer_plan.forget(request.request_id)
+        if self.load_policy is not None:
+            self.load_policy.forget(request.request_id)
         state = self._reqs.pop(request.request_id, None)
         if state is None:
             return False, params
