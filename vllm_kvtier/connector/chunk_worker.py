@@ -78,6 +78,7 @@ class ChunkWorker:
         self.fetches_headers = fetches_headers
         self._ids = itertools.count(1)
         self._reads: dict[int, ChunkRead] = {}
+        self._prefetch_reads: set[int] = set()
         self._meta = KVTierWorkerMeta()
         #: slot -> admitted for a shutdown flush (write-back), set by the scheduler.
         self.dirty: set[int] = set()
@@ -115,7 +116,7 @@ class ChunkWorker:
 
     # ---- reads --------------------------------------------------------------------
 
-    def start_read(self, read: ChunkRead) -> int | None:
+    def start_read(self, read: ChunkRead, *, prefetch: bool = False) -> int | None:
         """Queue a read; its id, or None if it cannot be read here (a miss)."""
         header = self.headers.get(read.file_id)
         if self.store is None or (header is None and not self.fetches_headers):
@@ -123,6 +124,8 @@ class ChunkWorker:
             return None
         rid = next(self._ids)
         self._reads[rid] = read
+        if prefetch:  # counted by the scheduler as prefetch_blocks, not as a request's load
+            self._prefetch_reads.add(rid)
         # header None only for a store that fetches it (see fetches_headers).
         self.store.submit_read(rid, read.file_id, header, list(read.positions))  # type: ignore[arg-type]
         return rid
@@ -135,6 +138,8 @@ class ChunkWorker:
                 self._on_write(res)
             elif res.kind == "read":
                 read = self._reads.pop(res.job_id, None)
+                was_prefetch = res.job_id in self._prefetch_reads
+                self._prefetch_reads.discard(res.job_id)
                 if read is None:
                     res.release()
                     continue
@@ -151,10 +156,11 @@ class ChunkWorker:
                 if ok:
                     if res.header is not None:
                         self.headers.setdefault(read.file_id, res.header)
-                    self.counters.add("reads", self.tier)
-                    self.counters.add("blocks_loaded", self.tier, len(read.slots))
-                    self.counters.add("bytes_loaded", self.tier, res.nbytes)
-                    self.counters.add("load_seconds", self.tier, res.seconds)
+                    if not was_prefetch:
+                        self.counters.add("reads", self.tier)
+                        self.counters.add("blocks_loaded", self.tier, len(read.slots))
+                        self.counters.add("bytes_loaded", self.tier, res.nbytes)
+                        self.counters.add("load_seconds", self.tier, res.seconds)
                 else:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
                                    self.tier, read.file_id, reason, len(read.slots))

@@ -370,7 +370,7 @@ class WorkerHalf:
         state: list = [0, False]  # reads left, any failed
         for read in job.reads:
             tier = self.lower.get(read.tier)
-            rid = tier.start_read(read) if tier is not None else None
+            rid = tier.start_read(read, prefetch=True) if tier is not None else None
             if rid is None:
                 state[1] = True
             else:
