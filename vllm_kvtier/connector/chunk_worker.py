@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 
 from vllm_kvtier.connector.metadata import ChunkRead, ChunkWriteJob, KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
+from vllm_kvtier.tiers.chunkfile import DAMAGED_CHUNK_READS, ChunkHeader
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, file_id_for
 from vllm_kvtier.transfer.fp8 import BlockCodec
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 #: Read failures that mean the stored chunk itself is wrong or gone. Any other reason
 #: (deadline, throttled, breaker_open, timeout, unavailable, permission...) is about the
 #: way to it, and leaves the chunk indexed.
-BAD_CHUNK_READS = frozenset({"checksum", "truncated", "namespace", "format", "missing", "bad_request", "io_error"})
+BAD_CHUNK_READS = DAMAGED_CHUNK_READS | {"bad_request", "io_error"}
 
 
 class ChunkStore(Protocol):

@@ -29,6 +29,11 @@ _ENTRY = struct.Struct(f"<B{MAX_KEY}sI")  # key length, key, crc32
 _CRC = struct.Struct("<I")
 
 
+#: Failure reasons of a chunk read that mean the stored chunk itself is wrong or gone (the
+#: reader drops it); any other reason is about the way to it and keeps it indexed.
+DAMAGED_CHUNK_READS = frozenset({"checksum", "truncated", "missing", "namespace", "format"})
+
+
 class ChunkFormatError(ValueError):
     """A chunk header or block that does not verify. Treated as a miss by callers."""
 

@@ -31,7 +31,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import count_failure, refusal
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
+from vllm_kvtier.tiers.chunkfile import DAMAGED_CHUNK_READS, ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore
 from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, file_id_for, scan_dir
@@ -359,7 +359,7 @@ class S3Tier(ChunkStoreTier):
             self._evict_oldest()
 
     def _drops_on(self, reason: str) -> bool:
-        return reason in ("checksum", "truncated", "missing", "namespace", "format")
+        return reason in DAMAGED_CHUNK_READS
 
     def location(self, key: bytes) -> tuple[str, int] | None:
         """The object key holding ``key`` and the byte offset of its block (for fault
@@ -402,7 +402,7 @@ class MooncakeTier(ChunkStoreTier):
         super().__init__(MooncakeStore(config, namespace, rank, block_bytes), capacity_bytes, block_bytes, timeout_s)
 
     def _drops_on(self, reason: str) -> bool:
-        return reason in ("checksum", "truncated", "missing", "namespace", "format", "bad_request")
+        return reason in DAMAGED_CHUNK_READS or reason == "bad_request"
 
     def location(self, key: bytes) -> tuple[str, int] | None:
         """The Mooncake key holding ``key`` and the byte offset of its block in the value

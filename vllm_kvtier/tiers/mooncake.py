@@ -62,7 +62,7 @@ from vllm_kvtier.tiers.chunkfile import (
     make_header,
 )
 from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, drain
-from vllm_kvtier.tiers.resilience import BreakerSnapshot, CircuitBreaker
+from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 from vllm_kvtier.tiers.s3_config import SAFE_ID
 
 __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeStats", "MooncakeStore", "code_reason", "object_key"]
@@ -294,18 +294,8 @@ class _Delete:
     key: str
 
 
-@dataclass(frozen=True)
-class MooncakeStats:
-    """What the store did so far (for metrics and benchmarks); same shape as S3Stats."""
-
-    #: Client calls, by Mooncake method name (a batch call counts once).
-    requests: dict[str, int]
-    #: Always 0: a failed read is a miss and the engine recomputes; retrying a pool
-    #: that just failed would only add latency.
-    retries: int
-    #: Failed jobs (reads, writes, deletes), by reason.
-    failures: dict[str, int]
-    breaker: BreakerSnapshot
+#: The Mooncake store's figures (the shape every remote store reports; ``retries`` is 0).
+MooncakeStats = RemoteStats
 
 
 # ---- the store --------------------------------------------------------------------------------

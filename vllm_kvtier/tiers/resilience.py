@@ -53,6 +53,21 @@ class BreakerSnapshot:
     rejected: int
 
 
+@dataclass(frozen=True)
+class RemoteStats:
+    """What a remote store (S3, Mooncake) did so far, for metrics and benchmarks."""
+
+    #: Requests sent, by operation name (S3: every HTTP attempt; Mooncake: client calls,
+    #: a batch counting once).
+    requests: dict[str, int]
+    #: Attempts retried after a transient failure (Mooncake never retries: a failed read
+    #: is a miss and the engine recomputes).
+    retries: int
+    #: Failed jobs (reads, writes, deletes), by reason.
+    failures: dict[str, int]
+    breaker: BreakerSnapshot
+
+
 class CircuitBreaker:
     """Opens after ``failures`` consecutive failed requests; after ``cooldown_s`` lets one
     probe through (half-open); the probe's success closes it, its failure reopens it.

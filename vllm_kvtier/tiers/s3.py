@@ -76,7 +76,7 @@ from vllm_kvtier.tiers.chunkfile import (
 )
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.nvme import BUFFERS, AlignedBuffer, IOResult, WriteBuffer, drain
-from vllm_kvtier.tiers.resilience import BreakerSnapshot, CircuitBreaker, RetryPolicy, call_with_retries
+from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats, RetryPolicy, call_with_retries
 from vllm_kvtier.tiers.s3_config import (
     HEAD_PROBE_BYTES,
     INSTALL_HINT,
@@ -133,17 +133,8 @@ class _ReadJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-@dataclass(frozen=True)
-class S3Stats:
-    """What the store did so far (for metrics and benchmarks)."""
-
-    #: HTTP requests sent, by S3 operation name, every attempt counted.
-    requests: dict[str, int]
-    #: Attempts that were retried after a transient failure.
-    retries: int
-    #: Failed jobs (reads, writes, deletes), by reason.
-    failures: dict[str, int]
-    breaker: BreakerSnapshot
+#: The S3 store's figures (the shape every remote store reports).
+S3Stats = RemoteStats
 
 
 @dataclass
