@@ -267,20 +267,11 @@ class SchedulerHalf:
         bs = self.block_size
         n = num_external_tokens // bs
         keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
-        slots = [-1] * n  # -1: cannot be loaded, the worker reports it failed (recompute)
         # (planner, chunk) -> [(position, slot, key)]
         reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
         # Pin every key already in DRAM first: promoting the lower-tier ones below
         # allocates slots, and must not evict a key this same load reads from DRAM.
-        for i, k in enumerate(keys):
-            s = self.index.slot(k)
-            if s is not None and k not in self._promoting:
-                self.index.touch(k)
-                self.index.pin(s)
-                slots[i] = s
-                self.counters.add("hit_blocks", TIER)
-                if self.prefetcher is not None:
-                    self.prefetcher.note_hit(k)
+        slots = self._pin_dram_hits(keys)
         for i, k in enumerate(keys):
             if slots[i] >= 0:
                 continue
@@ -342,12 +333,10 @@ class SchedulerHalf:
                 self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
             state.load_issued_s = None
 
-    def _peer_load(self, state: _ReqState, plan: PeerPlan, start: int, n: int) -> None:
-        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
-        keys are pinned and used as they are, the others get a pinned slot to read into."""
-        keys = list(plan.keys[:n])
+    def _pin_dram_hits(self, keys: list[BlockKey]) -> list[int]:
+        """Pin the keys a load reads from DRAM; their slots, -1 for the others (a slot
+        still -1 when the job is sent means the worker reports the block failed: recompute)."""
         slots = [-1] * len(keys)
-        remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
             s = self.index.slot(k)
             if s is not None and k not in self._promoting:
@@ -355,6 +344,16 @@ class SchedulerHalf:
                 self.index.pin(s)
                 slots[i] = s
                 self.counters.add("hit_blocks", TIER)
+                if self.prefetcher is not None:
+                    self.prefetcher.note_hit(k)
+        return slots
+
+    def _peer_load(self, state: _ReqState, plan: PeerPlan, start: int, n: int) -> None:
+        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
+        keys are pinned and used as they are, the others get a pinned slot to read into."""
+        keys = list(plan.keys[:n])
+        slots = self._pin_dram_hits(keys)
+        remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
             if slots[i] >= 0:
                 continue
