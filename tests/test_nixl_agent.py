@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -185,6 +186,13 @@ def test_frozen_peer_costs_one_deadline(monkeypatch: pytest.MonkeyPatch) -> None
         agent.submit_read(1, info.name, [(local.addr, r.addr, 4 * BLK)])
         assert wait_result(agent, 1, 10).ok  # the path works while the peer runs
         os.kill(proc.pid, signal.SIGSTOP)
+        # kill() returns before the peer has stopped: its progress thread could still
+        # serve the next read. Wait until the kernel reports it stopped ("T").
+        until = time.monotonic() + 5
+        while Path(f"/proc/{proc.pid}/stat").read_text().split(") ", 1)[1][0] != "T":
+            assert time.monotonic() < until, "the peer did not stop"
+            time.sleep(0.01)
+        time.sleep(0.05)  # and let any request already in flight on its side drain
         t0 = time.monotonic()
         agent.submit_read(2, info.name, [(local.addr, r.addr, 4 * BLK)])
         res = wait_result(agent, 2, 5.0)
