@@ -1,12 +1,10 @@
 """P/D end to end as operators run it: a prefill API server and a decode API server (each
-its own multiprocess vLLM with the plugin) behind examples/pd_proxy.py, on 127.0.0.1: the
-decode server's tokens equal a single-instance baseline and its /metrics show the prompt
-blocks were loaded.
+its own multiprocess vLLM with the plugin) behind examples/pd_proxy.py, on 127.0.0.1, for
+both hand-off paths (the Mooncake pool, NIXL peer to peer): the decode server's tokens
+equal a single-instance baseline and its /metrics show the prompt blocks were loaded.
 
-The Mooncake-pool path runs here. The NIXL peer path is tested between two engine
-processes (tests/test_pd_nixl.py); between two API servers its reads still time out on
-this machine (the decode side then recomputes: tokens stay right), so it is not listed
-below until that is understood."""
+The first request goes through the proxy right after start (no warm-up): the prefill
+workers publish their NIXL address in a step the plugin asks for at start."""
 
 from __future__ import annotations
 
@@ -86,7 +84,12 @@ def _loaded(url: str, tier: str) -> float:
     return total
 
 
-@pytest.mark.parametrize("path", ["mooncake"])
+def _counter(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith(f"vllm:kvtier_{name}_total{{"))
+
+
+@pytest.mark.parametrize("path", ["mooncake", "nixl"])
 def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, path, request):
     if path == "mooncake":
         master = request.getfixturevalue("mooncake_master")
@@ -115,10 +118,6 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
                                 (proxy, f"http://127.0.0.1:{port}", "proxy")):
             _wait(url, proc, tmp_path / f"{name}.log")
         ps = SETS[2]
-        # Warm-up straight to the prefill server: its workers publish their NIXL address
-        # with their first step.
-        requests.post(f"{p_url}/v1/completions", timeout=120, json={
-            "model": str(tiny_model), "prompt": SETS[3][0], "max_tokens": 1}).raise_for_status()
         before = _loaded(d_url, tier)
         for p in ps:
             r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={
@@ -132,6 +131,13 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
             time.sleep(0.1)
         assert _loaded(d_url, tier) - before == 2 * LOADABLE
         assert requests.get(f"http://127.0.0.1:{port}/proxy_stats", timeout=10).json()["prefill_failures"] == 0
+        if path == "nixl":  # the prefill server freed the offers when the decode side read them
+            for _ in range(100):
+                if _counter(p_url, "peer_released_blocks") >= 2 * LOADABLE:
+                    break
+                time.sleep(0.1)
+            assert _counter(p_url, "peer_released_blocks") == 2 * LOADABLE
+            assert _counter(p_url, "peer_hold_timeouts") == 0
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -47,6 +47,7 @@ COUNTERS: dict[str, str] = {
     "prefetch_failures": "Prefetched blocks whose read failed (they stay where they were).",
     "peer_offered_blocks": "P/D prefill side: blocks offered to a decode instance over NIXL.",
     "peer_hold_timeouts": "P/D prefill side: offers no decode instance read in nixl.hold_s (slots reclaimed).",
+    "peer_released_blocks": "P/D prefill side: offered blocks released at once because a decode instance read them.",
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",

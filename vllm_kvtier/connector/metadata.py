@@ -46,6 +46,9 @@ class PeerRead:
     remote_slots: tuple[int, ...]
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
+    #: the prefill instance's id of the request, sent back with the read so it frees the
+    #: blocks (each API server names a request its own way)
+    notify: str = ""
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class PeerLink:
             spans.append((self._stamp_addr + ls * STAMP, stamps + rs * STAMP, STAMP))
         self._ids += 1
         self._reads[self._ids] = read
-        self.agent.submit_read(self._ids, info.name, spans, notif=read.req_id.encode())
+        self.agent.submit_read(self._ids, info.name, spans, notif=(read.notify or read.req_id).encode())
         return self._ids
 
     def poll(self) -> list[tuple[int, PeerResult]]:

@@ -44,6 +44,8 @@ class PeerPlan:
     peer: dict
     remote_slots: tuple[int, ...]
     keys: tuple[BlockKey, ...]
+    #: the prefill instance's request id, for the notification that frees its blocks
+    notify: str = ""
 
 
 class PeerPlanner:
@@ -70,10 +72,12 @@ class PeerPlanner:
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict) or not params.get("do_remote_decode"):
             return None
-        if len(self._ranks) < self.world_size:
+        if not self.published():
             logger.warning("kvtier peer: request %s: workers have not published their NIXL address yet; "
                            "the decode instance will recompute", request.request_id)
             return None
+        if any("unavailable" in d for d in self._ranks.values()):
+            return None  # the worker logged why at start
         slots, keys = [], []
         for h in request.block_hashes[: request.num_prompt_tokens // block_size]:
             s = self.index.slot(BlockKey(h))
@@ -87,13 +91,17 @@ class PeerPlanner:
             self.index.pin(s)
         self._holds[request.request_id] = (slots, time.monotonic() + self.hold_s)
         self.counters.add("peer_offered_blocks", TIER, len(slots))
-        return {PARAM: {"ranks": {str(r): d for r, d in self._ranks.items()}, "slots": slots, "keys": keys}}
+        return {PARAM: {"ranks": {str(r): d for r, d in self._ranks.items()}, "slots": slots, "keys": keys,
+                        "request": request.request_id}}
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str) -> int:
+        """Unpin ``req_id``'s offered slots; how many there were (0: none held)."""
         held = self._holds.pop(req_id, None)
-        if held is not None:
-            for s in held[0]:
-                self.index.unpin(s)
+        if held is None:
+            return 0
+        for s in held[0]:
+            self.index.unpin(s)
+        return len(held[0])
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -106,7 +114,12 @@ class PeerPlanner:
     def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
         self._ranks.update(meta.peer_info)
         for req_id in meta.peer_done:
-            self.release(req_id)
+            self.counters.add("peer_released_blocks", TIER, self.release(req_id))
+
+    def published(self) -> bool:
+        """Whether every rank has said where its CPU tier is (or that it has no NIXL). They
+        do with their first step, so the scheduler asks for one step at start."""
+        return len(self._ranks) >= self.world_size
 
     def holding(self) -> int:
         return len(self._holds)
@@ -122,6 +135,7 @@ class PeerPlanner:
         try:
             keys, slots = list(offer["keys"]), [int(s) for s in offer["slots"]]
             peer = {"ranks": dict(offer["ranks"])}
+            notify = str(offer.get("request", request.request_id))
         except (KeyError, TypeError, ValueError):
             return None
         n = 0
@@ -132,7 +146,8 @@ class PeerPlanner:
             n += 1
         if n:
             self._plans[request.request_id] = PeerPlan(
-                peer, tuple(slots[start : start + n]), tuple(BlockKey(hashes[i]) for i in range(start, start + n))
+                peer, tuple(slots[start : start + n]), tuple(BlockKey(hashes[i]) for i in range(start, start + n)),
+                notify,
             )
         return n
 

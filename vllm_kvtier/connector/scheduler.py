@@ -366,8 +366,8 @@ class SchedulerHalf:
                 state.promoting.append(k)
         self.counters.add("hit_blocks", "peer", len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
-        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted)) \
-            if wanted else None
+        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
+                        notify=plan.notify) if wanted else None
         self._loads.append(LoadJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys), True,
                                    peer_read=read))
         state.loaded.update(zip(blocks, keys, strict=True))
@@ -687,8 +687,11 @@ class SchedulerHalf:
         return bool(self._final_saves or self._release or self._loads or self._releasing
                     or (pf is not None and pf.has_work())
                     # blocks held for a decode instance: keep stepping to see its read's
-                    # notification (or the hold expire)
-                    or (self.peer_plan is not None and self.peer_plan.holding() > 0))
+                    # notification (or the hold expire); and one step at start, in which
+                    # the workers publish their NIXL address (else the first hand-off,
+                    # finished before it arrives, could not be offered)
+                    or (self.peer_plan is not None
+                        and (self.peer_plan.holding() > 0 or not self.peer_plan.published())))
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()

@@ -94,6 +94,8 @@ class WorkerHalf:
         #: P/D peer to peer over NIXL (a ``nixl`` section): this rank's agent and stamps.
         self.peer: PeerLink | None = None
         self._peer_published = False
+        #: why this rank has no PeerLink (published instead of a description)
+        self._peer_unavailable = ""
         self._peer_done: set[str] = set()
         #: CUDA saves whose slots get their stamp once the copy is done: (transfer, slots, keys)
         self._unstamped: list[tuple[Transfer, tuple[int, ...], tuple[bytes, ...]]] = []
@@ -136,6 +138,7 @@ class WorkerHalf:
             except Exception as e:  # ImportError (install hint), no UCX...: P/D falls back to recompute
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
                 self.counters.add("store_failures", "peer")
+                self._peer_unavailable = str(e)
         self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
                                   block_bytes=self.pool.slot_bytes, counters=self.counters,
                                   kv_dtype=self.layout.dtype)
@@ -507,10 +510,13 @@ class WorkerHalf:
 
     def worker_meta(self) -> KVTierWorkerMeta | None:
         meta, self._prefetch_done = self._prefetch_done, KVTierWorkerMeta()
+        if self.cfg.nixl is not None and self.pool is not None and not self._peer_published:
+            # Once, with the first step (the pool exists from then on). A rank without NIXL
+            # says so, so that the scheduler stops waiting for its address.
+            meta.peer_info[self.rank] = self.peer.describe() if self.peer is not None \
+                else {"unavailable": self._peer_unavailable}
+            self._peer_published = True
         if self.peer is not None:
-            if not self._peer_published:
-                meta.peer_info[self.rank] = self.peer.describe()
-                self._peer_published = True
             meta.peer_done, self._peer_done = self._peer_done, set()
         for tier in self.lower.values():
             tier.take_meta(meta)

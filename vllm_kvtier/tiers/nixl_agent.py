@@ -38,11 +38,13 @@ deployment setting (leave it unset on RDMA hosts), so this module does not set i
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,7 +52,7 @@ import numpy as np
 
 from vllm_kvtier.errors import ConfigError
 
-__all__ = ["INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult"]
+__all__ = ["INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult", "nixl_api"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,21 +150,49 @@ class _Pending:
     t0: float
 
 
-def _nixl_api() -> tuple[Any, Any]:
-    """NIXL's Python API. The ``nixl`` meta package picks the CUDA variant from
-    ``torch.version.cuda`` and so imports torch (~3 s); a vLLM worker has torch loaded
-    already, so ask it then. Otherwise (tools, tests) take the installed variant directly,
-    cu12 first: its OBJ plugin also loads on machines without a GPU."""
+def nixl_api() -> Any:
+    """NIXL's Python API module (``nixl._api`` or a variant's). The ``nixl`` meta package
+    picks the CUDA variant from ``torch.version.cuda`` and so imports torch (~3 s); a vLLM
+    worker has torch loaded already, so ask it then. Otherwise (tools, tests) take the
+    installed variant directly, cu12 first: its OBJ plugin also loads on machines without a
+    GPU. ImportError with the install hint when none imports."""
     order = ["nixl", "nixl_cu12", "nixl_cu13"] if "torch" in sys.modules else ["nixl_cu12", "nixl_cu13", "nixl"]
     errors = []
     for name in order:
         try:
-            api = importlib.import_module(f"{name}._api")
+            return importlib.import_module(f"{name}._api")
         except ImportError as e:
             errors.append(f"{name}: {e}")
-            continue
-        return api.nixl_agent, api.nixl_agent_config
     raise ImportError(f"{INSTALL_HINT} ({'; '.join(errors)})")
+
+
+@contextlib.contextmanager
+def unpinned_thread() -> Iterator[None]:
+    """Let threads started inside the block run on every CPU this process may use.
+
+    Why: vLLM's CPU worker binds its main thread (OMP) to one or a few cores, and a thread
+    inherits its creator's affinity. NIXL's progress thread, which serves the peers' reads
+    of this process's memory, then shares a core with the step loop, which spins between
+    steps: on a small host the peer's reads missed their deadline. The kernel intersects
+    the mask with the cgroup's cpuset; the caller's own affinity is restored afterwards."""
+    get = getattr(os, "sched_getaffinity", None)
+    if get is None:  # not Linux
+        yield
+        return
+    before = get(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError as e:
+        logger.debug("could not widen CPU affinity for NIXL threads: %s", e)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _nixl_api() -> tuple[Any, Any]:
+    api = nixl_api()
+    return api.nixl_agent, api.nixl_agent_config
 
 
 def _reason(e: BaseException) -> str:
@@ -183,7 +213,8 @@ class NixlAgent:
         self.config = config or NixlConfig()
         conf = nixl_agent_config(backends=list(self.config.backends), num_threads=self.config.num_threads)
         try:
-            self._agent = nixl_agent(name, conf)
+            with unpinned_thread():  # its progress and backend threads start here
+                self._agent = nixl_agent(name, conf)
         except Exception as e:
             raise RuntimeError(f"NIXL agent {name!r} with backends {self.config.backends} failed: {e}") from e
         missing = [b for b in self.config.backends if b not in self._agent.backends]
