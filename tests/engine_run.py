@@ -3,7 +3,9 @@
     python -m tests.engine_run MODEL KV_JSON              # the reuse scenario
     python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON [MAX_TOKENS]  # these prompts, in order
 
-With ``KVTIER_TEST_READY_FILE`` set, the file is created once the engine is up; with
+With ``KVTIER_TEST_WARMUP_TOKENS=N``, one request of N fixed tokens runs first (the
+plugin's worker side, its CPU pool and tier clients, starts on the first step). With
+``KVTIER_TEST_READY_FILE`` set, the file is created once the engine is up; with
 ``KVTIER_TEST_GO_FILE``, the prompts wait until that file exists (another instance stores
 first), then ``KVTIER_TEST_GO_DELAY_S`` more seconds; with ``KVTIER_TEST_HOLD_FILE``, the
 engine stays up after the prompts (results already printed on a ``PARTIAL`` line) until
@@ -25,9 +27,19 @@ from pathlib import Path
 
 from tests.conftest import close_llm, generate, kvtier_counters, make_llm, reuse_scenario, run_scenario
 
+
+
+def _offers_open(c: dict[str, float]) -> bool:
+    """P/D prefill over NIXL: offered blocks neither released by a read nor timed out."""
+    return c.get("peer_offered_blocks|peer", 0) > c.get("peer_released_blocks|peer", 0) + \
+        c.get("peer_hold_timeouts|peer", 0)
+
+
 if __name__ == "__main__":
     model, kv = Path(sys.argv[1]), json.loads(sys.argv[2])
     llm = make_llm(model, kv or None)
+    if os.environ.get("KVTIER_TEST_WARMUP_TOKENS"):
+        generate(llm, [3 + i % 997 for i in range(int(os.environ["KVTIER_TEST_WARMUP_TOKENS"]))], 1)
     if os.environ.get("KVTIER_TEST_READY_FILE"):
         Path(os.environ["KVTIER_TEST_READY_FILE"]).touch()
     if os.environ.get("KVTIER_TEST_GO_FILE"):
@@ -53,6 +65,10 @@ if __name__ == "__main__":
             hold, until = Path(os.environ["KVTIER_TEST_HOLD_FILE"]), time.monotonic() + 600
             while not hold.exists() and time.monotonic() < until:
                 llm.llm_engine.step()  # idle steps: hand-off notifications and expiries
+                time.sleep(0.02)
+            until = time.monotonic() + 10  # a notification sent just before: see it land
+            while time.monotonic() < until and _offers_open(kvtier_counters(llm)):
+                llm.llm_engine.step()
                 time.sleep(0.02)
     else:
         res = run_scenario(llm, reuse_scenario())

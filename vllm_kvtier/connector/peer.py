@@ -96,7 +96,8 @@ class PeerLink:
 
     def read(self, read: PeerRead) -> int | None:
         """Post the read of ``read``'s blocks and stamps; its id, or None if the peer's
-        description is unusable here (a miss)."""
+        description is unusable here (a miss) or there is nothing to read (then the prefill
+        side is only told that it may free the offer)."""
         from vllm_kvtier.tiers.nixl_agent import PeerInfo
 
         try:
@@ -113,6 +114,10 @@ class PeerLink:
             logger.warning("kvtier peer: cannot read from the prefill instance of %s: %s", read.req_id, e)
             self.counters.add("load_failures", TIER, len(read.keys))
             return None
+        notif = (read.notify or read.req_id).encode()
+        if not read.slots:  # every offered block was in our DRAM already: just free them there
+            self.agent.notify(info.name, notif)
+            return None
         spans = []
         for rs, ls in zip(read.remote_slots, read.slots, strict=True):
             self.stamp(ls, None)
@@ -121,7 +126,7 @@ class PeerLink:
             spans.append((self._stamp_addr + ls * STAMP, stamps + rs * STAMP, STAMP))
         self._ids += 1
         self._reads[self._ids] = read
-        self.agent.submit_read(self._ids, info.name, spans, notif=(read.notify or read.req_id).encode())
+        self.agent.submit_read(self._ids, info.name, spans, notif=notif)
         return self._ids
 
     def poll(self) -> list[tuple[int, PeerResult]]:

@@ -366,8 +366,10 @@ class SchedulerHalf:
                 state.promoting.append(k)
         self.counters.add("hit_blocks", "peer", len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
+        # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
+        # that it frees the offer now rather than after hold_s.
         read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
-                        notify=plan.notify) if wanted else None
+                        notify=plan.notify)
         self._loads.append(LoadJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys), True,
                                    peer_read=read))
         state.loaded.update(zip(blocks, keys, strict=True))

@@ -284,6 +284,18 @@ class NixlAgent:
         """Write each span's ``nbytes`` from ours to the peer's ``remote address``."""
         self._submit("WRITE", job_id, peer, spans, notif)
 
+    def notify(self, peer: str, notif: bytes) -> bool:
+        """Send ``notif`` alone to ``peer``'s :meth:`get_notifs` (no transfer); False if it
+        could not be sent (logged)."""
+        if self._closed or peer not in self._peers:
+            return False
+        try:
+            self._agent.send_notif(peer, notif)
+        except Exception as e:  # the peer is gone
+            logger.warning("kvtier nixl: notification to %s failed: %s", peer, _reason(e))
+            return False
+        return True
+
     def _submit(self, op: Literal["READ", "WRITE"], job_id: int, peer: str, spans: Sequence[Span],
                 notif: bytes) -> None:
         t0 = time.perf_counter()
