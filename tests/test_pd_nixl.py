@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,3 +132,34 @@ def test_unread_offers_are_reclaimed_after_hold_s(tiny_model, tmp_path):
     time.sleep(3.0)  # no decode instance comes
     counters = stop(prefill, hold)
     assert params and counters.get("peer_hold_timeouts|peer", 0) == 1
+
+
+def test_offer_of_a_frozen_prefill_instance_costs_one_deadline(tiny_model, baseline_of, tmp_path, monkeypatch):
+    """A transfer that never completes: the prefill process is stopped (SIGSTOP), so its
+    UCX side never answers; the decode side aborts the read at nixl.deadline_s and
+    recomputes."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # cross-memory attach would read a stopped process anyway
+    ps = SETS[3]
+    prefill, params, hold = start_prefill(tiny_model, ps, tmp_path)
+    llm = None
+    try:
+        os.kill(prefill.pid, signal.SIGSTOP)
+        # kill() returns before the process has stopped: wait until the kernel says so ("T")
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{prefill.pid}/stat").read_text().split(") ", 1)[1][0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        llm = make_llm(tiny_model, pd_config("kv_consumer", deadline_s=3.0))
+        t = time.monotonic()
+        tokens, c = decode(llm, ps[0], {**params[0], "do_remote_prefill": True})
+        waited = time.monotonic() - t
+        # still serving: a request without an offer right after
+        tokens2, _ = decode(llm, SETS[2][0], None)
+    finally:
+        if llm is not None:
+            close_llm(llm)
+        os.kill(prefill.pid, signal.SIGCONT)
+        stop(prefill, hold)
+    assert tokens == baseline_of(ps[0]) and tokens2 == baseline_of(SETS[2][0])
+    assert c.get("blocks_loaded|peer", 0) == 0 and c.get("load_failures|peer", 0) == LOADABLE
+    assert waited < 30  # one 3 s deadline plus the recompute, never a hang
