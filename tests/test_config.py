@@ -20,6 +20,16 @@ def test_defaults_and_frozen():
         cfg.load_mode = "async"  # type: ignore[misc]
 
 
+def test_io_engines_default_to_the_plain_ones():
+    cfg = parse_config({"nvme": {"path": "/x", "capacity_bytes": 1}, "s3": {"bucket": "kvb"}})
+    assert cfg.nvme is not None and cfg.nvme.io_engine == "posix"
+    assert cfg.s3 is not None and cfg.s3.store.io_engine == "boto3"
+    cfg = parse_config({"nvme": {"path": "/x", "capacity_bytes": 1, "io_engine": "nixl"},
+                        "s3": {"bucket": "kvb", "io_engine": "nixl"}})  # parsing never imports nixl
+    assert cfg.nvme is not None and cfg.nvme.io_engine == "nixl"
+    assert cfg.s3 is not None and cfg.s3.store.io_engine == "nixl"
+
+
 def test_interactive_preset_exists_and_inline_overrides_it():
     assert "interactive" in available_presets()
     cfg = parse_config({"preset": "interactive", "cpu": {"capacity_bytes": 1 << 30}})
@@ -67,6 +77,10 @@ def test_config_file(tmp_path):
         ({"s3": {"bucket": "kvb", "chunk_blocks": 0}}, "s3.chunk_blocks", ">= 1"),
         ({"s3": {"bucket": "kvb", "mode": "later"}}, "s3.mode", "must be one of"),
         ({"s3": {"bucket": "kvb", "endpoint_url": "http://u:p@minio:9000"}}, "s3.endpoint_url", "credentials"),
+        ({"nvme": {"path": "/x", "capacity_bytes": 1, "io_engine": "spdk"}}, "nvme.io_engine",
+         "'posix', 'nixl', 'nixl-gds'"),
+        ({"s3": {"bucket": "kvb", "io_engine": "curl"}}, "s3.io_engine", "'boto3', 'nixl'"),
+        ({"s3": {"bucket": "kvb", "io_engine": "nixl", "profile": "team"}}, "s3.io_engine", "AWS_PROFILE"),
     ],
 )
 def test_bad_input_names_the_field(extra, field, words):

@@ -1,5 +1,7 @@
 """The NVMe tier beyond the common contract: restart, crash leftovers, damage by others,
-namespaces, and real OS write failures (disk full, read-only filesystem, file too large).
+namespaces, real OS write failures (disk full, read-only filesystem, file too large), and
+the I/O engines (``posix``, NIXL's POSIX backend): each reads what the other wrote, and
+damage read through NIXL is a counted miss like any other.
 
 The failures are produced by the OS, not by mocks: a tiny tmpfs, a read-only bind mount
 (both need root and mount permission, else skipped with the reason), and RLIMIT_FSIZE in a
@@ -21,11 +23,25 @@ from pathlib import Path
 
 import pytest
 
+from tests.nixl_env import HAVE_NIXL, nixl_env, requires_nixl
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import sample_key
+from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.keyed import NVMeTier
+from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer
 
 BLOCK = 3000
 FILE = NVMeTier.file_bytes(BLOCK)
+NS = "nvmetest00000000"
+nixl_env = nixl_env  # fixture: UCX/NIXL environment for the nixl engine's tests
+#: the I/O engines that run here (nixl-gds needs CUDA and libcufile: see test_io_engine_errors_name_the_field)
+ENGINES = ["posix", pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl])]
+
+
+@pytest.fixture(autouse=True)
+def _engine_env(request: pytest.FixtureRequest) -> None:
+    if "nixl" in request.keywords:
+        request.getfixturevalue("nixl_env")
 
 
 def key(i: int) -> bytes:
@@ -86,9 +102,10 @@ def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) 
     b.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
-def test_truncated_file_is_a_counted_miss(tmp_path: Path, direct_io, caplog) -> None:
-    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, direct_io=direct_io)
+def test_truncated_file_is_a_counted_miss(tmp_path: Path, direct_io, engine, caplog) -> None:
+    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, direct_io=direct_io, io_engine=engine)
     assert t.put(key(1), block(1)) and t.put(key(2), block(2))
     p = path_of(t, key(1))
     os.truncate(p, FILE - BLOCK // 2)  # cut inside the block, at an unaligned length
@@ -102,8 +119,9 @@ def test_truncated_file_is_a_counted_miss(tmp_path: Path, direct_io, caplog) -> 
     assert not p.exists()  # the damaged file was deleted
 
 
-def test_file_overwritten_by_someone_else(tmp_path: Path) -> None:
-    t = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_file_overwritten_by_someone_else(tmp_path: Path, engine: str) -> None:
+    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine=engine)
     assert t.put(key(1), block(1)) and t.put(key(2), block(2))
     p1, p2 = path_of(t, key(1)), path_of(t, key(2))
     p1.write_bytes(os.urandom(FILE))  # same size, other bytes
@@ -116,7 +134,7 @@ def test_file_overwritten_by_someone_else(tmp_path: Path) -> None:
     p1.write_bytes(b"\xff" * FILE)
     other = p2.with_name("0" * 32 + "-00000000.kvt")
     other.write_bytes(b"\0" * 10)
-    u = NVMeTier(tmp_path, 10 * FILE, BLOCK)
+    u = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine=engine)
     assert u.get(key(2)) == block(2) and not u.contains(key(1))
     assert not p1.exists() and not other.exists()
     u.close()
@@ -167,10 +185,11 @@ def mounted(target: Path, *how: list[str]) -> Iterator[None]:
             _run("umount", str(target))
 
 
-def test_disk_full_refuses_puts(tmp_path: Path, caplog) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_disk_full_refuses_puts(tmp_path: Path, engine: str, caplog) -> None:
     root = tmp_path / "small"
     with mounted(root, ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)]):
-        t = NVMeTier(root, 1000 * FILE, BLOCK)  # the tier thinks it has room; the disk has not
+        t = NVMeTier(root, 1000 * FILE, BLOCK, io_engine=engine)  # the tier thinks it has room; the disk has not
         stored = []
         with caplog.at_level(logging.WARNING):
             for i in range(64):
@@ -186,7 +205,7 @@ def test_disk_full_refuses_puts(tmp_path: Path, caplog) -> None:
         for i in stored[:4]:
             assert t.delete(key(i))
         t.close()  # drains the deletes
-        u = NVMeTier(root, 1000 * FILE, BLOCK)
+        u = NVMeTier(root, 1000 * FILE, BLOCK, io_engine=engine)
         assert u.put(key(100), block(100)) and u.get(key(100)) == block(100)
         u.close()
 
@@ -228,3 +247,96 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "PUT False 1" in r.stdout and "GET True" in r.stdout
     assert "File too large" in r.stderr and "store_failure" in r.stderr
+
+
+# ---- I/O engines ---------------------------------------------------------------------------
+
+
+def wait_for(store: NVMeStore, job: int, timeout_s: float = 10.0) -> IOResult:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for r in store.poll():
+            if r.job_id == job:
+                return r
+            r.release()
+        store.wait(0.01)
+    raise AssertionError(f"job {job} gave no result within {timeout_s} s")
+
+
+def write_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int = 1) -> ChunkHeader:
+    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK)
+    for i in range(n):
+        with wb.block(i) as b:
+            b[:] = block(first + i)
+    assert store.submit_write(job, file_id, wb)
+    r = wait_for(store, job)
+    assert r.ok and r.header is not None, r.reason
+    return r.header
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.parametrize("direct_io", ["auto", "off"])
+@pytest.mark.parametrize(("writer", "reader"), [("posix", "nixl"), ("nixl", "posix")])
+def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: str, direct_io: str) -> None:
+    w = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=writer)  # type: ignore[arg-type]
+    other = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=reader)  # type: ignore[arg-type]
+    try:
+        h = write_chunk(w, "mine", 0, 5)
+        assert write_chunk(other, "theirs", 0, 5) == h
+        # The same chunk written by either engine: the same bytes on disk.
+        assert w.path("mine").read_bytes() == other.path("theirs").read_bytes()
+        assert len(w.path("mine").read_bytes()) == h.total_bytes
+        # A subset of its blocks, out of order, read back by the other engine.
+        other.submit_read(2, "mine", h, [3, 1, 4])
+        r = wait_for(other, 2)
+        assert r.ok and r.blocks is not None, r.reason
+        assert [b.tobytes() for b in r.blocks] == [block(3), block(1), block(4)]
+        r.release()
+    finally:
+        w.close()
+        other.close()
+    # A tier reopened with the other engine finds and serves what the first one stored.
+    t = NVMeTier(tmp_path / "tier", 10 * FILE, BLOCK, io_engine=writer, direct_io=direct_io)  # type: ignore[arg-type]
+    assert t.put(key(7), block(7))
+    t.close()
+    u = NVMeTier(tmp_path / "tier", 10 * FILE, BLOCK, io_engine=reader, direct_io=direct_io)  # type: ignore[arg-type]
+    assert u.get(key(7)) == block(7)
+    u.close()
+
+
+@pytest.mark.nixl
+@requires_nixl
+def test_damaged_block_read_through_nixl_is_a_counted_miss(tmp_path: Path) -> None:
+    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine="nixl")
+    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
+    loc = t.location(key(1))
+    assert loc is not None
+    path, offset = loc
+    with open(path, "r+b") as f:  # one bit of the block flipped, through the filesystem
+        f.seek(offset + 17)
+        b = f.read(1)
+        f.seek(offset + 17)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert t.get(key(1)) is None
+    assert count(t, "load_failures") == 1 and not t.contains(key(1))
+    assert t.get(key(2)) == block(2)
+    t.close()
+    assert not path.exists()
+
+
+def test_io_engine_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nixl_env: None) -> None:
+    with pytest.raises(ConfigError, match="'posix', 'nixl', 'nixl-gds'") as e:
+        NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="spdk")
+    assert e.value.field == "nvme.io_engine"
+    if HAVE_NIXL:  # GDS needs CUDA and libcufile: where its plugin does not load, start-up says so
+        try:
+            NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl-gds").close()  # it loads here
+        except ConfigError as err:
+            assert err.field == "nvme.io_engine" and "GDS plugin, which does not load here" in str(err)
+    # No nixl package: the install hint.
+    for m in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        monkeypatch.setitem(sys.modules, m, None)
+    with pytest.raises(ConfigError, match="pip install nixl-cu12") as e:
+        NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl")
+    assert e.value.field == "nvme.io_engine"

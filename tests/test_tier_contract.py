@@ -1,7 +1,8 @@
 """One contract suite, run against every BlockTier (vllm_kvtier.tiers.base).
 
 Each tier is the real medium: a dict, a CPU pool, chunk files in tmp_path, objects in a
-bucket of a moto S3 server on 127.0.0.1. Damage is done through the medium (a stored
+bucket of a moto S3 server on 127.0.0.1. The NVMe and S3 tiers run twice: with their default
+I/O engine and with NIXL's (``nvme-nixl``: the POSIX backend; ``s3-nixl``: the OBJ backend). Damage is done through the medium (a stored
 bytearray, the pool's plane, the file on disk, the object overwritten with boto3, the value
 overwritten through a raw Mooncake client), never by calling into the tier's private state.
 The Mooncake tier runs against a real ``mooncake_master`` on 127.0.0.1.
@@ -17,6 +18,7 @@ import pytest
 from tests import mooncake_server as mcsrv
 from tests import s3_server as s3srv
 from tests.mooncake_server import MooncakeMaster, requires_mooncake
+from tests.nixl_env import nixl_env, or_skip, requires_nixl
 from tests.s3_server import MotoServer, plain_client, requires_s3
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.tiers.base import MAX_KEY_BYTES, BlockTier
@@ -27,6 +29,7 @@ BLOCK = 3000  # deliberately not a multiple of 4096: the disk format pads it
 FITS = 6  # blocks each tier is sized to hold
 s3_server = s3srv.s3_server  # fixture: a moto server for this module, started by the s3 tier only
 mooncake_master = mcsrv.mooncake_master  # fixture: a mooncake_master, started by the mooncake tier only
+nixl_env = nixl_env  # fixture: UCX/NIXL environment, used by the nixl variants only
 
 
 def key(i: int) -> bytes:
@@ -39,17 +42,22 @@ def block(i: int) -> bytes:
 
 @pytest.fixture(params=[
     "memory", "cpu", "nvme",
+    pytest.param("nvme-nixl", marks=[pytest.mark.nixl, requires_nixl]),
     pytest.param("s3", marks=[pytest.mark.s3, requires_s3]),
+    pytest.param("s3-nixl", marks=[pytest.mark.s3, pytest.mark.nixl, requires_s3, requires_nixl]),
     pytest.param("mooncake", marks=[pytest.mark.mooncake, requires_mooncake]),
 ])
 def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[BlockTier]:
     t: BlockTier
+    if request.param.endswith("-nixl"):
+        request.getfixturevalue("nixl_env")
     if request.param == "memory":
         t = MemoryTier(FITS * BLOCK, BLOCK)
     elif request.param == "cpu":
         t = CPUTier(FITS * BLOCK, BLOCK)
-    elif request.param == "nvme":
-        t = NVMeTier(tmp_path / "nvme", FITS * NVMeTier.file_bytes(BLOCK), BLOCK)
+    elif request.param in ("nvme", "nvme-nixl"):
+        engine = "nixl" if request.param == "nvme-nixl" else "posix"
+        t = or_skip(lambda: NVMeTier(tmp_path / "nvme", FITS * NVMeTier.file_bytes(BLOCK), BLOCK, io_engine=engine))
     elif request.param == "mooncake":
         master: MooncakeMaster = request.getfixturevalue("mooncake_master")
         # timeout_s: close waits for the client to leave the pool (~2 s), inside the test.
@@ -59,8 +67,8 @@ def tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[BlockTier]:
 
         server: MotoServer = request.getfixturevalue("s3_server")
         cfg = S3Config(bucket=server.create_bucket(), prefix="contract/", endpoint_url=server.url,
-                       path_style=True, io_threads=2)
-        t = S3Tier(cfg, FITS * S3Tier.file_bytes(BLOCK), BLOCK)
+                       path_style=True, io_threads=2, io_engine="nixl" if request.param == "s3-nixl" else "boto3")
+        t = or_skip(lambda: S3Tier(cfg, FITS * S3Tier.file_bytes(BLOCK), BLOCK))
     yield t
     t.close()
 

@@ -99,6 +99,13 @@ class NVMeTierConfig:
     #: loaded back (measured in bench/fp8_drift.py). A cache already in FP8 is stored as is.
     #: Each setting has its own namespace: neither ever reads the other's blocks.
     storage_dtype: Literal["native", "fp8"] = "native"
+    #: What moves the bytes between the chunk buffers and the files
+    #: (:mod:`vllm_kvtier.tiers.file_io`). "posix" (default): ``pwrite``/``preadv`` in the
+    #: I/O threads. "nixl": NIXL's POSIX backend (Linux AIO; needs the nixl package).
+    #: "nixl-gds": NIXL's GDS backend (cuFile; only where that plugin loads, i.e. a CUDA host
+    #: with libcufile). File names, syncs, headers and checksums are the same for all three,
+    #: so a directory written with one reads with any other. Measured in bench/nixl_io.py.
+    io_engine: Literal["posix", "nixl", "nixl-gds"] = "posix"
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class S3TierConfig:
     In YAML the section is flat: the fields of
     :class:`~vllm_kvtier.tiers.s3_config.S3Config` (bucket, prefix, region, endpoint_url,
     path_style, ca_bundle, profile, timeouts, retries, breaker, threads, multipart,
-    manifests) next to the policy fields below. No credential field exists: credentials
+    manifests, io_engine) next to the policy fields below. No credential field exists: credentials
     come from the standard AWS chain (environment, profile, IRSA, instance metadata).
     """
 

@@ -23,6 +23,7 @@ import torch
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
@@ -127,8 +128,10 @@ def _mooncake_planner(
 
     def oracle(ids: list[str]) -> list[bool] | None:
         if inflight and not inflight[0].done():
-            counters.add("lookup_timeouts", "mooncake")
-            return None  # the previous lookup still hangs (master gone?): a miss
+            # The previous lookup still hangs (master gone?): a miss, not counted again. Its
+            # timeout was; vLLM steps a waiting request thousands of times a second, and a
+            # count per step would say more about the step rate than about the pool.
+            return None
         inflight[:] = [pool.submit(exists_everywhere, ids)]
         try:
             return inflight[0].result(timeout=mc.lookup_timeout_s)
@@ -149,9 +152,14 @@ def _s3_planner(
 ) -> ChunkPlanner:
     policy = ChunkPolicy("s3", s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes)
     try:
+        # The scheduler only lists and reads headers, which always go through boto3: no
+        # NIXL agent here whatever s3.io_engine says (the workers check that it runs).
+        import dataclasses
+
         from vllm_kvtier.tiers.s3 import S3Store
 
-        stores = [S3Store(s3.store, namespace, r, block_bytes) for r in range(world_size)]
+        listing = dataclasses.replace(s3.store, io_engine="boto3")
+        stores = [S3Store(listing, namespace, r, block_bytes) for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
         counters.add("store_failures", "s3")
@@ -191,8 +199,9 @@ def make_workers(
         headers: dict[str, ChunkHeader] = {}
         try:
             nvme_store = NVMeStore(n.path, f.namespace, rank, f.block_bytes, direct_io=n.direct_io,
-                                   io_threads=n.io_threads, max_queued_writes=n.max_queued_writes)
-        except OSError as e:
+                                   io_threads=n.io_threads, max_queued_writes=n.max_queued_writes,
+                                   io_engine=n.io_engine)
+        except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
             # Serving goes on without the tier: every NVMe write and read is a miss.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
             counters.add("store_failures", "nvme")
@@ -212,6 +221,8 @@ def make_workers(
             from vllm_kvtier.tiers.s3 import S3Store
 
             s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes)
+        except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
+            raise
         except Exception as e:
             logger.error("kvtier s3: tier disabled, cannot use bucket %r: %s", s3.store.bucket, e)
             counters.add("store_failures", "s3")

@@ -270,7 +270,9 @@ class ChunkStoreTier:
 
 
 class NVMeTier(ChunkStoreTier):
-    """Blocks in chunk files, one block per file. See ChunkStoreTier and BlockTier."""
+    """Blocks in chunk files, one block per file, moved by the ``io_engine`` of
+    :mod:`~vllm_kvtier.tiers.file_io` (``posix``, ``nixl``, ``nixl-gds``). See ChunkStoreTier
+    and BlockTier."""
 
     name = "nvme"
     store: NVMeStore
@@ -285,8 +287,9 @@ class NVMeTier(ChunkStoreTier):
         *,
         timeout_s: float = 10.0,
         direct_io: Literal["auto", "on", "off"] = "auto",
+        io_engine: str = "posix",
     ) -> None:
-        store = NVMeStore(path, namespace, rank, block_bytes, direct_io=direct_io)
+        store = NVMeStore(path, namespace, rank, block_bytes, direct_io=direct_io, io_engine=io_engine)
         super().__init__(store, capacity_bytes, block_bytes, timeout_s)
         self._rebuild()
 
@@ -323,7 +326,8 @@ class NVMeTier(ChunkStoreTier):
 
 class S3Tier(ChunkStoreTier):
     """Blocks in chunk objects of an S3 bucket, one block per object (the connector packs
-    many; this adapter serves the contract suite and tools). The index is rebuilt with
+    many; this adapter serves the contract suite and tools), moved by ``config.io_engine``
+    (boto3 or NIXL's OBJ backend). The index is rebuilt with
     :meth:`S3Store.scan` at construction, oldest object first, and the tier owns its
     (namespace, rank) prefix: evicting deletes objects.
 

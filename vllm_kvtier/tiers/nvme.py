@@ -21,7 +21,10 @@ the header and is verified on every read; a mismatch is a miss.
 I/O: O_DIRECT with page-aligned buffers when the filesystem accepts it (probed once at
 start; the reason is logged when it does not), so a large cache does not push the rest of
 the machine out of the page cache; otherwise buffered I/O followed by
-``posix_fadvise(DONTNEED)``. Reads are served before writes (a priority queue): a load is
+``posix_fadvise(DONTNEED)``. The bytes themselves move through a swappable engine
+(``nvme.io_engine``, :mod:`~vllm_kvtier.tiers.file_io`: ``pwrite``/``preadv``, or NIXL's
+POSIX or GDS backend); names, syncs, headers and checksums are this module's whatever the
+engine, so every engine reads what any other wrote. Reads are served before writes (a priority queue): a load is
 on a request's critical path, a store is not. Queued writes are bounded; when the disk
 cannot keep up, new writes are refused (counted), never queued without limit.
 """
@@ -54,6 +57,7 @@ from vllm_kvtier.tiers.chunkfile import (
     header_bytes_for,
     make_header,
 )
+from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +329,13 @@ class NVMeStore:
     def __init__(
         self, root: str | Path, namespace: str, rank: int, block_bytes: int, *,
         direct_io: Literal["auto", "on", "off"] = "auto", io_threads: int = 2, max_queued_writes: int = 64,
+        io_engine: str = "posix",
     ) -> None:
+        """Blocks briefly: creates the directory, probes O_DIRECT, builds the I/O engine
+        (``io_engine``: a name of :data:`~vllm_kvtier.tiers.file_io.FILE_IO_ENGINES`;
+        ConfigError naming ``nvme.io_engine`` if it cannot run here), starts the threads."""
+        self._io: FileIO = make_file_io(io_engine)
+        self.io_engine = io_engine
         self.namespace = namespace
         self.block_bytes = block_bytes
         self.dir = rank_dir(root, namespace, rank)
@@ -337,9 +347,10 @@ class NVMeStore:
             if not self.direct and direct_io == "on":
                 raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {self.dir}: {why}")
         if self.direct:
-            logger.info("kvtier nvme: %s, O_DIRECT", self.dir)
+            logger.info("kvtier nvme: %s, O_DIRECT, io_engine %s", self.dir, io_engine)
         else:
-            logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s)", self.dir, why)
+            logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s), io_engine %s",
+                           self.dir, why, io_engine)
         self.max_queued_writes = max_queued_writes
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
@@ -396,6 +407,8 @@ class NVMeStore:
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):  # else a thread may still be in a transfer
+            self._io.close()
 
     # ---- I/O threads ---------------------------------------------------------------
 
@@ -438,10 +451,7 @@ class NVMeStore:
             fd = os.open(tmp, flags, 0o644)
             try:
                 with wb.buf.view[: h.total_bytes] as view:
-                    done = 0
-                    while done < h.total_bytes:
-                        with view[done:] as rest:
-                            done += os.pwrite(fd, rest, done)
+                    self._io.write(fd, view, 0)
                 os.fdatasync(fd)
                 if not self.direct:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -463,13 +473,8 @@ class NVMeStore:
         try:
             fd = os.open(self.path(file_id), os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             try:
-                got = 0
-                while got < length:
-                    with buf.view[got:length] as rest:
-                        n = os.preadv(fd, [rest], start + got)
-                    if n == 0:
-                        raise ChunkFormatError(f"truncated: read {got} of {length} bytes")
-                    got += n
+                with buf.view[:length] as dst:
+                    self._io.read_into(fd, dst, start)
                 if not self.direct:
                     os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
             finally:

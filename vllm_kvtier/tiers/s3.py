@@ -17,6 +17,13 @@ prefix), so a 16-block chunk costs 1/16 of the requests of one object per block.
 above ``multipart_threshold_bytes`` go up as a multipart upload; bodies are sent from the
 caller's buffer without a copy.
 
+Engines: chunk PUTs and GETs go through ``s3.io_engine``
+(:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`): boto3 (default) or NIXL's OBJ backend
+(:mod:`~vllm_kvtier.tiers.nixl_io`), which also does ranged GETs, so a load fetches the
+same ranges either way. Listing, header probes, manifests, deletes and multipart uploads
+always use boto3. Keys, headers, CRC32 checks, retries, breaker and deadlines are this
+module's for both, so an object written through one engine reads through the other.
+
 Modules: configuration, key layout and failure labels in :mod:`~vllm_kvtier.tiers.s3_config`;
 body and thread plumbing in :mod:`~vllm_kvtier.tiers.s3_io`; retries and the breaker in
 :mod:`~vllm_kvtier.tiers.resilience`; manifests in :mod:`~vllm_kvtier.tiers.manifest`.
@@ -90,6 +97,8 @@ from vllm_kvtier.tiers.s3_config import (
     rank_prefix,
 )
 from vllm_kvtier.tiers.s3_io import (
+    Boto3ObjectIO,
+    ObjectIO,
     Span,
     SpanVerifier,
     ViewReader,
@@ -201,6 +210,15 @@ class S3Store:
             ),
         )
         self._client.meta.events.register("before-send.s3", self._count_request)
+        #: listing, header probes, manifests, deletes, multipart: always boto3
+        self._boto = Boto3ObjectIO(self._client, config.bucket)
+        #: chunk PUTs and GETs: the configured engine (ConfigError naming s3.io_engine if
+        #: it cannot run here)
+        self._data: ObjectIO = self._boto
+        if config.io_engine == "nixl":
+            from vllm_kvtier.tiers.nixl_io import NixlObjectIO
+
+            self._data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
         self.max_queued_writes = config.max_queued_writes
         self._lock = threading.Lock()
         self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
@@ -221,7 +239,8 @@ class S3Store:
         c = self.config
         return (
             f"S3Store(bucket={c.bucket!r}, prefix={c.prefix!r}, endpoint_url={c.endpoint_url!r}, "
-            f"namespace={self.namespace!r}, rank={self.rank}, writer_id={self.writer_id!r})"
+            f"namespace={self.namespace!r}, rank={self.rank}, writer_id={self.writer_id!r}, "
+            f"io_engine={c.io_engine!r})"
         )
 
     # ---- keys ---------------------------------------------------------------------------
@@ -352,11 +371,14 @@ class S3Store:
         if self._manifest_changes:
             self.flush_manifest()
         self._readers.close(deadline)
+        self._data.close()
 
     # ---- I/O threads: requests ------------------------------------------------------------
 
     def _count_request(self, event_name: str = "", **_: Any) -> None:
-        op = event_name.rsplit(".", 1)[-1]
+        self._count_op(event_name.rsplit(".", 1)[-1])
+
+    def _count_op(self, op: str) -> None:
         with self._lock:
             self._requests[op] = self._requests.get(op, 0) + 1
 
@@ -375,38 +397,19 @@ class S3Store:
             on_retry=self._on_retry,
         )
 
-    def _get_into(
-        self, key: str, start: int | None, view: memoryview, check: Callable[[int], None] | None = None
-    ) -> None:
-        """One GET of ``len(view)`` bytes at ``start`` into ``view``: a ranged GET, or with
-        ``start`` None a GET of the whole object, which must be exactly ``len(view)`` bytes.
-        ``check(bytes so far)`` runs as the body arrives (it raises to reject it)."""
-        kw = {} if start is None else {"Range": f"bytes={start}-{start + view.nbytes - 1}"}
-        r = self._client.get_object(Bucket=self.config.bucket, Key=key, **kw)
-        body = r["Body"]
-        try:
-            if r.get("ContentLength") != view.nbytes:
-                raise ChunkFormatError(f"truncated: got {r.get('ContentLength')} of {view.nbytes} bytes")
-            read_body_into(body, view, on_progress=check)
-        finally:
-            body.close()
+    def _size_of(self, key: str) -> int:
+        """One HEAD (botocore's error if the object is gone or the endpoint unreachable)."""
+        return int(self._client.head_object(Bucket=self.config.bucket, Key=key)["ContentLength"])
 
-    def _put(self, key: str, body: memoryview | bytes, deadline: float) -> None:
+    def _put(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
+        """PUT ``body`` (through ``engine``, default boto3), or a multipart upload through
+        boto3 above ``multipart_threshold_bytes`` (the NIXL engine only does single PUTs)."""
         view = memoryview(body)
-
-        def put() -> None:
-            reader = ViewReader(view)
-            try:
-                self._client.put_object(
-                    Bucket=self.config.bucket, Key=key, Body=reader, ContentLength=view.nbytes
-                )
-            finally:
-                reader.close()
-
+        io_ = engine or self._boto
         if view.nbytes > self.config.multipart_threshold_bytes:
             self._put_multipart(key, view)
         else:
-            self._call(put, deadline)
+            self._call(lambda: io_.put(key, view, deadline), deadline)
 
     def _put_multipart(self, key: str, view: memoryview) -> None:
         """Create, upload parts in order (each its own deadline and retries), complete.
@@ -464,7 +467,8 @@ class S3Store:
             h = make_header(self.namespace, wb.keys, crcs, self.block_bytes)
             encode_header(h, wb.buf.view)
             self._put(
-                self.key(object_id), wb.buf.view[: h.total_bytes], time.monotonic() + self.config.deadline_s
+                self.key(object_id), wb.buf.view[: h.total_bytes], time.monotonic() + self.config.deadline_s,
+                self._data,
             )
             res = IOResult(job_id, "write", object_id, True, nbytes=h.total_bytes, header=h)
         except Exception as e:  # every failure becomes a result, never a dead thread
@@ -511,6 +515,10 @@ class S3Store:
                 self._fetch_and_verify(job, span)
             except Exception as e:
                 reason = error_reason(e)
+                if reason == "timeout" and time.monotonic() >= job.deadline:
+                    # An engine that waits no longer than the deadline (NIXL's) gave up at
+                    # it: the same outcome as poll's expiry, under the same name.
+                    reason = "deadline"
                 self._log_failure("read", job.object_id, reason, e)
         with job.lock:
             job.remaining -= 1
@@ -538,7 +546,7 @@ class S3Store:
 
             def attempt() -> None:  # a retry starts over, with a fresh verifier
                 verify = SpanVerifier(header, span, view)
-                self._get_into(job.key, start, view, verify)
+                self._data.get_into(job.key, start, view, job.deadline, verify)
                 verify.finish()
 
             self._call(attempt, job.deadline)
@@ -735,7 +743,7 @@ class S3Store:
             if size < 64:
                 raise ChunkFormatError("truncated header")
             head = bytearray(min(size, HEAD_PROBE_BYTES))
-            self._call(functools.partial(self._get_into, key, 0, memoryview(head)), deadline)
+            self._call(functools.partial(self._boto.get_into, key, 0, memoryview(head), deadline), deadline)
             # Not verified yet: bound the header length by the object's size.
             need = header_bytes_for(int.from_bytes(head[28:32], "little"))
             if size_or_none is None:
@@ -744,7 +752,8 @@ class S3Store:
                 raise ChunkFormatError(f"truncated header: {size} of {need} bytes")
             if need > len(head):
                 rest = bytearray(need - len(head))
-                self._call(functools.partial(self._get_into, key, len(head), memoryview(rest)), deadline)
+                self._call(functools.partial(self._boto.get_into, key, len(head), memoryview(rest), deadline),
+                           deadline)
                 head += rest
             h = decode_header(bytes(head), self.namespace)
             if h.block_bytes != self.block_bytes:

@@ -12,6 +12,7 @@ import http.client
 import os
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
@@ -24,6 +25,9 @@ HEAD_PROBE_BYTES = 4096
 MiB = 1 << 20
 INSTALL_HINT = "the S3 tier needs boto3: pip install 'vllm-kvtier[s3]'"
 
+#: ``s3.io_engine`` values (see :attr:`S3Config.io_engine`).
+IOEngineName = Literal["boto3", "nixl"]
+IO_ENGINES: tuple[str, ...] = get_args(IOEngineName)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _THROTTLE_CODES = frozenset(
@@ -80,6 +84,14 @@ class S3Config:
     #: Names this writer's manifest; "" = random per store. Set a stable one (pod name +
     #: rank) so a restarted instance replaces its manifest instead of adding one.
     writer_id: str = ""
+    #: What moves chunk objects' bytes (:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`).
+    #: "boto3" (default): boto3 requests from the I/O threads. "nixl": NIXL's OBJ backend
+    #: (aws-sdk-cpp; needs the nixl-cu12 package) for chunk PUTs up to
+    #: ``multipart_threshold_bytes`` and for every chunk GET, whole or ranged; listing,
+    #: header probes, manifests, deletes and multipart uploads stay on boto3. Credentials
+    #: then come from aws-sdk-cpp's own default chain (the same sources), so ``profile``
+    #: cannot be combined with it (export AWS_PROFILE instead). Same objects either way.
+    io_engine: IOEngineName = "boto3"
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> ConfigError:
@@ -114,6 +126,11 @@ class S3Config:
             raise bad("multipart_threshold_bytes", "must be >= multipart_part_bytes")
         if self.writer_id and not SAFE_ID.match(self.writer_id):
             raise bad("writer_id", "1-128 of A-Z a-z 0-9 _ . -")
+        if self.io_engine not in IO_ENGINES:
+            raise bad("io_engine", f"must be one of {', '.join(map(repr, IO_ENGINES))}, got {self.io_engine!r}")
+        if self.io_engine == "nixl" and self.profile is not None:
+            raise bad("io_engine", "'nixl' reads credentials through aws-sdk-cpp's default chain, which takes no "
+                                   "per-client profile: drop s3.profile and export AWS_PROFILE instead")
 
 
 def rank_prefix(cfg: S3Config, namespace: str, rank: int) -> str:

@@ -1,6 +1,8 @@
-"""Plumbing of the S3 store's I/O threads: request bodies over memoryviews, reading a GET
+"""Plumbing of the S3 store's I/O threads: the object I/O engine contract
+(:class:`ObjectIO`) and its boto3 engine, request bodies over memoryviews, reading a GET
 body into a buffer while checking its blocks, and a tiny thread pool that can be joined
-with a deadline. No boto3 import; used only by :mod:`vllm_kvtier.tiers.s3`.
+with a deadline. No boto3 import (the engine is handed a client); used only by
+:mod:`vllm_kvtier.tiers.s3` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl_io`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError, ChunkHeader, block_crc, encode_header
 
@@ -22,6 +24,75 @@ logger = logging.getLogger("vllm_kvtier.tiers.s3")
 #: they are still in the CPU cache (checking after the whole GET read them back from RAM,
 #: measurably slower at GB/s), and few enough reads that Python's per-call cost is noise.
 READ_STEP_BYTES = 1 << 20
+
+
+class ObjectIO(Protocol):
+    """Moves one chunk object's bytes between host memory and the bucket: the
+    ``s3.io_engine`` plug point.
+
+    Who calls it: the S3 store's I/O threads, several at once, each call on its own key and
+    buffer; one call is one request attempt (the store wraps it in its retries, breaker
+    and deadline) and blocks its thread until the request ended, failed, or (engines that
+    can tell) ``deadline`` (a ``time.monotonic()`` time) passed. The store keeps
+    everything else (keys, headers, CRC32s, multipart uploads, listing, manifests), so the
+    objects are the same whichever engine wrote them.
+
+    Failure: raises; :func:`~vllm_kvtier.tiers.s3_config.error_reason` labels it (botocore's
+    errors, ChunkFormatError from the check or a short body, TimeoutError, ConnectionError).
+    After a failed GET the bytes in ``view`` are undefined."""
+
+    #: the ``s3.io_engine`` value
+    name: str
+
+    def put(self, key: str, view: memoryview, deadline: float) -> None:
+        """One PUT of all of ``view`` as the object ``key`` (atomic: S3 never shows part of it)."""
+        ...
+
+    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float,
+                 check: Callable[[int], None] | None = None) -> None:
+        """One GET of ``len(view)`` bytes at ``start`` into ``view``: a ranged GET, or with
+        ``start`` None a GET of the whole object. ``check(bytes so far)`` runs as the bytes
+        arrive (it raises to reject them); at the latest once they all did."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources; called once, after the store's threads stopped."""
+        ...
+
+
+class Boto3ObjectIO:
+    """``s3.io_engine: boto3``: plain boto3 requests. An attempt is bounded by the client's
+    connect and read timeouts (``deadline`` is the store's business)."""
+
+    name = "boto3"
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self._client = client
+        self._bucket = bucket
+
+    def put(self, key: str, view: memoryview, deadline: float) -> None:
+        reader = ViewReader(view)
+        try:
+            self._client.put_object(Bucket=self._bucket, Key=key, Body=reader, ContentLength=view.nbytes)
+        finally:
+            reader.close()
+
+    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float,
+                 check: Callable[[int], None] | None = None) -> None:
+        """The whole object must be exactly ``len(view)`` bytes; a ranged GET that comes back
+        short is ``truncated``."""
+        kw = {} if start is None else {"Range": f"bytes={start}-{start + view.nbytes - 1}"}
+        r = self._client.get_object(Bucket=self._bucket, Key=key, **kw)
+        body = r["Body"]
+        try:
+            if r.get("ContentLength") != view.nbytes:
+                raise ChunkFormatError(f"truncated: got {r.get('ContentLength')} of {view.nbytes} bytes")
+            read_body_into(body, view, on_progress=check)
+        finally:
+            body.close()
+
+    def close(self) -> None:
+        pass
 
 
 class ViewReader(io.RawIOBase):
