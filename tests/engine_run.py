@@ -28,7 +28,6 @@ from pathlib import Path
 from tests.conftest import close_llm, generate, kvtier_counters, make_llm, reuse_scenario, run_scenario
 
 
-
 def _offers_open(c: dict[str, float]) -> bool:
     """P/D prefill over NIXL: offered blocks neither released by a read nor timed out."""
     return c.get("peer_offered_blocks|peer", 0) > c.get("peer_released_blocks|peer", 0) + \

@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,9 @@ def master_binary() -> Path:
 
 
 class MooncakeMaster:
-    """``mooncake_master`` on 127.0.0.1:<port>; :meth:`stop` and :meth:`start` again reuse
-    the port (a restarted master is empty)."""
+    """``mooncake_master`` on 127.0.0.1:<port>; :meth:`stop` (or :meth:`kill`) and
+    :meth:`start` again reuse the port (a restarted master is empty; clients still running
+    remount their segments on it, see :meth:`mounted_segments`)."""
 
     def __init__(self, log_dir: Path, port: int | None = None) -> None:
         self.port = port or free_port()
@@ -98,6 +100,39 @@ class MooncakeMaster:
                 self.proc.kill()
                 self.proc.wait(5)
         self.proc = None
+
+    def kill(self) -> None:
+        """The master dies without notice (SIGKILL), as on a crashed or lost host."""
+        if self.proc is None:
+            return
+        self.proc.kill()
+        self.proc.wait(5)
+        self.proc = None
+
+    def mounted_segments(self) -> dict[str, int]:
+        """Segment (``host:port`` of its client) -> bytes, of the segments mounted on the
+        master now, from its metrics endpoint; {} while it does not answer."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                text = r.read().decode(errors="replace")
+        except OSError:
+            return {}
+        out: dict[str, int] = {}
+        for line in text.splitlines():  # segment_total_capacity_bytes{segment="127.0.0.1:1234"} 67108864
+            if line.startswith('segment_total_capacity_bytes{segment="'):
+                name, _, value = line.removeprefix('segment_total_capacity_bytes{segment="').partition('"} ')
+                out[name] = int(float(value))
+        return out
+
+    def wait_for_segments(self, n: int, timeout_s: float) -> bool:
+        """Whether at least ``n`` segments were mounted within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.mounted_segments()) < n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
 
     def log_tail(self, n: int = 2000) -> str:
         with contextlib.suppress(OSError):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
@@ -51,7 +50,10 @@ from vllm_kvtier.connector.metadata import (
     SaveJob,
 )
 from vllm_kvtier.connector.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.connector.pool_handoff import PoolHandoff
 from vllm_kvtier.connector.prefetch import Prefetcher
+from vllm_kvtier.connector.req_state import ReqState
+from vllm_kvtier.connector.save_plan import SavePlanner
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
@@ -60,38 +62,6 @@ from vllm_kvtier.metrics import Counters
 logger = logging.getLogger(__name__)
 
 TIER = "cpu"
-_MAX_PIN_TTL_S = 7 * 86400.0
-
-
-@dataclass
-class _ReqState:
-    request: Any  # vllm.v1.request.Request (live object owned by the scheduler)
-    block_ids: list[int]
-    #: Blocks [0, next_save) are stored, being stored, or were skipped.
-    next_save: int = 0
-    #: Slots pinned by an async load of this request, released on finished_recving.
-    pinned_slots: list[int] = field(default_factory=list)
-    #: block id -> key for blocks loaded into this request, to map load errors to keys.
-    loaded: dict[int, BlockKey] = field(default_factory=dict)
-    #: key -> (lower tier, chunk) it is promoted from, to cool that chunk down on failure.
-    sources: dict[BlockKey, tuple[ChunkPlanner, str]] = field(default_factory=dict)
-    #: Whether any save was issued for this request's blocks.
-    saves_issued: bool = False
-    #: Lower-tier chunks (tier, id) pinned by an async load of this request, and keys
-    #: being promoted.
-    pinned_files: list[tuple[ChunkPlanner, str]] = field(default_factory=list)
-    promoting: list[BlockKey] = field(default_factory=list)
-    #: An async load of this request is in flight (until finished_recving).
-    async_loading: bool = False
-    #: position -> key of every block this request saved, to undo the ones computed on
-    #: top of a block that then failed to load.
-    saved: dict[int, BlockKey] = field(default_factory=dict)
-    #: time.monotonic() when its async load was issued, and the slowest tier it reads
-    #: (for the load-wait histogram, observed on finished_recving).
-    load_issued_s: float | None = None
-    load_tier: str = TIER
-    #: blocks of that async load read from a tier below CPU (for the load-time estimate)
-    load_lower_blocks: int = 0
 
 
 class SchedulerHalf:
@@ -105,24 +75,25 @@ class SchedulerHalf:
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
         self._last_pin_refusals = 0
-        #: P/D decode side: request -> when it started waiting for its prefilled blocks.
-        self._handoff_since: dict[str, float] = {}
-        self._handoff_wait_s = cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
         self.lower = list(lower or [])
+        self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
+                                 save_decode_blocks=cfg.save_decode_blocks)
+        self.handoff = PoolHandoff(self.counters, block_size=block_size,
+                                   wait_s=cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0)
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, hold_s=cfg.nixl.hold_s)
         #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self._promoting: set[BlockKey] = set()
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._match_start: dict[str, int] = {}
         self._loads: list[LoadJob] = []
         self._final_saves: list[SaveJob] = []
         self._release: list[str] = []
         #: Requests we hold blocks for (returned True from request_finished).
-        self._held: dict[str, _ReqState] = {}
+        self._held: dict[str, ReqState] = {}
         #: Held requests whose release we asked the worker for.
         self._releasing: set[str] = set()
         #: Requests given a fresh state since the last build_connector_meta.
@@ -177,7 +148,7 @@ class SchedulerHalf:
         for tier in self.lower:
             tier.discover([k for k in keys if k not in self.index])
         tiers = self._match(request.block_hashes, start, limit)
-        if self._await_handoff(request, start, limit, len(tiers)):
+        if self.handoff.should_wait(request, start, limit, len(tiers)):
             return None, False
         nxt = start + len(tiers)
         if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
@@ -188,28 +159,6 @@ class SchedulerHalf:
             return 0, False
         from_lower = any(t != TIER for t in tiers)
         return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
-
-    def _await_handoff(self, request: Any, start: int, limit: int, found: int) -> bool:
-        """Whether to ask vLLM to retry: blocks a prefill instance stored are not all
-        visible yet (its puts may land after its answer reached the proxy)."""
-        params = getattr(request, "kv_transfer_params", None)
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            return False
-        expected = params.get("kvtier_pool_blocks")
-        if not isinstance(expected, int) or isinstance(expected, bool):
-            return False
-        if found >= min(expected, limit) - start:
-            self._handoff_since.pop(request.request_id, None)
-            return False
-        now = time.monotonic()
-        since = self._handoff_since.setdefault(request.request_id, now)
-        if now - since < self._handoff_wait_s:
-            return True
-        self._handoff_since.pop(request.request_id, None)
-        self.counters.add("handoff_timeouts", "all")
-        logger.warning("kvtier: request %s: %d of %d prefilled blocks found in the pool after %.1f s; "
-                       "recomputing the rest", request.request_id, found, expected - start, now - since)
-        return False
 
     def _match(self, hashes: list[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -246,7 +195,7 @@ class SchedulerHalf:
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
-            state = _ReqState(request, list(block_ids))
+            state = ReqState(request, list(block_ids))
             self._reqs[req_id] = state
             self._fresh.add(req_id)
         else:
@@ -305,7 +254,7 @@ class SchedulerHalf:
             state.pinned_slots.extend(s for s in slots if s >= 0)
         self._observe_load_issued(state, job)
 
-    def _observe_load_issued(self, state: _ReqState, job: LoadJob) -> None:
+    def _observe_load_issued(self, state: ReqState, job: LoadJob) -> None:
         """Per-request load histograms: blocks copied from each tier now; the wait is 0
         for a sync load (it runs in the step that computes on it), and for an async one
         runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
@@ -325,7 +274,7 @@ class SchedulerHalf:
         else:
             self.counters.observe("request_load_wait_seconds", slowest, 0.0)
 
-    def _observe_load_done(self, state: _ReqState) -> None:
+    def _observe_load_done(self, state: ReqState) -> None:
         if state.load_issued_s is not None:
             waited = time.monotonic() - state.load_issued_s
             self.counters.observe("request_load_wait_seconds", state.load_tier, waited)
@@ -348,7 +297,7 @@ class SchedulerHalf:
                     self.prefetcher.note_hit(k)
         return slots
 
-    def _peer_load(self, state: _ReqState, plan: PeerPlan, start: int, n: int) -> None:
+    def _peer_load(self, state: ReqState, plan: PeerPlan, start: int, n: int) -> None:
         """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
         keys are pinned and used as they are, the others get a pinned slot to read into."""
         keys = list(plan.keys[:n])
@@ -397,63 +346,6 @@ class SchedulerHalf:
 
     # ---- saves -------------------------------------------------------------------
 
-    def _saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
-        n = num_computed_tokens // self.block_size
-        if not self.cfg.save_decode_blocks:
-            n = min(n, request.num_prompt_tokens // self.block_size)
-        return min(n, len(request.block_hashes))
-
-    def _pin_ttl_s(self, request: Any) -> float | None:
-        """``kvtier_pin_ttl_s`` from the request's ``kv_transfer_params``, if valid."""
-        params = getattr(request, "kv_transfer_params", None)
-        ttl = params.get("kvtier_pin_ttl_s") if isinstance(params, dict) else None
-        if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl <= _MAX_PIN_TTL_S:
-            return float(ttl)
-        return None
-
-    def _pin_prompt(self, state: _ReqState, ttl_s: float, lo: int, hi: int) -> None:
-        """Key-pin the stored prompt blocks in [lo, hi) of a request that asked for it."""
-        hashes = state.request.block_hashes
-        for i in range(lo, min(hi, state.request.num_prompt_tokens // self.block_size, len(hashes))):
-            self.index.pin_key(BlockKey(hashes[i]), ttl_s)
-
-    def _plan_saves(self, state: _ReqState, upto: int) -> SaveJob | None:
-        blocks, slots, keys = [], [], []
-        hashes = state.request.block_hashes
-        first = state.next_save
-        for i in range(state.next_save, upto):
-            if i >= len(state.block_ids):
-                break
-            key = BlockKey(hashes[i])
-            if key in self.index:
-                self.index.touch(key)
-                continue
-            alloc = self.index.allocate(key)
-            if alloc is None:
-                self.counters.add("store_skipped", TIER)
-                continue
-            for tier in self.lower:
-                if alloc.evicted is not None:
-                    tier.on_cpu_evict(alloc.slot, alloc.evicted)
-                tier.on_cpu_save(alloc.slot, key)
-            # Held until the job is planned: a later block of this job must not evict
-            # this one (the job would write the slot twice, and lose its prefix).
-            self.index.pin(alloc.slot)
-            blocks.append(state.block_ids[i])
-            slots.append(alloc.slot)
-            keys.append(key)
-            state.saved[i] = key
-        for s in slots:
-            self.index.unpin(s)
-        ttl = self._pin_ttl_s(state.request)
-        if ttl is not None:
-            self._pin_prompt(state, ttl, first, upto)
-        state.next_save = max(state.next_save, upto)
-        if not blocks:
-            return None
-        state.saves_issued = True
-        return SaveJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys))
-
     # ---- per step ----------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
@@ -491,7 +383,7 @@ class SchedulerHalf:
             computed = state.request.num_computed_tokens  # before this step
             if req_id not in sync_loading:
                 computed += n_sched  # complete once this step's forward ran
-            job = self._plan_saves(state, self._saveable_blocks(state.request, computed))
+            job = self.saves.plan(state, self.saves.saveable_blocks(state.request, computed))
             if job is not None:
                 saves_after.append(job)
         # Sync loads run in this step, before any later step's save can reuse their
@@ -553,7 +445,7 @@ class SchedulerHalf:
         if state is not None:
             self._end_async_load(state)
 
-    def _end_async_load(self, state: _ReqState) -> None:
+    def _end_async_load(self, state: ReqState) -> None:
         state.async_loading = False
         for s in state.pinned_slots:
             self.index.unpin(s)
@@ -572,8 +464,9 @@ class SchedulerHalf:
         free the blocks twice).
         """
         self._match_start.pop(request.request_id, None)  # aborted before admission
-        self._handoff_since.pop(request.request_id, None)
-        params = self._handoff_params(request)
+        self.handoff.forget(request.request_id)
+        pool = self.lower_tier("mooncake")
+        params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
         if self.peer_plan is not None:
             self.peer_plan.forget(request.request_id)
         if self.load_policy is not None:
@@ -587,8 +480,8 @@ class SchedulerHalf:
             self._held[request.request_id] = state  # unpinned on finished_recving
             return False, None
         state.block_ids = list(block_ids)
-        upto = self._saveable_blocks(request, request.num_computed_tokens)
-        job = self._plan_saves(state, upto)
+        upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
+        job = self.saves.plan(state, upto)
         if job is not None:
             self._final_saves.append(job)
         if self.prefetcher is not None:
@@ -605,17 +498,6 @@ class SchedulerHalf:
             self._release.append(request.request_id)
             self._releasing.add(request.request_id)
         return hold, params
-
-    def _handoff_params(self, request: Any) -> dict | None:
-        """P/D prefill side: tell the decode instance (through the proxy) how many prompt
-        blocks this instance puts into the shared pool."""
-        params = getattr(request, "kv_transfer_params", None)
-        pool = self.lower_tier("mooncake")
-        if not isinstance(params, dict) or not params.get("do_remote_decode") or pool is None:
-            return None
-        if pool.policy.mode == "read-only":
-            return None
-        return {"kvtier_pool_blocks": request.num_prompt_tokens // self.block_size}
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in connector_output.finished_recving or ():

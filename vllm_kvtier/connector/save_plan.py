@@ -1,0 +1,99 @@
+"""Which blocks of a request to store in the CPU tier now, and in which slots.
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+scheduler thread, each step for every scheduled request (blocks complete once the step's
+forward ran) and at ``request_finished`` (what is left). Pure bookkeeping on the
+:class:`~vllm_kvtier.index.slot_index.SlotIndex`; the worker copies the bytes.
+
+A block already stored is touched, not stored again; a block with no free slot (every slot
+pinned) is skipped and counted (``store_skipped``). Each lower tier hears of every slot
+taken (``on_cpu_save``) and every key evicted for it (``on_cpu_evict``), to write through
+or demote. A request may key-pin its prompt blocks with ``kv_transfer_params:
+{"kvtier_pin_ttl_s": N}`` (at most a week; bounded by ``cpu.max_pinned_fraction``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvtier.connector.chunk_plan import ChunkPlanner
+from vllm_kvtier.connector.metadata import SaveJob
+from vllm_kvtier.connector.req_state import ReqState
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.metrics import Counters
+
+TIER = "cpu"
+MAX_PIN_TTL_S = 7 * 86400.0
+
+
+def pin_ttl_s(request: Any) -> float | None:
+    """``kvtier_pin_ttl_s`` from the request's ``kv_transfer_params``, if valid."""
+    params = getattr(request, "kv_transfer_params", None)
+    ttl = params.get("kvtier_pin_ttl_s") if isinstance(params, dict) else None
+    if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl <= MAX_PIN_TTL_S:
+        return float(ttl)
+    return None
+
+
+class SavePlanner:
+    def __init__(self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, *, block_size: int,
+                 save_decode_blocks: bool) -> None:
+        self.index = index
+        self.lower = lower
+        self.counters = counters
+        self.block_size = block_size
+        self.save_decode_blocks = save_decode_blocks
+
+    def saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
+        """Blocks [0, n) of ``request`` complete once ``num_computed_tokens`` are computed
+        (prompt blocks only unless ``save_decode_blocks``)."""
+        n = num_computed_tokens // self.block_size
+        if not self.save_decode_blocks:
+            n = min(n, request.num_prompt_tokens // self.block_size)
+        return min(n, len(request.block_hashes))
+
+    def _pin_prompt(self, state: ReqState, ttl_s: float, lo: int, hi: int) -> None:
+        """Key-pin the stored prompt blocks in [lo, hi) of a request that asked for it."""
+        hashes = state.request.block_hashes
+        for i in range(lo, min(hi, state.request.num_prompt_tokens // self.block_size, len(hashes))):
+            self.index.pin_key(BlockKey(hashes[i]), ttl_s)
+
+    def plan(self, state: ReqState, upto: int) -> SaveJob | None:
+        """The save of ``state``'s blocks [next_save, upto) not stored yet (None if none);
+        advances ``next_save``."""
+        blocks, slots, keys = [], [], []
+        hashes = state.request.block_hashes
+        first = state.next_save
+        for i in range(state.next_save, upto):
+            if i >= len(state.block_ids):
+                break
+            key = BlockKey(hashes[i])
+            if key in self.index:
+                self.index.touch(key)
+                continue
+            alloc = self.index.allocate(key)
+            if alloc is None:
+                self.counters.add("store_skipped", TIER)
+                continue
+            for tier in self.lower:
+                if alloc.evicted is not None:
+                    tier.on_cpu_evict(alloc.slot, alloc.evicted)
+                tier.on_cpu_save(alloc.slot, key)
+            # Held until the job is planned: a later block of this job must not evict
+            # this one (the job would write the slot twice, and lose its prefix).
+            self.index.pin(alloc.slot)
+            blocks.append(state.block_ids[i])
+            slots.append(alloc.slot)
+            keys.append(key)
+            state.saved[i] = key
+        for s in slots:
+            self.index.unpin(s)
+        ttl = pin_ttl_s(state.request)
+        if ttl is not None:
+            self._pin_prompt(state, ttl, first, upto)
+        state.next_save = max(state.next_save, upto)
+        if not blocks:
+            return None
+        state.saves_issued = True
+        return SaveJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys))
