@@ -1,45 +1,80 @@
-"""Decode-instance TTFT with prefill/decode disaggregation through a Mooncake pool, against
-the same instance recomputing the prompt.
+"""Decode-instance TTFT with prefill/decode disaggregation, through a Mooncake pool and peer
+to peer over NIXL, against the same instance recomputing the prompt.
 
-The setup, all on 127.0.0.1, on the locally built random-weight "bench" model (bf16):
+The setup, all on 127.0.0.1, on the locally built random-weight "bench" model (bf16). For
+each path of ``--paths`` (default ``pool,nixl``), one path after the other:
 
-* a ``mooncake_master`` (tests/mooncake_server.py);
 * a prefill instance (``kv_role: kv_producer``, its own process: this script with
-  ``--prefill-worker``): a vLLM engine with the KVTier connector, a CPU tier and the
-  Mooncake tier (write-through, the instance's DRAM segment hosts the pool). It computes
-  every prompt (``max_tokens=1``, its TTFT is recorded too), steps until its connector is
-  idle, and stays in the pool until this script is done;
-* then, in this process, one engine after the other:
-  - ``pd``: a decode instance (``kv_role: kv_consumer``, a pure pool client with no
-    segment) serving each prompt with the handoff parameters a proxy would pass,
-    ``{"do_remote_prefill": True, "kvtier_pool_blocks": N}``: it loads the prompt's blocks
-    from the pool (over Mooncake's transfer engine from the prefill process) and computes
-    only the last block;
-  - ``recompute``: the same engine without the connector, computing every prompt.
+  ``--prefill-worker``): a vLLM engine with the KVTier connector and a CPU tier. It
+  computes every prompt (``max_tokens=1``, its TTFT is recorded too), steps until its
+  connector is idle, and stays up until this script is done with the path:
+  - ``pool``: with the Mooncake tier, write-through, and a ``mooncake_master``
+    (tests/mooncake_server.py); the instance's DRAM segment hosts the pool;
+  - ``nixl``: with a ``nixl`` section. Every request carries ``{"do_remote_decode": True}``
+    and its answer's ``kv_transfer_params`` offer the prompt's blocks where they sit in
+    the CPU tier (``kvtier_peer``: each rank's NIXL address, the slots, the block keys),
+    pinned for ``hold_s`` (longer than the whole run: no offer expires). One short request
+    runs first: the workers publish their NIXL address with their first step. While it
+    waits it steps every 20 ms, to see the decode side's release notifications;
+* a decode instance in this process (``kv_role: kv_consumer``) serving each prompt with
+  the hand-off parameters a proxy would pass; it computes only the last block:
+  - ``pool``: ``{"do_remote_prefill": True, "kvtier_pool_blocks": N}``; a pure pool
+    client (no segment) that loads the prompt's blocks from the pool (over Mooncake's
+    transfer engine from the prefill process);
+  - ``nixl``: the prefill instance's answer plus ``"do_remote_prefill": True``; it reads
+    the blocks straight out of the prefill process's CPU tier (one UCX read per request),
+    then notifies the prefill instance, which releases them.
+
+Then, with no prefill instance left, ``recompute``: the same engine without the connector,
+computing every prompt; each path's ratio is against this one run.
 
 TTFT is the wall-clock time of one ``LLM.generate()`` of a single request with
 ``max_tokens=1`` (the decode instance's time to first token; the proxy's round trip and
 the prefill itself are not in it). ``--repeats`` distinct prompts after one warm-up
-prompt (the warm-up also goes through the pool on the ``pd`` engine), medians reported.
-Checked: every first token of ``pd`` equals ``recompute``'s (and the prefill instance's),
-and every ``pd`` request loaded ``(prompt_tokens - 1) // block_size`` blocks from the pool
-with no handoff timeout. The ratio P/D over recompute should be well below 1 (lower is
+prompt (the warm-up also goes through the path's hand-off), medians reported. Checked
+per path: every first token equals ``recompute``'s (and the prefill instance's); every
+request loaded ``(prompt_tokens - 1) // block_size`` blocks from the path's tier
+(``mooncake``, ``peer``) with no hand-off timeout and no load failure; ``nixl``: the prefill
+instance offered every prompt's full blocks and every offer was released by the decode
+side's read (``peer_released_blocks`` == ``peer_offered_blocks``, no
+``peer_hold_timeouts``). The ratio P/D over recompute should be well below 1 (lower is
 better); for reference, the spine's warm/cold target for the CPU tier is 0.2.
 
-Both instances run with the plugin's defaults. (This benchmark found two bugs, fixed
-since: a full pool write queue counted as a failing tier and paused its writes, and the
-load-or-recompute estimate took per-read times of parallel reads as the tier's speed; the
-flags below reproduce the old settings for comparison.)
+Both instances run with the plugin's defaults. (This benchmark found two bugs in the pool
+path, fixed since: a full pool write queue counted as a failing tier and paused its
+writes, and the load-or-recompute estimate took per-read times of parallel reads as the
+tier's speed; ``--max-queued-writes`` and ``--load-or-recompute`` reproduce the old
+settings for comparison. Peer reads bypass load-or-recompute.)
 
-    python bench/pd_ttft.py                    # 4096-token prompts, 3 repeats: ~2-4 min on 2 CPU cores
-    python bench/pd_ttft.py --prompt-tokens 2048 --repeats 5
+    python bench/pd_ttft.py                    # both paths, 4096-token prompts, 3 repeats
+    python bench/pd_ttft.py --prompt-tokens 2048 --repeats 3   # ~6 min on a shared 2-vCPU VM
+    python bench/pd_ttft.py --paths nixl --repeats 5
     OMP_WAIT_POLICY=PASSIVE python bench/pd_ttft.py
+
+``UCX_MODULES=^ib`` is set unless the caller set it (as in bench/nixl_throughput.py):
+without an RDMA NIC but with libibverbs' provider plugins installed, a process that used
+UCX can crash at exit. The ``nixl`` path needs NIXL (tools/setup-remote.sh installs it),
+the ``pool`` path Mooncake.
 
 On a small machine, OpenMP's default active wait matters here: the decode instance's
 block copies (one small torch ``copy_`` per block and layer) and its forward share the
 cores with the pool client's threads, and spinning OpenMP threads slowed both by ~10x in
 one profile (2.2 s to copy 25 MB into the CPU tier); ``OMP_WAIT_POLICY=PASSIVE`` removed it.
-The variable is recorded in the JSON; both engines of a run get the same setting.
+The variable is recorded in the JSON; all engines of a run get the same setting.
+
+The ``nixl`` path also pays for NIXL's progress thread on a small machine: the UCX
+backend's thread (``nixlUcxSharedThread``; NIXL's Python API starts it with no delay
+between polls) busy-polls about one core in every process that has an agent, idle or not
+(9.7 s of CPU in 10 s in an idle prefill engine here). While the decode instance reads, two
+such threads (its own and the prefill process's) share the cores with its forward; on
+2 vCPUs this shows in both instances' TTFT and CPU time. In one run with the progress
+thread turned off (an experiment, not a plugin setting) the decode instance's CPU time per
+request fell from ~1.8 s to ~1.0 s and the prefill instance's TTFT to about a third.
+
+The JSON has one entry per path under ``paths`` (its summary, decode runs, prefill runs and
+the prefill instance's final counters); the pool path's figures also stay where they were
+before ``--paths`` (``summary.pd_over_recompute``, ``pd``, ``prefill``), which
+``kvtier bench`` reads.
 
 The machine is shared and noisy: compare ratios from the same run, not seconds across runs.
 """
@@ -47,6 +82,7 @@ The machine is shared and noisy: compare ratios from the same run, not seconds a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -59,6 +95,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+# Before any NIXL agent, and inherited by the prefill process (see the module doc).
+os.environ.setdefault("UCX_MODULES", "^ib")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -69,114 +108,192 @@ from vllm_kvtier.tinymodel import SIZES, build_model  # noqa: E402
 
 MiB = 1 << 20
 REFERENCE_WARM_COLD = 0.2
+PATHS = ("pool", "nixl")
+TIER = {"pool": "mooncake", "nixl": "peer"}  # the tier label of each path's loads
+NEEDS = {"pool": ("mooncake",), "nixl": ("nixl", "nixl_cu12")}  # Python packages: any one of them
+# How long a prefill instance waits for this script, and keeps its NIXL offers pinned:
+# longer than any run, so that no offer expires before the decode side reads it.
+HOLD_S = 1800.0
+
+
+def parse_paths(text: str) -> tuple[str, ...]:
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in paths if p not in PATHS]
+    if not paths or bad or len(set(paths)) != len(paths):
+        raise argparse.ArgumentTypeError(f"a comma list of distinct paths from {', '.join(PATHS)}; "
+                                         f"got {text!r}")
+    return paths
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paths", type=parse_paths, default=PATHS,
+                   help="comma list, run in this order: pool (Mooncake), nixl (peer to peer); default both")
     p.add_argument("--model-dir", default=os.path.expanduser("~/.cache/vllm_kvtier/bench-model"))
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-size", type=int, default=64, help="multiple of 32 on CPU")
     p.add_argument("--kv-cache-bytes", type=int, default=512 * MiB)
     p.add_argument("--cpu-tier-bytes", type=int, default=512 * MiB)
-    p.add_argument("--segment-bytes", type=int, default=1 << 30, help="the prefill instance's pool segment")
+    p.add_argument("--segment-bytes", type=int, default=1 << 30, help="pool: the prefill instance's pool segment")
     p.add_argument("--load-or-recompute", choices=["off", "on"], default="on",
                    help="the decode instance's load_or_recompute policy (the plugin's default: on)")
     p.add_argument("--max-queued-writes", type=int, default=256,
-                   help="the prefill instance's mooncake.max_queued_writes (the tier's default: 256)")
+                   help="pool: the prefill instance's mooncake.max_queued_writes (the tier's default: 256)")
+    p.add_argument("--nixl-deadline-s", type=float, default=5.0, help="nixl: nixl.deadline_s of both instances")
     p.add_argument("--seed", type=int, default=4321)
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "pd_ttft.json"))
     p.add_argument("--prefill-worker", default=None, help=argparse.SUPPRESS)  # internal: the spec file
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    missing = [path for path in args.paths if all(importlib.util.find_spec(m) is None for m in NEEDS[path])]
+    if missing and args.prefill_worker is None:
+        p.error(f"--paths {','.join(missing)}: {', '.join(NEEDS[m][0] for m in missing)} not installed "
+                f"(tools/setup-remote.sh installs it); --paths chooses the paths")
+    return args
 
 
-def kv_config(role: str, master: str, args: argparse.Namespace) -> dict[str, Any]:
-    mooncake: dict[str, Any] = {"master": master, "local_hostname": "127.0.0.1", "protocol": "tcp",
-                                "transfer_buffer_bytes": 128 * MiB, "deadline_s": 10.0, "handoff_wait_s": 10.0}
-    if role == "kv_producer":
-        mooncake.update(global_segment_bytes=args.segment_bytes, mode="write-through",
-                        max_queued_writes=args.max_queued_writes)
+def kv_config(path: str, role: str, args: argparse.Namespace, master: str = "") -> dict[str, Any]:
+    extra: dict[str, Any] = {"cpu": {"capacity_bytes": args.cpu_tier_bytes}, "load_mode": "sync"}
+    if path == "pool":
+        mooncake: dict[str, Any] = {"master": master, "local_hostname": "127.0.0.1", "protocol": "tcp",
+                                    "transfer_buffer_bytes": 128 * MiB, "deadline_s": 10.0, "handoff_wait_s": 10.0}
+        if role == "kv_producer":
+            mooncake.update(global_segment_bytes=args.segment_bytes, mode="write-through",
+                            max_queued_writes=args.max_queued_writes)
+        else:
+            mooncake.update(global_segment_bytes=0)  # the decode instance only reads the pool
+        extra["mooncake"] = mooncake
     else:
-        mooncake.update(global_segment_bytes=0)  # the decode instance only reads the pool
-    extra: dict[str, Any] = {"cpu": {"capacity_bytes": args.cpu_tier_bytes}, "load_mode": "sync", "mooncake": mooncake}
+        extra["nixl"] = {"deadline_s": args.nixl_deadline_s, "hold_s": HOLD_S}
     if role == "kv_consumer":
         extra["load_or_recompute"] = {"enabled": args.load_or_recompute == "on"}
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "vllm_kvtier.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def sampling(kv_transfer_params: dict | None) -> Any:
+    """Greedy, one token; ``kv_transfer_params`` as a proxy passes them."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False, extra_args=extra)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Whole or not at all: the other process polls for the file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    tmp.rename(path)
+
+
 # ---- the prefill instance (its own process) -----------------------------------------------------
 
 
+def offers_open(c: dict[str, float]) -> bool:
+    """Offered blocks neither released by a read nor timed out."""
+    return c.get("peer_offered_blocks|peer", 0) > c.get("peer_released_blocks|peer", 0) + \
+        c.get("peer_hold_timeouts|peer", 0)
+
+
 def prefill_worker(spec_path: Path) -> int:
-    """Compute every prompt on a kv_producer engine, report, then stay in the pool until
-    the hold file exists (or 20 minutes pass)."""
+    """Compute every prompt on a kv_producer engine and report (``result``), stay up until
+    the hold file exists (or ``HOLD_S`` passes), then report the final counters (``final``)."""
     spec = json.loads(spec_path.read_text())
     args = argparse.Namespace(**spec["args"])
+    nixl = spec["path"] == "nixl"
     eng = Engine(Path(spec["model_dir"]), spec["kv"], args)
+    if nixl:  # the workers publish their NIXL address with their first step: nothing is offered before
+        eng.gen([3 + i % 997 for i in range(2 * args.block_size)], eng.sp1)
+    sp = sampling({"do_remote_decode": True} if nixl else None)
     runs = []
     for i, p in enumerate(spec["prompts"]):
         before = eng.counters()
-        secs, tokens = eng.gen(p, eng.sp1)
+        secs, tokens = eng.gen(p, sp)
+        assert eng.last_output is not None
         runs.append({"prompt": i, "ttft_s": secs, "tokens": tokens,
-                     "stored": delta(eng.counters(), before, "blocks_stored")})
+                     "stored": delta(eng.counters(), before, "blocks_stored"),
+                     "kv_transfer_params": eng.last_output.kv_transfer_params})
     # The last prompt's final saves run in the next engine step. The pool puts then finish
     # on the store's threads, but an idle engine polls no results, so the last prompt's
-    # puts may be missing from the counters here; the decode side waits for the blocks
+    # puts may be missing from the counters here (and from the final ones: this instance
+    # sleeps without stepping until the hold file); the decode side waits for the blocks
     # themselves (handoff_wait_s) and its counters say what it loaded.
     steps = eng.drain()
-    report = {"engine_start_s": eng.start_s, "runs": runs, "drain_steps": steps, "counters": eng.counters()}
-    tmp = Path(spec["result"]).with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    tmp.rename(spec["result"])
-    hold, until = Path(spec["hold"]), time.monotonic() + 1200
+    write_json(Path(spec["result"]), {"engine_start_s": eng.start_s, "runs": runs, "drain_steps": steps,
+                                      "counters": eng.counters()})
+    hold, until = Path(spec["hold"]), time.monotonic() + HOLD_S
     while not hold.exists() and time.monotonic() < until:
-        time.sleep(0.1)
+        if nixl:
+            eng.llm.llm_engine.step()  # an idle step: the decode side's release notifications
+        time.sleep(0.02 if nixl else 0.1)
+    until = time.monotonic() + 10  # a notification sent just before the hold file: see it land
+    while nixl and offers_open(eng.counters()) and time.monotonic() < until:
+        eng.llm.llm_engine.step()
+        time.sleep(0.02)
+    write_json(Path(spec["final"]), {"counters": eng.counters()})
     eng.close()
     return 0
 
 
-def start_prefill(work: Path, model_dir: Path, kv: dict, prompts: list[list[int]],
-                  args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], Path, Path, Path]:
-    spec = {"model_dir": str(model_dir), "kv": kv, "prompts": prompts, "result": str(work / "prefill.json"),
-            "hold": str(work / "prefill-may-exit"),
-            "args": {"prompt_tokens": args.prompt_tokens, "block_size": args.block_size,
-                     "kv_cache_bytes": args.kv_cache_bytes}}
-    spec_path = work / "prefill-spec.json"
-    spec_path.write_text(json.dumps(spec))
-    log = work / "prefill.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--prefill-worker", str(spec_path)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return proc, Path(spec["result"]), Path(spec["hold"]), log
+class PrefillProcess:
+    """A prefill instance (this script with ``--prefill-worker``) and its files in ``work``.
+    Called from this script's main thread only."""
 
+    def __init__(self, work: Path, path: str, model_dir: Path, kv: dict, prompts: list[list[int]],
+                 args: argparse.Namespace) -> None:
+        self.result, self.final = work / "prefill.json", work / "prefill-final.json"
+        self.hold, self.log = work / "prefill-may-exit", work / "prefill.log"
+        spec = {"path": path, "model_dir": str(model_dir), "kv": kv, "prompts": prompts,
+                "result": str(self.result), "final": str(self.final), "hold": str(self.hold),
+                "args": {"prompt_tokens": args.prompt_tokens, "block_size": args.block_size,
+                         "kv_cache_bytes": args.kv_cache_bytes}}
+        spec_path = work / "prefill-spec.json"
+        spec_path.write_text(json.dumps(spec))
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--prefill-worker", str(spec_path)],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-def wait_prefill(proc: subprocess.Popen[bytes], result: Path, log: Path, timeout_s: float) -> dict:
-    until = time.monotonic() + timeout_s
-    while not result.exists():
-        if proc.poll() is not None or time.monotonic() > until:
-            tail = log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"the prefill instance failed (rc {proc.returncode}):\n{tail}")
-        time.sleep(0.2)
-    return json.loads(result.read_text())
+    def wait_ready(self, timeout_s: float) -> dict:
+        """Its report once every prompt is computed; RuntimeError with its log's tail if it dies or times out."""
+        until = time.monotonic() + timeout_s
+        while not self.result.exists():
+            if self.proc.poll() is not None or time.monotonic() > until:
+                tail = self.log.read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"the prefill instance failed (rc {self.proc.returncode}):\n{tail}")
+            time.sleep(0.2)
+        return json.loads(self.result.read_text())
+
+    def stop(self) -> dict:
+        """Let it exit (idempotent); its final counters, {} if it wrote none."""
+        self.hold.touch()
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        return json.loads(self.final.read_text())["counters"] if self.final.exists() else {}
+
+    def warnings(self) -> list[str]:
+        return [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith("kvtier")]
 
 
 # ---- the decode side (this process) -------------------------------------------------------------
 
 
-def serve(name: str, model_dir: Path, kv: dict | None, args: argparse.Namespace, warmup: list[int],
-          prompts: list[list[int]], handoff: dict | None) -> dict:
-    from vllm import SamplingParams
-
+def serve(name: str, model_dir: Path, kv: dict | None, args: argparse.Namespace, prompts: list[list[int]],
+          handoffs: list[dict | None]) -> dict:
+    """Serve ``prompts[0]`` (the warm-up, not timed) then the others, ``prompts[i]`` with
+    ``handoffs[i]`` as its ``kv_transfer_params``, on one engine."""
     eng = Engine(model_dir, kv, args)
-    extra = {"kv_transfer_params": handoff} if handoff is not None else None
-    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False, extra_args=extra)
     before = eng.counters()
-    eng.gen(warmup, sp)  # first-request costs (allocator, kernels, the pool connection) out of the timings
+    # first-request costs (allocator, kernels, the pool or peer connection) out of the timings
+    eng.gen(prompts[0], sampling(handoffs[0]))
     warmup_loaded = delta(eng.counters(), before, "blocks_loaded")
     runs = []
-    for i, p in enumerate(prompts):
+    for i, (p, h) in enumerate(zip(prompts[1:], handoffs[1:], strict=True)):
+        sp = sampling(h)
         before = eng.counters()
         secs, tokens = eng.gen(p, sp)
         after = eng.counters()
@@ -195,6 +312,135 @@ def serve(name: str, model_dir: Path, kv: dict | None, args: argparse.Namespace,
     return res
 
 
+def handoff_params(path: str, prefill_runs: list[dict], args: argparse.Namespace) -> list[dict | None]:
+    """What a proxy passes the decode instance for each prompt the prefill instance computed."""
+    if path == "pool":
+        return [{"do_remote_prefill": True, "kvtier_pool_blocks": args.prompt_tokens // args.block_size}
+                for _ in prefill_runs]
+    return [{**(r["kv_transfer_params"] or {}), "do_remote_prefill": True} for r in prefill_runs]
+
+
+def run_path(path: str, work: Path, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """One path: its prefill instance (and pool master), then its decode instance; all stopped on return."""
+    with ExitStack() as stack:
+        t = time.perf_counter()
+        master_address = ""
+        if path == "pool":
+            from tests.mooncake_server import MooncakeMaster
+
+            master = MooncakeMaster(work)
+            master.start()
+            stack.callback(master.stop)
+            master_address = master.address
+        prefill = PrefillProcess(work, path, model_dir, kv_config(path, "kv_producer", args, master_address),
+                                 prompts, args)
+        stack.callback(prefill.stop)
+        report = prefill.wait_ready(900)
+        ttfts = ", ".join(f"{r['ttft_s']:.2f}" for r in report["runs"])
+        where = f"pool {master_address}" if path == "pool" else "NIXL offers"
+        print(f"  prefill   ({path}, kv_producer, pid {prefill.proc.pid}, {where}): {len(report['runs'])} prompts "
+              f"computed and stored in {time.perf_counter() - t:.1f}s (TTFT {ttfts}s)", flush=True)
+        pd = serve(f"pd-{path}", model_dir, kv_config(path, "kv_consumer", args, master_address), args, prompts,
+                   handoff_params(path, report["runs"], args))
+        final = prefill.stop()
+    for r in report["runs"]:  # the offer itself (NIXL agent metadata) is no result: keep its size
+        params = r.pop("kv_transfer_params") or {}
+        r["offered_blocks"] = len((params.get("kvtier_peer") or {}).get("slots", ()))
+    return {"tier": TIER[path], "pd": pd, "prefill": report, "prefill_final_counters": final,
+            "prefill_warnings": prefill.warnings()}
+
+
+# ---- checks and the report ----------------------------------------------------------------------
+
+
+def check_path(path: str, res: dict, recompute: dict, args: argparse.Namespace) -> list[str]:
+    """What went wrong on one path, one line each (empty: all right)."""
+    tier, failures = res["tier"], []
+    expect_loaded = (args.prompt_tokens - 1) // args.block_size
+    prefill_runs = res["prefill"]["runs"]
+    for i, (a, b) in enumerate(zip(res["pd"]["runs"], recompute["runs"], strict=True)):
+        if a["tokens"] != b["tokens"]:
+            failures.append(f"prompt {i}: P/D first token {a['tokens']} != recompute {b['tokens']}")
+        if prefill_runs[i + 1]["tokens"] != b["tokens"]:
+            failures.append(f"prompt {i}: prefill instance's token {prefill_runs[i + 1]['tokens']} "
+                            f"!= recompute {b['tokens']}")
+        if a["loaded"].get(tier, 0) != expect_loaded:
+            failures.append(f"prompt {i}: P/D loaded {a['loaded']} blocks, expected {expect_loaded} from {tier}")
+        if a["handoff_timeouts"] or a["load_failures"]:
+            failures.append(f"prompt {i}: handoff timeouts {a['handoff_timeouts']}, "
+                            f"load failures {a['load_failures']}")
+    if path == "nixl":
+        c = res["prefill_final_counters"]
+        offered = c.get("peer_offered_blocks|peer", 0)
+        expect_offered = len(prefill_runs) * (args.prompt_tokens // args.block_size)
+        if offered != expect_offered:
+            failures.append(f"the prefill instance offered {offered:.0f} blocks, expected {expect_offered}")
+        released, timeouts = c.get("peer_released_blocks|peer", 0), c.get("peer_hold_timeouts|peer", 0)
+        if released != offered or timeouts:
+            failures.append(f"the prefill instance released {released:.0f} of {offered:.0f} offered blocks "
+                            f"on a decode read, {timeouts:.0f} offers timed out")
+    return [f"{path}: {f}" for f in failures]
+
+
+def summarize(res: dict, recompute: dict, args: argparse.Namespace) -> dict:
+    pd, c = res["pd"], res["prefill_final_counters"]
+    prefill_runs = res["prefill"]["runs"][1:]  # without the warm-up, as the decode runs
+    prefill_ttfts = [r["ttft_s"] for r in prefill_runs]
+    tokens_equal = all(a["tokens"] == b["tokens"] == p["tokens"]
+                       for a, b, p in zip(pd["runs"], recompute["runs"], prefill_runs, strict=True))
+    return {"pd_over_recompute": pd["ttft_median_s"] / recompute["ttft_median_s"],
+            "pd_over_recompute_best": pd["ttft_min_s"] / recompute["ttft_min_s"],
+            "pd_ttft_median_s": pd["ttft_median_s"], "recompute_ttft_median_s": recompute["ttft_median_s"],
+            "prefill_ttft_median_s": statistics.median(prefill_ttfts), "prefill_ttft_min_s": min(prefill_ttfts),
+            "blocks_loaded_median": statistics.median(r["loaded"].get(res["tier"], 0) for r in pd["runs"]),
+            "blocks_expected": (args.prompt_tokens - 1) // args.block_size,
+            "peer_offered_blocks": c.get("peer_offered_blocks|peer", 0),
+            "peer_released_blocks": c.get("peer_released_blocks|peer", 0),
+            "peer_hold_timeouts": c.get("peer_hold_timeouts|peer", 0),
+            "target_pd_below_recompute": pd["ttft_median_s"] < recompute["ttft_median_s"],
+            "tokens_equal": tokens_equal, "failures": len(res["failures"])}
+
+
+def print_report(paths: dict[str, dict], recompute: dict, failures: list[str], args: argparse.Namespace) -> None:
+    print()
+    print(f"decode-instance TTFT, {args.prompt_tokens}-token prompts, {args.repeats} prompts "
+          f"(wall clock, s; ratios P/D over recompute, lower is better)")
+    hdr = (f"{'config':13s} {'median':>7s} {'best':>7s} {'CPU s':>7s} {'ratio':>7s} {'best':>7s} "
+           f"{'blocks loaded':>22s} {'tokens = recompute':>18s}")
+    print(hdr)
+    print("-" * len(hdr))
+    for res in paths.values():
+        pd, s = res["pd"], res["summary"]
+        loaded = f"{s['blocks_loaded_median']:.0f} of {s['blocks_expected']} ({res['tier']})"
+        print(f"{pd['config']:13s} {pd['ttft_median_s']:7.3f} {pd['ttft_min_s']:7.3f} {pd['cpu_median_s']:7.3f} "
+              f"{s['pd_over_recompute']:7.3f} {s['pd_over_recompute_best']:7.3f} {loaded:>22s} "
+              f"{'yes' if s['tokens_equal'] else 'NO':>18s}")
+    r = recompute
+    print(f"{r['config']:13s} {r['ttft_median_s']:7.3f} {r['ttft_min_s']:7.3f} {r['cpu_median_s']:7.3f}")
+    print("prefill instances (kv_producer, each in its own process before its decode instance; not paired):")
+    for path, res in paths.items():
+        s = res["summary"]
+        line = f"  {path}: TTFT median {s['prefill_ttft_median_s']:.3f}s, best {s['prefill_ttft_min_s']:.3f}s"
+        if path == "pool":
+            line += f"; pool puts counted {res['prefill_final_counters'].get('blocks_stored|mooncake', 0):.0f}"
+        else:
+            line += (f"; peer blocks offered {s['peer_offered_blocks']:.0f}, released {s['peer_released_blocks']:.0f}"
+                     f", hold timeouts {s['peer_hold_timeouts']:.0f}")
+        print(line)
+    print()
+    for path, res in paths.items():
+        ratio = res["summary"]["pd_over_recompute"]
+        print(f"{path}: target P/D TTFT < recompute TTFT: {'PASS' if ratio < 1.0 else 'FAIL'}  (reference: the CPU "
+              f"tier's warm/cold target <= {REFERENCE_WARM_COLD}: {'within' if ratio <= REFERENCE_WARM_COLD else 'above'})")
+    print(f"first tokens P/D == recompute == prefill instance, every block loaded: {'yes' if not failures else 'NO'}")
+    for f in failures:
+        print("FAIL:", f)
+    for path, res in paths.items():
+        if res["prefill_warnings"]:
+            print(f"the {path} prefill instance warned ({len(res['prefill_warnings'])} lines): "
+                  + " | ".join(res["prefill_warnings"][:5]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.prefill_worker:
@@ -203,101 +449,52 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import vllm
 
-    from tests.mooncake_server import MooncakeMaster
-
     t_all = time.perf_counter()
     model_dir = build_model(args.model_dir, "bench", dtype="bfloat16",
                             max_position_embeddings=max(8192, args.prompt_tokens + 64))
-    warmup, *prompts = make_prompts(args.repeats + 1, args.prompt_tokens, args.seed)
-    expect_loaded = (args.prompt_tokens - 1) // args.block_size
-    handoff = {"do_remote_prefill": True, "kvtier_pool_blocks": args.prompt_tokens // args.block_size}
-    print(f"model: {model_dir} (bench {SIZES['bench']}, bf16); {args.prompt_tokens}-token prompts, "
-          f"{args.repeats} per config, block_size {args.block_size}, load avg {os.getloadavg()[0]:.2f}, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}", flush=True)
+    prompts = make_prompts(args.repeats + 1, args.prompt_tokens, args.seed)  # the warm-up first
+    print(f"model: {model_dir} (bench {SIZES['bench']}, bf16); paths {', '.join(args.paths)}; "
+          f"{args.prompt_tokens}-token prompts, {args.repeats} per config, block_size {args.block_size}, "
+          f"load avg {os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+          f"UCX_MODULES={os.environ.get('UCX_MODULES')}", flush=True)
 
-    with ExitStack() as stack:
-        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-pd-bench-")))
-        master = MooncakeMaster(work)
-        master.start()
-        stack.callback(master.stop)
-        t = time.perf_counter()
-        proc, result, hold, log = start_prefill(work, model_dir, kv_config("kv_producer", master.address, args),
-                                                [warmup, *prompts], args)
+    paths: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="kvtier-pd-bench-") as tmp:
+        for path in args.paths:
+            work = Path(tmp) / path
+            work.mkdir()
+            paths[path] = run_path(path, work, model_dir, prompts, args)
+    recompute = serve("recompute", model_dir, None, args, prompts, [None] * len(prompts))
 
-        def stop_prefill() -> None:
-            hold.touch()
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-        stack.callback(stop_prefill)
-        prefill = wait_prefill(proc, result, log, 900)
-        prefill_ttfts_all = [r["ttft_s"] for r in prefill["runs"]]
-        print(f"  prefill   (kv_producer, pid {proc.pid}, pool {master.address}): "
-              f"{len(prefill['runs'])} prompts computed and stored in {time.perf_counter() - t:.1f}s "
-              f"(TTFT {', '.join(f'{x:.2f}' for x in prefill_ttfts_all)}s; "
-              f"pool puts counted {prefill['counters'].get('blocks_stored|mooncake', 0):.0f})", flush=True)
-        pd = serve("pd", model_dir, kv_config("kv_consumer", master.address, args), args, warmup, prompts, handoff)
-        recompute = serve("recompute", model_dir, None, args, warmup, prompts, None)
-        stop_prefill()
-        prefill_warnings = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("kvtier")]
-
-    # ---- checks ------------------------------------------------------------------
     failures = []
-    for i, (a, b) in enumerate(zip(pd["runs"], recompute["runs"], strict=True)):
-        if a["tokens"] != b["tokens"]:
-            failures.append(f"prompt {i}: P/D first token {a['tokens']} != recompute {b['tokens']}")
-        if prefill["runs"][i + 1]["tokens"] != b["tokens"]:
-            failures.append(f"prompt {i}: prefill instance's token {prefill['runs'][i + 1]['tokens']} "
-                            f"!= recompute {b['tokens']}")
-        if a["loaded"].get("mooncake", 0) != expect_loaded:
-            failures.append(f"prompt {i}: P/D loaded {a['loaded']} blocks, expected {expect_loaded} from mooncake")
-        if a["handoff_timeouts"] or a["load_failures"]:
-            failures.append(f"prompt {i}: handoff timeouts {a['handoff_timeouts']}, "
-                            f"load failures {a['load_failures']}")
-
-    ratio = pd["ttft_median_s"] / recompute["ttft_median_s"]
-    ratio_min = pd["ttft_min_s"] / recompute["ttft_min_s"]
-    prefill_ttfts = [r["ttft_s"] for r in prefill["runs"][1:]]
-    print()
-    print(f"decode-instance TTFT, {args.prompt_tokens}-token prompts, {args.repeats} prompts (wall clock, s)")
-    hdr = f"{'config':10s} {'median':>8s} {'best':>8s} {'CPU s':>8s} {'blocks from pool':>17s}"
-    print(hdr)
-    print("-" * len(hdr))
-    for r in (pd, recompute):
-        loaded = (f"{statistics.median(x['loaded'].get('mooncake', 0) for x in r['runs']):.0f} of {expect_loaded}"
-                  if r is pd else "-")
-        print(f"{r['config']:10s} {r['ttft_median_s']:8.3f} {r['ttft_min_s']:8.3f} {r['cpu_median_s']:8.3f} "
-              f"{loaded:>17s}")
-    print(f"(the prefill instance, kv_producer writing through to the pool, in its own process before these: "
-          f"TTFT median {statistics.median(prefill_ttfts):.3f}s, best {min(prefill_ttfts):.3f}s; not paired)")
-    print()
-    print(f"P/D over recompute: median {ratio:.3f}, best {ratio_min:.3f} (lower is better)")
-    verdict = "PASS" if ratio < 1.0 else "FAIL"
-    print(f"target P/D TTFT < recompute TTFT: {verdict}  (reference: the CPU tier's warm/cold target "
-          f"<= {REFERENCE_WARM_COLD}: {'within' if ratio <= REFERENCE_WARM_COLD else 'above'})")
-    print(f"first tokens P/D == recompute == prefill instance: {'yes' if not failures else 'NO'}")
-    for f in failures:
-        print("FAIL:", f)
-    if prefill_warnings:
-        print(f"the prefill instance warned ({len(prefill_warnings)} lines): " + " | ".join(prefill_warnings[:5]))
+    for path, res in paths.items():
+        res["failures"] = check_path(path, res, recompute, args)
+        res["summary"] = summarize(res, recompute, args)
+        failures += res["failures"]
+    print_report(paths, recompute, failures, args)
     total = time.perf_counter() - t_all
     print(f"total {total:.0f}s, load avg {os.getloadavg()[0]:.2f}")
 
-    out = {
+    summary: dict[str, Any] = {
+        "recompute_ttft_median_s": recompute["ttft_median_s"],
+        "target_pd_below_recompute": all(r["summary"]["target_pd_below_recompute"] for r in paths.values()),
+        "tokens_equal": all(r["summary"]["tokens_equal"] for r in paths.values()),
+        **{f"{p}_over_recompute": r["summary"]["pd_over_recompute"] for p, r in paths.items()},
+    }
+    out: dict[str, Any] = {
         "benchmark": "pd_ttft", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args),
         "model": {"size": "bench", "dtype": "bfloat16", **SIZES["bench"]},
-        "summary": {"pd_over_recompute": ratio, "pd_over_recompute_best": ratio_min,
-                    "pd_ttft_median_s": pd["ttft_median_s"], "recompute_ttft_median_s": recompute["ttft_median_s"],
-                    "prefill_ttft_median_s": statistics.median(prefill_ttfts),
-                    "target_pd_below_recompute": ratio < 1.0, "tokens_equal": not failures},
-        "failures": failures, "prefill_warnings": prefill_warnings, "pd": pd, "recompute": recompute, "prefill": prefill,
+        "summary": summary, "failures": failures, "paths": paths, "recompute": recompute,
         "env": {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
                 "cpus": os.cpu_count(), "machine": platform.machine(), "total_s": total,
-                "loadavg_end": os.getloadavg(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+                "loadavg_end": os.getloadavg(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                "UCX_MODULES": os.environ.get("UCX_MODULES")},
     }
+    if "pool" in paths:  # where the pool path's figures were before --paths (kvtier bench reads them)
+        pool = paths["pool"]
+        summary.update({k: pool["summary"][k] for k in ("pd_over_recompute", "pd_over_recompute_best",
+                                                       "pd_ttft_median_s", "prefill_ttft_median_s")})
+        out.update(pd=pool["pd"], prefill=pool["prefill"], prefill_warnings=pool["prefill_warnings"])
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")

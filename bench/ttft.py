@@ -40,6 +40,7 @@ seconds across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -118,6 +119,7 @@ class Engine:
         self.sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
         self.sp4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
         self.cpu_s = 0.0
+        self.last_output = None  # the last gen's RequestOutput (P/D: its kv_transfer_params)
 
     def gen(self, p: list[int], sp) -> tuple[float, list[int]]:
         from vllm.inputs import TokensPrompt
@@ -128,6 +130,7 @@ class Engine:
         out = self.llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         wall = time.perf_counter() - t
         self.cpu_s = time.process_time() - c
+        self.last_output = out[0]
         return wall, list(out[0].outputs[0].token_ids)
 
     def counters(self) -> dict[str, float]:
@@ -150,10 +153,8 @@ class Engine:
         return steps
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort
             self.llm.llm_engine.engine_core.shutdown()
-        except Exception:  # pragma: no cover - best effort
-            pass
         del self.llm
         gc.collect()
         try:
@@ -280,9 +281,8 @@ def fs_type(path: Path) -> str:
     try:
         for line in Path("/proc/mounts").read_text().splitlines():
             _, mnt, typ, *_ = line.split()
-            if str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt:
-                if len(mnt) > len(best):
-                    best, kind = mnt, typ
+            if (str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt) and len(mnt) > len(best):
+                best, kind = mnt, typ
     except OSError:
         pass
     return kind

@@ -60,6 +60,16 @@ def trace_json(s3fifo_p99: float, lru_p99: float) -> dict[str, Any]:
             "results": {"none": res(0.38, 0.74), "lru": res(lru_p99, 0.89), "s3fifo": res(s3fifo_p99, 1.0)}}
 
 
+def pd_json(pool: float | None, nixl: float | None) -> dict[str, Any]:
+    """bench/pd_ttft.py's summary; a path not run (--paths, or a JSON from before NIXL) has no ratio."""
+    summary: dict[str, Any] = {"recompute_ttft_median_s": 1.344, "tokens_equal": True}
+    if pool is not None:
+        summary.update(pd_over_recompute=pool, pool_over_recompute=pool)
+    if nixl is not None:
+        summary["nixl_over_recompute"] = nixl
+    return {"benchmark": "pd_ttft", "summary": summary, "failures": []}
+
+
 def write(d: Path, name: str, data: dict[str, Any]) -> None:
     (d / f"{name}.json").write_text(json.dumps(data))
 
@@ -119,6 +129,21 @@ def test_report_only_all_pass_exits_0_and_failures_are_problems(tmp_path, capsys
     rc, out, _ = report(tmp_path, capsys)
     assert rc == 1
     assert "problem: ttft: kvtier: warm tokens differ from cold" in out
+
+
+def test_pd_ttft_has_a_row_per_path(tmp_path, capsys):
+    write(tmp_path, "pd_ttft", pd_json(0.067, 1.2))
+    rc, out, _ = report(tmp_path, capsys)
+    r = rows(out)
+    assert rc == 1
+    assert r["P/D pool decode TTFT / recompute"][:3] == ["0.067", "< 1", "PASS"]
+    assert r["P/D NIXL peer decode TTFT / recompute"][:3] == ["1.200", "< 1", "FAIL"]
+
+    write(tmp_path, "pd_ttft", pd_json(0.067, None))  # --paths pool
+    _, out, _ = report(tmp_path, capsys)
+    r = rows(out)
+    assert r["P/D pool decode TTFT / recompute"][2] == "PASS"
+    assert r["P/D NIXL peer decode TTFT / recompute"] == ["-", "< 1", "—", "not in the JSON"]
 
 
 def test_broken_json_is_a_row_not_a_crash(tmp_path, capsys):
