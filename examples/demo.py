@@ -41,6 +41,7 @@ float32 keeps the with/without comparison exact.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -167,11 +168,9 @@ def run_engine(model_dir: Path, kv_transfer_config: dict | None, args) -> list[d
     recs.append(ask("(c) long prompt of (a) again", long_prompt, args.answer_tokens))
     final = counters(llm)
 
-    try:  # stop the engine core now: the plugin's NVMe I/O threads finish their queue
+    with contextlib.suppress(Exception):  # stop the engine core now: the NVMe I/O threads finish their queue
         llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
+    llm = None  # drop the engine before the next one starts
     gc.collect()
     for r in recs:
         r["final_counters"] = final
@@ -248,7 +247,7 @@ def main() -> int:
     n = sum(len(k["tokens"]) for k in tier)
     for b, k in zip(base, tier, strict=True):
         if b["prompt"] != k["prompt"] or b["tokens"] != k["tokens"]:
-            first = next((i for i, (x, y) in enumerate(zip(b["tokens"], k["tokens"])) if x != y), None)
+            first = next((i for i, (x, y) in enumerate(zip(b["tokens"], k["tokens"], strict=False)) if x != y), None)
             print(f"  {k['label']}: prompts {'equal' if b['prompt'] == k['prompt'] else 'differ'}, "
                   f"tokens differ from position {first}")
     print(f"tokens with reuse vs without: {'identical' if same_tokens and same_prompts else 'DIFFERENT'} "

@@ -62,7 +62,7 @@ def _metric(text: str, name: str, tier: str = "cpu") -> float:
 @pytest.mark.slow
 def test_openai_api_server(tiny_model, baseline, tmp_path):
     port = _free_port()
-    log = open(tmp_path / "server.log", "w")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed in finally)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
