@@ -181,7 +181,7 @@ class NixlTierConfig:
     blocks straight out of the prefill instance's CPU tier over NIXL (UCX: RDMA, or TCP /
     shared memory on one host), using the ``kv_transfer_params`` vLLM passes through the
     request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl_agent.NixlConfig`'s
-    fields (backends, deadline_s, num_threads) next to ``hold_s``."""
+    fields (backends, deadline_s, num_threads, progress_thread) next to ``hold_s``."""
 
     store: NixlConfig
     #: Prefill side: how long a finished request's blocks stay pinned for the decode side

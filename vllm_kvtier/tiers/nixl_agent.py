@@ -75,6 +75,12 @@ class NixlConfig:
     deadline_s: float = 5.0
     #: Backend worker threads (0: the backend's default).
     num_threads: int = 0
+    #: NIXL's UCX progress thread. Off by default: it polls without pause (NIXL's Python
+    #: API fixes its delay at 0), which costs one CPU core per worker, idle or not. Without
+    #: it, transfers progress when this agent is polled: the worker polls every step, and
+    #: the scheduler keeps a prefill engine stepping while it holds offers (RDMA reads
+    #: need no progress on the side read from at all).
+    progress_thread: bool = False
 
     def __post_init__(self) -> None:
         if not self.backends or not all(isinstance(b, str) and b.isalnum() for b in self.backends):
@@ -211,7 +217,8 @@ class NixlAgent:
         nixl_agent, nixl_agent_config = _nixl_api()
         self.name = name
         self.config = config or NixlConfig()
-        conf = nixl_agent_config(backends=list(self.config.backends), num_threads=self.config.num_threads)
+        conf = nixl_agent_config(enable_prog_thread=self.config.progress_thread,
+                                 backends=list(self.config.backends), num_threads=self.config.num_threads)
         try:
             with unpinned_thread():  # its progress and backend threads start here
                 self._agent = nixl_agent(name, conf)
@@ -400,6 +407,16 @@ class NixlAgent:
             self._release(p.handle)
             self._done.append(XferResult(p.job_id, False, "closed", seconds=time.perf_counter() - p.t0))
         self._pending = []
+        if not self.config.progress_thread:
+            # Nobody else progresses UCX: let it finish what it started (errors of a gone
+            # peer's endpoint included) before the endpoints go; destroying one with work
+            # still queued aborts the process inside UCX.
+            for _ in range(20):
+                try:
+                    self._agent.get_new_notifs()
+                except Exception:
+                    break
+                time.sleep(0.005)
         for name in list(self._peers):
             self.remove_peer(name)
         for region in list(self._regions):
