@@ -79,6 +79,12 @@ PIECE_BYTES = 4 << 20
 _KEPT_AGENTS: list[Any] = []
 
 
+#: File agents whose transfer failed, with what they held (registrations, the buffer):
+#: never reused nor freed (see :meth:`NixlFileIO._transfer`). A failed local disk transfer
+#: is rare; each costs one agent and one chunk buffer.
+_RETIRED: list[Any] = []
+
+
 class NixlTransferError(ConnectionError):
     """NIXL reported a failed transfer and gave no reason we could find."""
 
@@ -198,21 +204,27 @@ class NixlFileIO:
         local = np.array([(addr + s, min(PIECE_BYTES, n - s), 0) for s in starts], dtype=np.uint64)
         remote = np.array([(offset + s, min(PIECE_BYTES, n - s), fd) for s in starts], dtype=np.uint64)
         agent = self._take()
+        undo = contextlib.ExitStack()  # unwinds: release, deregister file, deregister buffer
         try:
-            with contextlib.ExitStack() as undo:  # unwinds: release, deregister file, deregister buffer
-                for kind, desc in (("DRAM", (addr, n, 0, "")), ("FILE", (offset, n, fd, ""))):
-                    reg = agent.register_memory([desc], kind, backends=[self.backend])
-                    undo.callback(_quietly, functools.partial(agent.deregister_memory, reg), "deregistering")
-                handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
-                                               agent.get_xfer_descs(remote, "FILE"), agent.name)
-                undo.callback(_quietly, handle.release, "releasing a transfer")
-                _run(agent, handle, None)  # a disk transfer always ends: no deadline
-        except NixlTransferError:
-            raise
-        except Exception as e:  # nixlBackendError and friends
+            for kind, desc in (("DRAM", (addr, n, 0, "")), ("FILE", (offset, n, fd, ""))):
+                reg = agent.register_memory([desc], kind, backends=[self.backend])
+                undo.callback(_quietly, functools.partial(agent.deregister_memory, reg), "deregistering")
+            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "FILE"), agent.name)
+            undo.callback(_quietly, handle.release, "releasing a transfer")
+            _run(agent, handle, None)  # a disk transfer always ends: no deadline
+        except Exception as e:
+            # NIXL's POSIX backend reports an error while other pieces of the transfer may
+            # still be queued in its I/O queue: a late one could land in this buffer after
+            # it went back to the pool, or run on a released handle. So nothing is undone:
+            # the agent, its registrations and the buffer are retired for good.
+            keep = view[:]  # holds the buffer out of the pool
+            _RETIRED.append((agent, undo.pop_all(), keep))
+            if isinstance(e, NixlTransferError):
+                raise
             raise NixlTransferError(f"{type(e).__name__}: {e}") from e
-        finally:
-            self._give(agent)
+        undo.close()
+        self._give(agent)
 
     def close(self) -> None:
         with self._lock:
@@ -328,10 +340,10 @@ class NixlObjectIO:
 
     def _transfer(self, op: Literal["READ", "WRITE"], key: str, offset: int, view: memoryview,
                   deadline: float) -> None:
-        self._reap()
         agent, n, dev = self._agent, view.nbytes, next(self._dev)
         if agent is None:
             raise NixlTransferError("the engine is closed")
+        self._reap()
         addr = _address(view)
         try:
             with contextlib.ExitStack() as undo:  # unwinds: release, deregister object, deregister buffer
@@ -356,16 +368,17 @@ class NixlObjectIO:
 
     def _reap(self) -> None:
         """Free what unfinished transfers held, for those that ended meanwhile."""
+        agent = self._agent
         with self._lock:
-            if not self._unfinished:
+            if not self._unfinished or agent is None:  # closed: what is held stays held
                 return
             items, self._unfinished = self._unfinished, []
         still = []
         for u in items:
             try:
-                ended = self._agent.check_xfer_state(u.handle) != "PROC"
-            except Exception:  # ended with an error
-                ended = True
+                ended = agent.check_xfer_state(u.handle) != "PROC"  # "ERR" is an end too
+            except Exception:  # says nothing about the transfer: keep holding its buffer
+                ended = False
             if ended:
                 u.free.close()
             else:
