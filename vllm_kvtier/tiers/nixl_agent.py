@@ -43,6 +43,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ import numpy as np
 
 from vllm_kvtier.errors import ConfigError
 
-__all__ = ["INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult", "nixl_api"]
+__all__ = ["AGENT_CREATION", "INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult", "nixl_api"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,11 @@ def nixl_api() -> Any:
     raise ImportError(f"{INSTALL_HINT} ({'; '.join(errors)})")
 
 
+#: Held while creating a NIXL agent: NIXL's plugin manager is process-wide, and the P/D
+#: agents and the I/O engines' agents may be created from different threads.
+AGENT_CREATION = threading.Lock()
+
+
 @contextlib.contextmanager
 def unpinned_thread() -> Iterator[None]:
     """Let threads started inside the block run on every CPU this process may use.
@@ -220,7 +226,7 @@ class NixlAgent:
         conf = nixl_agent_config(enable_prog_thread=self.config.progress_thread,
                                  backends=list(self.config.backends), num_threads=self.config.num_threads)
         try:
-            with unpinned_thread():  # its progress and backend threads start here
+            with AGENT_CREATION, unpinned_thread():  # its progress and backend threads start here
                 self._agent = nixl_agent(name, conf)
         except Exception as e:
             raise RuntimeError(f"NIXL agent {name!r} with backends {self.config.backends} failed: {e}") from e

@@ -62,7 +62,7 @@ import numpy as np
 
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
-from vllm_kvtier.tiers.nixl_agent import INSTALL_HINT, nixl_api
+from vllm_kvtier.tiers.nixl_agent import AGENT_CREATION, INSTALL_HINT, nixl_api
 from vllm_kvtier.tiers.s3_config import S3Config
 
 __all__ = ["PIECE_BYTES", "NixlGdsFileIO", "NixlObjectIO", "NixlPosixFileIO", "NixlTransferError", "obj_params"]
@@ -148,8 +148,8 @@ class NixlFileIO:
         self.backend = backend
         self._api = _api("nvme.io_engine")
         self._lock = threading.Lock()
-        self._creating = threading.Lock()
-        self._idle: list[Any] = [self._new_agent(startup=True)]  # fails here, at start-up, if the plugin is absent
+        with AGENT_CREATION:  # fails here, at start-up, if the plugin is absent
+            self._idle: list[Any] = [self._new_agent(startup=True)]
 
     def _new_agent(self, *, startup: bool = False) -> Any:
         api = self._api
@@ -171,7 +171,7 @@ class NixlFileIO:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        with self._creating:  # NIXL's plugin manager is process-wide: one agent made at a time
+        with AGENT_CREATION:  # NIXL's plugin manager is process-wide: one agent made at a time
             return self._new_agent()
 
     def _give(self, agent: Any) -> None:
@@ -297,19 +297,23 @@ class NixlObjectIO:
         self._dev = itertools.count(1)  # OBJ descriptors are told apart by devId
         self._lock = threading.Lock()
         self._unfinished: list[_Unfinished] = []
+        #: aws-sdk-cpp's threads for this backend: past this many unfinished transfers, a
+        #: new one would only queue behind them and time out too.
+        self._max_unfinished = 2 * config.io_threads
         conf = api.nixl_agent_config(enable_prog_thread=False, backends=[],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        agent = api.nixl_agent(f"kvtier-s3-{uuid.uuid4().hex[:8]}", conf)
-        try:
-            # Both directions' threads may have a request in flight at once.
-            agent.create_backend("OBJ", obj_params(config, 2 * config.io_threads))
-        except Exception as e:
-            raise ConfigError(
-                "s3.io_engine",
-                f"'nixl' needs NIXL's OBJ plugin, which does not start here ({type(e).__name__}: {e}; plugins "
-                f"present: {', '.join(agent.get_plugin_list())}; the nixl-cu13 build's OBJ plugin needs "
-                f"libcuobjclient, {INSTALL_HINT}); use 'boto3'",
-            ) from e
+        with AGENT_CREATION:
+            agent = api.nixl_agent(f"kvtier-s3-{uuid.uuid4().hex[:8]}", conf)
+            try:
+                # Both directions' threads may have a request in flight at once.
+                agent.create_backend("OBJ", obj_params(config, 2 * config.io_threads))
+            except Exception as e:
+                raise ConfigError(
+                    "s3.io_engine",
+                    f"'nixl' needs NIXL's OBJ plugin, which does not start here ({type(e).__name__}: {e}; plugins "
+                    f"present: {', '.join(agent.get_plugin_list())}; the nixl-cu13 build's OBJ plugin needs "
+                    f"libcuobjclient, {INSTALL_HINT}); use 'boto3'",
+                ) from e
         self._agent: Any = agent
 
     def put(self, key: str, view: memoryview, deadline: float) -> None:
@@ -344,6 +348,10 @@ class NixlObjectIO:
         if agent is None:
             raise NixlTransferError("the engine is closed")
         self._reap()
+        with self._lock:
+            stuck = len(self._unfinished)
+        if stuck >= self._max_unfinished:
+            raise NixlTransferError(f"{stuck} earlier transfers are still in flight past their deadline")
         addr = _address(view)
         try:
             with contextlib.ExitStack() as undo:  # unwinds: release, deregister object, deregister buffer
