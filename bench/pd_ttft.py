@@ -62,14 +62,13 @@ cores with the pool client's threads, and spinning OpenMP threads slowed both by
 one profile (2.2 s to copy 25 MB into the CPU tier); ``OMP_WAIT_POLICY=PASSIVE`` removed it.
 The variable is recorded in the JSON; all engines of a run get the same setting.
 
-The ``nixl`` path also pays for NIXL's progress thread on a small machine: the UCX
-backend's thread (``nixlUcxSharedThread``; NIXL's Python API starts it with no delay
-between polls) busy-polls about one core in every process that has an agent, idle or not
-(9.7 s of CPU in 10 s in an idle prefill engine here). While the decode instance reads, two
-such threads (its own and the prefill process's) share the cores with its forward; on
-2 vCPUs this shows in both instances' TTFT and CPU time. In one run with the progress
-thread turned off (an experiment, not a plugin setting) the decode instance's CPU time per
-request fell from ~1.8 s to ~1.0 s and the prefill instance's TTFT to about a third.
+NIXL's own progress thread (the UCX backend's ``nixlUcxSharedThread``; NIXL's Python API
+starts it with no delay between polls) busy-polls about one core in every process that has
+an agent, idle or not (9.7 s of CPU in 10 s in an idle prefill engine here). This benchmark
+found it; the plugin now leaves it off by default (``nixl.progress_thread``) and progresses
+transfers as the worker polls them each step. With it on, on 2 vCPUs, the decode instance's
+CPU time per request was ~1.8 s instead of ~1.0 s and the NIXL path's ratio 0.26-0.71
+instead of 0.058.
 
 The JSON has one entry per path under ``paths`` (its summary, decode runs, prefill runs and
 the prefill instance's final counters); the pool path's figures also stay where they were
