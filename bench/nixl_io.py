@@ -41,7 +41,6 @@ The machine is shared and noisy: compare ratios from the same run, not MB/s acro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -61,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import nvme_throughput as nv  # noqa: E402
 from bench import s3_throughput as s3b  # noqa: E402
+from bench._common import save_json  # noqa: E402
 from vllm_kvtier.tiers.nvme import NVMeStore  # noqa: E402
 from vllm_kvtier.tiers.s3 import S3Config, S3Store  # noqa: E402
 
@@ -332,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                          "loadavg_before": load_before, "loadavg_after": nv._loadavg()}
     print(f"loadavg before: {load_before} | after: {result['machine']['loadavg_after']}")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {a.json}")
+    save_json(a.json, result)
     return 0
 
 

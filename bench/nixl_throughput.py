@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.metadata
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -59,6 +58,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import save_json  # noqa: E402
 from vllm_kvtier.tiers.nixl_agent import NixlAgent, NixlConfig, PeerInfo  # noqa: E402
 
 MB = 1e6
@@ -308,10 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "nixl": nixl_version(), "loadavg_end": os.getloadavg(), "total_s": total_s},
     }
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {a.json}")
+    save_json(a.json, result)
     return 0
 
 

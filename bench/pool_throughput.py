@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import ctypes
 import importlib.metadata
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -67,6 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import save_json  # noqa: E402
 from tests.mooncake_server import MooncakeMaster  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
@@ -420,10 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "mooncake": mooncake_version(), "loadavg_end": os.getloadavg(), "total_s": total},
     }
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {a.json}")
+    save_json(a.json, result)
     return 0
 
 

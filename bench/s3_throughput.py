@@ -31,7 +31,6 @@ defaults stay small (64 MiB per phase); objects are deleted after each phase.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import save_json  # noqa: E402
 from tests.s3_server import MotoServer, aws_test_env  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import ChunkHeader  # noqa: E402
 from vllm_kvtier.tiers.nvme import WriteBuffer  # noqa: E402
@@ -348,10 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": cases, "requests": reqs, "targets": targets, "rounds": rounds, "per_block_round": per_block,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"wrote {a.json}")
+    save_json(a.json, result)
     return 0
 
 

@@ -2,7 +2,8 @@
 ``io_engine: nixl``) share: the skip marker, the environment, and a skip for a plugin that
 is present but does not load here (the reason says which and why).
 
-Import ``nixl_env`` into a test module to use the fixture.
+Import ``nixl_env`` into a test module to use the fixture, and ``nixl_engine_env`` to give
+it to every test marked ``nixl`` there.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ def nixl_env(monkeypatch: pytest.MonkeyPatch) -> None:
     at exit where libibverbs' provider plugins are installed), and NIXL's INFO lines."""
     monkeypatch.setenv("UCX_MODULES", "^ib")
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+
+
+@pytest.fixture(autouse=True)
+def nixl_engine_env(request: pytest.FixtureRequest) -> None:
+    """Where imported: the NIXL environment for each test marked ``nixl``."""
+    if "nixl" in request.keywords:
+        request.getfixturevalue("nixl_env")
 
 
 def or_skip(make: Callable[[], T]) -> T:

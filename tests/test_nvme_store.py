@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nixl_env import HAVE_NIXL, nixl_env, requires_nixl
+from tests.nixl_env import HAVE_NIXL, nixl_engine_env, nixl_env, requires_nixl
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
@@ -33,15 +33,10 @@ from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer
 BLOCK = 3000
 FILE = NVMeTier.file_bytes(BLOCK)
 NS = "nvmetest00000000"
-nixl_env = nixl_env  # fixture: UCX/NIXL environment for the nixl engine's tests
+nixl_env = nixl_env  # fixtures: UCX/NIXL environment for the nixl engine's tests
+nixl_engine_env = nixl_engine_env
 #: the I/O engines that run here (nixl-gds needs CUDA and libcufile: see test_io_engine_errors_name_the_field)
 ENGINES = ["posix", pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl])]
-
-
-@pytest.fixture(autouse=True)
-def _engine_env(request: pytest.FixtureRequest) -> None:
-    if "nixl" in request.keywords:
-        request.getfixturevalue("nixl_env")
 
 
 def key(i: int) -> bytes:

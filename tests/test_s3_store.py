@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests import s3_server as s3srv
-from tests.nixl_env import nixl_env, requires_nixl
+from tests.nixl_env import nixl_engine_env, nixl_env, requires_nixl
 from tests.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, FaultProxy, MotoServer, aws_test_env
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
@@ -37,14 +37,9 @@ s3_bucket = s3srv.s3_bucket
 
 BLOCK = 3000  # not a multiple of 4 KiB: the format pads it
 NS = "s3test0000000000"
-nixl_env = nixl_env  # fixture: UCX/NIXL environment for the nixl engine's tests
+nixl_env = nixl_env  # fixtures: UCX/NIXL environment for the nixl engine's tests
+nixl_engine_env = nixl_engine_env
 ENGINES = ["boto3", pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl])]
-
-
-@pytest.fixture(autouse=True)
-def _engine_env(request: pytest.FixtureRequest) -> None:
-    if "nixl" in request.keywords:
-        request.getfixturevalue("nixl_env")
 
 
 def key(i: int) -> bytes:
