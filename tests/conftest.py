@@ -35,7 +35,12 @@ def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = Tr
     cfg = dict(KVTIER)
     if not module_path:
         del cfg["kv_connector_module_path"]
-    cfg["kv_connector_extra_config"] = {"cpu": {"capacity_bytes": 32 * 2**20}, **(extra or {})}
+    # Load-or-recompute is adaptive: it measures the tiers and the prefill rate of the
+    # machine it runs on, so with it on a count of loaded blocks depends on that machine's
+    # speed. Engine tests pin it off; a test of the policy itself turns it on explicitly.
+    cfg["kv_connector_extra_config"] = {
+        "cpu": {"capacity_bytes": 32 * 2**20}, "load_or_recompute": {"enabled": False}, **(extra or {}),
+    }
     return cfg
 
 
