@@ -81,6 +81,16 @@ def test_config_file(tmp_path):
          "'posix', 'nixl', 'nixl-gds'"),
         ({"s3": {"bucket": "kvb", "io_engine": "curl"}}, "s3.io_engine", "'boto3', 'nixl'"),
         ({"s3": {"bucket": "kvb", "io_engine": "nixl", "profile": "team"}}, "s3.io_engine", "AWS_PROFILE"),
+        # Non-finite numbers: Infinity used to reach the scheduler thread (OverflowError).
+        ({"mooncake": {"master": "m:50051", "lookup_timeout_s": float("inf")}}, "mooncake.lookup_timeout_s",
+         "finite"),
+        ({"s3": {"bucket": "kvb", "deadline_s": float("nan")}}, "s3.deadline_s", "finite"),
+        ({"prefetch": {"max_age_s": float("-inf")}}, "prefetch.max_age_s", "finite"),
+        # Upper bounds and bytes a path cannot hold.
+        ({"s3": {"bucket": "kvb", "io_threads": 100000}}, "s3.io_threads", "<= 256"),
+        ({"mooncake": {"master": "m:50051", "io_threads": 100000}}, "mooncake.io_threads", "<= 256"),
+        ({"nvme": {"path": "/x", "capacity_bytes": 1, "io_threads": 1000}}, "nvme.io_threads", "<= 256"),
+        ({"nvme": {"path": "/x\0y", "capacity_bytes": 1}}, "nvme.path", "NUL"),
     ],
 )
 def test_bad_input_names_the_field(extra, field, words):
@@ -98,3 +108,20 @@ def test_bad_yaml_file_names_the_file(tmp_path):
     f.write_text("cpu:\n  capacity_bytes: 10\n  bogus: 1\n")
     with pytest.raises(ConfigError, match="cpu.bogus"):
         parse_config({"config_file": str(f)})
+
+
+def test_a_section_validates_itself_wherever_it_is_built():
+    """Sections check their own values on construction, not only through the parser, so a
+    section built by a benchmark or a test is valid or not built at all."""
+    from vllm_kvtier.config import CPUTierConfig, NVMeTierConfig, PrefetchConfig
+
+    with pytest.raises(ConfigError) as e:
+        NVMeTierConfig(path="/x", capacity_bytes=1, chunk_blocks=257)
+    assert e.value.field == "nvme.chunk_blocks"
+    with pytest.raises(ConfigError) as e:
+        CPUTierConfig(capacity_fraction=0.95)
+    assert e.value.field == "cpu.capacity_fraction"
+    with pytest.raises(ConfigError) as e:
+        PrefetchConfig(max_inflight_blocks=0)
+    assert e.value.field == "prefetch.max_inflight_blocks"
+    assert NVMeTierConfig(path="/x", capacity_bytes=1).chunk_blocks == 16

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, get_args
+
+from vllm_kvtier.keys import EvictionName
 
 K = TypeVar("K", bound=Hashable)
 
 #: Names accepted by ``cpu.eviction`` and :func:`make_policy`.
-EvictionName = Literal["lru", "s3fifo"]
-EVICTION_NAMES: tuple[str, ...] = ("lru", "s3fifo")
+EVICTION_NAMES: tuple[str, ...] = get_args(EvictionName)
 
 
 class EvictionPolicy(Protocol[K]):

@@ -43,15 +43,14 @@ import ctypes
 import logging
 import mmap
 import queue
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.config.stores import SAFE_ID, MooncakeConfig
 from vllm_kvtier.tiers.chunkfile import (
     ChunkFormatError,
     ChunkHeader,
@@ -63,7 +62,6 @@ from vllm_kvtier.tiers.chunkfile import (
 )
 from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, drain
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
-from vllm_kvtier.tiers.s3_config import SAFE_ID
 
 __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeStats", "MooncakeStore", "code_reason", "object_key"]
 
@@ -76,7 +74,6 @@ INSTALL_HINT = (
     "and apt-get install libibverbs1 (tools/setup-remote.sh does both for tests)"
 )
 
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 #: Mooncake's ErrorCode values (mooncake-store/include/types.h) -> our failure labels.
 _CODE_REASONS = {
@@ -114,82 +111,6 @@ def object_key(namespace: str, rank: int, chunk_id: str) -> str:
 
 
 # ---- configuration ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    """Where the pool is and how to reach it. No secret here (Mooncake has none to give)."""
-
-    #: ``host:port`` of the ``mooncake_master`` RPC service.
-    master: str
-    #: Where transfer engines find each other: ``P2PHANDSHAKE`` (no metadata service,
-    #: peers handshake directly), ``http://host:port/metadata`` (the master's built-in HTTP
-    #: metadata server, ``-enable_http_metadata_server``) or an etcd address.
-    metadata_server: str = "P2PHANDSHAKE"
-    #: This client's address as other pool members reach it; "" = the address of the local
-    #: interface that routes to the master.
-    local_hostname: str = ""
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    #: RDMA devices for ``protocol: rdma``, e.g. ``mlx5_0`` or ``mlx5_0,mlx5_1``; "" lets
-    #: Mooncake pick. Ignored with tcp.
-    device_name: str = ""
-    #: DRAM this client contributes to the pool (0: a pure client; other nodes host the pool).
-    global_segment_bytes: int = 1 << 30
-    #: Mooncake's own staging buffer (its bytes-based API; this tier does not use it much).
-    local_buffer_bytes: int = 16 * MiB
-    #: The registered arena every transfer of this store goes through; a chunk larger than
-    #: it cannot be stored, and reads in flight share it.
-    transfer_buffer_bytes: int = 256 * MiB
-    #: Per read, from submission.
-    deadline_s: float = 5.0
-    #: Bound on the start-up probe of the master (Mooncake's own setup retries for 90 s).
-    connect_timeout_s: float = 2.0
-    #: Threads for reads and, separately, as many for writes and deletes.
-    io_threads: int = 2
-    #: Jobs moved by one batch call.
-    max_batch: int = 16
-    #: Writes waiting beyond this are refused (counted as store_skipped). One object per
-    #: block: a 4096-token prompt queues 64+ puts in one step.
-    max_queued_writes: int = 256
-    #: Copies Mooncake keeps of each chunk (in different segments where it can).
-    replicas: int = 1
-    #: Consecutive unhealthy batches that open the circuit breaker.
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        def bad(name: str, msg: str) -> ConfigError:
-            return ConfigError(f"mooncake.{name}", msg)
-
-        m = _HOST_PORT.match(self.master)
-        if not m or not 0 < int(m.group(2)) < 65536:
-            raise bad("master", f"{self.master!r} is not host:port (e.g. '10.0.0.5:50051')")
-        if not self.metadata_server or any(c.isspace() for c in self.metadata_server):
-            raise bad("metadata_server", "must be 'P2PHANDSHAKE', an http://... URL or an etcd address")
-        if any(c.isspace() for c in self.local_hostname):
-            raise bad("local_hostname", "must not contain whitespace")
-        if self.protocol not in ("tcp", "rdma"):
-            raise bad("protocol", f"{self.protocol!r}: allowed 'tcp', 'rdma'")
-        if any(c.isspace() for c in self.device_name):
-            raise bad("device_name", "a comma-separated list of RDMA device names, without spaces")
-        for name in ("global_segment_bytes", "local_buffer_bytes"):
-            if getattr(self, name) < 0:
-                raise bad(name, "must be >= 0")
-        if self.transfer_buffer_bytes < MiB:
-            raise bad("transfer_buffer_bytes", "must be >= 1 MiB (1048576)")
-        for name in ("deadline_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise bad(name, "must be > 0")
-        if self.breaker_cooldown_s < 0:
-            raise bad("breaker_cooldown_s", "must be >= 0")
-        for name in ("io_threads", "max_batch", "max_queued_writes", "replicas", "breaker_failures"):
-            if getattr(self, name) < 1:
-                raise bad(name, "must be >= 1")
-
-    @property
-    def master_host_port(self) -> tuple[str, int]:
-        host, port = self.master.rsplit(":", 1)
-        return host.strip("[]"), int(port)
 
 
 # ---- the registered arena ----------------------------------------------------------------------

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.config.stores import NixlConfig
 
 __all__ = ["AGENT_CREATION", "INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult", "nixl_api"]
 
@@ -64,34 +64,6 @@ INSTALL_HINT = (
 
 #: (local address, remote address, bytes) of one contiguous piece of a transfer.
 Span = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class NixlConfig:
-    """How this worker's agent transfers."""
-
-    #: NIXL backends to create; UCX moves DRAM (and VRAM) between agents.
-    backends: tuple[str, ...] = ("UCX",)
-    #: Per transfer, from submission.
-    deadline_s: float = 5.0
-    #: Backend worker threads (0: the backend's default).
-    num_threads: int = 0
-    #: NIXL's UCX progress thread. Off by default: it polls without pause (NIXL's Python
-    #: API fixes its delay at 0), which costs one CPU core per worker, idle or not. Without
-    #: it, transfers progress when this agent is polled: the worker polls every step, and
-    #: the scheduler keeps a prefill engine stepping while it holds offers (RDMA reads
-    #: need no progress on the side read from at all).
-    progress_thread: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.backends or not all(isinstance(b, str) and b.isalnum() for b in self.backends):
-            raise ConfigError("nixl.backends", "a non-empty list of NIXL backend names, e.g. [UCX]")
-        if "UCX" not in self.backends:
-            raise ConfigError("nixl.backends", "must include UCX (agent to agent transfers)")
-        if not self.deadline_s > 0:
-            raise ConfigError("nixl.deadline_s", "must be > 0")
-        if self.num_threads < 0:
-            raise ConfigError("nixl.num_threads", "must be >= 0")
 
 
 @dataclass(frozen=True)

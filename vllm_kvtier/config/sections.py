@@ -1,39 +1,48 @@
-"""Typed, frozen configuration, parsed once at the edge.
+"""The sections of ``kv_connector_extra_config``: typed, frozen, each validating itself.
 
-Sources, lowest precedence first, merged section by section:
-
-1. the built-in defaults of the dataclasses below;
-2. ``preset: NAME``: the file ``configs/NAME.yaml`` shipped with the package;
-3. ``config_file: PATH``: a YAML file with the same fields;
-4. the fields given inline in ``kv_connector_extra_config``.
-
-Every field is checked once here: unknown keys, wrong types, negative sizes and unknown
-presets raise :class:`~vllm_kvtier.errors.ConfigError` naming the dotted field. Nothing
-downstream re-validates. Units are in the names (``_bytes``, ``_s``). Secrets never live
-here (S3 credentials come from the environment), so ``repr`` is safe to log.
+A section's ``__post_init__`` checks its own fields and raises
+:class:`~vllm_kvtier.errors.ConfigError` naming the dotted field (``nvme.chunk_blocks``),
+so a section built anywhere (the parser, a test, a benchmark) is valid or not built at
+all. The parser (:mod:`vllm_kvtier.config.parse`) checks types and unknown keys before it
+builds them. Units are in the names (``_bytes``, ``_s``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
+from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.index.policy import EvictionName
-from vllm_kvtier.tiers.mooncake import MooncakeConfig
-from vllm_kvtier.tiers.nixl_agent import NixlConfig
-from vllm_kvtier.tiers.s3_config import S3Config
-
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
+from vllm_kvtier.keys import EvictionName
 
 LoadMode = Literal["sync", "async"]
+
+#: Blocks per chunk at most (``nvme.chunk_blocks``, ``s3.chunk_blocks``): also the bound a
+#: reader puts on a chunk header's block count before it allocates anything.
+MAX_CHUNK_BLOCKS = 256
+#: I/O threads per store at most: more only adds contention.
+MAX_IO_THREADS = 256
+
+
+def _positive(path: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(path, f"must be > 0, got {value}")
+
+
+def _at_least(path: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise ConfigError(path, f"must be >= {low}, got {value}")
+
+
+def _at_most(path: str, value: float, high: float) -> None:
+    if not value <= high:
+        raise ConfigError(path, f"must be <= {high}, got {value}")
+
+
+def _in_range(path: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(path, f"must be in [{low}, {high}], got {value}")
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,17 @@ class CPUTierConfig:
     #: Share of the pool that explicit prefix pins with a TTL may hold; pins beyond it
     #: are refused (and counted), so pinned prefixes never starve ordinary traffic.
     max_pinned_fraction: float = 0.5
+
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes is not None:
+            _positive("cpu.capacity_bytes", self.capacity_bytes)
+        if not 0.0 < self.capacity_fraction <= 0.9:
+            raise ConfigError("cpu.capacity_fraction",
+                              f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {self.capacity_fraction}")
+        if not 0.0 <= self.max_pinned_fraction <= 0.9:
+            raise ConfigError("cpu.max_pinned_fraction",
+                              f"must be in [0, 0.9] (keep room for unpinned blocks), got {self.max_pinned_fraction}")
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,20 @@ class NVMeTierConfig:
     io_engine: Literal["posix", "nixl", "nixl-gds"] = "posix"
 
 
+    def __post_init__(self) -> None:
+        _positive("nvme.capacity_bytes", self.capacity_bytes)
+        if not self.path:
+            raise ConfigError("nvme.path", "must not be empty")
+        if "\0" in self.path:
+            raise ConfigError("nvme.path", "must not contain a NUL byte")
+        for name in ("admit_min_seen", "io_threads", "max_queued_writes"):
+            _at_least(f"nvme.{name}", getattr(self, name), 1)
+        _at_least("nvme.chunk_blocks", self.chunk_blocks, 1)
+        _at_most("nvme.chunk_blocks", self.chunk_blocks, MAX_CHUNK_BLOCKS)
+        _at_most("nvme.io_threads", self.io_threads, MAX_IO_THREADS)
+        _at_least("nvme.flush_on_shutdown_s", self.flush_on_shutdown_s, 0)
+
+
 @dataclass(frozen=True)
 class S3TierConfig:
     """The object-store tier: chunk objects in ``store.bucket`` under ``store.prefix``.
@@ -146,6 +180,16 @@ class S3TierConfig:
     storage_dtype: Literal["native", "fp8"] = "native"
 
 
+    def __post_init__(self) -> None:
+        if self.capacity_bytes is not None:
+            _positive("s3.capacity_bytes", self.capacity_bytes)
+        _at_least("s3.admit_min_seen", self.admit_min_seen, 1)
+        _at_least("s3.chunk_blocks", self.chunk_blocks, 1)
+        _at_most("s3.chunk_blocks", self.chunk_blocks, MAX_CHUNK_BLOCKS)
+        for name in ("rescan_interval_s", "flush_on_shutdown_s"):
+            _at_least(f"s3.{name}", getattr(self, name), 0)
+
+
 @dataclass(frozen=True)
 class MooncakeTierConfig:
     """A Mooncake Store pool (``mooncake_master`` plus clients pooling their DRAM, TCP or
@@ -175,6 +219,12 @@ class MooncakeTierConfig:
     handoff_wait_s: float = 5.0
 
 
+    def __post_init__(self) -> None:
+        _at_least("mooncake.admit_min_seen", self.admit_min_seen, 1)
+        for name in ("lookup_timeout_s", "handoff_wait_s"):
+            _at_least(f"mooncake.{name}", getattr(self, name), 0)
+
+
 @dataclass(frozen=True)
 class NixlTierConfig:
     """Prefill/decode disaggregation peer to peer: the decode instance reads a prompt's
@@ -189,10 +239,8 @@ class NixlTierConfig:
     hold_s: float = 60.0
 
 
-#: Fields of the flat ``s3`` / ``mooncake`` sections that belong to the tier config itself.
-_S3_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(S3TierConfig)) - {"store"}
-_MOONCAKE_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(MooncakeTierConfig)) - {"store"}
-_NIXL_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(NixlTierConfig)) - {"store"}
+    def __post_init__(self) -> None:
+        _positive("nixl.hold_s", self.hold_s)
 
 
 @dataclass(frozen=True)
@@ -208,6 +256,12 @@ class LoadOrRecomputeConfig:
     probe_interval_s: float = 30.0
 
 
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s is not None:
+            _positive("load_or_recompute.prefill_tokens_per_s", self.prefill_tokens_per_s)
+        _at_least("load_or_recompute.probe_interval_s", self.probe_interval_s, 0)
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """Promote a conversation's blocks that left DRAM back into it when its request ends,
@@ -218,6 +272,11 @@ class PrefetchConfig:
     max_inflight_blocks: int = 256
     #: A queued prefetch older than this is dropped.
     max_age_s: float = 30.0
+
+
+    def __post_init__(self) -> None:
+        _at_least("prefetch.max_inflight_blocks", self.max_inflight_blocks, 1)
+        _at_least("prefetch.max_age_s", self.max_age_s, 0)
 
 
 @dataclass(frozen=True)
@@ -231,6 +290,11 @@ class ExporterConfig:
     addr: str = "0.0.0.0"
 
 
+    def __post_init__(self) -> None:
+        if self.port is not None:
+            _in_range("exporter.port", self.port, 0, 65535)
+
+
 @dataclass(frozen=True)
 class FaultInjectionConfig:
     """Deliberate failures, for fault drills and tests. Off unless a rate is set."""
@@ -238,6 +302,10 @@ class FaultInjectionConfig:
     #: Probability that one block load fails (the block is then recomputed).
     load_error_rate: float = 0.0
     seed: int = 0
+
+
+    def __post_init__(self) -> None:
+        _in_range("fault_injection.load_error_rate", self.load_error_rate, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -268,219 +336,5 @@ class KVTierConfig:
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
 
-
-def available_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(field_name, f"cannot read {path}: {e.strerror}") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(field_name, f"{path} is not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(field_name, f"{path} must hold a mapping, not {type(data).__name__}")
-    return data
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _merge(dict(out[k]), v)
-        else:
-            out[k] = v
-    return out
-
-
-def _check_value(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; return the (possibly coerced) value."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check_value(path, value, a)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        return value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
-        if tp is S3TierConfig:
-            return _build_flat(S3TierConfig, S3Config, _S3_POLICY_FIELDS, value, path)
-        if tp is MooncakeTierConfig:
-            return _build_flat(MooncakeTierConfig, MooncakeConfig, _MOONCAKE_POLICY_FIELDS, value, path)
-        if tp is NixlTierConfig:
-            return _build_flat(NixlTierConfig, NixlConfig, _NIXL_POLICY_FIELDS, value, path)
-        return _build(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(path, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {value!r}")
-        return value
-    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(path, f"must be a list, got {value!r}")
-        item = typing.get_args(tp)[0]
-        return tuple(_check_value(f"{path}[{i}]", v, item) for i, v in enumerate(value))
-    raise TypeError(f"unsupported annotation {tp!r} for {path}")  # programming error
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            raise ConfigError(path, f"unknown key; allowed: {', '.join(sorted(names))}")
-        kwargs[key] = _check_value(path, value, hints[key])
-    for f in dataclasses.fields(cls):
-        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            path = f"{prefix}.{f.name}" if prefix else f.name
-            raise ConfigError(path, "is required")
-    return cls(**kwargs)
-
-
-def _build_flat(tier_cls: type, store_cls: type, policy_fields: frozenset[str], data: Mapping[str, Any],
-                path: str) -> Any:
-    """A flat tier section (``s3``, ``mooncake``): policy fields are ``tier_cls``'s, the
-    rest the store's config (which validates itself and names ``<section>.<field>``)."""
-    store_fields = {f.name for f in dataclasses.fields(store_cls)}
-    for key in data:
-        if key not in store_fields and key not in policy_fields:
-            allowed = ", ".join(sorted(store_fields | policy_fields))
-            raise ConfigError(f"{path}.{key}", f"unknown key; allowed: {allowed}")
-    hints = typing.get_type_hints(tier_cls)
-    policy = {k: _check_value(f"{path}.{k}", v, hints[k]) for k, v in data.items() if k in policy_fields}
-    store = _build(store_cls, {k: v for k, v in data.items() if k in store_fields}, path)
-    return tier_cls(store, **policy)
-
-
-def _validate(cfg: KVTierConfig) -> None:
-    c = cfg.cpu
-    if c.capacity_bytes is not None and c.capacity_bytes <= 0:
-        raise ConfigError("cpu.capacity_bytes", f"must be > 0, got {c.capacity_bytes}")
-    if not 0.0 < c.capacity_fraction <= 0.9:
-        raise ConfigError(
-            "cpu.capacity_fraction",
-            f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {c.capacity_fraction}",
-        )
-    if not 0.0 <= c.max_pinned_fraction <= 0.9:
-        raise ConfigError(
-            "cpu.max_pinned_fraction",
-            f"must be in [0, 0.9] (keep room for unpinned blocks), got {c.max_pinned_fraction}",
-        )
-    n = cfg.nvme
-    if n is not None:
-        if n.capacity_bytes <= 0:
-            raise ConfigError("nvme.capacity_bytes", f"must be > 0, got {n.capacity_bytes}")
-        if not n.path:
-            raise ConfigError("nvme.path", "must not be empty")
-        for name in ("admit_min_seen", "chunk_blocks", "io_threads", "max_queued_writes"):
-            if getattr(n, name) < 1:
-                raise ConfigError(f"nvme.{name}", f"must be >= 1, got {getattr(n, name)}")
-        if n.chunk_blocks > 256:
-            raise ConfigError("nvme.chunk_blocks", f"must be <= 256, got {n.chunk_blocks}")
-        if n.flush_on_shutdown_s < 0:
-            raise ConfigError("nvme.flush_on_shutdown_s", f"must be >= 0, got {n.flush_on_shutdown_s}")
-    s3 = cfg.s3
-    if s3 is not None:
-        if s3.capacity_bytes is not None and s3.capacity_bytes <= 0:
-            raise ConfigError("s3.capacity_bytes", f"must be > 0, got {s3.capacity_bytes}")
-        for name in ("admit_min_seen", "chunk_blocks"):
-            if getattr(s3, name) < 1:
-                raise ConfigError(f"s3.{name}", f"must be >= 1, got {getattr(s3, name)}")
-        if s3.chunk_blocks > 256:
-            raise ConfigError("s3.chunk_blocks", f"must be <= 256, got {s3.chunk_blocks}")
-        for name in ("rescan_interval_s", "flush_on_shutdown_s"):
-            if getattr(s3, name) < 0:
-                raise ConfigError(f"s3.{name}", f"must be >= 0, got {getattr(s3, name)}")
-    mc = cfg.mooncake
-    if mc is not None:
-        if mc.admit_min_seen < 1:
-            raise ConfigError("mooncake.admit_min_seen", f"must be >= 1, got {mc.admit_min_seen}")
-        for name in ("lookup_timeout_s", "handoff_wait_s"):
-            if getattr(mc, name) < 0:
-                raise ConfigError(f"mooncake.{name}", f"must be >= 0, got {getattr(mc, name)}")
-    if cfg.nixl is not None and cfg.nixl.hold_s <= 0:
-        raise ConfigError("nixl.hold_s", f"must be > 0, got {cfg.nixl.hold_s}")
-    lr = cfg.load_or_recompute
-    if lr.prefill_tokens_per_s is not None and lr.prefill_tokens_per_s <= 0:
-        raise ConfigError("load_or_recompute.prefill_tokens_per_s", f"must be > 0, got {lr.prefill_tokens_per_s}")
-    if lr.probe_interval_s < 0:
-        raise ConfigError("load_or_recompute.probe_interval_s", f"must be >= 0, got {lr.probe_interval_s}")
-    if cfg.prefetch.max_inflight_blocks < 1:
-        raise ConfigError("prefetch.max_inflight_blocks", f"must be >= 1, got {cfg.prefetch.max_inflight_blocks}")
-    if cfg.prefetch.max_age_s < 0:
-        raise ConfigError("prefetch.max_age_s", f"must be >= 0, got {cfg.prefetch.max_age_s}")
-    if cfg.exporter.port is not None and not 0 <= cfg.exporter.port < 65536:
-        raise ConfigError("exporter.port", f"must be in [0, 65535], got {cfg.exporter.port}")
-    if cfg.min_load_blocks < 1:
-        raise ConfigError("min_load_blocks", f"must be >= 1, got {cfg.min_load_blocks}")
-    r = cfg.fault_injection.load_error_rate
-    if not 0.0 <= r <= 1.0:
-        raise ConfigError("fault_injection.load_error_rate", f"must be in [0, 1], got {r}")
-
-
-def parse_config(extra: Mapping[str, Any] | None) -> KVTierConfig:
-    """Parse ``kv_connector_extra_config`` into a frozen :class:`KVTierConfig`.
-
-    Called once per connector instance, in the scheduler and in every worker; it is pure
-    (reads only the preset and config files) so all processes agree.
-    """
-    extra = dict(extra or {})
-    if not isinstance(extra, dict):
-        raise ConfigError("kv_connector_extra_config", "must be a mapping")
-    merged: dict[str, Any] = {}
-    preset = extra.get("preset")
-    if preset is not None:
-        if not isinstance(preset, str):
-            raise ConfigError("preset", f"must be a string, got {preset!r}")
-        path = PRESET_DIR / f"{preset}.yaml"
-        if "/" in preset or not path.is_file():
-            raise ConfigError(
-                "preset", f"unknown preset {preset!r}; available: {', '.join(available_presets())}"
-            )
-        merged = _merge(merged, _read_yaml(path, "preset"))
-    config_file = extra.get("config_file")
-    if config_file is not None:
-        if not isinstance(config_file, str):
-            raise ConfigError("config_file", f"must be a string, got {config_file!r}")
-        from_file = _read_yaml(Path(config_file), "config_file")
-        for nested in ("preset", "config_file"):
-            if nested in from_file:
-                raise ConfigError(f"config_file.{nested}", "may only be given inline")
-        merged = _merge(merged, from_file)
-    merged = _merge(merged, extra)
-    cfg = _build(KVTierConfig, merged, "")
-    _validate(cfg)
-    return cfg
+    def __post_init__(self) -> None:
+        _at_least("min_load_blocks", self.min_load_blocks, 1)

@@ -1,0 +1,31 @@
+"""Names every layer shares, at the bottom of the house (imports nothing internal).
+
+:class:`TierName` names a tier in counters, metadata and logs. It is a ``StrEnum``: a
+member equals its string (``TierName.NVME == "nvme"``), so it crosses process boundaries
+as a plain string and metric labels stay what operators' dashboards already use.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+
+class TierName(StrEnum):
+    """Where a block is held or comes from."""
+
+    CPU = "cpu"
+    NVME = "nvme"
+    S3 = "s3"
+    MOONCAKE = "mooncake"
+    #: P/D peer to peer: another instance's CPU tier, read over NIXL.
+    PEER = "peer"
+    #: A counter that is not about one tier (``load_probes|all``, ``handoff_timeouts|all``).
+    ALL = "all"
+
+
+#: The tiers below the CPU tier that hold chunks (a planner and a worker each).
+CHUNK_TIERS: tuple[TierName, ...] = (TierName.NVME, TierName.S3, TierName.MOONCAKE)
+
+#: Eviction policies of the CPU tier (``cpu.eviction``; :mod:`vllm_kvtier.index.policy`).
+EvictionName = Literal["lru", "s3fifo"]
