@@ -18,3 +18,28 @@ def test_presets_listed_by_installed_script():
     out = subprocess.run([sys.executable, "-m", "vllm_kvtier.cli", "presets"], capture_output=True,
                          text=True, check=True).stdout
     assert "interactive" in out.split()
+
+
+def test_check_config_of_a_json_array_is_a_usage_error(capsys):
+    """Valid JSON that is not an object: exit 2 with a message naming the field, no traceback."""
+    assert main(["check-config", "[1, 2]"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_connector_extra_config" in err and "Traceback" not in err
+
+
+def test_files_that_are_not_small_regular_files_are_refused(tmp_path, capsys):
+    """A device or a FIFO given as a model config or a config file is refused at once:
+    /dev/zero used to be read until the process was killed, and a FIFO blocks an open()."""
+    import os
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        assert main(["plan", "--model-config", path, "--context-tokens", "1K"]) == 2
+        assert "not a regular file" in capsys.readouterr().err
+        assert main(["check-config", "--file", path]) == 2
+        assert "config_file" in capsys.readouterr().err
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (5 << 20))
+    assert main(["plan", "--model-config", str(big), "--context-tokens", "1K"]) == 2
+    assert "larger than" in capsys.readouterr().err

@@ -125,3 +125,8 @@ def test_a_section_validates_itself_wherever_it_is_built():
         PrefetchConfig(max_inflight_blocks=0)
     assert e.value.field == "prefetch.max_inflight_blocks"
     assert NVMeTierConfig(path="/x", capacity_bytes=1).chunk_blocks == 16
+
+
+def test_exporter_listens_on_loopback_unless_told_otherwise():
+    assert parse_config({"exporter": {"port": 9400}}).exporter.addr == "127.0.0.1"
+    assert parse_config({"exporter": {"port": 9400, "addr": "0.0.0.0"}}).exporter.addr == "0.0.0.0"

@@ -151,6 +151,8 @@ def _parse_kvtier_config(args: argparse.Namespace) -> KVTierConfig:
         extra = json.loads(args.extra) if args.extra else {}
     except json.JSONDecodeError as e:
         raise PlanInputError("kv_connector_extra_config", f"not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ConfigError("kv_connector_extra_config", f"must be a JSON object, not {type(extra).__name__}")
     if args.file:
         extra = {**extra, "config_file": args.file}
     if getattr(args, "preset", None):
@@ -353,14 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvtier {args.cmd}: {e}", file=sys.stderr)
             return 2
     try:
-        extra = json.loads(args.extra) if args.extra else {}
-        if args.file:
-            extra = {**extra, "config_file": args.file}
-        cfg = parse_config(extra)
-    except json.JSONDecodeError as e:
-        print(f"kvtier: not valid JSON: {e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
+        cfg = _parse_kvtier_config(args)
+    except (PlanInputError, ConfigError) as e:
         print(f"kvtier: {e}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")

@@ -101,7 +101,7 @@ class StandaloneExporter:
         """Add one ``KVTierStats.data`` dict (or :meth:`Counters.drain` output)."""
         self.metrics.observe(stats_data, list(self._labels.values()))
 
-    def start(self, port: int, addr: str = "0.0.0.0") -> int:
+    def start(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``addr:port`` (port 0: a free one); returns the bound port.
         Raises ``OSError`` if the port cannot be bound, ``RuntimeError`` if already serving."""
         if self._server is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_kvtier.config.parse import read_small_file
 from vllm_kvtier.errors import KVTierError
 
 #: bytes per cached value for each ``--kv-dtype`` (vLLM's ``--kv-cache-dtype``)
@@ -274,11 +275,11 @@ def read_model_config(path: str) -> KVModel:
     if p.is_dir():
         p = p / "config.json"
     try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise PlanInputError(f"model config {p}", f"cannot read: {e.strerror}") from e
+        data = json.loads(read_small_file(p))
     except json.JSONDecodeError as e:
         raise PlanInputError(f"model config {p}", f"not valid JSON: {e}") from e
+    except ValueError as e:  # not a small regular UTF-8 file
+        raise PlanInputError(f"model config {p}", str(e)) from e
     if not isinstance(data, dict):
         raise PlanInputError(f"model config {p}", "must hold a JSON object")
     return model_from_hf_config(data, str(p))

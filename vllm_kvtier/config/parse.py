@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -42,11 +44,35 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+#: Config and model files are a few KiB; anything beyond this is not one (``/dev/zero``).
+MAX_CONFIG_FILE_BYTES = 4 << 20
+
+
+def read_small_file(path: Path, max_bytes: int = MAX_CONFIG_FILE_BYTES) -> str:
+    """The text of a regular file of at most ``max_bytes``. ValueError saying why not
+    (missing, a device or FIFO, too big, not UTF-8): callers name the field."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} is larger than {max_bytes} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e}") from e
+
+
 def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(field_name, f"cannot read {path}: {e.strerror}") from e
+        text = read_small_file(path)
+    except ValueError as e:
+        raise ConfigError(field_name, str(e)) from e
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -162,9 +188,9 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVTierConfig:
     Called once per connector instance, in the scheduler and in every worker; it is pure
     (reads only the preset and config files) so all processes agree.
     """
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError("kv_connector_extra_config", f"must be a mapping, not {type(extra).__name__}")
     extra = dict(extra or {})
-    if not isinstance(extra, dict):
-        raise ConfigError("kv_connector_extra_config", "must be a mapping")
     merged: dict[str, Any] = {}
     preset = extra.get("preset")
     if preset is not None:

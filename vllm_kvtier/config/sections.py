@@ -287,7 +287,10 @@ class ExporterConfig:
 
     #: TCP port; None: off (vLLM's own /metrics carries everything as ``vllm:kvtier_*``).
     port: int | None = None
-    addr: str = "0.0.0.0"
+    #: Loopback by default: KV metrics name tiers, paths and hit rates, and an endpoint on
+    #: every interface is one an operator did not choose. Set "0.0.0.0" (or the pod IP) for
+    #: a scraper on another host.
+    addr: str = "127.0.0.1"
 
 
     def __post_init__(self) -> None:
