@@ -486,6 +486,8 @@ def test_nvme_volume_kinds(helm, kind):
         (("kvtier.nvme.capcity_bytes=1",), "capcity_bytes"),
         (("kvtier.role=kv_sender",), "/kvtier/role"),
         (("kvtier.s3.enabled=true",), "kvtier.s3.bucket is required"),
+        (("engine.shutdownTimeoutS=60",), "must be below terminationGracePeriodSeconds"),
+        ((*NVME_ON, "kvtier.nvme.flush_on_shutdown_s=50"), "exceeds engine.shutdownTimeoutS"),
     ],
     ids=[
         "cpu-both",
@@ -496,6 +498,8 @@ def test_nvme_volume_kinds(helm, kind):
         "typo",
         "bad-role",
         "s3-no-bucket",
+        "drain-past-grace-period",
+        "flush-past-drain",
     ],
 )
 def test_chart_refuses_values_that_cannot_work(helm, sets, words):
@@ -678,3 +682,16 @@ def test_alert_rules_cover_the_brief():
     assert "histogram_quantile(0.99" in ttft["expr"] and "offset 1d" in ttft["expr"]
     for failure in ("vllm:kvtier_load_failures_total", "vllm:kvtier_store_failures_total"):
         assert any(re.search(r"\btier\b", r["expr"]) and r["for"] for r in by_metric[failure]), failure
+
+
+def test_vllm_drains_on_sigterm_long_enough_for_the_shutdown_flush(helm):
+    """vLLM's API server defaults to --shutdown-timeout 0 (abort): on SIGTERM it kills the
+    engine at once and the write-back blocks never reach NVMe. The chart passes a drain
+    time that covers the flush and ends before the kubelet's SIGKILL."""
+    for d in of_kind(render(helm, None, *NVME_ON), "Deployment"):
+        args = container(d)["args"]
+        (flag,) = [a for a in args if a.startswith("--shutdown-timeout=")]
+        drain = int(flag.split("=", 1)[1])
+        grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        flush = kv_transfer_config(d)["kv_connector_extra_config"]["nvme"].get("flush_on_shutdown_s", 10)
+        assert flush <= drain < grace, (flush, drain, grace)
