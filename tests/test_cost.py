@@ -15,8 +15,8 @@ BS = 32
 
 def test_fast_tier_loads_everything_slow_tier_recomputes():
     m = CostModel(prefill_tokens_per_s=10_000)
-    m.tier("nvme").latency_s, m.tier("nvme").bandwidth_Bps = 0.0005, 2000 * MB
-    m.tier("s3").latency_s, m.tier("s3").bandwidth_Bps = 0.5, 10 * MB
+    m.tier("nvme").set_prior(0.0005, 2000 * MB)
+    m.tier("s3").set_prior(0.5, 10 * MB)
     for t in ("nvme", "s3"):
         m.tier(t).last_sample_s = 0.0  # fresh estimates: no probe
     fast = m.decide(["cpu"] * 2 + ["nvme"] * 8, 1 << 20, BS, now=1.0)
@@ -29,8 +29,8 @@ def test_fast_tier_loads_everything_slow_tier_recomputes():
 
 def test_loads_the_prefix_that_wins_when_tiers_mix():
     m = CostModel(prefill_tokens_per_s=1000)
-    m.tier("nvme").latency_s, m.tier("nvme").bandwidth_Bps = 0.001, 1000 * MB
-    m.tier("s3").latency_s, m.tier("s3").bandwidth_Bps = 5.0, 1 * MB
+    m.tier("nvme").set_prior(0.001, 1000 * MB)
+    m.tier("s3").set_prior(5.0, 1 * MB)
     for t in ("nvme", "s3"):
         m.tier(t).last_sample_s = 0.0
     d = m.decide(["nvme"] * 4 + ["s3"] * 4, 64 << 10, BS, now=1.0)
@@ -39,10 +39,11 @@ def test_loads_the_prefix_that_wins_when_tiers_mix():
 
 def test_estimates_follow_samples_and_stale_tiers_are_probed_once():
     m = CostModel(prefill_tokens_per_s=10_000, probe_interval_s=30)
-    m.tier("s3").latency_s = 0.01
-    for _ in range(20):  # requests' loads of 1 MB take 1 s: about 1 MB/s
+    for _ in range(20):  # requests' loads of 1 MB take 1 s
         m.observe_load("s3", nbytes=MB, seconds=1.0, now=100.0)
-    assert 0.8 * MB < m.tier("s3").bandwidth_Bps < 1.2 * MB
+    # Reads of one size alone cannot split latency from bandwidth, but the fit predicts
+    # the time of that size.
+    assert abs(m.tier("s3").load_s(int(MB)) - 1.0) < 0.1
     for _ in range(20):
         m.observe_prefill(tokens=2000, seconds=1.0)
     assert abs(m.prefill_tokens_per_s - 2000) < 50
@@ -50,6 +51,52 @@ def test_estimates_follow_samples_and_stale_tiers_are_probed_once():
     probe = m.decide(["s3"] * 4, MB, BS, now=200.0)  # 100 s without a sample: probe once
     assert probe.probe and probe.load_blocks == 4
     assert m.decide(["s3"] * 4, MB, BS, now=201.0).load_blocks == 0  # not a probe storm
+
+
+def test_latency_and_bandwidth_are_fitted_separately_from_reads_of_several_sizes():
+    """Known triples (size, duration = latency + size / bandwidth): both figures come back.
+    The old estimator took all of the latency as slowness: small reads made a tier with
+    30 ms latency and 200 MB/s look like ~15 MB/s."""
+    m = CostModel()
+    latency, bandwidth = 0.030, 200 * MB
+    for i in range(60):
+        size = (64 << 10) * (1 + i % 8)  # 64 KiB .. 512 KiB: small reads, latency-dominated
+        m.observe_load("s3", nbytes=size, seconds=latency + size / bandwidth, now=float(i))
+    est = m.tier("s3")
+    assert abs(est.latency_s - latency) < 0.1 * latency, est.latency_s
+    assert abs(est.bandwidth_Bps - bandwidth) < 0.1 * bandwidth, est.bandwidth_Bps
+    # ... and a big read is predicted at the tier's bandwidth, not at the small reads' rate.
+    assert abs(est.load_s(64 << 20) - (latency + (64 << 20) / bandwidth)) < 0.05
+
+
+def test_few_samples_stay_near_the_prior_and_noise_is_bounded():
+    m = CostModel()
+    m.tier("nvme").set_prior(0.001, 1000 * MB)
+    m.observe_load("nvme", nbytes=4 << 20, seconds=0.005, now=1.0)  # one read: 4 MiB in 5 ms
+    est = m.tier("nvme")
+    assert 0 <= est.latency_s < 0.005 and est.bandwidth_Bps > 500 * MB
+    # A burst of slow samples (a stalled disk) moves the estimate; it decays back after.
+    for i in range(30):
+        m.observe_load("nvme", nbytes=4 << 20, seconds=0.5, now=2.0 + i)
+    slow = est.load_s(4 << 20)
+    assert slow > 0.3
+    for i in range(150):
+        m.observe_load("nvme", nbytes=(1 + i % 4) << 20, seconds=0.001 + ((1 + i % 4) << 20) / (1000 * MB),
+                       now=40.0 + i)
+    assert est.load_s(4 << 20) < 0.05 < slow
+
+
+def test_a_decision_reports_when_a_tier_flips_between_load_and_recompute():
+    m = CostModel(prefill_tokens_per_s=10_000)
+    m.tier("s3").set_prior(0.5, 10 * MB)
+    m.tier("s3").last_sample_s = 0.0
+    first = m.decide(["s3"] * 8, 1 << 20, BS, now=1.0)
+    assert first.load_blocks == 0 and first.changed == ("s3",)
+    assert m.decide(["s3"] * 8, 1 << 20, BS, now=2.0).changed == ()  # same verdict: nothing to log
+    m.tier("s3").set_prior(0.0005, 5000 * MB)
+    m.tier("s3").last_sample_s = 2.0
+    flipped = m.decide(["s3"] * 8, 1 << 20, BS, now=3.0)
+    assert flipped.load_blocks == 8 and flipped.changed == ("s3",)
 
 
 def _key(i: int) -> BlockKey:
@@ -74,7 +121,8 @@ def test_scheduler_recomputes_blocks_of_a_slow_tier_and_counts_them():
     for i in range(2):
         half.index.allocate(_key(i))
     est = half.load_policy.cost.tier("s3")
-    est.latency_s, est.bandwidth_Bps, est.last_sample_s = 2.0, 1 * MB, 1e18  # slow, freshly measured
+    est.set_prior(2.0, 1 * MB)
+    est.last_sample_s = 1e18  # slow, freshly measured
     req = _Req(8)
     assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # only the DRAM blocks, sync
     half.update_state_after_alloc(req, list(range(9)), 2 * BS)

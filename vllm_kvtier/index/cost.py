@@ -12,11 +12,22 @@ decision loads the prefix length ``k`` that saves the most time, ``recompute(k) 
 load(k)``, and recomputes the rest; the CPU tier costs ``bytes / cpu bandwidth``, so a
 DRAM prefix always wins.
 
-Estimates move by an exponentially weighted average (of times per byte and per token)
-of observed samples: requests' loads (bytes, seconds from issue to done) and prefill
-steps (tokens, seconds), both timed by the scheduler. A tier that is never loaded from
-would never be measured again, so when the estimate says "recompute" and the last sample
-is older than ``probe_interval_s``, one load is let through to refresh it.
+Each tier's two figures are fitted separately from observed samples, a request's load of
+``b`` bytes taking ``t`` seconds from issue to done: a least-squares line ``t = latency +
+b / bandwidth`` over the recent samples (older ones decay by :data:`DECAY` per sample),
+held towards the starting figures by a prior worth one sample of each (a read of no
+bytes, and one of the typical read size). So a handful of small reads informs the
+latency, not the bandwidth (before this, one figure of seconds per byte took all of a
+tier's latency as slowness: S3 read as ~15 MB/s from a few small reads, and the policy
+recomputed what it should have loaded), and reads of one size alone leave the split near
+the prior while still predicting that size's time. Prefill speed moves by an
+exponentially weighted average of prefill steps. A tier that is never loaded from would
+never be measured again, so when the estimate says "recompute" and the last sample is
+older than ``probe_interval_s``, one load is let through to refresh it.
+
+Each decision says whether it flipped a tier between "load" and "recompute"
+(:attr:`Decision.changed`), so the caller can log the decision with its inputs once per
+change instead of once per request.
 """
 
 from __future__ import annotations
@@ -32,11 +43,53 @@ DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
 _ALPHA = 0.3  # weight of a new sample
 
 
-@dataclass
+#: Weight left to a sample after each newer one: the fit follows about the last 30 loads.
+DECAY = 0.97
+#: Reads are assumed this large until one is seen (a chunk of a few MiB).
+_TYPICAL_READ_BYTES = 4 << 20
+
+
 class TierEstimate:
-    latency_s: float
-    bandwidth_Bps: float
-    last_sample_s: float = -math.inf
+    """Latency and bandwidth of one tier, fitted from (bytes, seconds) samples around a
+    prior (see the module doc). Read :attr:`latency_s` and :attr:`bandwidth_Bps`;
+    :meth:`set_prior` replaces the starting figures (and drops the samples)."""
+
+    def __init__(self, latency_s: float, bandwidth_Bps: float) -> None:
+        self.last_sample_s = -math.inf
+        self.samples = 0
+        self.set_prior(latency_s, bandwidth_Bps)
+
+    def set_prior(self, latency_s: float, bandwidth_Bps: float) -> None:
+        self._a0, self._b0 = max(latency_s, 0.0), 1.0 / bandwidth_Bps
+        self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.latency_s, self.bandwidth_Bps = self._a0, bandwidth_Bps
+
+    def observe(self, nbytes: float, seconds: float) -> None:
+        d = DECAY
+        self._w = d * self._w + 1.0
+        self._sx = d * self._sx + nbytes
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + nbytes * nbytes
+        self._sxy = d * self._sxy + nbytes * seconds
+        self.samples += 1
+        self._fit()
+
+    def _fit(self) -> None:
+        """Minimise sum w (t - a - b x)^2 + (a - a0)^2 + xr^2 (b - b0)^2, xr the mean read
+        size: ridge regression towards the prior, a 2x2 linear system."""
+        xr = self._sx / self._w if self._w > 0 else _TYPICAL_READ_BYTES
+        la, lb = 1.0, xr * xr
+        m11, m12, m22 = self._w + la, self._sx, self._sxx + lb
+        r1, r2 = self._sy + la * self._a0, self._sxy + lb * self._b0
+        det = m11 * m22 - m12 * m12
+        if det <= 0:
+            return
+        a = (r1 * m22 - m12 * r2) / det
+        b = (m11 * r2 - m12 * r1) / det
+        if a < 0:  # the data's line crosses below zero: no latency, slope through the mean
+            a, b = 0.0, (r2 / m22 if m22 > 0 else self._b0)
+        self.latency_s = a
+        self.bandwidth_Bps = 1.0 / max(b, 1e-13)  # at most 10 TB/s
 
     def load_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -52,6 +105,9 @@ class Decision:
     load_s: float
     recompute_s: float
     probe: bool = False
+    #: tiers whose verdict (load all of their blocks, or not) differs from the last
+    #: decision that involved them: log the decision when this is not empty
+    changed: tuple[str, ...] = ()
 
 
 class CostModel:
@@ -59,6 +115,7 @@ class CostModel:
         self.prefill_tokens_per_s = prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
         self.probe_interval_s = probe_interval_s
         self.tiers: dict[str, TierEstimate] = {}
+        self._verdicts: dict[str, bool] = {}  # tier -> whether the last decision loaded all of its blocks
 
     def tier(self, name: str) -> TierEstimate:
         est = self.tiers.get(name)
@@ -77,8 +134,7 @@ class CostModel:
         if nbytes <= 0 or seconds <= 0:
             return
         est = self.tier(tier)
-        s_per_b = max(seconds - est.latency_s, 1e-9) / nbytes
-        est.bandwidth_Bps = 1.0 / (1.0 / est.bandwidth_Bps + _ALPHA * (s_per_b - 1.0 / est.bandwidth_Bps))
+        est.observe(nbytes, seconds)
         est.last_sample_s = now
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -115,4 +171,13 @@ class CostModel:
                 self.tier(t).last_sample_s = now
             probe, best_k, recomputed = True, n, {}
             load_at_best = sum(self.tier(t).load_s(b) for t, b in bytes_by_tier.items())
-        return Decision(best_k, recomputed, load_at_best, best_k * block_size / self.prefill_tokens_per_s, probe)
+        changed = []
+        for t in dict.fromkeys(block_tiers):
+            if t == "cpu":
+                continue
+            verdict = t not in recomputed
+            if self._verdicts.get(t) != verdict:
+                self._verdicts[t] = verdict
+                changed.append(t)
+        return Decision(best_k, recomputed, load_at_best, best_k * block_size / self.prefill_tokens_per_s, probe,
+                        tuple(changed))
