@@ -75,6 +75,33 @@ def run_reuse(model: Path, kv_transfer_config: dict[str, Any] | None,
         close_llm(llm)
 
 
+def is_multiprocess(llm: Any) -> bool:
+    """Whether ``llm`` runs its EngineCore in a process of its own (as ``vllm serve`` does)."""
+    return type(llm.llm_engine.engine_core).__name__ != "InprocClient"
+
+
+def idle_steps(llm: Any, n: int) -> None:
+    """Let an engine with no requests step ``n`` times (landing background reads).
+
+    In-process, a step runs only when called. A multiprocess EngineCore steps on its own
+    and its client's ``step()`` waits for output that an idle engine never sends (it hung
+    a test for 8 minutes), so there is nothing to call: a test on such an engine must
+    assert what holds however far the engine has got."""
+    if not is_multiprocess(llm):
+        for _ in range(n):
+            llm.llm_engine.step()
+
+
+@pytest.fixture(params=["inproc", pytest.param("multiprocess", marks=pytest.mark.slow)])
+def engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test's engines in-process (fast) and as ``vllm serve`` runs them."""
+    if request.param == "multiprocess":
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return str(request.param)
+
+
 def close_llm(llm: Any) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()

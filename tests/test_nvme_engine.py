@@ -59,12 +59,14 @@ def baseline_of(tiny_model):
 
 
 def run_process(model: Path, kv: dict, ps: list[list[int]], tmp: Path, *, kill_after_files: Path | None = None,
-                max_tokens: int = 8) -> dict | None:
+                max_tokens: int = 8, multiprocess: bool = False) -> dict | None:
     """Run ``ps`` on a fresh engine process; with ``kill_after_files``, SIGKILL it as soon
-    as chunk files appear there (a crash in the middle of writing)."""
+    as chunk files appear there (a crash in the middle of writing). ``multiprocess``: the
+    engine as ``vllm serve`` runs it (EngineCore and the worker in processes of their own)."""
     pfile = tmp / f"prompts-{time.monotonic_ns()}.json"
     pfile.write_text(json.dumps(ps))
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT),
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
     cmd = [sys.executable, "-m", "tests.engine_run", str(model), json.dumps(kv), str(pfile), str(max_tokens)]
     if kill_after_files is None:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -107,15 +109,18 @@ def test_tiny_cpu_tier_hits_come_from_nvme(tiny_model, baseline_of, tmp_path):
     assert 0 < counters["usage_bytes|nvme"] <= 64 * 2**20
 
 
-@pytest.mark.parametrize("mode", ["write-through", "write-back"])
-def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
+@pytest.mark.parametrize(("mode", "multiprocess"), [("write-through", False), ("write-back", False),
+                                                    pytest.param("write-back", True, marks=pytest.mark.slow)],
+                         ids=["write-through", "write-back", "write-back-multiprocess"])
+def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode, multiprocess):
     """Process 1 stores; it exits; process 2 (same directory, empty DRAM) loads from NVMe.
-    Write-back relies on the shutdown flush of blocks still only in DRAM."""
+    Write-back relies on the shutdown flush of blocks still only in DRAM; with the
+    multiprocess engine that flush runs in the worker process at its shutdown."""
     ps = SETS[2]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode=mode)
-    run_process(tiny_model, kv, ps, tmp_path)
+    run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
     assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    data = run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
     got = results(data)
     for p, r in zip(ps, got, strict=True):
         assert r.tokens == baseline_of(p)

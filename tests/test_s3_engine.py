@@ -46,19 +46,23 @@ def objects(server: MotoServer, bucket: str) -> list[str]:
     return [o["Key"] for o in page.get("Contents", [])]
 
 
-def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path):
+@pytest.mark.parametrize("multiprocess", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["inproc", "multiprocess"])
+def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path,
+                                                 multiprocess):
     """A (its own process, CPU + NVMe + S3) serves two long prompts and exits. B, another
     process with empty CPU and NVMe tiers on the same bucket, loads every loadable block
-    of both prompts from S3, with the baseline's tokens."""
+    of both prompts from S3, with the baseline's tokens (also with both engines run as
+    ``vllm serve`` runs them, multiprocess)."""
     ps = SETS[2]
     kv_a = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-a")
-    run_process(tiny_model, kv_a, ps, tmp_path)
+    run_process(tiny_model, kv_a, ps, tmp_path, multiprocess=multiprocess)
     keys = objects(s3_server, s3_bucket)
     assert any(k.endswith(".kvt") for k in keys), keys
     assert any(k.endswith(".kvm") for k in keys), "A writes its manifest at shutdown"
 
     kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b")
-    data = run_process(tiny_model, kv_b, ps, tmp_path)
+    data = run_process(tiny_model, kv_b, ps, tmp_path, multiprocess=multiprocess)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     c = data["counters"]
