@@ -57,7 +57,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_kvtier.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
+from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
 
 MODEL_DTYPE = {"tiny": "float32", "bench": "bfloat16"}
 KVTIER = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "vllm_kvtier.connector",

@@ -45,8 +45,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from bench.ttft import Engine, make_prompts  # noqa: E402
-from tests.s3_server import FaultProxy, MotoServer, aws_test_env  # noqa: E402
-from vllm_kvtier.tinymodel import build_model  # noqa: E402
+from testkit.s3_server import FaultProxy, MotoServer, aws_test_env  # noqa: E402
+from testkit.tinymodel import build_model  # noqa: E402
 
 
 def kv_config(endpoint: str, bucket: str, args: argparse.Namespace, *, auto: bool) -> dict:

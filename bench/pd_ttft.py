@@ -9,7 +9,7 @@ each path of ``--paths`` (default ``pool,nixl``), one path after the other:
   computes every prompt (``max_tokens=1``, its TTFT is recorded too), steps until its
   connector is idle, and stays up until this script is done with the path:
   - ``pool``: with the Mooncake tier, write-through, and a ``mooncake_master``
-    (tests/mooncake_server.py); the instance's DRAM segment hosts the pool;
+    (testkit/mooncake_server.py); the instance's DRAM segment hosts the pool;
   - ``nixl``: with a ``nixl`` section. Every request carries ``{"do_remote_decode": True}``
     and its answer's ``kv_transfer_params`` offer the prompt's blocks where they sit in
     the CPU tier (``kvtier_peer``: each rank's NIXL address, the slots, the block keys),
@@ -103,7 +103,7 @@ sys.path.insert(0, str(ROOT))
 # bench.ttft sets the same environment defaults as there (in-process engines, quiet vLLM,
 # no usage-stats thread) on import, before vLLM is imported.
 from bench.ttft import Engine, delta, make_prompts  # noqa: E402
-from vllm_kvtier.tinymodel import SIZES, build_model  # noqa: E402
+from testkit.tinymodel import SIZES, build_model  # noqa: E402
 
 MiB = 1 << 20
 REFERENCE_WARM_COLD = 0.2
@@ -325,7 +325,7 @@ def run_path(path: str, work: Path, model_dir: Path, prompts: list[list[int]], a
         t = time.perf_counter()
         master_address = ""
         if path == "pool":
-            from tests.mooncake_server import MooncakeMaster
+            from testkit.mooncake_server import MooncakeMaster
 
             master = MooncakeMaster(work)
             master.start()

@@ -1,7 +1,7 @@
 """Throughput of the Mooncake tier (``MooncakeStore``) against plain Mooncake Store batch calls
 of the same bytes, through one real ``mooncake_master`` on 127.0.0.1.
 
-The pool: this script starts a ``mooncake_master`` (tests/mooncake_server.py) and a second
+The pool: this script starts a ``mooncake_master`` (testkit/mooncake_server.py) and a second
 process that joins the pool with a DRAM segment of ``--segment-mib`` and does nothing
 else, like a pool node. Both clients measured here join with no segment of their own, so
 every put and every get crosses Mooncake's transfer engine (TCP on this machine; RDMA where
@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import save_json  # noqa: E402
-from tests.mooncake_server import MooncakeMaster  # noqa: E402
+from testkit.mooncake_server import MooncakeMaster  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
 from vllm_kvtier.tiers.nvme import WriteBuffer  # noqa: E402

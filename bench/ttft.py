@@ -64,7 +64,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_kvtier.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
+from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
 
 WARM_COLD_TARGET = 0.2
 OVERHEAD_TARGET = 1.05

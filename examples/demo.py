@@ -61,7 +61,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_kvtier.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
+from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
 
 BLOCK_SIZE = 64
 

@@ -46,7 +46,7 @@ def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = Tr
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_kvtier.tinymodel import build_model
+    from testkit.tinymodel import build_model
 
     return build_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="float32")
 

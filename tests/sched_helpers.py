@@ -41,7 +41,7 @@ from vllm_kvtier.connector.scheduler import SchedulerHalf
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
-# The "tiny" model of vllm_kvtier.tinymodel: 2 layers, 2 KV heads of 64, float32.
+# The "tiny" model of testkit.tinymodel: 2 layers, 2 KV heads of 64, float32.
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from vllm_kvtier.benchreport import BENCHMARKS, BY_NAME, Target, find_bench_dir, read_report, run_benchmark
+from bench.benchreport import BENCHMARKS, BY_NAME, Target, find_bench_dir, read_report, run_benchmark
 from vllm_kvtier.cli import main
 
 RED, GREEN = (214, 39, 40), (46, 160, 67)  # the chart's FAIL and PASS bars
@@ -254,3 +254,35 @@ def test_help_lists_every_command_with_examples(capsys):
         main(["bench", "--help"])
     bench_help = capsys.readouterr().out
     assert all(s.name in bench_help for s in BENCHMARKS)
+
+
+def test_without_a_checkout_bench_says_why_and_the_rest_works(tmp_path, monkeypatch, capsys):
+    """An installed wheel has no bench/: the command is still listed, every use of it exits 2 naming
+    the reason, and the other commands do not depend on it."""
+    import vllm_kvtier.cli as cli
+
+    monkeypatch.setattr(cli, "BENCH_REPORT", tmp_path / "bench" / "benchreport.py")
+    for argv in (["bench"], ["bench", "--quick", "cpu_tier_throughput"],
+                 ["bench", "--report-only", "--results-dir", str(tmp_path)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "source checkout" in err and "not in the wheel" in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0 and "source checkout" in capsys.readouterr().out
+    assert main(["presets"]) == 0 and "interactive" in capsys.readouterr().out
+
+
+def test_the_wheel_ships_only_the_package():
+    """pyproject's package discovery: vllm_kvtier and its subpackages, never the helpers
+    (testkit/), the benchmarks (bench/) or the tests."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parent.parent
+    find = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_packages(str(root), include=find["include"], exclude=find.get("exclude", ()))
+    assert "vllm_kvtier" in shipped and "vllm_kvtier.tiers" in shipped
+    assert all(p == "vllm_kvtier" or p.startswith("vllm_kvtier.") for p in shipped), shipped
+    assert (root / "testkit" / "tinymodel.py").is_file() and (root / "bench" / "benchreport.py").is_file()

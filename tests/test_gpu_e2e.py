@@ -181,7 +181,7 @@ def _engine_in_subprocess(model: Path, kv: dict[str, Any] | None) -> dict[str, A
 def test_vllm_engine_end_to_end(tmp_path: Path) -> None:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed")
-    from vllm_kvtier.tinymodel import build_model
+    from testkit.tinymodel import build_model
 
     model = build_model(tmp_path / "tiny", "tiny", dtype="float16")
     base = _engine_in_subprocess(model, None)

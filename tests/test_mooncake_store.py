@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import mooncake_server as mcsrv
-from tests.mooncake_server import MooncakeMaster, requires_mooncake
+from testkit import mooncake_server as mcsrv
+from testkit.mooncake_server import MooncakeMaster, requires_mooncake
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import mooncake_server as mcsrv
+from testkit import mooncake_server as mcsrv
 from tests import test_nvme_engine as nvme_engine
 from tests.conftest import BLOCK_SIZE, close_llm, kvtier_config, kvtier_counters, make_llm
 from tests.test_nvme_engine import BLOCK_BYTES, SETS

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests import mooncake_server as mcsrv
+from testkit import mooncake_server as mcsrv
 from tests import test_nvme_engine as nvme_engine
 from tests.conftest import BLOCK_SIZE, kvtier_config
 from tests.test_nvme_engine import SETS

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import s3_server as s3srv
+from testkit import s3_server as s3srv
+from testkit.s3_server import FaultProxy, MotoServer
 from tests import test_nvme_engine as nvme_engine
 from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
-from tests.s3_server import FaultProxy, MotoServer
 from tests.test_nvme_engine import BLOCK_BYTES, SETS, results, run_process
 
 # Fixtures from other modules, bound to names in this one.
@@ -127,7 +127,7 @@ def _two_rounds(model: Path, kv: dict, ps: list[list[int]], between) -> tuple[li
 def test_server_stopped_mid_run(tiny_model, baseline_of, tmp_path):
     """The S3 server goes away between two rounds: loads fail fast (the breaker opens),
     blocks recompute, tokens stay correct, and the engine keeps serving."""
-    from tests.s3_server import aws_test_env
+    from testkit.s3_server import aws_test_env
 
     ps = SETS[1]
     with aws_test_env():

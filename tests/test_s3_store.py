@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from tests import s3_server as s3srv
+from testkit import s3_server as s3srv
+from testkit.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, FaultProxy, MotoServer, aws_test_env
 from tests.nixl_env import nixl_engine_env, nixl_env, requires_nixl
-from tests.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, FaultProxy, MotoServer, aws_test_env
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests import mooncake_server as mcsrv
-from tests import s3_server as s3srv
-from tests.mooncake_server import MooncakeMaster, requires_mooncake
+from testkit import mooncake_server as mcsrv
+from testkit import s3_server as s3srv
+from testkit.mooncake_server import MooncakeMaster, requires_mooncake
+from testkit.s3_server import MotoServer, plain_client, requires_s3
 from tests.nixl_env import nixl_env, or_skip, requires_nixl
-from tests.s3_server import MotoServer, plain_client, requires_s3
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.tiers.base import MAX_KEY_BYTES, BlockTier
 from vllm_kvtier.tiers.keyed import CPUTier, MooncakeTier, NVMeTier, S3Tier

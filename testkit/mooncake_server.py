@@ -1,7 +1,7 @@
 """A real ``mooncake_master`` on 127.0.0.1 for tests, and a raw Mooncake client for fault
 drills.
 
-Import the fixture into a test module (``from tests.mooncake_server import mooncake_master``).
+Import the fixture into a test module (``from testkit.mooncake_server import mooncake_master``).
 It starts one master per module (ready in about 1 s) on free ports, RPC and metrics bound to
 127.0.0.1, and stops it afterwards. Clients use ``P2PHANDSHAKE`` metadata (transfer engines
 handshake directly), so no metadata server runs. Each client contributes its own DRAM
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.s3_server import free_port
+from testkit.s3_server import free_port
 
 
 def _import_problem() -> str | None:

@@ -1,13 +1,12 @@
 """``kvtier bench``: run the scripts under ``bench/``, read their JSONs, render a table and a PNG.
 
-Who calls it: ``vllm_kvtier.cli`` in the operator's shell, one benchmark at a time; nothing in the
-serving path imports this module, and it imports neither vllm nor torch (the scripts do, in their
-own processes). The scripts stay the source of truth: each one prints its own detailed table and
-writes ``<results dir>/<name>.json``; this module only picks the headline ratio(s) out of each
-JSON and judges them against the targets the scripts and the README state.
-
-The scripts live in the source tree (``bench/`` is not in the wheel): :func:`find_bench_dir`
-returns ``None`` for an installed package, and the CLI says so.
+Who calls it: ``vllm_kvtier.cli`` in the operator's shell, one benchmark at a time, loading this
+file from the source checkout it runs from (``bench/`` is not in the wheel: an installed package
+has no ``kvtier bench``, and the CLI says so). Nothing in the serving path imports this module,
+and it imports neither vllm nor torch (the scripts do, in their own processes). The scripts stay
+the source of truth: each one prints its own detailed table and writes
+``<results dir>/<name>.json``; this module only picks the headline ratio(s) out of each JSON and
+judges them against the targets the scripts and docs/benchmarks.md state.
 
 Failure: a script that exits non-zero is reported (its log kept next to the JSONs) and the next
 one runs; a missing JSON is "not run"; a JSON without an expected field gives a row with no value,
@@ -207,7 +206,7 @@ def resolve_names(names: Sequence[str]) -> list[str]:
 
 
 def find_bench_dir(root: Path | None = None) -> Path | None:
-    """``<root>/bench`` when it holds the scripts (root: the package's parent directory), else None."""
+    """``<root>/bench`` when it holds every script (root: the checkout this file is in), else None."""
     root = Path(__file__).resolve().parent.parent if root is None else root
     d = root / "bench"
     return d if all((d / f"{s.name}.py").is_file() for s in BENCHMARKS) else None

@@ -1,7 +1,7 @@
 """A real S3 server on 127.0.0.1 for tests (moto's server in a subprocess), and a small
 fault-injecting HTTP proxy to put in front of it.
 
-Import the fixtures into a test module (``from tests.s3_server import s3_server, s3_bucket``).
+Import the fixtures into a test module (``from testkit.s3_server import s3_server, s3_bucket``).
 ``s3_server`` starts one moto server per module (about 2.5 s), sets fake AWS credentials and
 region in the environment for the module's tests (and keeps the developer's own AWS config
 out of them), and stops the server afterwards. moto keeps objects in its process memory and

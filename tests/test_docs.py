@@ -1,0 +1,190 @@
+"""The repository's pages stay true: links resolve, every Makefile target is named in the README,
+every config field is on the configuration page and every metric on the metrics page.
+
+Pure file reading (no vllm, no torch). The checkers return what is wrong, so each test shows
+every broken link or missing name at once; the ``*_catch_*`` tests run them on pages written
+to be wrong, so a checker that never fails fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.S | re.M)
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REF_DEF = re.compile(r"^\s{0,3}\[[^\]\n]+\]:\s*<?(\S+?)>?(?:\s.*)?$", re.M)
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+_EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced blocks and inline code (links there are examples, not links)."""
+    return _INLINE_CODE.sub("", _FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, markup and punctuation dropped,
+    lower case, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = text.replace("`", "").replace("*", "")
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    return {slug(h) for h in _HEADING.findall(_FENCE.sub("", page.read_text()))}
+
+
+def links(page: Path) -> list[str]:
+    prose = _prose(page.read_text())
+    return _LINK.findall(prose) + _REF_DEF.findall(prose)
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """``page: target (why)`` for every relative link that does not resolve: a missing file or
+    directory, or a ``#fragment`` that is no heading of the Markdown page it points at."""
+    bad = []
+    for page in pages:
+        for target in links(page):
+            if _EXTERNAL.match(target):
+                continue
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+                bad.append(f"{page.name}: {target} (no heading #{fragment} in {dest.name})")
+    return bad
+
+
+def make_targets(makefile: Path) -> list[str]:
+    names = re.findall(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)\s*:(?!=)", makefile.read_text(), re.M)
+    return [n for n in dict.fromkeys(names) if not n.startswith(".")]
+
+
+def unnamed_targets(makefile: Path, readme: Path) -> list[str]:
+    """Targets for which ``make <target>`` appears nowhere in ``readme``."""
+    text = readme.read_text()
+    return [t for t in make_targets(makefile) if not re.search(rf"\bmake {re.escape(t)}(?![\w-])", text)]
+
+
+def config_fields() -> list[str]:
+    """Every dotted field of ``kv_connector_extra_config``, read from the config dataclasses.
+    A tier section's ``store`` is flat in YAML, so its fields sit directly under the section."""
+    from vllm_kvtier.config import KVTierConfig
+
+    out: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
+            nested = [a for a in args if isinstance(a, type) and dataclasses.is_dataclass(a)]
+            if nested:
+                walk(nested[0], prefix if f.name == "store" else f"{prefix}{f.name}.")
+            else:
+                out.append(prefix + f.name)
+
+    walk(KVTierConfig, "")
+    return out
+
+
+def metric_names() -> list[str]:
+    from vllm_kvtier import metrics
+
+    return ([f"vllm:kvtier_{m}_total" for m in metrics.COUNTERS]
+            + [f"vllm:kvtier_{m}" for m in (*metrics.GAUGES, *metrics.HISTOGRAMS)])
+
+
+def missing_code_names(names: list[str], page: Path) -> list[str]:
+    """Names that do not appear as inline code on ``page`` (``vllm:kvtier_x`` also counts
+    when written ``/ _x`` after another metric, as the metrics table pairs them)."""
+    spans = set(_INLINE_CODE.findall(page.read_text()))
+    inline = {s.strip("`") for s in spans}
+    return [n for n in names if n not in inline and "_" + n.split("_", 1)[-1] not in inline]
+
+
+# ---- the repository's pages ---------------------------------------------------------------
+
+
+def test_pages_exist():
+    names = {p.name for p in PAGES}
+    for page in ("configuration", "tiers", "pd", "metrics", "deploying", "benchmarks", "planning",
+                 "architecture"):
+        assert f"{page}.md" in names, page
+
+
+def test_every_relative_link_resolves():
+    assert broken_links(PAGES) == []
+
+
+def test_every_makefile_target_is_named_in_the_readme():
+    targets = make_targets(ROOT / "Makefile")
+    assert {"demo", "test", "bench"} <= set(targets)  # the parser reads the real Makefile
+    assert unnamed_targets(ROOT / "Makefile", ROOT / "README.md") == []
+
+
+def test_readme_gives_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert "\nmake demo\n" in text and "\ntests/run.sh\n" in text
+    assert "tests/run.sh" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+
+
+def test_every_config_field_is_on_the_configuration_page():
+    fields = config_fields()
+    assert "cpu.capacity_bytes" in fields and "s3.bucket" in fields and "nixl.hold_s" in fields
+    assert missing_code_names(fields, ROOT / "docs" / "configuration.md") == []
+
+
+def test_every_metric_is_on_the_metrics_page():
+    assert missing_code_names(metric_names(), ROOT / "docs" / "metrics.md") == []
+
+
+def test_architecture_keeps_the_walk_placeholder_or_a_walk():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "## One block's walk" in text and "## Dependency rules" in text
+
+
+# ---- the checkers catch what they are for -----------------------------------------------
+
+
+def test_link_checker_catches_missing_files_and_anchors(tmp_path):
+    (tmp_path / "docs").mkdir()
+    other = tmp_path / "docs" / "other.md"
+    other.write_text("# Other page\n\n## A `code` heading: with punctuation\n")
+    page = tmp_path / "README.md"
+    page.write_text(
+        "[ok](docs/other.md) [ok anchor](docs/other.md#a-code-heading-with-punctuation) [self](#title)\n"
+        "[gone](docs/missing.md) [bad anchor](docs/other.md#nope) ![img](pic.png)\n"
+        "[web](https://example.com/x) `[in code](nowhere.md)`\n\n"
+        "```\n[in a fence](nowhere.md)\n```\n\n[ref]: docs/absent.md\n\n# Title\n")
+    assert broken_links([page, other]) == [
+        "README.md: docs/missing.md (no such file)",
+        "README.md: docs/other.md#nope (no heading #nope in other.md)",
+        "README.md: pic.png (no such file)",
+        "README.md: docs/absent.md (no such file)",
+    ]
+
+
+def test_target_checker_catches_an_unnamed_target(tmp_path):
+    mk = tmp_path / "Makefile"
+    mk.write_text(".PHONY: a b-c\nVAR := 1\na:\n\t@true\nb-c: a\n\t@true\nb:\n\t@true\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("Run `make a` and `make b-c`.\n")
+    assert make_targets(mk) == ["a", "b-c", "b"]
+    assert unnamed_targets(mk, readme) == ["b"]  # "make b-c" does not name "b"
+
+
+def test_name_checker_catches_a_missing_name(tmp_path):
+    page = tmp_path / "c.md"
+    page.write_text("| `cpu.capacity_bytes` | ... |\n| `vllm:kvtier_a_total` / `_b_total` |\n")
+    assert missing_code_names(["cpu.capacity_bytes", "cpu.eviction"], page) == ["cpu.eviction"]
+    assert missing_code_names(["vllm:kvtier_a_total", "vllm:kvtier_b_total", "vllm:kvtier_c"], page) == [
+        "vllm:kvtier_c"]
