@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_kvtier.config import KVTierConfig, parse_config
 from vllm_kvtier.connector.lower import make_planners
-from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.worker import WorkerHalf
@@ -230,7 +230,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> Any:
         assert self._worker is not None
-        return self._worker.worker_meta()
+        report = self._worker.worker_meta()
+        return None if report is None else KVTierWorkerMeta.from_report(report)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

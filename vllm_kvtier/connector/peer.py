@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_kvtier.config import NixlTierConfig
-from vllm_kvtier.connector.metadata import PeerRead
+from vllm_kvtier.jobs import PeerRead
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvtier.connector.metadata import KVTierWorkerMeta
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class PeerPlanner:
             logger.warning("kvtier peer: request %s: no decode instance read its blocks in %.0f s; released",
                            req_id, self.hold_s)
 
-    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+    def on_worker_meta(self, meta: WorkerReport) -> None:
         self._ranks.update(meta.peer_info)
         for req_id in meta.peer_done:
             self.counters.add("peer_released_blocks", TIER, self.release(req_id))

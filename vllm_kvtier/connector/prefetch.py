@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
-from vllm_kvtier.connector.metadata import ChunkRead, KVTierWorkerMeta, PrefetchJob
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
 from vllm_kvtier.metrics import Counters
 
 TIER = "cpu"
@@ -166,7 +166,7 @@ class Prefetcher:
             self.index.remove(k)
             self.promoting.discard(k)
 
-    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+    def on_worker_meta(self, meta: WorkerReport) -> None:
         for pid in meta.prefetch_failed:
             f = self._inflight.pop(pid, None)
             if f is not None:

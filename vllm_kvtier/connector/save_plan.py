@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
-from vllm_kvtier.connector.metadata import SaveJob
 from vllm_kvtier.connector.req_state import ReqState
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import SaveJob
 from vllm_kvtier.metrics import Counters
 
 TIER = "cpu"

@@ -41,14 +41,7 @@ from typing import Any
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_plan import ChunkPlanner
 from vllm_kvtier.connector.load_policy import LoadPolicy
-from vllm_kvtier.connector.metadata import (
-    ChunkRead,
-    KVTierMetadata,
-    KVTierWorkerMeta,
-    LoadJob,
-    PeerRead,
-    SaveJob,
-)
+from vllm_kvtier.connector.metadata import KVTierMetadata
 from vllm_kvtier.connector.peer_plan import PeerPlan, PeerPlanner
 from vllm_kvtier.connector.pool_handoff import PoolHandoff
 from vllm_kvtier.connector.prefetch import Prefetcher
@@ -57,6 +50,7 @@ from vllm_kvtier.connector.save_plan import SavePlanner
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, WorkerReport
 from vllm_kvtier.metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -536,7 +530,7 @@ class SchedulerHalf:
         if self.load_policy is not None and stats is not None:
             self.load_policy.observe_stats(stats)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVTierWorkerMeta):
+        if isinstance(meta, WorkerReport):
             for tier in self.lower:
                 tier.on_worker_meta(meta)
             if self.prefetcher is not None:

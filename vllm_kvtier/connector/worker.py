@@ -34,15 +34,8 @@ import torch
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.connector.lower import make_workers
-from vllm_kvtier.connector.metadata import (
-    ChunkRead,
-    KVTierMetadata,
-    KVTierWorkerMeta,
-    LoadJob,
-    PrefetchJob,
-    SaveJob,
-)
 from vllm_kvtier.connector.peer import PeerLink
+from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -86,7 +79,7 @@ class WorkerHalf:
         self._slot_crc: list[int] = []
         self._step_begun = -1
         self._step_ended = -1
-        self._meta: KVTierMetadata | None = None
+        self._meta: StepPlan | None = None
         self._inflight_saves: dict[str, list[Transfer]] = {}
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
@@ -102,7 +95,7 @@ class WorkerHalf:
         #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
         self._prefetch_reads: dict[tuple[str, int], int] = {}
         self._prefetch_left: dict[int, list] = {}
-        self._prefetch_done = KVTierWorkerMeta()
+        self._prefetch_done = WorkerReport()
         #: Layer-by-layer sync loads: on once the pool exists and the config/device say so.
         self.layered = False
         #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
@@ -145,7 +138,7 @@ class WorkerHalf:
 
     # ---- per step ----------------------------------------------------------------
 
-    def begin_step(self, meta: KVTierMetadata) -> None:
+    def begin_step(self, meta: StepPlan) -> None:
         """Issue this step's saves. Idempotent per step (vLLM may call us twice)."""
         self._meta = meta
         if meta.step == self._step_begun:
@@ -508,8 +501,8 @@ class WorkerHalf:
                         bad = [s for s, k in zip(res.read.slots, res.read.keys, strict=True) if k not in res.good]
                         a.failed_blocks.update(self._blocks_of(a.job, tuple(bad)))
 
-    def worker_meta(self) -> KVTierWorkerMeta | None:
-        meta, self._prefetch_done = self._prefetch_done, KVTierWorkerMeta()
+    def worker_meta(self) -> WorkerReport | None:
+        meta, self._prefetch_done = self._prefetch_done, WorkerReport()
         if self.cfg.nixl is not None and self.pool is not None and not self._peer_published:
             # Once, with the first step (the pool exists from then on). A rank without NIXL
             # says so, so that the scheduler stops waiting for its address.
