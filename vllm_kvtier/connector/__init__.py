@@ -202,8 +202,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-by-layer loads wait between attention layers: a full CUDA graph would
-        # replay past those waits.
-        return str((extra_config or {}).get("layer_pipelined_loads", "auto")) != "off"
+        # replay past those waits. The parsed config: a preset or config_file may set it.
+        return parse_config(extra_config or {}).layer_pipelined_loads != "off"
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None

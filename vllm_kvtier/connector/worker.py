@@ -241,7 +241,7 @@ class WorkerHalf:
         for b, s, k in zip(job.block_ids, job.slots, job.keys, strict=True):
             if b in skip:
                 continue
-            good = s >= 0 and self._slot_key[s] == k
+            good = self._slot_key[s] == k
             if good and self.cfg.cpu.checksum:
                 good = self.pool is not None and self.pool.checksum(s) == self._slot_crc[s]
             if good and rate and self._rng.random() < rate:
@@ -255,7 +255,7 @@ class WorkerHalf:
 
     def _start_load(self, job: LoadJob) -> None:
         assert self.engine is not None
-        if job.reads or job.peer_read is not None or -1 in job.slots:
+        if job.reads or job.peer_read is not None or job.unloadable:
             self._start_lower_load(job)
             return
         blocks, slots, failed = self._verify(job)
@@ -336,8 +336,9 @@ class WorkerHalf:
             self.wait_for_layer(name)
 
     def _start_lower_load(self, job: LoadJob) -> None:
-        """Async load with blocks below CPU: read them into their CPU slots first."""
-        failed = {b for b, s in zip(job.block_ids, job.slots, strict=True) if s < 0}
+        """Async load with blocks below CPU: read them into their CPU slots first (blocks
+        without a slot fail at once: recomputed)."""
+        failed = set(job.unloadable)
         pending: set[tuple[str, int]] = set()
         for read in job.reads:
             tier = self.lower.get(read.tier)

@@ -1,7 +1,7 @@
 """Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3): admission,
 demotion, chunking, eviction, and what other instances stored (S3 rescans).
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
 shared bucket run on a background thread and are merged at the next step.
 

@@ -1,6 +1,6 @@
 """Scheduler side of P/D peer to peer over NIXL (the ``nixl`` section).
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Pure bookkeeping; the workers move the bytes
 (:mod:`vllm_kvtier.connector.peer`).
 
