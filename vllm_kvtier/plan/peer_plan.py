@@ -2,7 +2,7 @@
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Pure bookkeeping; the workers move the bytes
-(:mod:`vllm_kvtier.connector.peer`).
+(:mod:`vllm_kvtier.transfer.peer`).
 
 Prefill side (a request with ``kv_transfer_params.do_remote_decode``): when the request
 finishes, its prompt blocks sit in CPU slots (saved, or being saved this step); those

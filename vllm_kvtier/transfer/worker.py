@@ -1,7 +1,10 @@
 """Worker half: the data path, in each worker process (one per TP rank).
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the worker role, from the
-worker's main thread; the copy engine may use one background thread of its own.
+worker's main thread; the copy engine may use one background thread of its own. It reads
+plain :class:`~vllm_kvtier.jobs.StepPlan` values and returns a
+:class:`~vllm_kvtier.jobs.WorkerReport` (no vLLM here); the tiers below CPU are built by
+the ``make_tiers`` the connector hands in (its wiring, ``connector/lower.py``).
 
 Per step, in vLLM's order:
 
@@ -26,20 +29,20 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
-from vllm_kvtier.connector.lower import make_workers
-from vllm_kvtier.connector.peer import PeerLink
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
+from vllm_kvtier.transfer.peer import PeerLink
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +64,12 @@ class _AsyncLoad:
 
 
 class WorkerHalf:
-    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0) -> None:
+    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0,
+                 make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None) -> None:
+        """``make_tiers(cfg, namespace=, rank=, block_bytes=, counters=, kv_dtype=)``: this
+        rank's tiers below CPU by name, built once the pool exists (None: none)."""
         self.cfg = cfg
+        self._make_tiers: Callable[..., dict[str, Any]] | None = make_tiers
         self.num_blocks = num_blocks
         self.namespace = namespace
         self.rank = rank
@@ -132,9 +139,10 @@ class WorkerHalf:
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
                 self.counters.add("store_failures", "peer")
                 self._peer_unavailable = str(e)
-        self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
-                                  block_bytes=self.pool.slot_bytes, counters=self.counters,
-                                  kv_dtype=self.layout.dtype)
+        if self._make_tiers is not None:
+            self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
+                                          block_bytes=self.pool.slot_bytes, counters=self.counters,
+                                          kv_dtype=self.layout.dtype)
 
     # ---- per step ----------------------------------------------------------------
 
