@@ -194,6 +194,7 @@ class FakeWorker:
             reads = list(zip(job.slots, job.keys, strict=True))
             for pos in self.fail_load_positions.pop(job.req_id, ()):
                 self.fail_blocks.add(job.block_ids[pos])
+            self.fail_blocks.update(job.unloadable)  # no CPU slot: the worker reports them failed
             if job.asynchronous:
                 self.pending_recv[job.req_id] = reads
             else:

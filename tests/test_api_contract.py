@@ -63,3 +63,18 @@ def test_best_effort_cache_does_not_require_delivery():
     # kv_both defaults to requires_kv_delivery=True in vLLM, which would drop output of
     # preempted requests; a cache must not.
     assert KVTierConnector.requires_kv_delivery.fget(object.__new__(KVTierConnector)) is False
+
+
+def test_piecewise_cudagraph_follows_the_parsed_config(tmp_path):
+    """``layer_pipelined_loads`` read as every other hook reads it: from the parsed config,
+    so a value from a config_file (or a preset) counts, not only a raw key."""
+    assert KVTierConnector.requires_piecewise_for_cudagraph({}) is True  # default "auto"
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"layer_pipelined_loads": "off"}) is False
+    off = tmp_path / "kvtier.yaml"
+    off.write_text("layer_pipelined_loads: \"off\"\n")
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"config_file": str(off)}) is False
+    # A preset with a config_file on top: the file's value wins, as in the connector.
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"preset": "interactive", "config_file": str(off)}) is False
+    on = tmp_path / "on.yaml"
+    on.write_text("layer_pipelined_loads: \"on\"\n")
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"preset": "interactive", "config_file": str(on)}) is True

@@ -13,9 +13,9 @@ from tests.conftest import BLOCK_SIZE, close_llm, kvtier_counters, make_llm
 from tests.test_nvme_engine import BLOCK_BYTES, nvme_config, prompts
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers, tier_namespace
-from vllm_kvtier.connector.metadata import ChunkRead, ChunkWriteJob, KVTierWorkerMeta
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import align_up, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
@@ -196,7 +196,7 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     keys = tuple(bytes([i]) * 32 for i in range(4))
     fid = file_id_for(keys)
     w.write([ChunkWriteJob("nvme", fid, (0, 1, 2, 3), keys)], pool, lambda s: None, lambda s, k: True)
-    meta = KVTierWorkerMeta()
+    meta = WorkerReport()
     deadline = time.monotonic() + 10
     while not meta.written and time.monotonic() < deadline:
         w.poll(pool, lambda *a: None, lambda s: None)

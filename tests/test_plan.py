@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvtier.cli import main
-from vllm_kvtier.plan import (
+from vllm_kvtier.ops.capacity import (
     PlanInput,
     PlanInputError,
     kv_bytes_per_token,

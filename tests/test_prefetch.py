@@ -17,7 +17,7 @@ from tests.conftest import (
 )
 from tests.test_nvme_engine import BLOCK_BYTES
 from tests.test_scheduler_nvme import FakeRequest, _Out, key, make_two_tiers
-from vllm_kvtier.connector.metadata import KVTierWorkerMeta
+from vllm_kvtier.jobs import WorkerReport
 
 
 def test_prefetch_restores_a_finished_chain_without_evicting_it(tmp_path):
@@ -38,7 +38,7 @@ def test_prefetch_restores_a_finished_chain_without_evicting_it(tmp_path):
     # Not readable from DRAM until the workers report it.
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
     assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # key 0 lands soon: ask again
-    half.update_connector_output(_Conn(KVTierWorkerMeta(prefetched={job.prefetch_id: 1})))
+    half.update_connector_output(_Conn(WorkerReport(prefetched={job.prefetch_id: 1})))
     half._match_start.clear()
     req2 = FakeRequest("r2", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
     assert half.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)  # all in DRAM: sync
@@ -57,7 +57,7 @@ def test_prefetch_is_cancelled_when_every_slot_is_pinned(tmp_path):
 
 
 class _Conn:
-    def __init__(self, meta: KVTierWorkerMeta) -> None:
+    def __init__(self, meta: WorkerReport) -> None:
         self.kv_connector_worker_meta = meta
         self.finished_recving = set()
         self.finished_sending = set()

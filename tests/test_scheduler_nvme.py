@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 
 BS = 32
 
@@ -60,7 +60,7 @@ def test_promotions_never_evict_dram_blocks_of_the_same_load(tmp_path):
     assert key(100) not in half.index and key(101) not in half.index  # the LRU victims
     meta = half.build_connector_meta(_Out({}))
     (load,) = meta.loads
-    assert load.asynchronous and -1 not in load.slots
+    assert load.asynchronous and not load.unloadable
     assert [r.keys for r in load.reads] == [(key(0), key(1))]
     assert {r.file_id for r in load.reads} == {"f0"}
     # The evicted DRAM blocks were admitted, so they are demoted to NVMe in this step.
@@ -79,6 +79,9 @@ def test_abort_during_async_load_is_not_held_even_without_pins(tmp_path):
     req = FakeRequest("r", [key(0), key(1), key(2)], num_prompt_tokens=2 * BS + 1)
     assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
     half.update_state_after_alloc(req, [7, 8, 9], 2 * BS)
+    (load,) = half.build_connector_meta(_Out({})).loads
+    # No slot for either promotion: both blocks named unloadable (no slot sentinel), async.
+    assert load.asynchronous and load.unloadable == (7, 8) and load.slots == () and load.reads == ()
     for s in busy:
         half.index.unpin(s)  # those transfers end; slots are free to allocate again
     req.num_computed_tokens = 2 * BS  # vLLM counts the external tokens already
@@ -127,7 +130,7 @@ def test_lookup_prefers_the_fastest_lower_tier_and_continues_into_s3(tmp_path):
     (load,) = meta.loads
     by_tier = {(r.tier, r.file_id): (r.positions, r.keys) for r in load.reads}
     assert by_tier == {("nvme", "n0"): ((0, 1), (key(0), key(1))), ("s3", "o0"): ((1, 2), (key(2), key(3)))}
-    assert load.asynchronous and -1 not in load.slots
+    assert load.asynchronous and not load.unloadable
     # A chunk being read is pinned: neither tier may evict it until the load ends.
     assert half.counters.totals["hit_blocks|nvme"] == 2 and half.counters.totals["hit_blocks|s3"] == 2
 

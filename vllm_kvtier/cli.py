@@ -30,7 +30,7 @@ import yaml
 
 from vllm_kvtier.config import KVTierConfig, available_presets, parse_config
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.plan import (
+from vllm_kvtier.ops.capacity import (
     KV_DTYPE_BYTES,
     KVModel,
     PlanInput,

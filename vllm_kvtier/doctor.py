@@ -28,7 +28,14 @@ from typing import Any
 import yaml
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.plan import CPU_BUDGET_RANGE, KVModel, RequestKV, gpu_kv_budget, human_bytes, request_kv
+from vllm_kvtier.ops.capacity import (
+    CPU_BUDGET_RANGE,
+    KVModel,
+    RequestKV,
+    gpu_kv_budget,
+    human_bytes,
+    request_kv,
+)
 from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
 
 #: workload each shipped (or expected) preset is made for

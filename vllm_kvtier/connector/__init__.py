@@ -3,16 +3,14 @@
 vLLM builds the connector twice: in the scheduler role (EngineCore process) and in the
 worker role (each worker process). This class picks :class:`SchedulerHalf` or
 :class:`WorkerHalf` by role and forwards vLLM's calls to it; the logic lives in
-``index/``, ``tiers/`` and ``transfer/``, which never import vLLM. This package is the only
-one that does.
+``plan/`` (scheduler side), ``transfer/`` (worker side), ``index/`` and ``tiers/``, which
+never import vLLM. This package is the only one that does: the facade here, the
+translation of vLLM's objects (``scheduler.py``, ``metadata.py``), stats glue
+(``stats.py``) and wiring (``wiring.py``, ``lower.py``).
 
-Turn it on with::
-
-    --kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":"kv_both",
-      "kv_load_failure_policy":"recompute",
-      "kv_connector_extra_config":{"preset":"interactive"}}'
-
-(``kv_connector_module_path: vllm_kvtier.connector`` also works without the entry point.)
+Turn it on with ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":"kv_both",
+"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"preset":"interactive"}}'``
+(``kv_connector_module_path: vllm_kvtier.connector`` also works without the entry point).
 """
 
 from __future__ import annotations
@@ -27,25 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from vllm_kvtier.config import KVTierConfig, parse_config
-from vllm_kvtier.connector.lower import make_planners
-from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.config import parse_config
+from vllm_kvtier.connector import wiring
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
-from vllm_kvtier.connector.worker import WorkerHalf
-from vllm_kvtier.index.keys import NamespaceFields, namespace
-from vllm_kvtier.metrics import Counters
-from vllm_kvtier.sysmem import available_memory
-
-try:  # vLLM >= 0.32
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
-
-try:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # pragma: no cover
-    CacheHitSource = None  # type: ignore[assignment,misc]
+from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, register
+from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,52 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvtier")
 
 __all__ = ["KVTierConnector", "register"]
-
-CONNECTOR_NAME = "KVTierConnector"
-
-
-def register() -> None:
-    """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
-    work without ``kv_connector_module_path``. vLLM calls this in every process; calling
-    it twice is harmless."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
-        return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
-
-
-def _block_bytes_per_rank(kv_cache_config: KVCacheConfig) -> int:
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
-
-
-def _worker_rank() -> int:
-    """This worker's rank in the TP x PP world (chunk files are per rank)."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return int(get_world_group().rank_in_group)
-    except Exception:  # not initialised (unit tests drive the worker directly)
-        return 0
-
-
-def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
-    """Number of CPU slots for the configured budget (whole engine, all ranks)."""
-    if cfg.cpu.capacity_bytes is not None:
-        budget = cfg.cpu.capacity_bytes
-        source = "cpu.capacity_bytes"
-    else:
-        available, where = available_memory()
-        budget = int(available * cfg.cpu.capacity_fraction)
-        source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB ({where})"
-    per_block = block_bytes_per_rank * world_size
-    slots = budget // per_block if per_block else 0
-    logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots,
-                slots * per_block / 2**20, source)
-    return int(slots)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -114,60 +54,24 @@ class KVTierConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        self.cfg = parse_config(extra)
-        cache = vllm_config.cache_config
-        par = vllm_config.parallel_config
-        model = vllm_config.model_config
-        self.block_size = cache.block_size
-        world = par.tensor_parallel_size * par.pipeline_parallel_size
-        block_bytes = _block_bytes_per_rank(kv_cache_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.namespace = namespace(
-            NamespaceFields(
-                model=f"{model.model}@{model.revision or ''}",
-                kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
-                block_size=cache.block_size,
-                num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
-                num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
-                head_size=int(getattr(spec, "head_size", 0)),
-                tp_size=par.tensor_parallel_size,
-                tp_rank=0,
-                layout="vllm-block-planes",
-                hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
-            )
-        )
+        self.cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config)
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
-            counters = Counters()
-            lower = make_planners(self.cfg, namespace=self.namespace, world_size=world,
-                                  block_bytes_per_rank=block_bytes, counters=counters,
-                                  kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
-                                  read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
-            self._sched = SchedulerHalf(
-                self.cfg,
-                block_size=self.block_size,
-                num_slots=pool_slots(self.cfg, block_bytes, world),
-                slot_bytes_total=block_bytes * world,
-                world_size=world,
-                lower=lower,
-                counters=counters,
-            )
-            self._exporter = self._start_exporter()
+            self._sched = wiring.scheduler_half(self.cfg, vllm_config, kv_cache_config, self.namespace)
+            self._exporter = wiring.start_exporter(self.cfg, self.namespace)
         else:
-            self._worker = WorkerHalf(self.cfg, num_blocks=kv_cache_config.num_blocks,
-                                      namespace=self.namespace, rank=_worker_rank())
+            self._worker = wiring.worker_half(self.cfg, kv_cache_config, self.namespace)
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
     @property
     def scheduler_half(self) -> SchedulerHalf | None:
         """The index and policy (scheduler role only), for introspection."""
         return self._sched
-
-    # ---- properties vLLM reads -------------------------------------------------
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -202,8 +106,8 @@ class KVTierConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-by-layer loads wait between attention layers: a full CUDA graph would
-        # replay past those waits.
-        return str((extra_config or {}).get("layer_pipelined_loads", "auto")) != "off"
+        # replay past those waits. The parsed config: a preset or config_file may set it.
+        return parse_config(extra_config or {}).layer_pipelined_loads != "off"
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None
@@ -230,28 +134,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> Any:
         assert self._worker is not None
-        return self._worker.worker_meta()
+        report = self._worker.worker_meta()
+        return None if report is None else KVTierWorkerMeta.from_report(report)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
-
-    def _start_exporter(self) -> Any:
-        ex = self.cfg.exporter
-        if ex.port is None:
-            return None
-        from prometheus_client import CollectorRegistry
-
-        from vllm_kvtier.exporter import StandaloneExporter
-
-        exporter = StandaloneExporter(CollectorRegistry(), labels={"namespace": self.namespace})
-        try:
-            port = exporter.start(ex.port, ex.addr)
-        except OSError as e:  # a busy port must not stop the engine
-            logger.error("kvtier: standalone exporter not started on %s:%s: %s", ex.addr, ex.port, e)
-            return None
-        logger.info("kvtier: standalone metrics on http://%s:%d/metrics", ex.addr, port)
-        return exporter
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         half = self._sched if self._sched is not None else self._worker

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-from vllm_kvtier.connector.metadata import ChunkRead, ChunkWriteJob, KVTierWorkerMeta
+from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
+from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import DAMAGED_CHUNK_READS, ChunkHeader
 from vllm_kvtier.tiers.cpu import CPUPool

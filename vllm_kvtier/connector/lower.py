@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
-from vllm_kvtier.connector.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
 from vllm_kvtier.transfer.fp8 import (

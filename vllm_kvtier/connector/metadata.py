@@ -1,160 +1,28 @@
-"""What the scheduler half tells the worker half each step (inside ``SchedulerOutput``).
+"""The step plan and the worker report as vLLM's connector metadata types.
 
-Plain frozen dataclasses of ints and bytes: cheap to pickle to every worker process.
+The values themselves are plain (:mod:`vllm_kvtier.jobs`); these subclasses only add
+vLLM's base classes, so that vLLM carries them inside ``SchedulerOutput`` (scheduler ->
+workers) and ``KVConnectorOutput`` (workers -> scheduler, merged with ``aggregate``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-
-@dataclass(frozen=True)
-class SaveJob:
-    """Copy ``block_ids[i]`` of the engine's KV cache into CPU ``slots[i]`` (key ``keys[i]``)."""
-
-    req_id: str
-    block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class ChunkRead:
-    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk ``file_id`` of ``tier``
-    ("nvme": a file, "s3": an object)."""
-
-    tier: str
-    file_id: str
-    positions: tuple[int, ...]
-    slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class PeerRead:
-    """P/D peer to peer: fill CPU ``slots[i]`` with block ``keys[i]`` read over NIXL from
-    slot ``remote_slots[i]`` of a prefill instance's CPU tier. ``peer``: that instance's
-    published description per TP rank (``kv_transfer_params``, JSON-safe)."""
-
-    req_id: str
-    peer: dict
-    remote_slots: tuple[int, ...]
-    slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-    #: the prefill instance's id of the request, sent back with the read so it frees the
-    #: blocks (each API server names a request its own way)
-    notify: str = ""
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Copy CPU ``slots[i]`` into engine ``block_ids[i]``; ``asynchronous`` jobs are
-    reported through ``finished_recving``, sync jobs complete before the forward.
-
-    ``reads`` first fill some of the slots from a lower tier (NVMe, S3: a promotion, the
-    block stays in the CPU tier afterwards). A slot of -1 means the block cannot be loaded (no CPU slot was
-    free for its promotion): the worker reports it failed and vLLM recomputes it.
-    """
-
-    req_id: str
-    block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-    asynchronous: bool
-    reads: tuple[ChunkRead, ...] = ()
-    #: P/D peer to peer: slots filled over NIXL from a prefill instance first.
-    peer_read: PeerRead | None = None
-
-
-@dataclass(frozen=True)
-class ChunkWriteJob:
-    """Write CPU ``slots[i]`` (holding ``keys[i]``) to ``tier`` as one chunk."""
-
-    tier: str
-    file_id: str
-    slots: tuple[int, ...]
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class PrefetchJob:
-    """Fill CPU slots from lower tiers ahead of a request (no engine block involved): a
-    prefix predicted to come back is promoted before it is asked for."""
-
-    prefetch_id: int
-    reads: tuple[ChunkRead, ...]
+from vllm_kvtier.jobs import StepPlan, WorkerReport
 
 
 @dataclass
-class KVTierMetadata(KVConnectorMetadata):
-    #: Slots of the CPU pool; the worker allocates the pool when it first sees this.
-    num_slots: int
-    #: Saves run before the forward: blocks of finished requests, held for us by vLLM.
-    saves: list[SaveJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-    #: Saves run after the forward (in wait_for_save): blocks completed by this very step,
-    #: so they are stored even if the engine never steps again (offline LLM, shutdown).
-    saves_after: list[SaveJob] = field(default_factory=list)
-    #: Finished requests whose blocks the scheduler holds for us: report each in
-    #: ``finished_sending`` once all its transfers are complete.
-    release: list[str] = field(default_factory=list)
-    #: Lower-tier writes of blocks evicted from the CPU tier: done before this step's
-    #: saves overwrite their slots.
-    demotes: list[ChunkWriteJob] = field(default_factory=list)
-    #: Lower-tier writes of blocks saved in this step (write-through): after the saves.
-    write_through: list[ChunkWriteJob] = field(default_factory=list)
-    #: (tier, chunk id) evicted from a lower tier: delete them.
-    deletes: list[tuple[str, str]] = field(default_factory=list)
-    #: tier -> slots whose block may be flushed to it at shutdown (write-back, admitted).
-    persist_slots: dict[str, list[int]] = field(default_factory=dict)
-    #: Requests preempted this step: their blocks may be rewritten by this step's forward,
-    #: so saves still in flight from them must finish first.
-    preempted: list[str] = field(default_factory=list)
-    #: Promotions ahead of requests (prefetch), read by the workers' I/O threads.
-    prefetches: list[PrefetchJob] = field(default_factory=list)
-    #: Step counter, to run each step's saves exactly once.
-    step: int = 0
+class KVTierMetadata(StepPlan, KVConnectorMetadata):
+    """A :class:`~vllm_kvtier.jobs.StepPlan` vLLM hands to every worker."""
 
 
 @dataclass
-class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """What workers tell the scheduler each step (merged over TP ranks by vLLM)."""
-
-    #: (tier, chunk id) -> number of ranks that wrote it durably.
-    written: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: (tier, chunk id) whose write failed on some rank.
-    failed: set[tuple[str, str]] = field(default_factory=set)
-    #: (tier, chunk id) found unreadable (missing, truncated, bad checksum) on some rank.
-    bad: set[tuple[str, str]] = field(default_factory=set)
-    #: prefetch id -> number of ranks whose prefetch reads all succeeded.
-    prefetched: dict[int, int] = field(default_factory=dict)
-    #: Prefetches that failed on some rank.
-    prefetch_failed: set[int] = field(default_factory=set)
-    #: P/D prefill side: rank -> how a decode instance reads this rank's CPU tier (NIXL).
-    peer_info: dict[int, dict] = field(default_factory=dict)
-    #: P/D prefill side: requests whose blocks a decode instance has read (release them).
-    peer_done: set[str] = field(default_factory=set)
-    #: (tier, chunk id) not written because the tier's write queue was full on some rank
-    #: (back-pressure: not a failure of the tier, so it does not count toward its breaker).
-    refused: set[tuple[str, str]] = field(default_factory=set)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
-        assert isinstance(other, KVTierWorkerMeta)
-        written = dict(self.written)
-        for k, v in other.written.items():
-            written[k] = written.get(k, 0) + v
-        prefetched = dict(self.prefetched)
-        for i, n in other.prefetched.items():
-            prefetched[i] = prefetched.get(i, 0) + n
-        return KVTierWorkerMeta(written, self.failed | other.failed, self.bad | other.bad, prefetched,
-                                self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
-                                self.peer_done | other.peer_done, self.refused | other.refused)
-
-    def is_empty(self) -> bool:
-        return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
-                    or self.peer_info or self.peer_done or self.refused)
+class KVTierWorkerMeta(WorkerReport, KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """A :class:`~vllm_kvtier.jobs.WorkerReport` vLLM merges over ranks and hands to the
+    scheduler; ``aggregate`` returns this class."""

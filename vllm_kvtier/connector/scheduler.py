@@ -1,586 +1,71 @@
-"""Scheduler half: the index and the policy, in the EngineCore process.
+"""Scheduler half: vLLM's scheduler-side hooks, translated for the planner.
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the scheduler role, from
-vLLM's scheduler thread only. Nothing here blocks or does I/O: it decides, the worker moves
-bytes.
-
-What it decides each step (``build_connector_meta``):
-
-* **loads**: for a new request, the longest run of its prompt's block keys present in the
-  CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
-  must compute at least one token to produce logits). Slots read by a load are pinned until
-  the load is known to be done.
-* **saves**: every block whose KV is complete once this step's forward ran and whose key
-  is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
-  worker copies them right after the forward (``wait_for_save``), so they are stored even
-  if the engine never steps again. Blocks of a request that sync-loads in this step wait
-  for the next step (a failed load would make the KV computed on top of it wrong). What a
-  finished request still lacks is saved before the next forward while vLLM holds its
-  blocks for us (``request_finished`` returns True), released on ``finished_sending``.
-* **eviction**: S3-FIFO (default; scan-resistant: one-off documents do not push out a
-  reused system prompt) or LRU, among unpinned slots
-  (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
-  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` (bounded by
-  ``cpu.max_pinned_fraction``).
-* **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.connector.chunk_plan`): a
-  prefix may continue into blocks stored below the CPU tier (each key is looked up in
-  CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
-  CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
-  from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
-
-A key is readable as soon as its save is issued: the worker runs each step's saves before
-its loads and keeps steps in order, so a load issued later always sees the bytes.
+vLLM's scheduler thread only. The decisions are
+:class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`'s (no vLLM there); this class only
+reads vLLM's ``SchedulerOutput`` and ``KVConnectorOutput`` into the planner's plain inputs
+(:mod:`vllm_kvtier.plan.inputs`) and wraps its :class:`~vllm_kvtier.jobs.StepPlan` as the
+connector metadata vLLM carries to the workers. A vLLM ``Request`` is passed as it is: it
+has the attributes of :class:`~vllm_kvtier.plan.inputs.Request`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
-from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.chunk_plan import ChunkPlanner
-from vllm_kvtier.connector.load_policy import LoadPolicy
-from vllm_kvtier.connector.metadata import (
-    ChunkRead,
-    KVTierMetadata,
-    KVTierWorkerMeta,
-    LoadJob,
-    PeerRead,
-    SaveJob,
-)
-from vllm_kvtier.connector.peer_plan import PeerPlan, PeerPlanner
-from vllm_kvtier.connector.pool_handoff import PoolHandoff
-from vllm_kvtier.connector.prefetch import Prefetcher
-from vllm_kvtier.connector.req_state import ReqState
-from vllm_kvtier.connector.save_plan import SavePlanner
-from vllm_kvtier.index.cost import CostModel
-from vllm_kvtier.index.keys import BlockKey
-from vllm_kvtier.index.slot_index import SlotIndex
-from vllm_kvtier.metrics import Counters
-
-logger = logging.getLogger(__name__)
-
-TIER = "cpu"
+from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
+from vllm_kvtier.plan.scheduler import SchedulerPlanner
 
 
-class SchedulerHalf:
-    def __init__(
-        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
-        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
-    ) -> None:
-        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
-        ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
-        self.cfg = cfg
-        self.block_size = block_size
-        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
-        self._last_pin_refusals = 0
-        self.slot_bytes_total = slot_bytes_total
-        self.counters = counters if counters is not None else Counters()
-        self.lower = list(lower or [])
-        self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
-                                 save_decode_blocks=cfg.save_decode_blocks)
-        self.handoff = PoolHandoff(self.counters, block_size=block_size,
-                                   wait_s=cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0)
-        self.peer_plan: PeerPlanner | None = None
-        if cfg.nixl is not None:
-            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, hold_s=cfg.nixl.hold_s)
-        #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
-        self._promoting: set[BlockKey] = set()
-        self._reqs: dict[str, ReqState] = {}
-        self._match_start: dict[str, int] = {}
-        self._loads: list[LoadJob] = []
-        self._final_saves: list[SaveJob] = []
-        self._release: list[str] = []
-        #: Requests we hold blocks for (returned True from request_finished).
-        self._held: dict[str, ReqState] = {}
-        #: Held requests whose release we asked the worker for.
-        self._releasing: set[str] = set()
-        #: Requests given a fresh state since the last build_connector_meta.
-        self._fresh: set[str] = set()
-        self._step = 0
-        self._last_evictions = 0
-        lr = cfg.load_or_recompute
-        self.load_policy: LoadPolicy | None = None
-        if lr.enabled and self.lower:
-            self.load_policy = LoadPolicy(
-                CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
-                block_bytes=self.lower[0].block_bytes, block_size=block_size,
-                lower_tiers=[t.tier for t in self.lower],
-            )
-        self.prefetcher: Prefetcher | None = None
-        if cfg.prefetch.enabled and self.lower:
-            self.prefetcher = Prefetcher(
-                self.index, self.lower, self.counters, self._promoting, world_size=self.lower[0].world_size,
-                max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
-                locate=self._locate, on_cpu_evict=self._on_cpu_evict,
-            )
+def step_input(scheduler_output: Any) -> StepInput:
+    """The planner's view of a ``SchedulerOutput``: tokens scheduled per request, the
+    preempted ones, and the block tables (whole from vLLM's ``kv_connector_block_state``
+    when it has one, else the deltas of ``scheduled_cached_reqs``)."""
+    scheduled = dict(scheduler_output.num_scheduled_tokens)
+    preempted = tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if block_state is not None:
+        whole = {r: list(ids[0]) for r in scheduled if (ids := block_state.get_block_ids(r)) is not None}
+        return StepInput(scheduled, preempted, block_ids=whole)
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", ())
+    replace: dict[str, list[int]] = {}
+    append: dict[str, list[int]] = {}
+    for req_id, new in zip(cached.req_ids, cached.new_block_ids, strict=False):
+        if new is not None:
+            (replace if req_id in resumed else append)[req_id] = list(new[0])
+    return StepInput(scheduled, preempted, block_ids=replace, new_block_ids=append)
 
-    # ---- lookups ---------------------------------------------------------------
 
-    def _loadable_blocks(self, request: Any) -> int:
-        """Prompt blocks that may come from a tier: all full ones but never the last token."""
-        n_prompt = request.num_prompt_tokens
-        return max(0, (n_prompt - 1) // self.block_size)
+def worker_output(connector_output: Any) -> WorkerOutput:
+    """The planner's view of a ``KVConnectorOutput`` (merged over the workers)."""
+    stats = getattr(connector_output, "kv_connector_stats", None)
+    report = getattr(connector_output, "kv_connector_worker_meta", None)
+    return WorkerOutput(
+        finished_recving=frozenset(connector_output.finished_recving or ()),
+        finished_sending=frozenset(connector_output.finished_sending or ()),
+        invalid_block_ids=frozenset(connector_output.invalid_block_ids or ()),
+        stats=getattr(stats, "data", None),
+        report=report if isinstance(report, WorkerReport) else None,
+    )
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """vLLM may ask again in a later step if it cannot admit the request now; the
-        only state kept is the latest answer's starting block, which
-        ``update_state_after_alloc`` needs (vLLM sets ``request.num_computed_tokens`` only
-        after that call).
 
-        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
-        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
-        all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
-        is there (the rest is recomputed)."""
-        start = num_computed_tokens // self.block_size
-        self._match_start[request.request_id] = start
-        for tier in self.lower:
-            tier.refresh()
-        limit = min(self._loadable_blocks(request), len(request.block_hashes))
-        if start >= limit:
-            return 0, False
-        if self.peer_plan is not None:
-            n = self.peer_plan.match(request, start, limit)
-            if n is not None and n >= self.cfg.min_load_blocks:
-                return n * self.block_size, True  # read from the prefill instance over NIXL
-        keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
-        for tier in self.lower:
-            tier.discover([k for k in keys if k not in self.index])
-        tiers = self._match(request.block_hashes, start, limit)
-        if self.handoff.should_wait(request, start, limit, len(tiers)):
-            return None, False
-        nxt = start + len(tiers)
-        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
-            return None, False  # its next block is being prefetched into DRAM: ask again next step
-        if self.load_policy is not None:
-            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        if len(tiers) < self.cfg.min_load_blocks:
-            return 0, False
-        from_lower = any(t != TIER for t in tiers)
-        return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
+class SchedulerHalf(SchedulerPlanner):
+    """The planner under vLLM's hook names and types (its introspection is the planner's)."""
 
-    def _match(self, hashes: list[bytes], start: int, limit: int) -> list[str]:
-        """The tier of each key of the run of loadable keys from ``start``."""
-        tiers: list[str] = []
-        for h in hashes[start:limit]:
-            key = BlockKey(h)
-            if key in self._promoting:
-                break  # its CPU copy is being read from a lower tier right now
-            if key in self.index:
-                tiers.append(TIER)
-                continue
-            loc = self._locate(key)
-            if loc is None:
-                break
-            tiers.append(loc[0].tier)
-        return tiers
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.lookup(request, num_computed_tokens)
 
-    def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
-        """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
-        for tier in self.lower:
-            loc = tier.locate(key)
-            if loc is not None:
-                return tier, loc[0], loc[1]
-        return None
-
-    def lower_tier(self, name: str) -> ChunkPlanner | None:
-        """The planner of lower tier ``name`` ("nvme", "s3"), if configured."""
-        return next((t for t in self.lower if t.tier == name), None)
-
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        req_id = request.request_id
-        # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
-        start = self._match_start.pop(req_id, 0)
-        state = self._reqs.get(req_id)
-        if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
-            # New, or resumed after preemption (its old blocks are gone): start afresh.
-            state = ReqState(request, list(block_ids))
-            self._reqs[req_id] = state
-            self._fresh.add(req_id)
-        else:
-            # Second call after an async load completed: vLLM may have added blocks.
-            state.block_ids = list(block_ids)
-            return
-        for tier in self.lower:
-            tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
-        if self.load_policy is not None:
-            # Count the decision even when it was to load nothing (all recomputed).
-            self.load_policy.commit(req_id)
-        if num_external_tokens <= 0:
-            return
-        plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
-        if plan is not None:
-            self._peer_load(state, plan, start, num_external_tokens // self.block_size)
-            return
-        bs = self.block_size
-        n = num_external_tokens // bs
-        keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
-        # (planner, chunk) -> [(position, slot, key)]
-        reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
-        # Pin every key already in DRAM first: promoting the lower-tier ones below
-        # allocates slots, and must not evict a key this same load reads from DRAM.
-        slots = self._pin_dram_hits(keys)
-        for i, k in enumerate(keys):
-            if slots[i] >= 0:
-                continue
-            loc = self._locate(k)
-            if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
-                continue
-            tier, fid, pos = loc
-            s = self._promote(k)
-            slots[i] = s
-            if s >= 0:
-                reads.setdefault((tier, fid), []).append((pos, s, k))
-                state.promoting.append(k)
-                state.sources[k] = (tier, fid)
-            self.counters.add("hit_blocks", tier.tier)
-        blocks = state.block_ids[start : start + n]
-        asynchronous = self.cfg.load_mode == "async" or bool(reads) or -1 in slots
-        chunk_reads = tuple(
-            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
-                      tuple(k for _, _, k in items))
-            for (tier, fid), items in reads.items()
-        )
-        for tier, fid in reads:
-            tier.index.pin(fid)
-            tier.index.touch(fid)
-            state.pinned_files.append((tier, fid))
-        job = LoadJob(req_id, tuple(blocks), tuple(slots), tuple(keys), asynchronous, chunk_reads)
-        self._loads.append(job)
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = asynchronous
-        if asynchronous:
-            state.pinned_slots.extend(s for s in slots if s >= 0)
-        self._observe_load_issued(state, job)
-
-    def _observe_load_issued(self, state: ReqState, job: LoadJob) -> None:
-        """Per-request load histograms: blocks copied from each tier now; the wait is 0
-        for a sync load (it runs in the step that computes on it), and for an async one
-        runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier = {TIER: sum(1 for s in job.slots if s >= 0)}
-        for read in job.reads:
-            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
-            per_tier[TIER] -= len(read.slots)
-        for tier, n in per_tier.items():
-            if n > 0:
-                self.counters.observe("request_loaded_blocks", tier, n)
-        order = [TIER] + [t.tier for t in self.lower]  # fastest first
-        touched = [t for t, n in per_tier.items() if n > 0] or [TIER]
-        slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
-        if job.asynchronous:
-            state.load_issued_s, state.load_tier = time.monotonic(), slowest
-            state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
-        else:
-            self.counters.observe("request_load_wait_seconds", slowest, 0.0)
-
-    def _observe_load_done(self, state: ReqState) -> None:
-        if state.load_issued_s is not None:
-            waited = time.monotonic() - state.load_issued_s
-            self.counters.observe("request_load_wait_seconds", state.load_tier, waited)
-            if self.load_policy is not None:
-                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
-            state.load_issued_s = None
-
-    def _pin_dram_hits(self, keys: list[BlockKey]) -> list[int]:
-        """Pin the keys a load reads from DRAM; their slots, -1 for the others (a slot
-        still -1 when the job is sent means the worker reports the block failed: recompute)."""
-        slots = [-1] * len(keys)
-        for i, k in enumerate(keys):
-            s = self.index.slot(k)
-            if s is not None and k not in self._promoting:
-                self.index.touch(k)
-                self.index.pin(s)
-                slots[i] = s
-                self.counters.add("hit_blocks", TIER)
-                if self.prefetcher is not None:
-                    self.prefetcher.note_hit(k)
-        return slots
-
-    def _peer_load(self, state: ReqState, plan: PeerPlan, start: int, n: int) -> None:
-        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
-        keys are pinned and used as they are, the others get a pinned slot to read into."""
-        keys = list(plan.keys[:n])
-        slots = self._pin_dram_hits(keys)
-        remote, local, wanted = [], [], []
-        for i, k in enumerate(keys):
-            if slots[i] >= 0:
-                continue
-            s = self._promote(k)
-            slots[i] = s
-            if s >= 0:
-                remote.append(plan.remote_slots[i])
-                local.append(s)
-                wanted.append(k)
-                state.promoting.append(k)
-        self.counters.add("hit_blocks", "peer", len(wanted))
-        blocks = state.block_ids[start : start + len(keys)]
-        # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
-        # that it frees the offer now rather than after hold_s.
-        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
-                        notify=plan.notify)
-        self._loads.append(LoadJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys), True,
-                                   peer_read=read))
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = True
-        state.pinned_slots.extend(s for s in slots if s >= 0)
-
-    def _promote(self, key: BlockKey) -> int:
-        """A CPU slot for a lower-tier block about to be read (pinned), or -1 if none is free."""
-        alloc = self.index.allocate(key)
-        if alloc is None:
-            self.counters.add("store_skipped", TIER)
-            return -1
-        if alloc.evicted is not None:
-            self._on_cpu_evict(alloc.slot, alloc.evicted)
-        self.index.pin(alloc.slot)
-        self._promoting.add(key)
-        return alloc.slot
-
-    def _on_cpu_evict(self, slot: int, key: BlockKey) -> None:
-        for tier in self.lower:
-            tier.on_cpu_evict(slot, key)
-
-    def record_lookup(self, request: Any) -> None:
-        self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
-
-    # ---- saves -------------------------------------------------------------------
-
-    # ---- per step ----------------------------------------------------------------
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.on_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        self._step += 1
-        preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        for req_id in preempted:
-            # Its blocks are freed (and may be reused this step): nothing left to save.
-            # Unless it was resumed in this same step (reset_prefix_cache preempts outside
-            # schedule()): then its state, and any async-load pins, are new and stay.
-            if req_id not in self._fresh:
-                self._drop(req_id)
-        self._fresh.clear()
-        self._refresh_block_ids(scheduler_output)
-        # Before this step's saves are planned: a prefetch slot is pinned, so no save of
-        # this step can take it, and it can only evict blocks saved in earlier steps.
-        prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
-        if self.peer_plan is not None:
-            self.peer_plan.expire()
-        if self.load_policy is not None:
-            self.load_policy.observe_step(sum(
-                n for req_id, n in scheduler_output.num_scheduled_tokens.items()
-                if (st := self._reqs.get(req_id)) is not None
-                and st.request.num_computed_tokens < st.request.num_prompt_tokens
-            ))
-        saves = list(self._final_saves)
-        saves_after: list[SaveJob] = []
-        loads = self._loads
-        # A block computed on top of a sync load that then fails would hold wrong KV: for
-        # a request loading in this step, save only blocks computed before it.
-        sync_loading = {job.req_id for job in loads if not job.asynchronous}
-        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
-            if state is None:
-                continue
-            computed = state.request.num_computed_tokens  # before this step
-            if req_id not in sync_loading:
-                computed += n_sched  # complete once this step's forward ran
-            job = self.saves.plan(state, self.saves.saveable_blocks(state.request, computed))
-            if job is not None:
-                saves_after.append(job)
-        # Sync loads run in this step, before any later step's save can reuse their
-        # slots (the worker keeps steps in order), so their pins end here: after saves
-        # were planned, so no save of this step evicts a slot that this step reads.
-        for load in loads:
-            if not load.asynchronous:
-                for s in load.slots:
-                    self.index.unpin(s)
-        meta = KVTierMetadata(
-            num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
-            release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
-        )
-        saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
-        for tier in self.lower:
-            demotes, through, deletes = tier.take_jobs(saved, self.index.slot)
-            meta.demotes += demotes
-            meta.write_through += through
-            meta.deletes += [(tier.tier, fid) for fid in deletes]
-            if tier.policy.mode == "write-back":
-                meta.persist_slots[tier.tier] = [
-                    s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
-                    if tier.admitted(BlockKey(k))
-                ]
-        self._loads, self._final_saves, self._release = [], [], []
-        self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
-        self._last_evictions = self.index.evictions
-        self.counters.add("pin_refusals", TIER, self.index.pin_refusals - self._last_pin_refusals)
-        self._last_pin_refusals = self.index.pin_refusals
-        self.counters.set_gauge("pinned_blocks", TIER, self.index.pinned_keys)
-        self.counters.set_gauge("usage_bytes", TIER, len(self.index) * self.slot_bytes_total)
-        self.counters.set_gauge("capacity_bytes", TIER, self.index.num_slots * self.slot_bytes_total)
-        return meta
+        return KVTierMetadata.from_plan(self.plan_step(step_input(scheduler_output)))
 
-    def _refresh_block_ids(self, scheduler_output: Any) -> None:
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if block_state is not None:
-            for req_id in scheduler_output.num_scheduled_tokens:
-                state = self._reqs.get(req_id)
-                ids = block_state.get_block_ids(req_id)
-                if state is not None and ids is not None:
-                    state.block_ids = list(ids[0])
-            return
-        # Older vLLM: follow the block-table deltas of running requests.
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
-            new = cached.new_block_ids[i]
-            if state is None or new is None:
-                continue
-            if req_id in getattr(cached, "resumed_req_ids", ()):
-                state.block_ids = list(new[0])
-            else:
-                state.block_ids.extend(new[0])
-
-    def _drop(self, req_id: str) -> None:
-        self._match_start.pop(req_id, None)
-        state = self._reqs.pop(req_id, None)
-        if state is not None:
-            self._end_async_load(state)
-
-    def _end_async_load(self, state: ReqState) -> None:
-        state.async_loading = False
-        for s in state.pinned_slots:
-            self.index.unpin(s)
-        state.pinned_slots = []
-        for tier, fid in state.pinned_files:
-            tier.index.unpin(fid)
-        state.pinned_files = []
-        self._promoting.difference_update(state.promoting)
-        state.promoting = []
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Save what is left and hold the blocks while the worker copies them.
-
-        A request aborted during its async load is not held by us: vLLM itself keeps its
-        blocks until the load is reported in ``finished_recving`` (holding it too would
-        free the blocks twice).
-        """
-        self._match_start.pop(request.request_id, None)  # aborted before admission
-        self.handoff.forget(request.request_id)
-        pool = self.lower_tier("mooncake")
-        params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
-        if self.peer_plan is not None:
-            self.peer_plan.forget(request.request_id)
-        if self.load_policy is not None:
-            self.load_policy.forget(request.request_id)
-        state = self._reqs.pop(request.request_id, None)
-        if state is None:
-            return False, params
-        if state.async_loading:
-            # vLLM keeps the blocks until finished_recving; the loaded range is not valid
-            # KV yet, so nothing may be saved from it.
-            self._held[request.request_id] = state  # unpinned on finished_recving
-            return False, None
-        state.block_ids = list(block_ids)
-        upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
-        job = self.saves.plan(state, upto)
-        if job is not None:
-            self._final_saves.append(job)
-        if self.prefetcher is not None:
-            # Its next turn starts with these blocks: bring back the ones that left DRAM.
-            self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
-        if self.peer_plan is not None:
-            peer = self.peer_plan.params_for(request, self.block_size)
-            if peer is not None:
-                params = {**(params or {}), **peer}
-        # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
-        hold = job is not None or state.saves_issued
-        if hold:
-            self._held[request.request_id] = state
-            self._release.append(request.request_id)
-            self._releasing.add(request.request_id)
-        return hold, params
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.on_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        for req_id in connector_output.finished_recving or ():
-            state = self._reqs.get(req_id) or self._held.get(req_id)
-            if state is not None:
-                self._observe_load_done(state)
-                self._end_async_load(state)
-                if req_id in self._held and req_id not in self._releasing:
-                    del self._held[req_id]
-        bad = connector_output.invalid_block_ids or set()
-        if bad:
-            for state in list(self._reqs.values()) + list(self._held.values()):
-                for b in bad & state.loaded.keys():
-                    key = state.loaded.pop(b)
-                    self._promoting.discard(key)
-                    src = state.sources.pop(key, None)
-                    if src is not None:
-                        # Not offered again for a while: the request is rescheduled at
-                        # once, and a tier that just failed would fail it again (a loop).
-                        src[0].cool_down(src[1])
-                    if self.index.remove(key):
-                        logger.warning("kvtier: dropped a block that failed to load")
-                    if b not in state.block_ids:
-                        continue
-                    pos = state.block_ids.index(b)
-                    # Blocks this request computed (and saved) after the bad one attended
-                    # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
-                    # saved again once complete.
-                    for p in [p for p in state.saved if p > pos]:
-                        poisoned = state.saved.pop(p)
-                        self.index.remove(poisoned)
-                        for tier in self.lower:
-                            tier.drop_key(poisoned)
-                    state.next_save = min(state.next_save, pos)
-        stats = getattr(connector_output, "kv_connector_stats", None)
-        if self.load_policy is not None and stats is not None:
-            self.load_policy.observe_stats(stats)
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVTierWorkerMeta):
-            for tier in self.lower:
-                tier.on_worker_meta(meta)
-            if self.prefetcher is not None:
-                self.prefetcher.on_worker_meta(meta)
-            if self.peer_plan is not None:
-                self.peer_plan.on_worker_meta(meta)
-        for req_id in connector_output.finished_sending or ():
-            self._held.pop(req_id, None)
-            self._releasing.discard(req_id)
-
-    # ---- introspection (tests, `kvtier inspect`) --------------------------------------
-
-    def tracked_requests(self) -> set[str]:
-        """Requests whose blocks we follow (admitted, not finished)."""
-        return set(self._reqs)
-
-    def held_requests(self) -> set[str]:
-        """Finished requests whose blocks we still hold or whose async load still runs."""
-        return set(self._held)
-
-    def releasing_requests(self) -> set[str]:
-        """Held requests the worker was asked to report in ``finished_sending``."""
-        return set(self._releasing)
-
-    def pending_final_saves(self) -> list[SaveJob]:
-        return list(self._final_saves)
-
-    def has_pending_work(self) -> bool:
-        """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
-        releases to issue, or prefetches queued or in flight (they land between requests)."""
-        pf = self.prefetcher
-        return bool(self._final_saves or self._release or self._loads or self._releasing
-                    or (pf is not None and pf.has_work())
-                    # blocks held for a decode instance: keep stepping to see its read's
-                    # notification (or the hold expire); and one step at start, in which
-                    # the workers publish their NIXL address (else the first hand-off,
-                    # finished before it arrives, could not be offered)
-                    or (self.peer_plan is not None
-                        and (self.peer_plan.holding() > 0 or not self.peer_plan.published())))
-
-    def stats(self) -> dict[str, dict[str, float]] | None:
-        return self.counters.drain()
-
-    def close(self) -> None:
-        """Shutdown: stop background rescans of the lower tiers."""
-        for tier in self.lower:
-            tier.close()
+        self.on_worker_output(worker_output(connector_output))

@@ -1,7 +1,7 @@
 """Load-or-recompute at the scheduler: decisions per request, and the samples that keep
 the estimates of :class:`~vllm_kvtier.index.cost.CostModel` current.
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Nothing blocks.
 
 Samples: a load's time is measured per request, from the scheduler issuing it to vLLM

@@ -1,7 +1,7 @@
 """P/D through a shared pool (the ``mooncake`` section): the hand-off between a prefill
 instance and a decode instance, both sides.
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Pure bookkeeping on a request's ``kv_transfer_params``; no I/O.
 
 Prefill side (``do_remote_decode``): ``params_for`` says in the answer how many prompt

@@ -1,7 +1,10 @@
 """Worker half: the data path, in each worker process (one per TP rank).
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the worker role, from the
-worker's main thread; the copy engine may use one background thread of its own.
+worker's main thread; the copy engine may use one background thread of its own. It reads
+plain :class:`~vllm_kvtier.jobs.StepPlan` values and returns a
+:class:`~vllm_kvtier.jobs.WorkerReport` (no vLLM here); the tiers below CPU are built by
+the ``make_tiers`` the connector hands in (its wiring, ``connector/lower.py``).
 
 Per step, in vLLM's order:
 
@@ -26,27 +29,20 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
-from vllm_kvtier.connector.lower import make_workers
-from vllm_kvtier.connector.metadata import (
-    ChunkRead,
-    KVTierMetadata,
-    KVTierWorkerMeta,
-    LoadJob,
-    PrefetchJob,
-    SaveJob,
-)
-from vllm_kvtier.connector.peer import PeerLink
+from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
+from vllm_kvtier.transfer.peer import PeerLink
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +64,12 @@ class _AsyncLoad:
 
 
 class WorkerHalf:
-    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0) -> None:
+    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0,
+                 make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None) -> None:
+        """``make_tiers(cfg, namespace=, rank=, block_bytes=, counters=, kv_dtype=)``: this
+        rank's tiers below CPU by name, built once the pool exists (None: none)."""
         self.cfg = cfg
+        self._make_tiers: Callable[..., dict[str, Any]] | None = make_tiers
         self.num_blocks = num_blocks
         self.namespace = namespace
         self.rank = rank
@@ -86,7 +86,7 @@ class WorkerHalf:
         self._slot_crc: list[int] = []
         self._step_begun = -1
         self._step_ended = -1
-        self._meta: KVTierMetadata | None = None
+        self._meta: StepPlan | None = None
         self._inflight_saves: dict[str, list[Transfer]] = {}
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
@@ -102,7 +102,7 @@ class WorkerHalf:
         #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
         self._prefetch_reads: dict[tuple[str, int], int] = {}
         self._prefetch_left: dict[int, list] = {}
-        self._prefetch_done = KVTierWorkerMeta()
+        self._prefetch_done = WorkerReport()
         #: Layer-by-layer sync loads: on once the pool exists and the config/device say so.
         self.layered = False
         #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
@@ -139,13 +139,14 @@ class WorkerHalf:
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
                 self.counters.add("store_failures", "peer")
                 self._peer_unavailable = str(e)
-        self.lower = make_workers(self.cfg, namespace=self.namespace, rank=self.rank,
-                                  block_bytes=self.pool.slot_bytes, counters=self.counters,
-                                  kv_dtype=self.layout.dtype)
+        if self._make_tiers is not None:
+            self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
+                                          block_bytes=self.pool.slot_bytes, counters=self.counters,
+                                          kv_dtype=self.layout.dtype)
 
     # ---- per step ----------------------------------------------------------------
 
-    def begin_step(self, meta: KVTierMetadata) -> None:
+    def begin_step(self, meta: StepPlan) -> None:
         """Issue this step's saves. Idempotent per step (vLLM may call us twice)."""
         self._meta = meta
         if meta.step == self._step_begun:
@@ -248,7 +249,7 @@ class WorkerHalf:
         for b, s, k in zip(job.block_ids, job.slots, job.keys, strict=True):
             if b in skip:
                 continue
-            good = s >= 0 and self._slot_key[s] == k
+            good = self._slot_key[s] == k
             if good and self.cfg.cpu.checksum:
                 good = self.pool is not None and self.pool.checksum(s) == self._slot_crc[s]
             if good and rate and self._rng.random() < rate:
@@ -262,7 +263,7 @@ class WorkerHalf:
 
     def _start_load(self, job: LoadJob) -> None:
         assert self.engine is not None
-        if job.reads or job.peer_read is not None or -1 in job.slots:
+        if job.reads or job.peer_read is not None or job.unloadable:
             self._start_lower_load(job)
             return
         blocks, slots, failed = self._verify(job)
@@ -343,8 +344,9 @@ class WorkerHalf:
             self.wait_for_layer(name)
 
     def _start_lower_load(self, job: LoadJob) -> None:
-        """Async load with blocks below CPU: read them into their CPU slots first."""
-        failed = {b for b, s in zip(job.block_ids, job.slots, strict=True) if s < 0}
+        """Async load with blocks below CPU: read them into their CPU slots first (blocks
+        without a slot fail at once: recomputed)."""
+        failed = set(job.unloadable)
         pending: set[tuple[str, int]] = set()
         for read in job.reads:
             tier = self.lower.get(read.tier)
@@ -508,8 +510,8 @@ class WorkerHalf:
                         bad = [s for s, k in zip(res.read.slots, res.read.keys, strict=True) if k not in res.good]
                         a.failed_blocks.update(self._blocks_of(a.job, tuple(bad)))
 
-    def worker_meta(self) -> KVTierWorkerMeta | None:
-        meta, self._prefetch_done = self._prefetch_done, KVTierWorkerMeta()
+    def worker_meta(self) -> WorkerReport | None:
+        meta, self._prefetch_done = self._prefetch_done, WorkerReport()
         if self.cfg.nixl is not None and self.pool is not None and not self._peer_published:
             # Once, with the first step (the pool exists from then on). A rank without NIXL
             # says so, so that the scheduler stops waiting for its address.

@@ -1,7 +1,7 @@
 """Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3): admission,
 demotion, chunking, eviction, and what other instances stored (S3 rescans).
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
 shared bucket run on a background thread and are merged at the next step.
 
@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_kvtier.connector.metadata import ChunkWriteJob, KVTierWorkerMeta
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.nvme import file_id_for
@@ -285,7 +285,7 @@ class ChunkPlanner:
             self._acks.pop(fid, None)
             self._deletes.append(fid)
 
-    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+    def on_worker_meta(self, meta: WorkerReport) -> None:
         tier = self.tier
         failed = {fid for t, fid in meta.failed if t == tier}
         bad = {fid for t, fid in meta.bad if t == tier}

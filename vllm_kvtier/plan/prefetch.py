@@ -2,7 +2,7 @@
 the CPU tier before its request arrives, so that request loads it synchronously from DRAM
 instead of waiting for a lower tier.
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Nothing blocks: this plans promotions; the workers' I/O threads read.
 
 What is predicted: a conversation's next turn. When a request finishes, the blocks of its
@@ -28,11 +28,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_kvtier.connector.chunk_plan import ChunkPlanner
-from vllm_kvtier.connector.metadata import ChunkRead, KVTierWorkerMeta, PrefetchJob
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.promotions import Promotions
 
 TIER = "cpu"
 
@@ -54,20 +55,20 @@ class _InFlight:
 
 class Prefetcher:
     def __init__(
-        self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promoting: set[BlockKey], *,
+        self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promotions: Promotions, *,
         world_size: int, max_inflight_blocks: int, max_age_s: float,
         locate: Callable[[BlockKey], tuple[ChunkPlanner, str, int] | None],
-        on_cpu_evict: Callable[[int, BlockKey], None],
     ) -> None:
+        """``promotions``: the scheduler's, shared with its loads (slots being filled);
+        ``locate``: the fastest lower tier holding a key."""
         self.index = index
         self.lower = lower
         self.counters = counters
-        self.promoting = promoting  # the scheduler's set: keys whose CPU slot is being filled
+        self.promotions = promotions
         self.world_size = world_size
         self.max_inflight_blocks = max_inflight_blocks
         self.max_age_s = max_age_s
         self._locate = locate
-        self._on_cpu_evict = on_cpu_evict
         self._queue: deque[_Queued] = deque()
         self._inflight: dict[int, _InFlight] = {}
         self._ids = itertools.count(1)
@@ -87,7 +88,7 @@ class Prefetcher:
     def predict(self, chain: list[BlockKey]) -> None:
         """A request over ``chain`` (its full blocks, in order) ended: its next turn will
         start with them. Queue the ones that left DRAM."""
-        if any(k not in self.index and k not in self.promoting for k in chain):
+        if any(k not in self.index and k not in self.promotions for k in chain):
             self._queue.append(_Queued(tuple(chain), time.monotonic()))
 
     def note_hit(self, key: BlockKey) -> None:
@@ -124,25 +125,21 @@ class Prefetcher:
             slots: list[int] = []
             reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
             for k in chain:
-                if k in self.index or k in self.promoting:
+                if k in self.index or k in self.promotions:
                     continue
                 loc = self._locate(k)
                 if loc is None:
                     break  # the rest of the chain is useless without this block
                 if len(keys) >= budget:
                     break
-                alloc = self.index.allocate(k)
-                if alloc is None:
+                slot = self.promotions.begin(k)
+                if slot is None:
                     self._undo(keys, slots)
                     return None
-                if alloc.evicted is not None:
-                    self._on_cpu_evict(alloc.slot, alloc.evicted)
-                self.index.pin(alloc.slot)
-                self.promoting.add(k)
                 keys.append(k)
-                slots.append(alloc.slot)
+                slots.append(slot)
                 tier, fid, pos = loc
-                reads.setdefault((tier, fid), []).append((pos, alloc.slot, k))
+                reads.setdefault((tier, fid), []).append((pos, slot, k))
         finally:
             for s in held:
                 self.index.unpin(s)
@@ -162,11 +159,9 @@ class Prefetcher:
 
     def _undo(self, keys: list[BlockKey], slots: list[int]) -> None:
         for k, s in zip(keys, slots, strict=True):
-            self.index.unpin(s)
-            self.index.remove(k)
-            self.promoting.discard(k)
+            self.promotions.undo(k, s)
 
-    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+    def on_worker_meta(self, meta: WorkerReport) -> None:
         for pid in meta.prefetch_failed:
             f = self._inflight.pop(pid, None)
             if f is not None:
@@ -189,7 +184,6 @@ class Prefetcher:
     def _finish(self, f: _InFlight) -> None:
         for s in f.slots:
             self.index.unpin(s)
-        for k in f.keys:
-            self.promoting.discard(k)
+        self.promotions.end(f.keys)
         for tier, fid in f.files:
             tier.index.unpin(fid)

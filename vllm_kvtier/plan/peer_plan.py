@@ -1,8 +1,8 @@
 """Scheduler side of P/D peer to peer over NIXL (the ``nixl`` section).
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Pure bookkeeping; the workers move the bytes
-(:mod:`vllm_kvtier.connector.peer`).
+(:mod:`vllm_kvtier.transfer.peer`).
 
 Prefill side (a request with ``kv_transfer_params.do_remote_decode``): when the request
 finishes, its prompt blocks sit in CPU slots (saved, or being saved this step); those
@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvtier.connector.metadata import KVTierWorkerMeta
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class PeerPlanner:
             logger.warning("kvtier peer: request %s: no decode instance read its blocks in %.0f s; released",
                            req_id, self.hold_s)
 
-    def on_worker_meta(self, meta: KVTierWorkerMeta) -> None:
+    def on_worker_meta(self, meta: WorkerReport) -> None:
         self._ranks.update(meta.peer_info)
         for req_id in meta.peer_done:
             self.counters.add("peer_released_blocks", TIER, self.release(req_id))

@@ -1,8 +1,8 @@
 """What the scheduler half keeps about one request it follows (admitted, not finished):
 its blocks, what was saved and loaded, and what an async load of it pins.
 
-Who uses it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf` and
-:class:`~vllm_kvtier.connector.save_plan.SavePlanner`, from vLLM's scheduler thread only.
+Who uses it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner` and
+:class:`~vllm_kvtier.plan.save_plan.SavePlanner`, from vLLM's scheduler thread only.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvtier.index.keys import BlockKey
 
 if TYPE_CHECKING:
-    from vllm_kvtier.connector.chunk_plan import ChunkPlanner
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Which blocks of a request to store in the CPU tier now, and in which slots.
 
-Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
+Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread, each step for every scheduled request (blocks complete once the step's
 forward ran) and at ``request_finished`` (what is left). Pure bookkeeping on the
 :class:`~vllm_kvtier.index.slot_index.SlotIndex`; the worker copies the bytes.
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvtier.connector.chunk_plan import ChunkPlanner
-from vllm_kvtier.connector.metadata import SaveJob
-from vllm_kvtier.connector.req_state import ReqState
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import SaveJob
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.req_state import ReqState
 
 TIER = "cpu"
 MAX_PIN_TTL_S = 7 * 86400.0

@@ -1,7 +1,7 @@
 """Worker side of P/D peer to peer over NIXL: the prefill instance lends its CPU tier, the
 decode instance reads blocks straight out of it.
 
-Who calls it: :class:`~vllm_kvtier.connector.worker.WorkerHalf`, from the worker's main
+Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
 thread (NIXL agents are created without thread synchronisation). ``read`` posts a
 transfer and returns; results come back through ``poll``.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_kvtier.config import NixlTierConfig
-from vllm_kvtier.connector.metadata import PeerRead
+from vllm_kvtier.jobs import PeerRead
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 

@@ -1,0 +1,205 @@
+"""The package's layers (design.md, "Layers of the package"), checked on its imports.
+
+Every ``import`` of every module of ``vllm_kvtier`` is read with ``ast`` (module level,
+inside functions, under ``TYPE_CHECKING``: all of them) and checked against the rules:
+
+* vLLM is imported only in ``connector/``;
+* torch is never imported by the bottom (keys, errors, jobs), config, ``index/`` or ``plan/``;
+* each layer imports only the layers below it (``ALLOWED``); ``cli``/``ops`` (the
+  ``kvtier`` tools) are never imported by serving code and never import ``connector/``.
+
+``KNOWN_VIOLATIONS`` lists the edges of today's tree that break a rule and the step of
+issue 12 that removes each: the test fails on any edge not listed, and on a listed edge
+that is gone (delete it from the list then).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = "vllm_kvtier"
+ROOT = Path(__file__).resolve().parent.parent / PKG
+
+#: layer -> the layers it may import (its own is always allowed)
+ALLOWED: dict[str, set[str]] = {
+    "keys": set(),
+    "errors": set(),
+    "jobs": set(),
+    "config": {"keys", "errors"},
+    "index": {"keys", "errors"},
+    "metrics": {"keys", "errors"},
+    "sysmem": set(),
+    "chunkformat": {"keys", "errors"},
+    "tiers": {"keys", "errors", "config", "metrics", "chunkformat"},
+    "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat"},
+    # design.md lists "tiers, jobs, keys, config"; metrics (plain counters, importing nothing
+    # internal) is allowed too: the tiers below transfer may import it, so transfer may
+    "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics"},
+    "exporter": {"keys", "errors", "metrics"},
+    "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "chunkformat", "tiers",
+                  "plan", "transfer", "exporter"},
+    "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "chunkformat", "tiers",
+              "plan", "transfer", "exporter"},
+    "root": set(),
+}
+#: layers that may not import torch
+NO_TORCH = {"keys", "errors", "jobs", "config", "index", "plan"}
+
+#: (importer, imported) edges of today's tree that break a rule, with the step that removes
+#: each. Keep it short: a new edge fails the test; an edge that disappears must go too.
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
+    # config sits above the tiers (step 3: a config package the tiers import from)
+    ("vllm_kvtier.config", "vllm_kvtier.tiers.mooncake"): "step 3, config package",
+    ("vllm_kvtier.config", "vllm_kvtier.tiers.nixl_agent"): "step 3, config package",
+    ("vllm_kvtier.config", "vllm_kvtier.tiers.s3_config"): "step 3, config package",
+    ("vllm_kvtier.config", "vllm_kvtier.index.policy"): "step 3: the eviction-name enum moves to keys/config",
+    # the chunk id is made in the NVMe module (step 2: kernel, file_id_for beside the chunk format)
+    ("vllm_kvtier.plan.chunk_plan", "vllm_kvtier.tiers.nvme"): "step 2, kernel: file_id_for",
+    # the chunk tier driver stays in connector/ while the store kernel is rebuilt (step 4,
+    # slot table: it moves to transfer/ beside the worker half)
+    ("vllm_kvtier.transfer.worker", "vllm_kvtier.connector.chunk_worker"): "step 4, slot table",
+    # the BlockTier adapters over a slot index (step 2: one store contract; keyed.py is deleted)
+    ("vllm_kvtier.tiers.keyed", "vllm_kvtier.index.slot_index"): "step 2, kernel: keyed.py goes",
+}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a ``vllm_kvtier`` module, None for a third-party one."""
+    if module != PKG and not module.startswith(PKG + "."):
+        return None
+    parts = module.split(".")[1:]
+    if not parts:
+        return "root"
+    head = parts[0]
+    if module in (f"{PKG}.keys", f"{PKG}.index.keys"):
+        return "keys"
+    if module == f"{PKG}.tiers.chunkfile":
+        return "chunkformat"
+    if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "tiers", "plan", "transfer",
+                "exporter", "connector"):
+        return head
+    if head in ("cli", "ops", "doctor", "benchreport", "tinymodel"):
+        return "tools"
+    raise AssertionError(f"{module}: no layer for it; add it to layer_of and ALLOWED")
+
+
+def imports_of(module: str, source: str, *, is_package: bool) -> list[tuple[str, int]]:
+    """Every module ``source`` imports (absolute names, relative ones resolved), with the
+    line: module level, inside functions and classes, under ``if TYPE_CHECKING``."""
+    found: list[tuple[str, int]] = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports pkg.mod: name it, so a module's own rule applies
+            found += [(f"{target}.{a.name}" if target.startswith(PKG) else target, node.lineno)
+                      for a in node.names]
+    return found
+
+
+def _known(name: str, modules: set[str]) -> str:
+    """``name`` or its longest prefix that is a module of the package."""
+    while name not in modules and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> dict[tuple[str, str], str]:
+    """(importer, imported) -> the rule it breaks, for ``sources`` = module -> (source,
+    is_package)."""
+    modules = set(sources)
+    out: dict[tuple[str, str], str] = {}
+    for module, (source, is_package) in sorted(sources.items()):
+        mine = layer_of(module)
+        assert mine is not None
+        for name, line in imports_of(module, source, is_package=is_package):
+            top = name.split(".")[0]
+            if top == "vllm" and mine != "connector":
+                out[(module, "vllm")] = f"line {line}: vLLM imported outside connector/"
+            elif top == "torch" and mine in NO_TORCH:
+                out[(module, "torch")] = f"line {line}: torch imported by the {mine} layer"
+            elif top == PKG:
+                target = _known(name, modules)
+                theirs = layer_of(target)
+                assert theirs is not None
+                if theirs != mine and theirs not in ALLOWED[mine]:
+                    out[(module, target)] = f"line {line}: the {mine} layer imports the {theirs} layer"
+    return out
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    sources = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        sources[".".join(parts)] = (path.read_text(), is_package)
+    return sources
+
+
+def test_the_package_keeps_its_layers():
+    found = violations(package_sources())
+    new = {edge: why for edge, why in found.items() if edge not in KNOWN_VIOLATIONS}
+    gone = [edge for edge in KNOWN_VIOLATIONS if edge not in found]
+    assert not new, "imports that break the layering rules:\n" + "\n".join(
+        f"  {a} -> {b}: {why}" for (a, b), why in sorted(new.items()))
+    assert not gone, f"fixed, remove from KNOWN_VIOLATIONS: {gone}"
+
+
+def test_the_checker_catches_each_kind_of_violation():
+    """A synthetic package breaking every rule once, lazily or relatively where it can."""
+    synthetic = {
+        "vllm_kvtier": ("", True),
+        "vllm_kvtier.jobs": ("from vllm_kvtier.index.keys import BlockKey\n", False),
+        "vllm_kvtier.index": ("", True),
+        "vllm_kvtier.index.keys": ("", False),
+        "vllm_kvtier.index.slots": ("def f():\n    from ..plan import scheduler\n", False),
+        "vllm_kvtier.plan": ("", True),
+        "vllm_kvtier.plan.scheduler": ("def f():\n    import torch\n", False),
+        "vllm_kvtier.plan.saves": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from vllm.v1.request import Request\n", False),
+        "vllm_kvtier.plan.ok": ("from vllm_kvtier.tiers import chunkfile\nfrom . import saves\n", False),
+        "vllm_kvtier.tiers": ("", True),
+        "vllm_kvtier.tiers.chunkfile": ("", False),
+        "vllm_kvtier.tiers.disk": ("from vllm_kvtier.transfer.copier import Copy\n", False),
+        "vllm_kvtier.transfer": ("", True),
+        "vllm_kvtier.transfer.copier": ("import torch\n", False),
+        "vllm_kvtier.connector": ("import vllm\nimport torch\nfrom vllm_kvtier.plan import scheduler\n", True),
+        "vllm_kvtier.cli": ("def main():\n    from vllm_kvtier.connector import KVTierConnector\n", False),
+    }
+    assert set(violations(synthetic)) == {
+        ("vllm_kvtier.jobs", "vllm_kvtier.index.keys"),  # the bottom imports nothing internal
+        ("vllm_kvtier.index.slots", "vllm_kvtier.plan.scheduler"),  # lower imports higher (relative, lazy)
+        ("vllm_kvtier.plan.scheduler", "torch"),  # a planner imports torch (lazily)
+        ("vllm_kvtier.plan.saves", "vllm"),  # vLLM outside connector/ (even for typing)
+        ("vllm_kvtier.tiers.disk", "vllm_kvtier.transfer.copier"),  # tiers under transfer
+        ("vllm_kvtier.cli", "vllm_kvtier.connector"),  # the tools never import the connector
+    }
+
+
+def test_the_planners_run_without_vllm_or_torch():
+    """Import the scheduler-side planner and plan a step in a fresh interpreter: neither
+    vLLM nor torch may be loaded, even indirectly."""
+    code = (
+        "import sys\n"
+        "from vllm_kvtier.config import parse_config\n"
+        "from vllm_kvtier.plan.inputs import StepInput\n"
+        "from vllm_kvtier.plan.scheduler import SchedulerPlanner\n"
+        "p = SchedulerPlanner(parse_config({}), block_size=16, num_slots=8, slot_bytes_total=1)\n"
+        "p.plan_step(StepInput({}))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)

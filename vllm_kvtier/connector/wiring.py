@@ -1,0 +1,150 @@
+"""Start-up wiring of the connector: the plugin entry point, what this vLLM version
+offers, and the sizes, names and side services derived from vLLM's configuration objects
+once, when vLLM builds the connector (either role).
+
+Who calls it: vLLM (:func:`register`) and
+:class:`~vllm_kvtier.connector.KVTierConnector`'s constructor. Nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.connector.lower import make_planners, make_workers
+from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.index.keys import NamespaceFields, namespace
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.sysmem import available_memory
+from vllm_kvtier.transfer.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("vllm_kvtier")
+
+try:  # vLLM >= 0.32
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+CONNECTOR_NAME = "KVTierConnector"
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
+    work without ``kv_connector_module_path``. vLLM calls this in every process; calling
+    it twice is harmless."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
+
+
+def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block of this rank's KV cache, over all its layers (a CPU slot's)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    return total
+
+
+def worker_rank() -> int:
+    """This worker's rank in the TP x PP world (chunk files are per rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # not initialised (unit tests drive the worker directly)
+        return 0
+
+
+def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
+    """Number of CPU slots for the configured budget (whole engine, all ranks)."""
+    if cfg.cpu.capacity_bytes is not None:
+        budget = cfg.cpu.capacity_bytes
+        source = "cpu.capacity_bytes"
+    else:
+        available, where = available_memory()
+        budget = int(available * cfg.cpu.capacity_fraction)
+        source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB ({where})"
+    per_block = block_bytes_per_rank * world_size
+    slots = budget // per_block if per_block else 0
+    logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots,
+                slots * per_block / 2**20, source)
+    return int(slots)
+
+
+def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The digest naming what this engine stores (model, KV dtype and shape, TP size,
+    layout, hash): blocks of another namespace are never read back."""
+    cache = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    model = vllm_config.model_config
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return namespace(
+        NamespaceFields(
+            model=f"{model.model}@{model.revision or ''}",
+            kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
+            block_size=cache.block_size,
+            num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
+            num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
+            head_size=int(getattr(spec, "head_size", 0)),
+            tp_size=par.tensor_parallel_size,
+            tp_rank=0,
+            layout="vllm-block-planes",
+            hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
+        )
+    )
+
+
+def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
+    """The standalone ``/metrics`` endpoint when ``exporter.port`` is set (scheduler role),
+    else None; a busy port is logged, never fatal."""
+    ex = cfg.exporter
+    if ex.port is None:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from vllm_kvtier.exporter import StandaloneExporter
+
+    exporter = StandaloneExporter(CollectorRegistry(), labels={"namespace": ns})
+    try:
+        port = exporter.start(ex.port, ex.addr)
+    except OSError as e:  # a busy port must not stop the engine
+        logger.error("kvtier: standalone exporter not started on %s:%s: %s", ex.addr, ex.port, e)
+        return None
+    logger.info("kvtier: standalone metrics on http://%s:%d/metrics", ex.addr, port)
+    return exporter
+
+
+def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                   ns: str) -> SchedulerHalf:
+    """The scheduler role's half: the CPU tier sized from the config, the planners of the
+    tiers below it (their start-up scans run here)."""
+    par = vllm_config.parallel_config
+    world = par.tensor_parallel_size * par.pipeline_parallel_size
+    block_bytes = rank_block_bytes(kv_cache_config)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    counters = Counters()
+    lower = make_planners(cfg, namespace=ns, world_size=world, block_bytes_per_rank=block_bytes,
+                          counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
+                          read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
+    return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
+                         num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
+                         world_size=world, lower=lower, counters=counters)
+
+
+def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str) -> WorkerHalf:
+    """The worker role's half of this rank; its pool and lower tiers are built on its first
+    step (the scheduler sends the pool size)."""
+    return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=worker_rank(),
+                      make_tiers=make_workers)

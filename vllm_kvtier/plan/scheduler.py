@@ -1,0 +1,583 @@
+"""The scheduler-side planner: the index and the policy, in the EngineCore process.
+
+Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, which translates
+vLLM's hooks into these methods, from vLLM's scheduler thread only. Nothing here blocks,
+does I/O or imports vLLM or torch: it decides (on plain inputs, :mod:`vllm_kvtier.plan.inputs`),
+the worker moves bytes (the :class:`~vllm_kvtier.jobs.StepPlan` it returns).
+
+Per request: :meth:`SchedulerPlanner.lookup` (how many tokens could be loaded),
+:meth:`~SchedulerPlanner.on_alloc` (vLLM gave it blocks: plan its load),
+:meth:`~SchedulerPlanner.on_finished` (save what is left, hold its blocks). Per step:
+:meth:`~SchedulerPlanner.plan_step`, then :meth:`~SchedulerPlanner.on_worker_output`.
+
+What it decides each step (``plan_step``):
+
+* **loads**: for a new request, the longest run of its prompt's block keys present in the
+  CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
+  must compute at least one token to produce logits). Slots read by a load are pinned until
+  the load is known to be done.
+* **saves**: every block whose KV is complete once this step's forward ran and whose key
+  is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
+  worker copies them right after the forward (``wait_for_save``), so they are stored even
+  if the engine never steps again. Blocks of a request that sync-loads in this step wait
+  for the next step (a failed load would make the KV computed on top of it wrong). What a
+  finished request still lacks is saved before the next forward while vLLM holds its
+  blocks for us (``on_finished`` returns True), released on ``finished_sending``.
+* **eviction**: S3-FIFO (default; scan-resistant: one-off documents do not push out a
+  reused system prompt) or LRU, among unpinned slots
+  (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
+  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` (bounded by
+  ``cpu.max_pinned_fraction``).
+* **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.plan.chunk_plan`): a
+  prefix may continue into blocks stored below the CPU tier (each key is looked up in
+  CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
+  CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
+  from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
+
+A key is readable as soon as its save is issued: the worker runs each step's saves before
+its loads and keeps steps in order, so a load issued later always sees the bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.index.cost import CostModel
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
+from vllm_kvtier.plan.load_policy import LoadPolicy
+from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.plan.pool_handoff import PoolHandoff
+from vllm_kvtier.plan.prefetch import Prefetcher
+from vllm_kvtier.plan.promotions import Promotions
+from vllm_kvtier.plan.req_state import ReqState
+from vllm_kvtier.plan.save_plan import SavePlanner
+
+logger = logging.getLogger(__name__)
+
+TIER = "cpu"
+
+
+class SchedulerPlanner:
+    def __init__(
+        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
+        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
+    ) -> None:
+        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
+        ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
+        self.cfg = cfg
+        self.block_size = block_size
+        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
+        self._last_pin_refusals = 0
+        self.slot_bytes_total = slot_bytes_total
+        self.counters = counters if counters is not None else Counters()
+        self.lower = list(lower or [])
+        self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
+                                 save_decode_blocks=cfg.save_decode_blocks)
+        self.handoff = PoolHandoff(self.counters, block_size=block_size,
+                                   wait_s=cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0)
+        self.peer_plan: PeerPlanner | None = None
+        if cfg.nixl is not None:
+            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, hold_s=cfg.nixl.hold_s)
+        #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
+        self.promotions = Promotions(self.index, self.lower)
+        self._reqs: dict[str, ReqState] = {}
+        self._match_start: dict[str, int] = {}
+        self._loads: list[LoadJob] = []
+        self._final_saves: list[SaveJob] = []
+        self._release: list[str] = []
+        #: Requests we hold blocks for (returned True from request_finished).
+        self._held: dict[str, ReqState] = {}
+        #: Held requests whose release we asked the worker for.
+        self._releasing: set[str] = set()
+        #: Requests given a fresh state since the last plan_step.
+        self._fresh: set[str] = set()
+        self._step = 0
+        self._last_evictions = 0
+        lr = cfg.load_or_recompute
+        self.load_policy: LoadPolicy | None = None
+        if lr.enabled and self.lower:
+            self.load_policy = LoadPolicy(
+                CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
+                block_bytes=self.lower[0].block_bytes, block_size=block_size,
+                lower_tiers=[t.tier for t in self.lower],
+            )
+        self.prefetcher: Prefetcher | None = None
+        if cfg.prefetch.enabled and self.lower:
+            self.prefetcher = Prefetcher(
+                self.index, self.lower, self.counters, self.promotions, world_size=self.lower[0].world_size,
+                max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
+                locate=self._locate,
+            )
+
+    # ---- lookups ---------------------------------------------------------------
+
+    def _loadable_blocks(self, request: Request) -> int:
+        """Prompt blocks that may come from a tier: all full ones but never the last token."""
+        n_prompt = request.num_prompt_tokens
+        return max(0, (n_prompt - 1) // self.block_size)
+
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
+        async), vLLM's ``get_num_new_matched_tokens``. vLLM may ask again in a later step if it cannot admit the request now; the
+        only state kept is the latest answer's starting block, which
+        :meth:`on_alloc` needs (vLLM sets ``request.num_computed_tokens`` only
+        after that call).
+
+        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
+        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
+        all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
+        is there (the rest is recomputed)."""
+        start = num_computed_tokens // self.block_size
+        self._match_start[request.request_id] = start
+        for tier in self.lower:
+            tier.refresh()
+        limit = min(self._loadable_blocks(request), len(request.block_hashes))
+        if start >= limit:
+            return 0, False
+        if self.peer_plan is not None:
+            n = self.peer_plan.match(request, start, limit)
+            if n is not None and n >= self.cfg.min_load_blocks:
+                return n * self.block_size, True  # read from the prefill instance over NIXL
+        keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
+        for tier in self.lower:
+            tier.discover([k for k in keys if k not in self.index])
+        tiers = self._match(request.block_hashes, start, limit)
+        if self.handoff.should_wait(request, start, limit, len(tiers)):
+            return None, False
+        nxt = start + len(tiers)
+        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
+            return None, False  # its next block is being prefetched into DRAM: ask again next step
+        if self.load_policy is not None:
+            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
+        if len(tiers) < self.cfg.min_load_blocks:
+            return 0, False
+        from_lower = any(t != TIER for t in tiers)
+        return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
+
+    def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
+        """The tier of each key of the run of loadable keys from ``start``."""
+        tiers: list[str] = []
+        for h in hashes[start:limit]:
+            key = BlockKey(h)
+            if key in self.promotions:
+                break  # its CPU copy is being read from a lower tier right now
+            if key in self.index:
+                tiers.append(TIER)
+                continue
+            loc = self._locate(key)
+            if loc is None:
+                break
+            tiers.append(loc[0].tier)
+        return tiers
+
+    def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
+        """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
+        for tier in self.lower:
+            loc = tier.locate(key)
+            if loc is not None:
+                return tier, loc[0], loc[1]
+        return None
+
+    def lower_tier(self, name: str) -> ChunkPlanner | None:
+        """The planner of lower tier ``name`` ("nvme", "s3"), if configured."""
+        return next((t for t in self.lower if t.tier == name), None)
+
+    def on_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` to ``request``, ``num_external_tokens`` of them to
+        be loaded by us (vLLM's ``update_state_after_alloc``): plan that load."""
+        req_id = request.request_id
+        # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
+        start = self._match_start.pop(req_id, 0)
+        state = self._reqs.get(req_id)
+        if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
+            # New, or resumed after preemption (its old blocks are gone): start afresh.
+            state = ReqState(request, list(block_ids))
+            self._reqs[req_id] = state
+            self._fresh.add(req_id)
+        else:
+            # Second call after an async load completed: vLLM may have added blocks.
+            state.block_ids = list(block_ids)
+            return
+        for tier in self.lower:
+            tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
+        if self.load_policy is not None:
+            # Count the decision even when it was to load nothing (all recomputed).
+            self.load_policy.commit(req_id)
+        if num_external_tokens <= 0:
+            return
+        plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
+        if plan is not None:
+            self._peer_load(state, plan, start, num_external_tokens // self.block_size)
+            return
+        bs = self.block_size
+        n = num_external_tokens // bs
+        keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
+        # (planner, chunk) -> [(position, slot, key)]
+        reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
+        # Pin every key already in DRAM first: promoting the lower-tier ones below
+        # allocates slots, and must not evict a key this same load reads from DRAM.
+        slots = self._pin_dram_hits(keys)
+        for i, k in enumerate(keys):
+            if slots[i] is not None:
+                continue
+            loc = self._locate(k)
+            if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
+                continue
+            tier, fid, pos = loc
+            s = self._promote(k)
+            slots[i] = s
+            if s is not None:
+                reads.setdefault((tier, fid), []).append((pos, s, k))
+                state.promoting.append(k)
+                state.sources[k] = (tier, fid)
+            self.counters.add("hit_blocks", tier.tier)
+        blocks = state.block_ids[start : start + n]
+        unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
+        asynchronous = self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
+        chunk_reads = tuple(
+            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
+                      tuple(k for _, _, k in items))
+            for (tier, fid), items in reads.items()
+        )
+        for tier, fid in reads:
+            tier.index.pin(fid)
+            tier.index.touch(fid)
+            state.pinned_files.append((tier, fid))
+        job = self._load_job(req_id, blocks, slots, keys, asynchronous, reads=chunk_reads)
+        self._loads.append(job)
+        state.loaded.update(zip(blocks, keys, strict=True))
+        state.async_loading = asynchronous
+        if asynchronous:
+            state.pinned_slots.extend(job.slots)
+        self._observe_load_issued(state, job)
+
+    @staticmethod
+    def _load_job(req_id: str, blocks: list[int], slots: list[int | None], keys: list[BlockKey],
+                  asynchronous: bool, **parts: Any) -> LoadJob:
+        """The job of a load whose block ``blocks[i]`` reads ``keys[i]`` from ``slots[i]``;
+        blocks without a slot go to ``unloadable``."""
+        have = [i for i, s in enumerate(slots) if s is not None]
+        return LoadJob(req_id, tuple(blocks[i] for i in have), tuple(slots[i] for i in have),  # type: ignore[misc]
+                       tuple(keys[i] for i in have), asynchronous,
+                       unloadable=tuple(b for b, s in zip(blocks, slots, strict=True) if s is None), **parts)
+
+    def _observe_load_issued(self, state: ReqState, job: LoadJob) -> None:
+        """Per-request load histograms: blocks copied from each tier now; the wait is 0
+        for a sync load (it runs in the step that computes on it), and for an async one
+        runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
+        per_tier = {TIER: len(job.slots)}
+        for read in job.reads:
+            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
+            per_tier[TIER] -= len(read.slots)
+        for tier, n in per_tier.items():
+            if n > 0:
+                self.counters.observe("request_loaded_blocks", tier, n)
+        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        touched = [t for t, n in per_tier.items() if n > 0] or [TIER]
+        slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
+        if job.asynchronous:
+            state.load_issued_s, state.load_tier = time.monotonic(), slowest
+            state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
+        else:
+            self.counters.observe("request_load_wait_seconds", slowest, 0.0)
+
+    def _observe_load_done(self, state: ReqState) -> None:
+        if state.load_issued_s is not None:
+            waited = time.monotonic() - state.load_issued_s
+            self.counters.observe("request_load_wait_seconds", state.load_tier, waited)
+            if self.load_policy is not None:
+                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
+            state.load_issued_s = None
+
+    def _pin_dram_hits(self, keys: list[BlockKey]) -> list[int | None]:
+        """Pin the keys a load reads from DRAM; their slots, None for the others (a block
+        still without a slot when the job is sent is unloadable: recomputed)."""
+        slots: list[int | None] = [None] * len(keys)
+        for i, k in enumerate(keys):
+            s = self.index.slot(k)
+            if s is not None and k not in self.promotions:
+                self.index.touch(k)
+                self.index.pin(s)
+                slots[i] = s
+                self.counters.add("hit_blocks", TIER)
+                if self.prefetcher is not None:
+                    self.prefetcher.note_hit(k)
+        return slots
+
+    def _peer_load(self, state: ReqState, plan: PeerPlan, start: int, n: int) -> None:
+        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
+        keys are pinned and used as they are, the others get a pinned slot to read into."""
+        keys = list(plan.keys[:n])
+        slots = self._pin_dram_hits(keys)
+        remote, local, wanted = [], [], []
+        for i, k in enumerate(keys):
+            if slots[i] is not None:
+                continue
+            s = self._promote(k)
+            slots[i] = s
+            if s is not None:
+                remote.append(plan.remote_slots[i])
+                local.append(s)
+                wanted.append(k)
+                state.promoting.append(k)
+        self.counters.add("hit_blocks", "peer", len(wanted))
+        blocks = state.block_ids[start : start + len(keys)]
+        # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
+        # that it frees the offer now rather than after hold_s.
+        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
+                        notify=plan.notify)
+        job = self._load_job(state.request.request_id, blocks, slots, keys, True, peer_read=read)
+        self._loads.append(job)
+        state.loaded.update(zip(blocks, keys, strict=True))
+        state.async_loading = True
+        state.pinned_slots.extend(job.slots)
+
+    def _promote(self, key: BlockKey) -> int | None:
+        """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
+        slot = self.promotions.begin(key)
+        if slot is None:
+            self.counters.add("store_skipped", TIER)
+        return slot
+
+    def record_lookup(self, request: Request) -> None:
+        """Count a lookup of ``request``'s loadable blocks (once per admission)."""
+        self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
+
+    # ---- per step ----------------------------------------------------------------
+
+    def plan_step(self, step: StepInput) -> StepPlan:
+        """What the workers do in this step (vLLM's ``build_connector_meta``)."""
+        self._step += 1
+        preempted = list(step.preempted)
+        for req_id in preempted:
+            # Its blocks are freed (and may be reused this step): nothing left to save.
+            # Unless it was resumed in this same step (reset_prefix_cache preempts outside
+            # schedule()): then its state, and any async-load pins, are new and stay.
+            if req_id not in self._fresh:
+                self._drop(req_id)
+        self._fresh.clear()
+        self._refresh_block_ids(step)
+        # Before this step's saves are planned: a prefetch slot is pinned, so no save of
+        # this step can take it, and it can only evict blocks saved in earlier steps.
+        prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
+        if self.peer_plan is not None:
+            self.peer_plan.expire()
+        if self.load_policy is not None:
+            self.load_policy.observe_step(sum(
+                n for req_id, n in step.num_scheduled_tokens.items()
+                if (st := self._reqs.get(req_id)) is not None
+                and st.request.num_computed_tokens < st.request.num_prompt_tokens
+            ))
+        saves = list(self._final_saves)
+        saves_after: list[SaveJob] = []
+        loads = self._loads
+        # A block computed on top of a sync load that then fails would hold wrong KV: for
+        # a request loading in this step, save only blocks computed before it.
+        sync_loading = {job.req_id for job in loads if not job.asynchronous}
+        for req_id, n_sched in step.num_scheduled_tokens.items():
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            computed = state.request.num_computed_tokens  # before this step
+            if req_id not in sync_loading:
+                computed += n_sched  # complete once this step's forward ran
+            job = self.saves.plan(state, self.saves.saveable_blocks(state.request, computed))
+            if job is not None:
+                saves_after.append(job)
+        # Sync loads run in this step, before any later step's save can reuse their
+        # slots (the worker keeps steps in order), so their pins end here: after saves
+        # were planned, so no save of this step evicts a slot that this step reads.
+        for load in loads:
+            if not load.asynchronous:
+                for s in load.slots:
+                    self.index.unpin(s)
+        meta = StepPlan(
+            num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
+            release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
+        )
+        saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
+        for tier in self.lower:
+            demotes, through, deletes = tier.take_jobs(saved, self.index.slot)
+            meta.demotes += demotes
+            meta.write_through += through
+            meta.deletes += [(tier.tier, fid) for fid in deletes]
+            if tier.policy.mode == "write-back":
+                meta.persist_slots[tier.tier] = [
+                    s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
+                    if tier.admitted(BlockKey(k))
+                ]
+        self._loads, self._final_saves, self._release = [], [], []
+        self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
+        self._last_evictions = self.index.evictions
+        self.counters.add("pin_refusals", TIER, self.index.pin_refusals - self._last_pin_refusals)
+        self._last_pin_refusals = self.index.pin_refusals
+        self.counters.set_gauge("pinned_blocks", TIER, self.index.pinned_keys)
+        self.counters.set_gauge("usage_bytes", TIER, len(self.index) * self.slot_bytes_total)
+        self.counters.set_gauge("capacity_bytes", TIER, self.index.num_slots * self.slot_bytes_total)
+        return meta
+
+    def _refresh_block_ids(self, step: StepInput) -> None:
+        for req_id, ids in step.block_ids.items():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.block_ids = list(ids)
+        for req_id, new in step.new_block_ids.items():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.block_ids.extend(new)
+
+    def _drop(self, req_id: str) -> None:
+        self._match_start.pop(req_id, None)
+        state = self._reqs.pop(req_id, None)
+        if state is not None:
+            self._end_async_load(state)
+
+    def _end_async_load(self, state: ReqState) -> None:
+        state.async_loading = False
+        for s in state.pinned_slots:
+            self.index.unpin(s)
+        state.pinned_slots = []
+        for tier, fid in state.pinned_files:
+            tier.index.unpin(fid)
+        state.pinned_files = []
+        self.promotions.end(state.promoting)
+        state.promoting = []
+
+    def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Save what is left and hold the blocks while the worker copies them (vLLM's
+        ``request_finished``): (whether we hold the blocks, ``kv_transfer_params`` to return).
+
+        A request aborted during its async load is not held by us: vLLM itself keeps its
+        blocks until the load is reported in ``finished_recving`` (holding it too would
+        free the blocks twice).
+        """
+        self._match_start.pop(request.request_id, None)  # aborted before admission
+        self.handoff.forget(request.request_id)
+        pool = self.lower_tier("mooncake")
+        params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
+        if self.peer_plan is not None:
+            self.peer_plan.forget(request.request_id)
+        if self.load_policy is not None:
+            self.load_policy.forget(request.request_id)
+        state = self._reqs.pop(request.request_id, None)
+        if state is None:
+            return False, params
+        if state.async_loading:
+            # vLLM keeps the blocks until finished_recving; the loaded range is not valid
+            # KV yet, so nothing may be saved from it.
+            self._held[request.request_id] = state  # unpinned on finished_recving
+            return False, None
+        state.block_ids = list(block_ids)
+        upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
+        job = self.saves.plan(state, upto)
+        if job is not None:
+            self._final_saves.append(job)
+        if self.prefetcher is not None:
+            # Its next turn starts with these blocks: bring back the ones that left DRAM.
+            self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
+        if self.peer_plan is not None:
+            peer = self.peer_plan.params_for(request, self.block_size)
+            if peer is not None:
+                params = {**(params or {}), **peer}
+        # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
+        hold = job is not None or state.saves_issued
+        if hold:
+            self._held[request.request_id] = state
+            self._release.append(request.request_id)
+            self._releasing.add(request.request_id)
+        return hold, params
+
+    def on_worker_output(self, out: WorkerOutput) -> None:
+        """What the workers reported after a step (vLLM's ``update_connector_output``)."""
+        for req_id in out.finished_recving:
+            state = self._reqs.get(req_id) or self._held.get(req_id)
+            if state is not None:
+                self._observe_load_done(state)
+                self._end_async_load(state)
+                if req_id in self._held and req_id not in self._releasing:
+                    del self._held[req_id]
+        bad = out.invalid_block_ids
+        if bad:
+            for state in list(self._reqs.values()) + list(self._held.values()):
+                for b in bad & state.loaded.keys():
+                    key = state.loaded.pop(b)
+                    self.promotions.end((key,))
+                    src = state.sources.pop(key, None)
+                    if src is not None:
+                        # Not offered again for a while: the request is rescheduled at
+                        # once, and a tier that just failed would fail it again (a loop).
+                        src[0].cool_down(src[1])
+                    if self.index.remove(key):
+                        logger.warning("kvtier: dropped a block that failed to load")
+                    if b not in state.block_ids:
+                        continue
+                    pos = state.block_ids.index(b)
+                    # Blocks this request computed (and saved) after the bad one attended
+                    # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
+                    # saved again once complete.
+                    for p in [p for p in state.saved if p > pos]:
+                        poisoned = state.saved.pop(p)
+                        self.index.remove(poisoned)
+                        for tier in self.lower:
+                            tier.drop_key(poisoned)
+                    state.next_save = min(state.next_save, pos)
+        if self.load_policy is not None and out.stats is not None:
+            self.load_policy.observe_stats(out.stats)
+        meta = out.report
+        if meta is not None:
+            for tier in self.lower:
+                tier.on_worker_meta(meta)
+            if self.prefetcher is not None:
+                self.prefetcher.on_worker_meta(meta)
+            if self.peer_plan is not None:
+                self.peer_plan.on_worker_meta(meta)
+        for req_id in out.finished_sending:
+            self._held.pop(req_id, None)
+            self._releasing.discard(req_id)
+
+    # ---- introspection (tests, `kvtier inspect`) --------------------------------------
+
+    def tracked_requests(self) -> set[str]:
+        """Requests whose blocks we follow (admitted, not finished)."""
+        return set(self._reqs)
+
+    def held_requests(self) -> set[str]:
+        """Finished requests whose blocks we still hold or whose async load still runs."""
+        return set(self._held)
+
+    def releasing_requests(self) -> set[str]:
+        """Held requests the worker was asked to report in ``finished_sending``."""
+        return set(self._releasing)
+
+    def pending_final_saves(self) -> list[SaveJob]:
+        return list(self._final_saves)
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
+        releases to issue, or prefetches queued or in flight (they land between requests)."""
+        pf = self.prefetcher
+        return bool(self._final_saves or self._release or self._loads or self._releasing
+                    or (pf is not None and pf.has_work())
+                    # blocks held for a decode instance: keep stepping to see its read's
+                    # notification (or the hold expire); and one step at start, in which
+                    # the workers publish their NIXL address (else the first hand-off,
+                    # finished before it arrives, could not be offered)
+                    or (self.peer_plan is not None
+                        and (self.peer_plan.holding() > 0 or not self.peer_plan.published())))
+
+    def stats(self) -> dict[str, dict[str, float]] | None:
+        return self.counters.drain()
+
+    def close(self) -> None:
+        """Shutdown: stop background rescans of the lower tiers."""
+        for tier in self.lower:
+            tier.close()
