@@ -133,3 +133,21 @@ def test_scheduler_recomputes_blocks_of_a_slow_tier_and_counts_them():
     for i in range(2):
         half2.index.allocate(_key(i))
     assert half2.get_num_new_matched_tokens(req, 0) == (8 * BS, True)  # always load: everything, async
+
+
+def test_the_scheduler_logs_a_decision_once_per_change(caplog):
+    """The decision and its inputs are logged at INFO when a tier's verdict flips, not per
+    request (an operator sees why blocks are recomputed without a line per request)."""
+    import logging
+
+    from vllm_kvtier.plan.load_policy import LoadPolicy
+
+    m = CostModel(prefill_tokens_per_s=10_000)
+    m.tier("s3").set_prior(0.5, 10 * MB)
+    m.tier("s3").last_sample_s = 1e18
+    policy = LoadPolicy(m, Counters(), block_bytes=1 << 20, block_size=BS, lower_tiers=["s3"])
+    with caplog.at_level(logging.INFO, logger="vllm_kvtier.plan.load_policy"):
+        for i in range(5):
+            assert policy.decide(f"r{i}", ["s3"] * 8) == 0
+    lines = [r.getMessage() for r in caplog.records if "load or recompute" in r.getMessage()]
+    assert len(lines) == 1 and "s3 now recomputes" in lines[0] and "500.0 ms" in lines[0], lines

@@ -35,10 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_kvtier.keys import TierName
+
 #: Starting points until the first samples arrive (typical figures: a datacenter NVMe
 #: drive read through threads; S3 from the same region; host memcpy).
-DEFAULT_LATENCY_S = {"cpu": 0.0, "nvme": 0.0005, "s3": 0.03}
-DEFAULT_BANDWIDTH_BPS = {"cpu": 10e9, "nvme": 1.5e9, "s3": 0.1e9}
+DEFAULT_LATENCY_S: dict[str, float] = {TierName.CPU: 0.0, TierName.NVME: 0.0005, TierName.S3: 0.03}
+DEFAULT_BANDWIDTH_BPS: dict[str, float] = {TierName.CPU: 10e9, TierName.NVME: 1.5e9, TierName.S3: 0.1e9}
 DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
 _ALPHA = 0.3  # weight of a new sample
 
@@ -164,7 +166,7 @@ class CostModel:
         n = len(block_tiers)
         probe = False
         if best_k < n and any(now - self.tier(t).last_sample_s > self.probe_interval_s
-                              for t in recomputed if t != "cpu"):
+                              for t in recomputed if t != TierName.CPU):
             # Stale estimate: load everything once, to measure the tier again (and
             # count it as fresh meanwhile, so one probe goes out, not a storm).
             for t in recomputed:
@@ -173,7 +175,7 @@ class CostModel:
             load_at_best = sum(self.tier(t).load_s(b) for t, b in bytes_by_tier.items())
         changed = []
         for t in dict.fromkeys(block_tiers):
-            if t == "cpu":
+            if t == TierName.CPU:
                 continue
             verdict = t not in recomputed
             if self._verdicts.get(t) != verdict:

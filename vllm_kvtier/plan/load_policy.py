@@ -18,12 +18,12 @@ import time
 from typing import Any
 
 from vllm_kvtier.index.cost import CostModel, Decision
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 
 logger = logging.getLogger(__name__)
 
 _MIN_PREFILL_SAMPLE_TOKENS = 32
-_LOG_EVERY_S = 10.0
 
 
 class LoadPolicy:
@@ -37,23 +37,24 @@ class LoadPolicy:
         self.lower_tiers = lower_tiers
         self._pending: dict[str, Decision] = {}
         self._last_step: tuple[float, int] | None = None
-        self._last_log = 0.0
 
     def decide(self, req_id: str, block_tiers: list[str]) -> int:
         """How many blocks of the matched run to load (the rest is recomputed)."""
-        if all(t == "cpu" for t in block_tiers):
+        if all(t == TierName.CPU for t in block_tiers):
             self._pending.pop(req_id, None)
             return len(block_tiers)
         now = time.monotonic()
         d = self.cost.decide(block_tiers, self.block_bytes, self.block_size, now)
         self._pending[req_id] = d
-        if d.recomputed and now - self._last_log > _LOG_EVERY_S:
-            self._last_log = now
-            est = ", ".join(f"{t} {self.cost.tier(t).bandwidth_Bps / 1e6:.0f} MB/s + "
-                            f"{self.cost.tier(t).latency_s * 1e3:.1f} ms" for t in d.recomputed)
-            logger.info("kvtier: recomputing %d blocks found in %s instead of loading them "
-                        "(estimates: %s; prefill %.0f tokens/s)", sum(d.recomputed.values()),
-                        "/".join(d.recomputed), est, self.cost.prefill_tokens_per_s)
+        if d.changed:  # once per change of a tier's verdict, with the inputs behind it
+            for t in d.changed:
+                est = self.cost.tier(t)
+                logger.info(
+                    "kvtier: load or recompute: %s now %s (estimate %.1f ms + %.0f MB/s from %d loads; "
+                    "prefill %.0f tokens/s; this request: load %.3f s vs recompute %.3f s, %d of %d blocks loaded)",
+                    t, "recomputes" if t in d.recomputed else "loads", est.latency_s * 1e3,
+                    est.bandwidth_Bps / 1e6, est.samples, self.cost.prefill_tokens_per_s, d.load_s,
+                    d.recompute_s, d.load_blocks, len(block_tiers))
         return d.load_blocks
 
     def observe_load(self, tier: str, blocks: int, seconds: float) -> None:
@@ -70,7 +71,7 @@ class LoadPolicy:
         for tier, n in d.recomputed.items():
             self.counters.add("recompute_chosen_blocks", tier, n)
         if d.probe:
-            self.counters.add("load_probes", "all")
+            self.counters.add("load_probes", TierName.ALL)
 
     def forget(self, req_id: str) -> None:
         """The request ended (it may have been looked up and never admitted)."""

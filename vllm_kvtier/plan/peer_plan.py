@@ -28,11 +28,12 @@ from typing import Any
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 
 logger = logging.getLogger(__name__)
 
-TIER = "peer"
+TIER = TierName.PEER
 PARAM = "kvtier_peer"
 
 

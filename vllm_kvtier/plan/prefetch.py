@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions
 
-TIER = "cpu"
+TIER = TierName.CPU
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import TierName
 
 if TYPE_CHECKING:
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner
@@ -42,6 +43,6 @@ class ReqState:
     #: time.monotonic() when its async load was issued, and the slowest tier it reads
     #: (for the load-wait histogram, observed on finished_recving).
     load_issued_s: float | None = None
-    load_tier: str = "cpu"
+    load_tier: str = TierName.CPU
     #: blocks of that async load read from a tier below CPU (for the load-time estimate)
     load_lower_blocks: int = 0

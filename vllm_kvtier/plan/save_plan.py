@@ -19,11 +19,12 @@ from typing import Any
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import SaveJob
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.req_state import ReqState
 
-TIER = "cpu"
+TIER = TierName.CPU
 MAX_PIN_TTL_S = 7 * 86400.0
 
 

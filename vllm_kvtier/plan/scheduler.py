@@ -50,6 +50,7 @@ from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
@@ -63,7 +64,7 @@ from vllm_kvtier.plan.save_plan import SavePlanner
 
 logger = logging.getLogger(__name__)
 
-TIER = "cpu"
+TIER = TierName.CPU
 
 
 class SchedulerPlanner:
@@ -274,7 +275,7 @@ class SchedulerPlanner:
         """Per-request load histograms: blocks copied from each tier now; the wait is 0
         for a sync load (it runs in the step that computes on it), and for an async one
         runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier = {TIER: len(job.slots)}
+        per_tier: dict[str, int] = {TIER: len(job.slots)}
         for read in job.reads:
             per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
             per_tier[TIER] -= len(read.slots)
@@ -329,7 +330,7 @@ class SchedulerPlanner:
                 local.append(s)
                 wanted.append(k)
                 state.promoting.append(k)
-        self.counters.add("hit_blocks", "peer", len(wanted))
+        self.counters.add("hit_blocks", TierName.PEER, len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
         # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
         # that it frees the offer now rather than after hold_s.
@@ -462,7 +463,7 @@ class SchedulerPlanner:
         """
         self._match_start.pop(request.request_id, None)  # aborted before admission
         self.handoff.forget(request.request_id)
-        pool = self.lower_tier("mooncake")
+        pool = self.lower_tier(TierName.MOONCAKE)
         params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
         if self.peer_plan is not None:
             self.peer_plan.forget(request.request_id)

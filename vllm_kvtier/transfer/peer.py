@@ -28,12 +28,13 @@ import numpy as np
 
 from vllm_kvtier.config import NixlTierConfig
 from vllm_kvtier.jobs import PeerRead
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 
 logger = logging.getLogger(__name__)
 
-TIER = "peer"
+TIER = TierName.PEER
 STAMP = 16
 
 

@@ -38,6 +38,7 @@ import torch
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
@@ -46,7 +47,7 @@ from vllm_kvtier.transfer.peer import PeerLink
 
 logger = logging.getLogger(__name__)
 
-TIER = "cpu"
+TIER = TierName.CPU
 
 
 @dataclass
@@ -137,7 +138,7 @@ class WorkerHalf:
                 self.peer = PeerLink(self.cfg.nixl, self.pool, rank=self.rank, counters=self.counters)
             except Exception as e:  # ImportError (install hint), no UCX...: P/D falls back to recompute
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
-                self.counters.add("store_failures", "peer")
+                self.counters.add("store_failures", TierName.PEER)
                 self._peer_unavailable = str(e)
         if self._make_tiers is not None:
             self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
@@ -361,7 +362,7 @@ class WorkerHalf:
             if prid is None:
                 failed.update(self._blocks_of(job, job.peer_read.slots))
             else:
-                pending.add(("peer", prid))
+                pending.add((TierName.PEER, prid))
             n_lower += len(job.peer_read.slots)
         self._async_loads.append(_AsyncLoad(job.req_id, None, failed, [], job, pending, n_lower))
 
@@ -502,7 +503,7 @@ class WorkerHalf:
         for prid, res in self.peer.poll():
             for s, k in zip(res.read.slots, res.read.keys, strict=True):
                 self._slot_key[s] = k if k in res.good else None  # stamps are already right
-            ref = ("peer", prid)
+            ref = (TierName.PEER, prid)
             for a in self._async_loads:
                 if a.pending_reads is not None and ref in a.pending_reads:
                     a.pending_reads.discard(ref)
