@@ -214,7 +214,7 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tu
     c0 = time.process_time()
     t0 = time.perf_counter()
     for c, fid in enumerate(w.file_ids):
-        store.submit_read(c, fid, headers[fid], positions)
+        store.submit_read(c, fid, headers[fid], positions, [headers[fid].keys[p] for p in positions])
     done = 0
     while done < w.nchunks:
         for r in poll_wait(store):
