@@ -61,6 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
+from vllm_kvtier.tiers.base import IOResult  # noqa: E402
+from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
     align_up,
     block_crc,
@@ -68,7 +70,7 @@ from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
     header_bytes_for,
     make_header,
 )
-from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer, scan_dir  # noqa: E402
+from vllm_kvtier.tiers.nvme import NVMeStore, scan_dir  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -214,7 +216,7 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tu
     c0 = time.process_time()
     t0 = time.perf_counter()
     for c, fid in enumerate(w.file_ids):
-        store.submit_read(c, fid, headers[fid], positions)
+        store.submit_read(c, fid, headers[fid], positions, [headers[fid].keys[p] for p in positions])
     done = 0
     while done < w.nchunks:
         for r in poll_wait(store):

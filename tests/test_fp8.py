@@ -17,9 +17,9 @@ from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.chunkfile import align_up, header_bytes_for
+from vllm_kvtier.tiers.chunkfile import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import file_id_for, read_header
+from vllm_kvtier.tiers.nvme import read_header
 from vllm_kvtier.transfer.fp8 import (
     FP8_FORMAT,
     GROUP,
@@ -194,7 +194,7 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     w = make_workers(cfg, namespace=ns, rank=0, block_bytes=pool.slot_bytes, counters=counters,
                      kv_dtype=torch.float32)["nvme"]
     keys = tuple(bytes([i]) * 32 for i in range(4))
-    fid = file_id_for(keys)
+    fid = chunk_id_for(keys)
     w.write([ChunkWriteJob("nvme", fid, (0, 1, 2, 3), keys)], pool, lambda s: None, lambda s, k: True)
     meta = WorkerReport()
     deadline = time.monotonic() + 10

@@ -51,13 +51,9 @@ NO_TORCH = {"keys", "errors", "jobs", "config", "index", "plan"}
 #: (importer, imported) edges of today's tree that break a rule, with the step that removes
 #: each. Keep it short: a new edge fails the test; an edge that disappears must go too.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # the chunk id is made in the NVMe module (step 2: kernel, file_id_for beside the chunk format)
-    ("vllm_kvtier.plan.chunk_plan", "vllm_kvtier.tiers.nvme"): "step 2, kernel: file_id_for",
     # the chunk tier driver stays in connector/ while the store kernel is rebuilt (step 4,
     # slot table: it moves to transfer/ beside the worker half)
     ("vllm_kvtier.transfer.worker", "vllm_kvtier.connector.chunk_worker"): "step 4, slot table",
-    # the BlockTier adapters over a slot index (step 2: one store contract; keyed.py is deleted)
-    ("vllm_kvtier.tiers.keyed", "vllm_kvtier.index.slot_index"): "step 2, kernel: keyed.py goes",
 }
 
 

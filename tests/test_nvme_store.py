@@ -1,7 +1,7 @@
-"""The NVMe tier beyond the common contract: restart, crash leftovers, damage by others,
-namespaces, real OS write failures (disk full, read-only filesystem, file too large), and
-the I/O engines (``posix``, NIXL's POSIX backend): each reads what the other wrote, and
-damage read through NIXL is a counted miss like any other.
+"""The NVMe store beyond the common contract (tests/tiers/contract.py): restart, crash
+leftovers, damage by others, namespaces, real OS write failures (disk full, read-only
+filesystem, file too large), and the I/O engines (``posix``, NIXL's POSIX backend): each
+reads what the other wrote, and damage read through NIXL is a miss like any other.
 
 The failures are produced by the OS, not by mocks: a tiny tmpfs, a read-only bind mount
 (both need root and mount permission, else skipped with the reason), and RLIMIT_FSIZE in a
@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 
 from tests.nixl_env import HAVE_NIXL, nixl_engine_env, nixl_env, requires_nixl
-from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.metrics import sample_key
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
-from vllm_kvtier.tiers.keyed import NVMeTier
-from vllm_kvtier.tiers.nvme import IOResult, NVMeStore, WriteBuffer
+from vllm_kvtier.errors import ConfigError, FailureReason
+from vllm_kvtier.tiers.base import IOResult
+from vllm_kvtier.tiers.buffers import WriteBuffer
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
+from vllm_kvtier.tiers.nvme import NVMeStore
 
 BLOCK = 3000
-FILE = NVMeTier.file_bytes(BLOCK)
+FILE = header_bytes_for(1) + align_up(BLOCK)  # one one-block chunk on disk
 NS = "nvmetest00000000"
 nixl_env = nixl_env  # fixtures: UCX/NIXL environment for the nixl engine's tests
 nixl_engine_env = nixl_engine_env
@@ -47,109 +47,144 @@ def block(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(BLOCK))
 
 
-def count(t: NVMeTier, metric: str) -> float:
-    return t.counters.totals.get(sample_key(metric, t.name), 0)
-
-
 def chunk_files(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())
 
 
-def path_of(t: NVMeTier, k: bytes) -> Path:
-    loc = t.location(k)
-    assert loc is not None
-    return loc[0]
+def wait_for(store: NVMeStore, job: int, timeout_s: float = 10.0) -> IOResult:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for r in store.poll():
+            if r.job_id == job:
+                return r
+            r.release()
+        store.wait(0.01)
+    raise AssertionError(f"job {job} gave no result within {timeout_s} s")
+
+
+def submit_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int) -> IOResult:
+    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK)
+    for i in range(n):
+        with wb.block(i) as b:
+            b[:] = block(first + i)
+    assert store.submit_write(job, file_id, wb)
+    return wait_for(store, job)
+
+
+def write_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int = 1) -> ChunkHeader:
+    r = submit_chunk(store, file_id, first, n, job)
+    assert r.ok and r.header is not None, r.reason
+    return r.header
+
+
+def read_blocks(store: NVMeStore, file_id: str, header: ChunkHeader | None, positions: list[int],
+                first: int = 0, job: int = 100) -> list[bytes] | FailureReason:
+    """The blocks' bytes, or the reason the read failed."""
+    store.submit_read(job, file_id, header, positions, [key(first + p) for p in positions])
+    r = wait_for(store, job)
+    if not r.ok:
+        assert r.reason is not None
+        return r.reason
+    assert r.blocks is not None
+    out = [b.tobytes() for b in r.blocks]
+    r.release()
+    return out
 
 
 def test_restart_finds_what_was_stored(tmp_path: Path) -> None:
-    a = NVMeTier(tmp_path, 10 * FILE, BLOCK)
-    for i in range(4):
-        assert a.put(key(i), block(i))
-        time.sleep(0.02)  # the restart order comes from file mtimes, which tick coarsely
-    assert a.get(key(0)) == block(0)
+    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    headers = {f"c{i}": write_chunk(a, f"c{i}", 10 * i, 3, job=i) for i in range(4)}
+    assert read_blocks(a, "c0", headers["c0"], [2]) == [block(2)]
     a.close()
-    b = NVMeTier(tmp_path, 10 * FILE, BLOCK)
-    assert b.usage_bytes() == 4 * FILE
-    for i in range(4):
-        assert b.contains(key(i)) and b.get(key(i)) == block(i)
+    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    found = b.scan(cleanup=True)
+    assert found.found == headers and found.problems == {}
+    for i in range(4):  # read with the scanned header, and with none (probed from the file)
+        assert read_blocks(b, f"c{i}", found.found[f"c{i}"], [0, 2], first=10 * i) == [block(10 * i), block(10 * i + 2)]
+        assert read_blocks(b, f"c{i}", None, [1], first=10 * i) == [block(10 * i + 1)]
     b.close()
-    # Reopened smaller: the oldest written files go until it fits (reads do not touch mtime).
-    c = NVMeTier(tmp_path, 2 * FILE, BLOCK)
-    assert c.usage_bytes() == 2 * FILE
-    assert not c.contains(key(0)) and not c.contains(key(1))
-    assert c.get(key(3)) == block(3)
-    c.close()
-    assert len(chunk_files(c.store.dir)) == 2
 
 
 def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) -> None:
-    a = NVMeTier(tmp_path, 10 * FILE, BLOCK)
-    assert a.put(key(1), block(1)) and a.put(key(2), block(2))
+    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    write_chunk(a, "one", 1, 1, job=1)
+    write_chunk(a, "two", 2, 1, job=2)
     a.close()
     # A complete, valid chunk that never got its final name (crash before rename).
-    p = path_of(a, key(1))
+    p = a.path("one")
     p.rename(p.parent / f".tmp-{p.stem}-deadbeef")
     (p.parent / ".tmp-partial-0badf00d").write_bytes(b"\0" * 100)
-    b = NVMeTier(tmp_path, 10 * FILE, BLOCK)
-    assert not b.contains(key(1)) and b.get(key(1)) is None
-    assert b.get(key(2)) == block(2)
-    assert not [n for n in chunk_files(b.store.dir) if n.startswith(".tmp-")]
+    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    res = b.scan(cleanup=True)
+    assert set(res.found) == {"two"} and res.problems == {"partial_write": 2}
+    assert read_blocks(b, "one", None, [0], first=1) is FailureReason.MISSING
+    assert read_blocks(b, "two", res.found["two"], [0], first=2) == [block(2)]
+    assert not [n for n in chunk_files(b.dir) if n.startswith(".tmp-")]
     b.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
-def test_truncated_file_is_a_counted_miss(tmp_path: Path, direct_io, engine, caplog) -> None:
-    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, direct_io=direct_io, io_engine=engine)
-    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
-    p = path_of(t, key(1))
-    os.truncate(p, FILE - BLOCK // 2)  # cut inside the block, at an unaligned length
+def test_truncated_file_is_a_miss(tmp_path: Path, direct_io, engine, caplog) -> None:
+    t = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=engine)
+    h1 = write_chunk(t, "one", 1, 1, job=1)
+    h2 = write_chunk(t, "two", 2, 1, job=2)
+    os.truncate(t.path("one"), FILE - BLOCK // 2)  # cut inside the block, at an unaligned length
     with caplog.at_level(logging.WARNING):
-        assert t.get(key(1)) is None
+        got = read_blocks(t, "one", h1, [0], first=1)
+    assert got is FailureReason.TRUNCATED and got.damaged
     assert "truncated" in caplog.text
-    assert count(t, "load_failures") == 1 and not t.contains(key(1))
-    assert t.get(key(2)) == block(2)  # serving continues
-    assert t.put(key(3), block(3)) and t.get(key(3)) == block(3)
+    assert read_blocks(t, "two", h2, [0], first=2) == [block(2)]  # serving continues
+    h3 = write_chunk(t, "three", 3, 1, job=3)
+    assert read_blocks(t, "three", h3, [0], first=3) == [block(3)]
     t.close()
-    assert not p.exists()  # the damaged file was deleted
+    u = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=engine)
+    res = u.scan(cleanup=True)
+    assert set(res.found) == {"two", "three"} and res.problems == {"truncated": 1}
+    assert not t.path("one").exists()  # the damaged file was deleted by its owner's scan
+    u.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_file_overwritten_by_someone_else(tmp_path: Path, engine: str) -> None:
-    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine=engine)
-    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
-    p1, p2 = path_of(t, key(1)), path_of(t, key(2))
+    t = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine=engine)
+    h1 = write_chunk(t, "one", 1, 1, job=1)
+    h2 = write_chunk(t, "two", 2, 1, job=2)
+    p1, p2 = t.path("one"), t.path("two")
     p1.write_bytes(os.urandom(FILE))  # same size, other bytes
-    assert t.get(key(1)) is None
-    assert count(t, "load_failures") == 1 and not t.contains(key(1))
-    assert t.get(key(2)) == block(2)
+    assert read_blocks(t, "one", h1, [0], first=1) is FailureReason.CHECKSUM
+    assert read_blocks(t, "one", None, [0], first=1) is FailureReason.FORMAT  # not even a chunk
+    assert read_blocks(t, "two", h2, [0], first=2) == [block(2)]
     t.close()
     # At start, garbage with the final name (even a huge block count in its header) is
     # dropped and deleted; the rest is served.
     p1.write_bytes(b"\xff" * FILE)
     other = p2.with_name("0" * 32 + "-00000000.kvt")
     other.write_bytes(b"\0" * 10)
-    u = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine=engine)
-    assert u.get(key(2)) == block(2) and not u.contains(key(1))
+    u = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine=engine)
+    res = u.scan(cleanup=True)
+    assert set(res.found) == {"two"} and sum(res.problems.values()) == 2
+    assert read_blocks(u, "two", res.found["two"], [0], first=2) == [block(2)]
     assert not p1.exists() and not other.exists()
     u.close()
 
 
 def test_namespace_mismatch_is_never_read(tmp_path: Path) -> None:
-    a = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelA")
-    assert a.put(key(1), block(1))
+    a = NVMeStore(tmp_path, "modelA", 0, BLOCK)
+    write_chunk(a, "one", 1, 1)
     a.close()
-    b = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelB")
-    assert not b.contains(key(1)) and b.get(key(1)) is None
-    b.close()
+    b = NVMeStore(tmp_path, "modelB", 0, BLOCK)
+    assert b.scan(cleanup=True).found == {}
     # Even placed inside modelB's directory, a modelA chunk is rejected by its header.
-    shutil.copy(path_of(a, key(1)), b.store.dir)
-    b2 = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelB")
-    assert not b2.contains(key(1)) and b2.usage_bytes() == 0
-    assert chunk_files(b2.store.dir) == []
-    b2.close()
-    a2 = NVMeTier(tmp_path, 10 * FILE, BLOCK, namespace="modelA")
-    assert a2.get(key(1)) == block(1)
+    shutil.copy(a.path("one"), b.dir)
+    assert read_blocks(b, "one", None, [0], first=1) is FailureReason.NAMESPACE
+    res = b.scan(cleanup=True)
+    assert res.found == {} and res.problems == {"namespace": 1}
+    assert chunk_files(b.dir) == []
+    b.close()
+    a2 = NVMeStore(tmp_path, "modelA", 0, BLOCK)
+    found = a2.scan().found
+    assert read_blocks(a2, "one", found["one"], [0], first=1) == [block(1)]
     a2.close()
 
 
@@ -184,89 +219,87 @@ def mounted(target: Path, *how: list[str]) -> Iterator[None]:
 def test_disk_full_refuses_puts(tmp_path: Path, engine: str, caplog) -> None:
     root = tmp_path / "small"
     with mounted(root, ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)]):
-        t = NVMeTier(root, 1000 * FILE, BLOCK, io_engine=engine)  # the tier thinks it has room; the disk has not
-        stored = []
+        t = NVMeStore(root, NS, 0, BLOCK, io_engine=engine)
+        stored: dict[str, ChunkHeader] = {}
+        failed = None
         with caplog.at_level(logging.WARNING):
             for i in range(64):
-                if not t.put(key(i), block(i)):
+                r = submit_chunk(t, f"c{i}", i, 1, job=i)
+                if not r.ok:
+                    failed = r
                     break
-                stored.append(i)
+                assert r.header is not None
+                stored[f"c{i}"] = r.header
         assert 0 < len(stored) < 64
-        assert count(t, "store_failures") == 1
+        assert failed is not None and failed.reason is FailureReason.DISK_FULL and not failed.reason.damaged
         assert "No space left on device" in caplog.text and "disk_full" in caplog.text
-        assert not t.contains(key(len(stored)))
-        assert not [n for n in chunk_files(t.store.dir) if n.startswith(".tmp-")]
-        assert all(t.get(key(i)) == block(i) for i in stored)  # reads keep serving
-        for i in stored[:4]:
-            assert t.delete(key(i))
+        assert not t.path(failed.chunk_id).exists()
+        assert not [n for n in chunk_files(t.dir) if n.startswith(".tmp-")]
+        for j, (cid, h) in enumerate(stored.items()):  # reads keep serving
+            assert read_blocks(t, cid, h, [0], first=int(cid[1:]), job=1000 + j) == [block(int(cid[1:]))]
+        for cid in list(stored)[:4]:
+            t.submit_delete(cid)
         t.close()  # drains the deletes
-        u = NVMeTier(root, 1000 * FILE, BLOCK, io_engine=engine)
-        assert u.put(key(100), block(100)) and u.get(key(100)) == block(100)
+        u = NVMeStore(root, NS, 0, BLOCK, io_engine=engine)
+        h = write_chunk(u, "again", 100, 1)
+        assert read_blocks(u, "again", h, [0], first=100) == [block(100)]
         u.close()
 
 
 def test_read_only_filesystem_refuses_puts(tmp_path: Path, caplog) -> None:
     root = tmp_path / "ro"
     root.mkdir()
-    t = NVMeTier(root, 10 * FILE, BLOCK)
-    assert t.put(key(1), block(1))
+    t = NVMeStore(root, NS, 0, BLOCK)
+    h = write_chunk(t, "one", 1, 1)
     with mounted(
         root, ["mount", "--bind", str(root), str(root)], ["mount", "-o", "remount,bind,ro", str(root)]
     ):
         with caplog.at_level(logging.WARNING):
-            assert not t.put(key(2), block(2))
-        assert count(t, "store_failures") == 1
+            r = submit_chunk(t, "two", 2, 1, job=2)
+        assert not r.ok and r.reason is FailureReason.READ_ONLY
         assert "Read-only file system" in caplog.text and "read_only" in caplog.text
-        assert t.get(key(1)) == block(1)
+        assert read_blocks(t, "one", h, [0], first=1) == [block(1)]
         t.close()
 
 
 def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
     """EFBIG from RLIMIT_FSIZE, in a subprocess so the limit cannot touch pytest."""
     script = textwrap.dedent(f"""
-        import resource, signal, sys
-        from vllm_kvtier.tiers.keyed import NVMeTier
-        from vllm_kvtier.metrics import sample_key
+        import resource, signal, sys, time
+        from vllm_kvtier.tiers.buffers import WriteBuffer
+        from vllm_kvtier.tiers.nvme import NVMeStore
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
-        t = NVMeTier(sys.argv[1], 10 * {FILE}, {BLOCK})
-        assert t.put(b"k" * 32, bytes({BLOCK}))
+        t = NVMeStore(sys.argv[1], "ns", 0, {BLOCK})
+        def result(job):
+            while True:
+                for r in t.poll():
+                    if r.job_id == job:
+                        return r
+                t.wait(0.01)
+        def put(job, k):
+            wb = WriteBuffer([k], {BLOCK})
+            assert t.submit_write(job, k.hex()[:16], wb)
+            return result(job)
+        ok = put(1, b"k" * 32)
+        assert ok.ok
         resource.setrlimit(resource.RLIMIT_FSIZE, ({FILE} // 2, resource.RLIM_INFINITY))
-        ok = t.put(b"j" * 32, bytes({BLOCK}))
-        print("PUT", ok, t.counters.totals.get(sample_key("store_failures", "nvme"), 0))
-        print("GET", t.get(b"k" * 32) == bytes({BLOCK}))
+        r = put(2, b"j" * 32)
+        print("PUT", r.ok, r.reason)
+        t.submit_read(3, ok.chunk_id, ok.header, [0], [b"k" * 32])
+        g = result(3)
+        print("GET", g.ok and g.blocks[0].tobytes() == bytes({BLOCK}))
+        g.release()
         t.close()
     """)
     r = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stderr
-    assert "PUT False 1" in r.stdout and "GET True" in r.stdout
-    assert "File too large" in r.stderr and "store_failure" in r.stderr
+    assert "PUT False os_error" in r.stdout and "GET True" in r.stdout
+    assert "File too large" in r.stderr and "write of" in r.stderr
 
 
 # ---- I/O engines ---------------------------------------------------------------------------
-
-
-def wait_for(store: NVMeStore, job: int, timeout_s: float = 10.0) -> IOResult:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for r in store.poll():
-            if r.job_id == job:
-                return r
-            r.release()
-        store.wait(0.01)
-    raise AssertionError(f"job {job} gave no result within {timeout_s} s")
-
-
-def write_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int = 1) -> ChunkHeader:
-    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK)
-    for i in range(n):
-        with wb.block(i) as b:
-            b[:] = block(first + i)
-    assert store.submit_write(job, file_id, wb)
-    r = wait_for(store, job)
-    assert r.ok and r.header is not None, r.reason
-    return r.header
 
 
 @pytest.mark.nixl
@@ -283,41 +316,35 @@ def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: st
         assert w.path("mine").read_bytes() == other.path("theirs").read_bytes()
         assert len(w.path("mine").read_bytes()) == h.total_bytes
         # A subset of its blocks, out of order, read back by the other engine.
-        other.submit_read(2, "mine", h, [3, 1, 4])
-        r = wait_for(other, 2)
-        assert r.ok and r.blocks is not None, r.reason
-        assert [b.tobytes() for b in r.blocks] == [block(3), block(1), block(4)]
-        r.release()
+        assert read_blocks(other, "mine", h, [3, 1, 4]) == [block(3), block(1), block(4)]
     finally:
         w.close()
         other.close()
-    # A tier reopened with the other engine finds and serves what the first one stored.
-    t = NVMeTier(tmp_path / "tier", 10 * FILE, BLOCK, io_engine=writer, direct_io=direct_io)  # type: ignore[arg-type]
-    assert t.put(key(7), block(7))
+    # A store reopened with the other engine finds and serves what the first one stored.
+    t = NVMeStore(tmp_path / "tier", NS, 0, BLOCK, io_engine=writer, direct_io=direct_io)  # type: ignore[arg-type]
+    write_chunk(t, "seven", 7, 1)
     t.close()
-    u = NVMeTier(tmp_path / "tier", 10 * FILE, BLOCK, io_engine=reader, direct_io=direct_io)  # type: ignore[arg-type]
-    assert u.get(key(7)) == block(7)
+    u = NVMeStore(tmp_path / "tier", NS, 0, BLOCK, io_engine=reader, direct_io=direct_io)  # type: ignore[arg-type]
+    found = u.scan(cleanup=True).found
+    assert read_blocks(u, "seven", found["seven"], [0], first=7) == [block(7)]
     u.close()
 
 
 @pytest.mark.nixl
 @requires_nixl
-def test_damaged_block_read_through_nixl_is_a_counted_miss(tmp_path: Path) -> None:
-    t = NVMeTier(tmp_path, 10 * FILE, BLOCK, io_engine="nixl")
-    assert t.put(key(1), block(1)) and t.put(key(2), block(2))
-    loc = t.location(key(1))
-    assert loc is not None
-    path, offset = loc
-    with open(path, "r+b") as f:  # one bit of the block flipped, through the filesystem
-        f.seek(offset + 17)
+def test_damaged_block_read_through_nixl_is_a_miss(tmp_path: Path) -> None:
+    t = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl")
+    h1 = write_chunk(t, "one", 1, 1, job=1)
+    h2 = write_chunk(t, "two", 2, 1, job=2)
+    with open(t.path("one"), "r+b") as f:  # one bit of the block flipped, through the filesystem
+        f.seek(h1.block_offset(0) + 17)
         b = f.read(1)
-        f.seek(offset + 17)
+        f.seek(h1.block_offset(0) + 17)
         f.write(bytes([b[0] ^ 0x01]))
-    assert t.get(key(1)) is None
-    assert count(t, "load_failures") == 1 and not t.contains(key(1))
-    assert t.get(key(2)) == block(2)
+    got = read_blocks(t, "one", h1, [0], first=1)
+    assert got is FailureReason.CHECKSUM and got.damaged
+    assert read_blocks(t, "two", h2, [0], first=2) == [block(2)]
     t.close()
-    assert not path.exists()
 
 
 def test_io_engine_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nixl_env: None) -> None:

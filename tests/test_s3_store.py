@@ -25,9 +25,10 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, FaultProxy, MotoServer, aws_test_env
 from tests.nixl_env import nixl_engine_env, nixl_env, requires_nixl
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.tiers.base import IOResult
+from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
-from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer
 from vllm_kvtier.tiers.resilience import BreakerState, CircuitBreaker
 from vllm_kvtier.tiers.s3 import S3Config, S3Store, contiguous_runs
 

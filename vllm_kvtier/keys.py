@@ -7,6 +7,7 @@ as a plain string and metric labels stay what operators' dashboards already use.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Literal
 
@@ -29,3 +30,6 @@ CHUNK_TIERS: tuple[TierName, ...] = (TierName.NVME, TierName.S3, TierName.MOONCA
 
 #: Eviction policies of the CPU tier (``cpu.eviction``; :mod:`vllm_kvtier.index.policy`).
 EvictionName = Literal["lru", "s3fifo"]
+
+#: Chunk ids, object ids and writer ids: safe in any file name, object key or log line.
+SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.keys import SAFE_ID
 
 MiB = 1 << 20
 
@@ -21,8 +22,6 @@ MiB = 1 << 20
 IOEngineName = Literal["boto3", "nixl"]
 IO_ENGINES: tuple[str, ...] = get_args(IOEngineName)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
-#: Object ids, writer ids and chunk ids: safe in any key or path.
-SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 

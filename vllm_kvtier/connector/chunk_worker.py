@@ -11,10 +11,15 @@ A tier may store blocks encoded (``storage_dtype: fp8``): the codec turns slot r
 the stored block in ``_buffer`` and back in ``poll``, on this thread (~1 ms per 2 MiB
 bf16 block each way; see :mod:`vllm_kvtier.transfer.fp8`).
 
+The store is any :class:`~vllm_kvtier.tiers.base.ChunkStore` (the one store contract);
+each read passes the keys the scheduler expects at its positions, and the store fails a
+chunk holding others (``key_mismatch``).
+
 A failed read is a miss either way; it marks the chunk *bad* (the scheduler forgets and
-deletes it) only when the bytes are wrong or gone (checksum, truncated, not found...). A
-read that failed for the path to it (deadline, throttling, breaker open, timeout) leaves
-the chunk alone: on a shared bucket it is good data other instances use.
+deletes it) only when its :class:`~vllm_kvtier.errors.FailureReason` is ``damaged`` (the
+bytes are wrong or gone: checksum, truncated, missing, key mismatch...). A read that failed
+for the path to it (deadline, throttling, breaker open, timeout) leaves the chunk alone: on
+a shared bucket it is good data other instances use.
 """
 
 from __future__ import annotations
@@ -23,36 +28,21 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
+from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.chunkfile import DAMAGED_CHUNK_READS, ChunkHeader
+from vllm_kvtier.tiers.base import ChunkStore, IOResult
+from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, file_id_for
 from vllm_kvtier.transfer.fp8 import BlockCodec
 
 logger = logging.getLogger(__name__)
 
-#: Read failures that mean the stored chunk itself is wrong or gone. Any other reason
-#: (deadline, throttled, breaker_open, timeout, unavailable, permission...) is about the
-#: way to it, and leaves the chunk indexed.
-BAD_CHUNK_READS = DAMAGED_CHUNK_READS | {"bad_request", "io_error"}
-
-
-class ChunkStore(Protocol):
-    """The submit/poll data path of a chunk tier (``NVMeStore``, ``S3Store``).
-
-    Called from one thread (the worker's); ``submit_*`` never block; results come back
-    through ``poll``; ``close`` blocks (shutdown only)."""
-
-    def submit_write(self, job_id: int, file_id: str, wb: WriteBuffer) -> bool: ...
-    def submit_read(self, job_id: int, file_id: str, header: ChunkHeader, positions: list[int]) -> None: ...
-    def submit_delete(self, file_id: str) -> None: ...
-    def poll(self) -> list[IOResult]: ...
-    def wait(self, timeout_s: float) -> bool: ...
-    def close(self, timeout_s: float = 30.0) -> None: ...
+__all__ = ["ChunkStore", "ChunkWorker"]
 
 
 class ChunkWorker:
@@ -61,13 +51,17 @@ class ChunkWorker:
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
         ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
         read a chunk whose header we do not have (S3: another instance wrote it).
         ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
         ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
-        block size); None: the slot's bytes are stored as they are."""
+        block size); None: the slot's bytes are stored as they are. ``buffers``: where write
+        buffers come from (the worker's pool, shared with its stores; None: the process
+        default)."""
+        self.buffers = buffers
         self.codec = codec
         self.tier = tier
         self.store = store
@@ -128,7 +122,7 @@ class ChunkWorker:
         if prefetch:  # counted by the scheduler as prefetch_blocks, not as a request's load
             self._prefetch_reads.add(rid)
         # header None only for a store that fetches it (see fetches_headers).
-        self.store.submit_read(rid, read.file_id, header, list(read.positions))  # type: ignore[arg-type]
+        self.store.submit_read(rid, read.file_id, header, list(read.positions), list(read.keys))
         return rid
 
     def poll(self, pool: CPUPool, on_read: Callable[[int, ChunkRead, bool], None],
@@ -153,7 +147,7 @@ class ChunkWorker:
                             self._fill(pool, slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
                         logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
-                        ok, reason = False, "format"
+                        ok, reason = False, FailureReason.FORMAT
                 if ok:
                     if res.header is not None:
                         self.headers.setdefault(read.file_id, res.header)
@@ -166,7 +160,7 @@ class ChunkWorker:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
                                    self.tier, read.file_id, reason, len(read.slots))
                     self.counters.add("load_failures", self.tier, len(read.slots))
-                    if reason in BAD_CHUNK_READS:
+                    if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.file_id))
                         self.headers.pop(read.file_id, None)
                 res.release()
@@ -231,7 +225,7 @@ class ChunkWorker:
                 part = items[i : i + self.chunk_blocks]
                 keys = tuple(k for _, k in part)
                 wb = self._buffer(keys, tuple(s for s, _ in part), pool)
-                while not self.store.submit_write(next(self._ids), file_id_for(keys), wb):
+                while not self.store.submit_write(next(self._ids), chunk_id_for(keys), wb):
                     if time.monotonic() > deadline:
                         wb.buf.close()
                         break
@@ -243,7 +237,7 @@ class ChunkWorker:
 
     def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...], pool: CPUPool) -> WriteBuffer:
         codec = self.codec
-        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes)
+        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes, self.buffers)
         for i, s in enumerate(slots):
             if codec is None:
                 pool.copy_slot_out(s, wb.block(i))

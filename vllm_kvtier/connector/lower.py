@@ -25,6 +25,7 @@ from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
+from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
 from vllm_kvtier.transfer.fp8 import (
@@ -81,7 +82,8 @@ def make_planners(
     if n is not None:
         f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
-        found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace)[0] for r in range(world_size)]
+        found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace, max_blocks=n.chunk_blocks,
+                          block_bytes=f.block_bytes)[0] for r in range(world_size)]
         policy = ChunkPolicy("nvme", n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes)
         planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes,
                                      counters=counters, found=found))
@@ -190,8 +192,13 @@ def make_workers(
     kv_dtype: torch.dtype | None = None,
 ) -> dict[str, ChunkWorker]:
     """This rank's data path of each configured lower tier, by tier name. ``block_bytes``:
-    a CPU pool slot's; ``kv_dtype``: the KV cache's (None: unknown, native storage)."""
+    a CPU pool slot's; ``kv_dtype``: the KV cache's (None: unknown, native storage).
+
+    One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process)
+    is handed to every store and chunk driver built here: their transfer buffers share one
+    bound on idle memory."""
     workers: dict[str, ChunkWorker] = {}
+    buffers = BufferPool(DEFAULT_IDLE_BYTES)
     n = cfg.nvme
     if n is not None:
         f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
@@ -200,19 +207,21 @@ def make_workers(
         try:
             nvme_store = NVMeStore(n.path, f.namespace, rank, f.block_bytes, direct_io=n.direct_io,
                                    io_threads=n.io_threads, max_queued_writes=n.max_queued_writes,
-                                   io_engine=n.io_engine)
+                                   io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers)
         except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
             # Serving goes on without the tier: every NVMe write and read is a miss.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
             counters.add("store_failures", "nvme")
         if nvme_store is not None:
-            headers, problems = scan_dir(nvme_store.dir, f.namespace, cleanup=True)
-            for reason, count in problems.items():
+            scanned = nvme_store.scan(cleanup=True)
+            headers = scanned.found
+            for reason, count in scanned.problems.items():
                 logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
                 counters.add("load_failures", "nvme", count)
         workers["nvme"] = ChunkWorker("nvme", nvme_store, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
-                                      headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype))
+                                      headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),
+                                      buffers=buffers)
     s3 = cfg.s3
     if s3 is not None:
         f = tier_format("s3", s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
@@ -220,7 +229,7 @@ def make_workers(
         try:
             from vllm_kvtier.tiers.s3 import S3Store
 
-            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes)
+            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes, buffers=buffers)
         except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
             raise
         except Exception as e:
@@ -231,7 +240,8 @@ def make_workers(
         workers["s3"] = ChunkWorker("s3", s3_store, counters=counters, mode=s3.mode,
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
-                                    remote_stats=s3_store.stats if s3_store is not None else None)
+                                    remote_stats=s3_store.stats if s3_store is not None else None,
+                                    buffers=buffers)
     mc = cfg.mooncake
     if mc is not None:
         mc_store = None
@@ -244,5 +254,6 @@ def make_workers(
             counters.add("store_failures", "mooncake")
         workers["mooncake"] = ChunkWorker("mooncake", mc_store, counters=counters, mode=mc.mode, chunk_blocks=1,
                                           flush_on_shutdown_s=0.0, fetches_headers=True,
-                                          remote_stats=mc_store.stats if mc_store is not None else None)
+                                          remote_stats=mc_store.stats if mc_store is not None else None,
+                                          buffers=buffers)
     return workers

@@ -35,8 +35,7 @@ from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
-from vllm_kvtier.tiers.nvme import file_id_for
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +241,7 @@ class ChunkPlanner:
             if not part:
                 continue
             keys = [k for _, k in part]
-            fid = keys[0].hex() if self.policy.key_named else file_id_for(keys)
+            fid = keys[0].hex() if self.policy.key_named else chunk_id_for(keys)
             evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
             if evicted is None:
                 self.counters.add("store_skipped", self.tier, len(keys))

@@ -1,107 +1,234 @@
-"""The common contract of a keyed block tier: put, get, contains, delete, usage, close.
+"""THE store contract: what every chunk medium (memory, NVMe, S3, Mooncake) offers the
+worker's data path, and what it promises.
 
-Who calls it: one owner thread at a time (the worker's tier code, a tool, or a test).
-Implementations are not thread-safe; the owner serialises calls. Calls may block: an
-in-memory tier for one copy of a block, a disk tier for one file write (with fsync) or
-read, bounded by the tier's timeout. Code that must not block the engine step uses the
-submit/poll media (:class:`~vllm_kvtier.tiers.nvme.NVMeStore`) directly; this contract is
-what every medium can promise, so one test suite (``tests/test_tier_contract.py``) runs
-against all of them and :class:`~vllm_kvtier.tiers.memory.MemoryTier` is both the
+A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.tiers.chunkfile`
+(a header with every block's key and CRC32, then the blocks at a fixed stride), stored
+under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.tiers.chunkfile.chunk_id_for`).
+Every store is a :class:`~vllm_kvtier.tiers.kernel.StoreKernel` over a medium's byte
+primitives, so the guarantees below are written once; ``tests/tiers/contract.py`` checks
+them for every medium and :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both the
 reference implementation and the fake for higher layers.
 
-Blocks have a fixed size, ``block_bytes``. A key is a non-empty ``bytes`` of at most
-:data:`MAX_KEY_BYTES` (vLLM's chained block hash, which names the content): two puts under
-one key carry the same bytes, so a second put stores nothing.
+Who calls it: the worker half's chunk driver
+(:class:`~vllm_kvtier.connector.chunk_worker.ChunkWorker`), from the worker's main thread
+(tools and tests from theirs): ONE caller thread per store. The store's own I/O threads do
+the transfers; results come back only through :meth:`ChunkStore.poll`, on the caller's
+thread.
 
-Failure semantics (style rule 9, failure becomes a miss and a counter): ``put`` and ``get``
-never raise for a bad block, a full tier, a failed verification or an I/O error. ``put``
-returns False (counted as ``store_failures``); ``get`` returns None, and when a stored
-block fails its CRC32 check or cannot be read, the entry is dropped and counted as
-``load_failures``. Each implementation owns a :class:`~vllm_kvtier.metrics.Counters` in
-``counters`` and counts under its ``name`` (``evictions``, ``load_failures``,
-``store_failures``). Programming errors (a key of the wrong type) may raise.
+Never blocking: ``submit_write``, ``submit_read``, ``submit_delete`` and ``poll`` return at
+once, whatever the medium does (a dead endpoint, a stalled disk). Only ``wait`` (bounded by
+its argument), ``close`` (shutdown) and the optional start-up abilities block.
 
-Eviction is least-recently-used within ``capacity_bytes``; ``put`` and a hit in ``get``
-make a key the most recently used.
+Failure (style rule 9): no method raises for a failed transfer; it is an :class:`IOResult`
+with ``ok`` False and a :class:`~vllm_kvtier.errors.FailureReason` whose ``damaged``
+property tells the caller whether to drop the chunk (the bytes are wrong or gone) or keep
+it (the way to it failed). Programming errors (a malformed chunk id) may raise.
+
+Optional abilities are separate small protocols, checked with ``isinstance``:
+:class:`Scannable` (list and verify what the medium holds, at start-up),
+:class:`Probeable` (does a chunk exist, without reading it), :class:`ReportsRemoteStats`
+(request, retry and breaker figures of a remote medium).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Protocol, runtime_checkable
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
 
-from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.chunkfile import MAX_KEY as MAX_KEY_BYTES
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.buffers import Releasable, WriteBuffer
+from vllm_kvtier.tiers.chunkfile import ChunkHeader
+from vllm_kvtier.tiers.resilience import RemoteStats
 
-__all__ = ["MAX_KEY_BYTES", "BlockTier", "refusal", "count_failure"]
+__all__ = [
+    "ChunkStore",
+    "IOKind",
+    "IOResult",
+    "Probeable",
+    "ReportsRemoteStats",
+    "ScanResult",
+    "Scannable",
+    "drain",
+]
+
+IOKind = Literal["read", "write", "delete"]
+
+
+@dataclass
+class IOResult:
+    """The outcome of one submitted job, handed out once by :meth:`ChunkStore.poll`.
+
+    ``ok`` is True exactly when ``reason`` is None. A read's ``blocks`` are views into
+    ``buffer``: copy them out, then :meth:`release` (which hands the memory back for
+    reuse); keep no view after releasing."""
+
+    job_id: int
+    kind: IOKind
+    chunk_id: str
+    ok: bool
+    reason: FailureReason | None = None
+    #: bytes moved (a write: the chunk's total size; a read: the bytes fetched)
+    nbytes: int = 0
+    #: from submit to completion
+    seconds: float = 0.0
+    #: writes: the header stamped; reads: the verified header (for a read submitted with
+    #: none, the caller keeps it for the next read of this chunk)
+    header: ChunkHeader | None = None
+    #: reads: the verified bytes of each requested position (same order), else None.
+    blocks: list[memoryview] | None = None
+    #: reads: the memory behind ``blocks``
+    buffer: Releasable | None = None
+
+    def __post_init__(self) -> None:
+        # Media that label failures with plain strings (their classifiers' values) are
+        # typed here; an unknown label is a programming error and raises.
+        if self.reason == "":
+            self.reason = None
+        elif self.reason is not None and not isinstance(self.reason, FailureReason):
+            self.reason = FailureReason(self.reason)
+        if not self.ok and self.reason is None:
+            self.reason = FailureReason.ERROR
+
+    @property
+    def file_id(self) -> str:
+        """The chunk id (its name before the store contract was written down)."""
+        return self.chunk_id
+
+    def release(self) -> None:
+        if self.blocks is not None:
+            for b in self.blocks:
+                b.release()
+            self.blocks = None
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+
+def drain(q: queue.SimpleQueue[IOResult]) -> list[IOResult]:
+    """Everything queued right now, without waiting (completion queues of the stores)."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 @runtime_checkable
-class BlockTier(Protocol):
-    """Keyed storage of fixed-size blocks, one medium per implementation."""
+class ChunkStore(Protocol):
+    """The submit/poll data path of one chunk medium for one (namespace, rank).
 
-    #: Label in counters and logs ("memory", "cpu", "nvme").
-    name: str
-    #: Size of every block; a put of any other size is refused.
+    Every method is called from the one caller thread (see the module doc). Exactly one
+    result comes back by :meth:`poll` for every submitted read and every accepted write;
+    deletes report too (``job_id`` -1) and may be ignored.
+    """
+
+    #: Bytes of every block this store writes and accepts on read.
     block_bytes: int
-    #: Upper bound of :meth:`usage_bytes`, as configured.
-    capacity_bytes: int
-    #: Where this tier counts evictions and failures, under ``name``.
-    counters: Counters
 
-    def put(self, key: bytes, data: bytes | memoryview) -> bool:
-        """Store ``data`` under ``key``, evicting least recently used blocks to make room.
+    def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
+        """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled;
+        the store stamps the header: keys, CRC32s, namespace). Never blocks.
 
-        Returns True if the block is stored, or was already present (then nothing is
-        written and the key is refreshed). Returns False, and stores nothing, if refused:
-        wrong size, bad key, a block that cannot fit even in an empty tier or when nothing
-        is evictable, an I/O error, or the tier is closed. Never raises for those. Atomic:
-        after a False, a later ``get`` of a new key misses; a reader never sees a partial
-        block. Blocks evicted to make room stay evicted even if the write then fails.
+        Returns False when refused (the bounded write queue is full: back-pressure, or the
+        store is closed): nothing was queued, no result will come, and the CALLER still
+        owns ``wb`` (close it or retry). Returns True when queued: the STORE owns ``wb``
+        from now on and closes it when the write ends, and one result comes by ``poll``
+        (``header`` set when ok). A write is atomic: a reader of ``chunk_id`` sees the old
+        chunk, the new one, or none, never a mix. Writing an id that exists succeeds
+        (the chunk is replaced, or kept where the medium refuses overwrites, e.g. Mooncake:
+        ids name their content). Failure reasons: ``queue``/``closed`` never (that is
+        False); ``disk_full``, ``permission``, ``read_only``, ``io_error``, ``os_error``,
+        ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``, ``no_buffer``,
+        ``pool_full``, ``error``...
         """
         ...
 
-    def get(self, key: bytes) -> bytes | None:
-        """The block's bytes, verified against the CRC32 recorded at put, or None.
+    def submit_read(
+        self, job_id: int, chunk_id: str, header: ChunkHeader | None, positions: Sequence[int],
+        keys: Sequence[bytes],
+    ) -> None:
+        """Queue a read of the blocks at ``positions`` (any order; the result's ``blocks``
+        follow it), which must hold ``keys`` (the keys the scheduler expects there, same
+        order). Never blocks; exactly one result comes by ``poll``.
 
-        None is a miss: the key is absent, or the stored bytes failed verification or
-        could not be read, in which case the entry is dropped (``contains`` becomes
-        False) and ``load_failures`` is counted. Never raises for those.
+        ``header``: the chunk's header as the caller knows it (from a write, a scan or an
+        earlier read); None for a chunk this process has not seen (another instance wrote
+        it): the store reads and verifies the header first, within the same deadline, and
+        returns it in the result's ``header``.
+
+        What a successful read guarantees (the ONE verified read path of the kernel):
+        every size taken from stored bytes was bounded by what this engine could have
+        written BEFORE any memory was sized from it (``too_large``); the key at each
+        position equals the key asked for (``key_mismatch``); every block's CRC32 matched
+        before the result was made (``checksum``); a stored header read along is the
+        caller's header (``checksum``); the object is complete (``truncated``).
+
+        Deadline: the result arrives within the store's ``read_deadline_s`` of this call.
+        If the medium has not answered by then, ``poll`` reports the read failed with
+        ``deadline`` (transient); the late answer is dropped and its buffer freed.
+
+        Failure reasons: damaged (the caller drops the chunk) ``checksum``, ``truncated``,
+        ``missing``, ``namespace``, ``format``, ``key_mismatch``, ``too_large``,
+        ``not_regular``, ``bad_request`` (positions out of range), ``io_error``; transient
+        ``deadline``, ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``,
+        ``no_buffer``, ``closed`` (a read submitted after close), ``permission``, ``error``.
         """
         ...
 
-    def contains(self, key: bytes) -> bool:
-        """Whether ``key`` is indexed. Does no I/O and no verification, so a following
-        ``get`` can still miss if the medium was damaged meanwhile."""
+    def submit_delete(self, chunk_id: str) -> None:
+        """Queue the removal of ``chunk_id`` (absent is fine). Never blocks. Space is
+        reclaimed by the medium, possibly after the result. Ignored once closed."""
         ...
 
-    def delete(self, key: bytes) -> bool:
-        """Drop ``key``; True if it was present. Space is reclaimed by the medium (for
-        a disk, possibly after the call returns)."""
+    def poll(self) -> list[IOResult]:
+        """Every result completed since the last call, and every read past its deadline
+        (failed, ``deadline``). Never blocks. The caller owns the results (release them)."""
         ...
 
-    def usage_bytes(self) -> int:
-        """Bytes of the medium held by stored blocks, including per-block overhead (a file
-        header); never more than ``capacity_bytes``."""
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until some job completed since the last call (True)
+        or not. For idle engine steps only: it hands the GIL to the I/O threads."""
         ...
 
-    def close(self) -> None:
-        """Release the medium (finishing queued I/O). Idempotent. Afterwards ``put``
-        returns False and ``get`` returns None; what a durable tier wrote stays."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish queued I/O (up to ``timeout_s``), then stop the threads and free the
+        medium's resources. Idempotent. Afterwards writes are refused, reads fail with
+        ``closed`` and deletes are ignored; what a durable medium wrote stays."""
         ...
 
 
-def refusal(key: bytes, data: bytes | memoryview, block_bytes: int) -> str | None:
-    """Why a put of ``data`` under ``key`` must be refused, or None if it is acceptable."""
-    if not key or len(key) > MAX_KEY_BYTES:
-        return f"key of {len(key)} bytes (allowed 1..{MAX_KEY_BYTES})"
-    n = memoryview(data).nbytes
-    if n != block_bytes:
-        return f"block of {n} bytes, expected {block_bytes}"
-    return None
+@dataclass(frozen=True)
+class ScanResult:
+    """What a medium holds for this (namespace, rank), each chunk's header verified."""
+
+    #: chunk id -> header, oldest first where the medium can tell
+    found: dict[str, ChunkHeader] = field(default_factory=dict)
+    #: what was left out, by reason (``partial_write`` for leftovers of a crashed write)
+    problems: dict[str, int] = field(default_factory=dict)
 
 
-def count_failure(tier: BlockTier, metric: str, key: bytes, reason: str, log: logging.Logger) -> None:
-    """Count one ``store_failures``/``load_failures`` and say why in one log line."""
-    tier.counters.add(metric, tier.name)
-    log.warning("kvtier %s tier: %s for key %s: %s", tier.name, metric.rstrip("s"), key.hex()[:16], reason)
+@runtime_checkable
+class Scannable(Protocol):
+    """A medium that can list what it holds (NVMe's directory, S3's prefix). Blocks:
+    called at start-up, by the worker that owns the medium (``cleanup`` True: leftovers
+    and chunks that fail to verify are deleted) or read-only by the scheduler."""
+
+    def scan(self, *, cleanup: bool = False) -> ScanResult: ...
+
+
+@runtime_checkable
+class Probeable(Protocol):
+    """A medium that can say whether chunks exist without reading them (Mooncake's
+    master). Blocks for one request; an error reads as False (a miss)."""
+
+    def exists(self, chunk_ids: list[str]) -> list[bool]: ...
+
+
+@runtime_checkable
+class ReportsRemoteStats(Protocol):
+    """A remote medium's request, retry and breaker figures (for metrics). Any thread."""
+
+    def stats(self) -> RemoteStats: ...

@@ -35,7 +35,7 @@ import importlib
 import os
 from typing import Protocol
 
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 
 __all__ = ["FILE_IO_ENGINES", "FileIO", "PosixFileIO", "make_file_io"]
@@ -86,7 +86,7 @@ class PosixFileIO:
             with view[got:] as rest:
                 n = os.preadv(fd, [rest], offset + got)
             if n == 0:
-                raise ChunkFormatError(f"truncated: read {got} of {view.nbytes} bytes")
+                raise ChunkFormatError(f"truncated: read {got} of {view.nbytes} bytes", FailureReason.TRUNCATED)
             got += n
 
     def close(self) -> None:

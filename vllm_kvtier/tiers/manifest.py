@@ -21,17 +21,31 @@ import struct
 import zlib
 from collections.abc import Iterable
 
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError, ChunkHeader, decode_header, encode_header
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.chunkfile import (
+    MAX_CHUNK_BLOCKS,
+    ChunkFormatError,
+    ChunkHeader,
+    bounded_header_bytes,
+    decode_header,
+    encode_header,
+    header_bytes_for,
+)
 
 MAGIC = b"KVTMANI1"
 VERSION = 1
-#: Decompressed payload bound: a damaged length field must not size a huge allocation.
-MAX_PAYLOAD_BYTES = 1 << 30
+#: The most entries a manifest may announce: one writer's live chunks (a million chunks of
+#: 16 blocks is far beyond any one cache); checked before anything is decoded.
+MAX_ENTRIES = 1 << 20
+#: Compressed bytes fed to zlib per step: the decompressed bytes held at once stay about
+#: one entry plus what this much input can expand to.
+_STEP = 64 << 10
 
 _FIXED = struct.Struct("<8sI16sIQ")
 _ID = struct.Struct("<H")
 _HLEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
+_MAX_ID = 128
 
 
 def encode_manifest(namespace: str, entries: Iterable[tuple[str, ChunkHeader]]) -> bytes:
@@ -48,35 +62,76 @@ def encode_manifest(namespace: str, entries: Iterable[tuple[str, ChunkHeader]]) 
     return out + _CRC.pack(zlib.crc32(out))
 
 
-def decode_manifest(data: bytes, namespace: str) -> dict[str, ChunkHeader]:
-    """Parse and verify a manifest. Raises ChunkFormatError on any mismatch."""
+def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
+                    max_entries: int = MAX_ENTRIES, block_bytes: int | None = None) -> dict[str, ChunkHeader]:
+    """Parse and verify a manifest. Raises ChunkFormatError on any mismatch.
+
+    Nothing in it sizes memory before it is bounded: the entry count by ``max_entries``
+    (``too_large``), each entry's header by ``max_blocks`` (and ``block_bytes`` when given)
+    before it is decoded, and the payload is decompressed step by step, never more than
+    one entry's bound plus one step's output held at once (a damaged or forged length
+    field cannot make a reader inflate a huge buffer)."""
     if len(data) < _FIXED.size + _CRC.size:
-        raise ChunkFormatError("truncated manifest")
+        raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
     magic, version, ns, count, plen = _FIXED.unpack_from(data, 0)
     if magic != MAGIC or version != VERSION:
-        raise ChunkFormatError("bad manifest magic or version")
+        raise ChunkFormatError("bad manifest magic or version", FailureReason.FORMAT)
     if ns.rstrip(b"\0").decode("ascii", "replace") != namespace:
-        raise ChunkFormatError("namespace mismatch")
+        raise ChunkFormatError("namespace mismatch", FailureReason.NAMESPACE)
+    if count > max_entries:
+        raise ChunkFormatError(f"too large: a manifest of {count} entries, at most {max_entries}",
+                               FailureReason.TOO_LARGE)
     end = _FIXED.size + plen
     if len(data) != end + _CRC.size:
-        raise ChunkFormatError("truncated manifest")
+        raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
     if _CRC.unpack_from(data, end)[0] != zlib.crc32(memoryview(data)[:end]):
-        raise ChunkFormatError("manifest checksum mismatch")
-    d = zlib.decompressobj()
-    body = d.decompress(memoryview(data)[_FIXED.size : end], MAX_PAYLOAD_BYTES)
-    if d.unconsumed_tail:
-        raise ChunkFormatError("manifest payload too large")
+        raise ChunkFormatError("manifest checksum mismatch", FailureReason.CHECKSUM)
+    max_head = header_bytes_for(max_blocks)
+    entry_bound = _ID.size + _MAX_ID + _HLEN.size + max_head
+    reader = _Inflater(memoryview(data)[_FIXED.size : end], entry_bound)
     out: dict[str, ChunkHeader] = {}
-    off = 0
-    try:
-        for _ in range(count):
-            (n,) = _ID.unpack_from(body, off)
-            oid = body[off + _ID.size : off + _ID.size + n].decode("ascii")
-            off += _ID.size + n
-            (hlen,) = _HLEN.unpack_from(body, off)
-            off += _HLEN.size
-            out[oid] = decode_header(body[off : off + hlen], namespace)
-            off += hlen
-    except (struct.error, UnicodeDecodeError) as e:
-        raise ChunkFormatError(f"truncated manifest entry: {e}") from e
+    for _ in range(count):
+        (n,) = _ID.unpack(reader.take(_ID.size))
+        if not 0 < n <= _MAX_ID:
+            raise ChunkFormatError(f"manifest entry id of {n} bytes", FailureReason.FORMAT)
+        try:
+            oid = reader.take(n).decode("ascii")
+        except UnicodeDecodeError as e:
+            raise ChunkFormatError(f"manifest entry id: {e}", FailureReason.FORMAT) from e
+        (hlen,) = _HLEN.unpack(reader.take(_HLEN.size))
+        if hlen > max_head:
+            raise ChunkFormatError(f"too large: a manifest header of {hlen} B, at most {max_head}",
+                                   FailureReason.TOO_LARGE)
+        head = reader.take(hlen)
+        if bounded_header_bytes(head, max_blocks=max_blocks, block_bytes=block_bytes) != hlen:
+            raise ChunkFormatError("manifest header of the wrong length", FailureReason.FORMAT)
+        out[oid] = decode_header(head, namespace)
     return out
+
+
+class _Inflater:
+    """The decompressed payload, handed out in pieces as it is inflated."""
+
+    def __init__(self, payload: memoryview, max_piece: int) -> None:
+        self._d = zlib.decompressobj()
+        self._src = payload
+        self._pos = 0
+        self._buf = bytearray()
+        self._max = max_piece
+
+    def take(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            if self._d.unconsumed_tail:
+                chunk = self._d.unconsumed_tail
+            elif self._pos < len(self._src):
+                chunk = bytes(self._src[self._pos : self._pos + _STEP])
+                self._pos += len(chunk)
+            else:
+                raise ChunkFormatError("truncated manifest entry", FailureReason.TRUNCATED)
+            try:
+                self._buf += self._d.decompress(chunk, self._max)
+            except zlib.error as e:
+                raise ChunkFormatError(f"manifest payload: {e}", FailureReason.FORMAT) from e
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out

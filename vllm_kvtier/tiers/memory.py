@@ -1,81 +1,82 @@
-"""The reference :class:`~vllm_kvtier.tiers.base.BlockTier`: blocks in a dict, in process memory.
+"""The reference :class:`~vllm_kvtier.tiers.base.ChunkStore`: chunks in a dict, in process
+memory, through the same :class:`~vllm_kvtier.tiers.kernel.StoreKernel` as every medium.
 
-It is what the contract means, written as plainly as possible, and the fake that higher
-layers test against. Like every medium it stores a CRC32 per block and verifies it on
-``get``, so a higher layer can drill the checksum path: flip a byte in :meth:`MemoryTier.raw`.
+It is what the contract means, with the plainest possible medium, and the fake that higher
+layers test against: a test can read, damage or forge the stored bytes of a chunk
+(:meth:`MemoryStore.raw`, :meth:`MemoryStore.forge`) and every read still goes through the
+kernel's verified path (bounded sizes, keys, CRC32s).
 """
 
 from __future__ import annotations
 
-import logging
-import zlib
-from collections import OrderedDict
+import threading
 
-from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.base import count_failure, refusal
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
+from vllm_kvtier.tiers.chunkfile import ChunkFormatError
+from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 
-logger = logging.getLogger(__name__)
+__all__ = ["MemoryMedium", "MemoryStore"]
 
 
-class MemoryTier:
-    """Dict of key -> (bytes, CRC32), least recently used first. See BlockTier for the contract."""
+class MemoryMedium:
+    """Chunk id -> bytearray. ``put`` replaces the entry in one step (atomic for readers)."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, *, name: str = "memory") -> None:
-        if block_bytes <= 0 or capacity_bytes < 0:
-            raise ValueError(
-                f"need block_bytes > 0 and capacity_bytes >= 0, got {block_bytes}, {capacity_bytes}"
-            )
-        self.name = name
-        self.block_bytes = block_bytes
-        self.capacity_bytes = capacity_bytes
-        self.counters = Counters()
-        self._blocks: OrderedDict[bytes, tuple[bytearray, int]] = OrderedDict()
-        self._closed = False
+    name = "memory"
+    read_shape: ReadShape = "span"
 
-    def put(self, key: bytes, data: bytes | memoryview) -> bool:
-        why = "tier is closed" if self._closed else refusal(key, data, self.block_bytes)
-        if why is None and self.block_bytes > self.capacity_bytes:
-            why = f"capacity {self.capacity_bytes} B holds no block of {self.block_bytes} B"
-        if why is not None:
-            count_failure(self, "store_failures", key, why, logger)
-            return False
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return True
-        while self.usage_bytes() + self.block_bytes > self.capacity_bytes:
-            self._blocks.popitem(last=False)
-            self.counters.add("evictions", self.name)
-        buf = bytearray(data)
-        self._blocks[key] = (buf, zlib.crc32(buf))
-        return True
+    def __init__(self) -> None:
+        self.objects: dict[str, bytearray] = {}
+        self._lock = threading.Lock()
 
-    def get(self, key: bytes) -> bytes | None:
-        entry = None if self._closed else self._blocks.get(key)
-        if entry is None:
-            return None
-        buf, crc = entry
-        if zlib.crc32(buf) != crc:
-            del self._blocks[key]
-            count_failure(self, "load_failures", key, "checksum mismatch", logger)
-            return None
-        self._blocks.move_to_end(key)
-        return bytes(buf)
+    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
+        data = bytearray(view)
+        with self._lock:
+            self.objects[chunk_id] = data
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
+    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
+        with self._lock:
+            data = self.objects.get(chunk_id)
+        if data is None:
+            raise KeyError(chunk_id)
+        end = offset + dst.nbytes
+        if end > len(data):
+            raise ChunkFormatError(f"truncated: {len(data)} of {end} bytes", FailureReason.TRUNCATED)
+        dst[:] = memoryview(data)[offset:end]
 
-    def delete(self, key: bytes) -> bool:
-        return self._blocks.pop(key, None) is not None
+    def delete(self, chunk_id: str) -> None:
+        with self._lock:
+            self.objects.pop(chunk_id, None)
 
-    def usage_bytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
+    def classify(self, exc: BaseException) -> FailureReason:
+        return FailureReason.MISSING if isinstance(exc, KeyError) else FailureReason.ERROR
 
     def close(self) -> None:
-        self._closed = True
-        self._blocks.clear()
+        pass
 
-    def raw(self, key: bytes) -> bytearray | None:
-        """The stored bytes of ``key`` themselves, not a copy: for fault drills (flip a byte,
-        then ``get`` must miss). Does not refresh recency. None if absent."""
-        entry = self._blocks.get(key)
-        return None if entry is None else entry[0]
+
+class MemoryStore(StoreKernel):
+    """Chunks in process memory. Same contract, threads and failure rules as every store."""
+
+    def __init__(
+        self, namespace: str, block_bytes: int, *, max_chunk_blocks: int = 16, buffers: BufferPool | None = None,
+        read_deadline_s: float = 5.0, io_threads: int = 2, max_queued_writes: int = 64,
+    ) -> None:
+        self._mem = MemoryMedium()
+        super().__init__(self._mem, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
+                         buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
+                         max_queued_writes=max_queued_writes)
+
+    def raw(self, chunk_id: str) -> bytearray | None:
+        """The stored bytes of ``chunk_id`` themselves, not a copy: for fault drills (flip a
+        byte, then a read must fail). None if absent."""
+        return self._mem.objects.get(chunk_id)
+
+    def forge(self, chunk_id: str, data: bytes) -> None:
+        """Store ``data`` as ``chunk_id`` bypassing the kernel (no header stamped): what a
+        foreign or malicious writer could leave in a shared medium."""
+        self._mem.objects[chunk_id] = bytearray(data)
+
+    def chunk_ids(self) -> list[str]:
+        """What is stored now (any order)."""
+        return list(self._mem.objects)

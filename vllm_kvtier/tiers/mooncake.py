@@ -46,11 +46,14 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config.stores import SAFE_ID, MooncakeConfig
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.base import IOResult, drain
+from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.chunkfile import (
     ChunkFormatError,
     ChunkHeader,
@@ -58,9 +61,9 @@ from vllm_kvtier.tiers.chunkfile import (
     block_crc,
     decode_header,
     encode_header,
+    keys_match,
     make_header,
 )
-from vllm_kvtier.tiers.nvme import IOResult, WriteBuffer, drain
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 
 __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeStats", "MooncakeStore", "code_reason", "object_key"]
@@ -76,34 +79,34 @@ INSTALL_HINT = (
 
 
 #: Mooncake's ErrorCode values (mooncake-store/include/types.h) -> our failure labels.
-_CODE_REASONS = {
-    -10: "truncated",  # BUFFER_OVERFLOW
-    -101: "missing",  # SEGMENT_NOT_FOUND: the client that held the replica left the pool
-    -200: "pool_full",  # NO_AVAILABLE_HANDLE: no space in any segment
-    -400: "bad_request",  # INVALID_KEY
-    -600: "bad_request",  # INVALID_PARAMS (e.g. a buffer smaller than the object)
-    -703: "not_ready",  # REPLICA_IS_NOT_READY: another client is still writing it
-    -704: "missing",  # OBJECT_NOT_FOUND (never stored, evicted or removed)
-    -705: "exists",  # OBJECT_ALREADY_EXISTS
-    -706: "lease",  # OBJECT_HAS_LEASE
-    -707: "lease_expired",  # LEASE_EXPIRED before the transfer finished
-    -710: "missing",  # REPLICA_NOT_FOUND
-    -712: "missing",  # REPLICA_IS_GONE
-    -714: "not_ready",  # OBJECT_REPLICA_BUSY
-    -800: "transfer",  # TRANSFER_FAIL
-    -801: "checksum",  # CHECKSUM_MISMATCH
-    -900: "unavailable",  # RPC_FAIL: the master does not answer
-    -901: "unavailable",  # RPC_TIMEOUT
-    -1010: "unavailable",  # UNAVAILABLE_IN_CURRENT_STATUS
+_CODE_REASONS: dict[int, FailureReason] = {
+    -10: FailureReason.TRUNCATED,  # BUFFER_OVERFLOW
+    -101: FailureReason.MISSING,  # SEGMENT_NOT_FOUND: the client that held the replica left the pool
+    -200: FailureReason.POOL_FULL,  # NO_AVAILABLE_HANDLE: no space in any segment
+    -400: FailureReason.BAD_REQUEST,  # INVALID_KEY
+    -600: FailureReason.BAD_REQUEST,  # INVALID_PARAMS (e.g. a buffer smaller than the object)
+    -703: FailureReason.NOT_READY,  # REPLICA_IS_NOT_READY: another client is still writing it
+    -704: FailureReason.MISSING,  # OBJECT_NOT_FOUND (never stored, evicted or removed)
+    -705: FailureReason.EXISTS,  # OBJECT_ALREADY_EXISTS
+    -706: FailureReason.LEASE,  # OBJECT_HAS_LEASE
+    -707: FailureReason.LEASE_EXPIRED,  # LEASE_EXPIRED before the transfer finished
+    -710: FailureReason.MISSING,  # REPLICA_NOT_FOUND
+    -712: FailureReason.MISSING,  # REPLICA_IS_GONE
+    -714: FailureReason.NOT_READY,  # OBJECT_REPLICA_BUSY
+    -800: FailureReason.TRANSFER,  # TRANSFER_FAIL
+    -801: FailureReason.CHECKSUM,  # CHECKSUM_MISMATCH
+    -900: FailureReason.UNAVAILABLE,  # RPC_FAIL: the master does not answer
+    -901: FailureReason.UNAVAILABLE,  # RPC_TIMEOUT
+    -1010: FailureReason.UNAVAILABLE,  # UNAVAILABLE_IN_CURRENT_STATUS
 }
 #: Reasons that say the pool is unhealthy (they count toward the circuit breaker); others
 #: (missing, pool_full, checksum...) are answers about one object from a healthy pool.
-_UNHEALTHY = frozenset({"unavailable", "transfer", "error"})
+_UNHEALTHY = frozenset({FailureReason.UNAVAILABLE, FailureReason.TRANSFER, FailureReason.ERROR})
 
 
-def code_reason(rc: int) -> str:
-    """A short, stable label for a negative Mooncake return code."""
-    return _CODE_REASONS.get(rc, "error")
+def code_reason(rc: int) -> FailureReason:
+    """The Mooncake medium's classifier: the reason of a negative Mooncake return code."""
+    return _CODE_REASONS.get(rc, FailureReason.ERROR)
 
 
 def object_key(namespace: str, rank: int, chunk_id: str) -> str:
@@ -196,6 +199,7 @@ class _Read:
     positions: list[int]
     deadline: float
     t0: float
+    keys: list[bytes] | None = None
     done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -305,7 +309,8 @@ class MooncakeStore:
         self._writes.put(_Write(job_id, chunk_id, self.key(chunk_id), wb, time.perf_counter()))
         return True
 
-    def submit_read(self, job_id: int, chunk_id: str, header: ChunkHeader | None, positions: list[int]) -> None:
+    def submit_read(self, job_id: int, chunk_id: str, header: ChunkHeader | None, positions: Sequence[int],
+                    keys: Sequence[bytes] | None = None) -> None:
         """Queue a load of the blocks at ``positions`` (any order; the result's ``blocks``
         follow it). The result arrives by poll within ``deadline_s`` of this call.
         ``header`` None: a chunk another instance wrote; its header is read and verified
@@ -313,10 +318,14 @@ class MooncakeStore:
         _check_id(chunk_id)
         bad = not positions or (header is not None and not all(0 <= p < header.nblocks for p in positions))
         if self._closed or bad:
-            self._emit(IOResult(job_id, "read", chunk_id, False, reason="closed" if self._closed else "bad_request"))
+            self._emit(IOResult(job_id, "read", chunk_id, False, reason=FailureReason.CLOSED if self._closed else FailureReason.BAD_REQUEST))
+            return
+        if header is not None and not keys_match(header, positions, keys):
+            self._emit(IOResult(job_id, "read", chunk_id, False, reason=FailureReason.KEY_MISMATCH))
             return
         job = _Read(job_id, chunk_id, self.key(chunk_id), header, list(positions),
-                    time.monotonic() + self.config.deadline_s, time.perf_counter())
+                    time.monotonic() + self.config.deadline_s, time.perf_counter(),
+                    keys=None if keys is None else list(keys))
         with self._lock:
             self._pending.add(job)
         self._reads.put(job)
@@ -334,7 +343,7 @@ class MooncakeStore:
             expired = [j for j in self._pending if j.deadline <= now]
         for job in expired:
             if self._claim(job):
-                self._emit(IOResult(job.job_id, "read", job.chunk_id, False, reason="deadline",
+                self._emit(IOResult(job.job_id, "read", job.chunk_id, False, reason=FailureReason.DEADLINE,
                                     seconds=time.perf_counter() - job.t0))
         return drain(self._done)
 
@@ -423,7 +432,7 @@ class MooncakeStore:
             return
         if not self.breaker.allow():
             for j in live:
-                self._fail_read(j, "breaker_open")
+                self._fail_read(j, FailureReason.BREAKER_OPEN)
             return
         unhealthy = False
         plan: list[tuple[_Read, ArenaSlice]] = []
@@ -436,18 +445,18 @@ class MooncakeStore:
                 continue
             buf = self._arena.take(size)
             if buf is None:
-                self._fail_read(j, "no_buffer")
+                self._fail_read(j, FailureReason.NO_BUFFER)
                 continue
             plan.append((j, buf))
         if plan:
             rcs = self._batch("batch_get_into", [j.key for j, _ in plan], [b.addr for _, b in plan],
                               [self._size(j, b) for j, b in plan])
             for (j, buf), rc in zip(plan, rcs, strict=True):
-                reason, header = self._check_read(j, buf, rc)
-                unhealthy |= reason in _UNHEALTHY
-                if reason:
+                why, header = self._check_read(j, buf, rc)
+                unhealthy |= why in _UNHEALTHY
+                if why is not None:
                     buf.close()
-                    self._fail_read(j, reason)
+                    self._fail_read(j, why)
                 else:
                     self._finish_read(j, buf, header, rc)
         self._record(unhealthy)
@@ -456,7 +465,7 @@ class MooncakeStore:
     def _size(job: _Read, buf: ArenaSlice) -> int:
         return job.header.total_bytes if job.header is not None else buf.nbytes
 
-    def _check_read(self, job: _Read, buf: ArenaSlice, rc: int) -> tuple[str, ChunkHeader | None]:
+    def _check_read(self, job: _Read, buf: ArenaSlice, rc: int) -> tuple[FailureReason | None, ChunkHeader | None]:
         """("", header) when the bytes in ``buf`` are the chunk and every wanted block
         verifies; (reason, None) otherwise."""
         if rc < 0:
@@ -466,27 +475,29 @@ class MooncakeStore:
                 if job.header is None:
                     h = decode_header(got, self.namespace)
                     if h.block_bytes != self.block_bytes:
-                        raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}")
+                        raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}", FailureReason.FORMAT)
                     if not all(0 <= p < h.nblocks for p in job.positions):
-                        return "bad_request", None
+                        return FailureReason.BAD_REQUEST, None
+                    if not keys_match(h, job.positions, job.keys):
+                        return FailureReason.KEY_MISMATCH, None
                 else:
                     h = job.header
                     expected = bytearray(h.header_bytes)
                     encode_header(h, memoryview(expected))
                     with got[: h.header_bytes] as head:
                         if head != expected:
-                            raise ChunkFormatError("header checksum mismatch: the object is not the indexed chunk")
+                            raise ChunkFormatError("header checksum mismatch: the object is not the indexed chunk", FailureReason.CHECKSUM)
                 if rc < h.total_bytes:
-                    raise ChunkFormatError(f"truncated: {rc} of {h.total_bytes} bytes")
+                    raise ChunkFormatError(f"truncated: {rc} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
                 for p in job.positions:
                     off = h.block_offset(p)
                     with got[off : off + h.block_bytes] as b:
                         if block_crc(b) != h.crcs[p]:
-                            raise ChunkFormatError(f"block {p} checksum mismatch")
+                            raise ChunkFormatError(f"block {p} checksum mismatch", FailureReason.CHECKSUM)
         except ChunkFormatError as e:
             logger.warning("kvtier mooncake: read of %s failed: %s", job.key, e)
             return e.reason, None
-        return "", h
+        return None, h
 
     def _finish_read(self, job: _Read, buf: ArenaSlice, header: ChunkHeader | None, nbytes: int) -> None:
         if not self._claim(job):  # expired meanwhile: already reported
@@ -498,7 +509,7 @@ class MooncakeStore:
         self._emit(IOResult(job.job_id, "read", job.chunk_id, True, nbytes=nbytes,
                             seconds=time.perf_counter() - job.t0, header=header, blocks=blocks, buffer=buf))
 
-    def _fail_read(self, job: _Read, reason: str) -> None:
+    def _fail_read(self, job: _Read, reason: FailureReason) -> None:
         if self._claim(job):
             self._emit(IOResult(job.job_id, "read", job.chunk_id, False, reason=reason,
                                 seconds=time.perf_counter() - job.t0))
@@ -530,13 +541,13 @@ class MooncakeStore:
                 encode_header(h, w.wb.buf.view)
                 buf = self._arena.take(h.total_bytes)
                 if buf is None:
-                    self._write_result(w, False, "no_buffer")
+                    self._write_result(w, False, FailureReason.NO_BUFFER)
                     continue
                 buf.view[: h.total_bytes] = w.wb.buf.view[: h.total_bytes]
                 plan.append((w, h, buf))
             except Exception as e:  # a bad key or namespace: the caller's bug, but never a dead thread
                 logger.warning("kvtier mooncake: write of %s failed: %s", w.key, e)
-                self._write_result(w, False, "bad_request")
+                self._write_result(w, False, FailureReason.BAD_REQUEST)
             finally:
                 w.wb.buf.close()
                 with self._lock:
@@ -546,19 +557,19 @@ class MooncakeStore:
         if not self.breaker.allow():
             for w, _, buf in plan:
                 buf.close()
-                self._write_result(w, False, "breaker_open")
+                self._write_result(w, False, FailureReason.BREAKER_OPEN)
             return
         rcs = self._batch("batch_put_from", [w.key for w, _, _ in plan], [b.addr for _, _, b in plan],
                           [h.total_bytes for _, h, _ in plan], self._replicate)
         unhealthy = False
         for (w, h, buf), rc in zip(plan, rcs, strict=True):
             buf.close()
-            reason = "" if rc in (0, -705) else code_reason(rc)  # -705: already stored (same chunk id)
+            reason = None if rc in (0, -705) else code_reason(rc)  # -705: already stored (same chunk id)
             unhealthy |= reason in _UNHEALTHY
             self._write_result(w, not reason, reason, h)
         self._record(unhealthy)
 
-    def _write_result(self, w: _Write, ok: bool, reason: str, h: ChunkHeader | None = None) -> None:
+    def _write_result(self, w: _Write, ok: bool, reason: FailureReason | None, h: ChunkHeader | None = None) -> None:
         if not ok:
             logger.warning("kvtier mooncake: write of %s failed (%s)", w.key, reason)
         self._emit(IOResult(w.job_id, "write", w.chunk_id, ok, reason=reason, header=h if ok else None,
@@ -568,7 +579,7 @@ class MooncakeStore:
     def _delete_batch(self, deletes: list[_Delete]) -> None:
         rcs = self._batch("batch_remove", [d.key for d in deletes], force=True)
         for d, rc in zip(deletes, rcs, strict=True):
-            reason = "" if rc in (0, -704) else code_reason(rc)  # already gone is deleted
+            reason = None if rc in (0, -704) else code_reason(rc)  # already gone is deleted
             if reason:
                 logger.warning("kvtier mooncake: delete of %s failed (%s)", d.key, reason)
             self._emit(IOResult(-1, "delete", d.chunk_id, not reason, reason=reason))
@@ -610,7 +621,7 @@ class MooncakeStore:
     def _emit(self, res: IOResult) -> None:
         if not res.ok:
             with self._lock:
-                self._failures[res.reason] = self._failures.get(res.reason, 0) + 1
+                self._failures[str(res.reason)] = self._failures.get(str(res.reason), 0) + 1
         self._done.put(res)
         self._has_done.set()
 

@@ -60,7 +60,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.nixl_agent import AGENT_CREATION, INSTALL_HINT, nixl_api
 from vllm_kvtier.tiers.s3_config import S3Config
@@ -191,7 +191,7 @@ class NixlFileIO:
         # NIXL fails a short read without saying so; the store's posix path says "truncated".
         size = os.fstat(fd).st_size
         if size < offset + view.nbytes:
-            raise ChunkFormatError(f"truncated: read {max(0, size - offset)} of {view.nbytes} bytes")
+            raise ChunkFormatError(f"truncated: read {max(0, size - offset)} of {view.nbytes} bytes", FailureReason.TRUNCATED)
         try:
             self._transfer("READ", fd, view, offset)
         except NixlTransferError as e:
@@ -340,7 +340,7 @@ class NixlObjectIO:
         if it says nothing."""
         size = self._size_of(key)
         if size < end:
-            raise ChunkFormatError(f"truncated: the object has {size} of {end} bytes") from e
+            raise ChunkFormatError(f"truncated: the object has {size} of {end} bytes", FailureReason.TRUNCATED) from e
 
     def _transfer(self, op: Literal["READ", "WRITE"], key: str, offset: int, view: memoryview,
                   deadline: float) -> None:

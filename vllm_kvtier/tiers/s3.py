@@ -67,11 +67,14 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.base import IOResult, drain
+from vllm_kvtier.tiers.buffers import AlignedBuffer, BufferPool, WriteBuffer, shared_pool
 from vllm_kvtier.tiers.chunkfile import (
     ChunkFormatError,
     ChunkHeader,
@@ -79,10 +82,10 @@ from vllm_kvtier.tiers.chunkfile import (
     decode_header,
     encode_header,
     header_bytes_for,
+    keys_match,
     make_header,
 )
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
-from vllm_kvtier.tiers.nvme import BUFFERS, AlignedBuffer, IOResult, WriteBuffer, drain
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats, RetryPolicy, call_with_retries
 from vllm_kvtier.tiers.s3_config import (
     HEAD_PROBE_BYTES,
@@ -133,6 +136,7 @@ class _ReadJob:
     positions: list[int]
     deadline: float
     t0: float
+    keys: list[bytes] | None = None
     buffer: AlignedBuffer | None = None
     #: position -> offset of its block in ``buffer``
     offsets: dict[int, int] = field(default_factory=dict)
@@ -174,13 +178,16 @@ class ScanReport:
 class S3Store:
     """Chunk objects in one bucket prefix for one (namespace, rank). See the module doc."""
 
-    def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int) -> None:
+    def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
+                 buffers: BufferPool | None = None) -> None:
+        """``buffers``: the worker's read-buffer pool (None: the process default)."""
         try:
             import boto3
             from botocore.config import Config as BotoConfig
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
         self.config = config
+        self._buffers = buffers or shared_pool()
         self.namespace = namespace
         self.rank = rank
         self.block_bytes = block_bytes
@@ -268,7 +275,8 @@ class S3Store:
         return True
 
     def submit_read(
-        self, job_id: int, object_id: str, header: ChunkHeader | None, positions: list[int]
+        self, job_id: int, object_id: str, header: ChunkHeader | None, positions: Sequence[int],
+        keys: Sequence[bytes] | None = None,
     ) -> None:
         """Queue a load of the blocks at ``positions`` (any order; the result's ``blocks``
         follow it). The result arrives by poll within ``deadline_s`` of this call.
@@ -276,15 +284,19 @@ class S3Store:
         ``header`` None: an object this process has not indexed (another instance wrote
         it; the scheduler found it by listing). Its header is fetched and verified first,
         one more ranged GET within the same deadline, and comes back in the result's
-        ``header`` for the caller to keep."""
+        ``header`` for the caller to keep. ``keys``: the keys expected at ``positions``
+        (a chunk holding others fails with ``key_mismatch``)."""
         t0 = time.perf_counter()
         bad = not positions or (header is not None and not all(0 <= p < header.nblocks for p in positions))
         if self._closed or bad:
-            self._emit(IOResult(job_id, "read", object_id, False, reason="closed" if self._closed else "bad_request"))
+            self._emit(IOResult(job_id, "read", object_id, False, reason=FailureReason.CLOSED if self._closed else FailureReason.BAD_REQUEST))
+            return
+        if header is not None and not keys_match(header, positions, keys):
+            self._emit(IOResult(job_id, "read", object_id, False, reason=FailureReason.KEY_MISMATCH))
             return
         job = _ReadJob(
             job_id, object_id, self.key(object_id), header, list(positions),
-            time.monotonic() + self.config.deadline_s, t0,
+            time.monotonic() + self.config.deadline_s, t0, keys=None if keys is None else list(keys),
         )
         with self._lock:
             self._pending.add(job)
@@ -308,7 +320,7 @@ class S3Store:
             for p in range(lo, hi + 1):
                 job.offsets[p] = total + header.block_offset(p) - start
             total += length
-        job.buffer = BUFFERS.take(total)
+        job.buffer = self._buffers.take(total)
         job.remaining = len(spans)
         for span in spans:
             self._readers.submit(functools.partial(self._fetch_run, job, span))
@@ -317,6 +329,8 @@ class S3Store:
         got = self._read_header((job.object_id, None, job.key), job.deadline)
         if isinstance(got, ChunkHeader) and not all(0 <= p < got.nblocks for p in job.positions):
             got = "bad_request"
+        elif isinstance(got, ChunkHeader) and not keys_match(got, job.positions, job.keys):
+            got = FailureReason.KEY_MISMATCH
         with job.lock:
             if job.done:  # expired meanwhile: already reported
                 return
@@ -456,7 +470,7 @@ class S3Store:
     def _emit(self, res: IOResult) -> None:
         if not res.ok:
             with self._lock:
-                self._failures[res.reason] = self._failures.get(res.reason, 0) + 1
+                self._failures[str(res.reason)] = self._failures.get(str(res.reason), 0) + 1
         self._done.put(res)
         self._has_done.set()
 
@@ -473,7 +487,7 @@ class S3Store:
             res = IOResult(job_id, "write", object_id, True, nbytes=h.total_bytes, header=h)
         except Exception as e:  # every failure becomes a result, never a dead thread
             res = IOResult(job_id, "write", object_id, False, reason=error_reason(e))
-            self._log_failure("write", object_id, res.reason, e)
+            self._log_failure("write", object_id, str(res.reason), e)
         finally:
             wb.buf.close()
             with self._lock:
@@ -504,7 +518,7 @@ class S3Store:
             res = IOResult(-1, "delete", object_id, True)
         except Exception as e:
             res = IOResult(-1, "delete", object_id, False, reason=error_reason(e))
-            self._log_failure("delete", object_id, res.reason, e)
+            self._log_failure("delete", object_id, str(res.reason), e)
         res.seconds = time.perf_counter() - t0
         self._emit(res)
 
@@ -556,7 +570,8 @@ class S3Store:
             self._pending.discard(job)
         seconds = time.perf_counter() - job.t0
         if buffer is None:
-            self._emit(IOResult(job.job_id, "read", job.object_id, False, reason=job.reason, seconds=seconds))
+            self._emit(IOResult(job.job_id, "read", job.object_id, False, reason=FailureReason(job.reason or "error"),
+                                seconds=seconds))
             return
         assert job.header is not None
         bb = job.header.block_bytes
@@ -741,7 +756,7 @@ class S3Store:
             deadline = time.monotonic() + self.config.deadline_s
         try:
             if size < 64:
-                raise ChunkFormatError("truncated header")
+                raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
             head = bytearray(min(size, HEAD_PROBE_BYTES))
             self._call(functools.partial(self._boto.get_into, key, 0, memoryview(head), deadline), deadline)
             # Not verified yet: bound the header length by the object's size.
@@ -749,7 +764,7 @@ class S3Store:
             if size_or_none is None:
                 size = max(size, need)
             if need > size:
-                raise ChunkFormatError(f"truncated header: {size} of {need} bytes")
+                raise ChunkFormatError(f"truncated header: {size} of {need} bytes", FailureReason.TRUNCATED)
             if need > len(head):
                 rest = bytearray(need - len(head))
                 self._call(functools.partial(self._boto.get_into, key, len(head), memoryview(rest), deadline),
@@ -757,9 +772,9 @@ class S3Store:
                 head += rest
             h = decode_header(bytes(head), self.namespace)
             if h.block_bytes != self.block_bytes:
-                raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}")
+                raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}", FailureReason.FORMAT)
             if size_or_none is not None and size < h.total_bytes:
-                raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes")
+                raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
             return h
         except Exception as e:
             logger.warning("kvtier s3: ignoring %s: %s", key, e)

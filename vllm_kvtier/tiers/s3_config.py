@@ -11,6 +11,7 @@ import hashlib
 import http.client
 
 from vllm_kvtier.config.stores import IO_ENGINES, SAFE_ID, IOEngineName, S3Config
+from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.resilience import BreakerOpen, DeadlineExceeded
 
@@ -50,51 +51,52 @@ def object_key(cfg: S3Config, namespace: str, rank: int, object_id: str) -> str:
 # ---- failure classification -----------------------------------------------------------
 
 
-def error_reason(e: BaseException) -> str:
-    """A short, stable label for a failure (counters, logs, ``IOResult.reason``)."""
+def error_reason(e: BaseException) -> FailureReason:
+    """The S3 medium's classifier: the reason of a failed request (counters, logs,
+    ``IOResult.reason``), from the exception's type and botocore's error code and status."""
     if isinstance(e, ChunkFormatError):
         return e.reason
     if isinstance(e, BreakerOpen):
-        return "breaker_open"
+        return FailureReason.BREAKER_OPEN
     if isinstance(e, DeadlineExceeded):
-        return "deadline"
+        return FailureReason.DEADLINE
     try:
         from botocore import exceptions as bx
     except ImportError:
-        return "error"
+        return FailureReason.ERROR
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
         code = str(err.get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if code in _THROTTLE_CODES or status in (429, 503):
-            return "throttled"
+            return FailureReason.THROTTLED
         if code == "NoSuchBucket":
-            return "no_bucket"
+            return FailureReason.NO_BUCKET
         if code in ("NoSuchKey", "NotFound", "404") or status == 404:
-            return "missing"
+            return FailureReason.MISSING
         if code == "InvalidRange" or status == 416:
-            return "truncated"
+            return FailureReason.TRUNCATED
         if status in (401, 403):
-            return "permission"
+            return FailureReason.PERMISSION
         if code in _SERVER_CODES or status >= 500:
-            return "server_error"
+            return FailureReason.SERVER_ERROR
         if code in ("RequestTimeout", "RequestTimeoutException"):
-            return "timeout"
-        return "client_error"
+            return FailureReason.TIMEOUT
+        return FailureReason.CLIENT_ERROR
     if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
-        return "timeout"
+        return FailureReason.TIMEOUT
     if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError)):
-        return "credentials"
+        return FailureReason.CREDENTIALS
     if isinstance(e, bx.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(e):
-        return "tls"  # a wrong CA bundle or endpoint: retrying will not help
+        return FailureReason.TLS  # a wrong CA bundle or endpoint: retrying will not help
     if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
-        return "unavailable"
+        return FailureReason.UNAVAILABLE
     # Raised by read_body_into's direct path, where botocore does not wrap them.
     if isinstance(e, TimeoutError):
-        return "timeout"
+        return FailureReason.TIMEOUT
     if isinstance(e, (ConnectionError, http.client.HTTPException)):
-        return "unavailable"
-    return "error"
+        return FailureReason.UNAVAILABLE
+    return FailureReason.ERROR
 
 
 def is_transient(e: BaseException) -> bool:

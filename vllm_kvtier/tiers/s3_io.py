@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError, ChunkHeader, block_crc, encode_header
 
 logger = logging.getLogger("vllm_kvtier.tiers.s3")
@@ -86,7 +87,7 @@ class Boto3ObjectIO:
         body = r["Body"]
         try:
             if r.get("ContentLength") != view.nbytes:
-                raise ChunkFormatError(f"truncated: got {r.get('ContentLength')} of {view.nbytes} bytes")
+                raise ChunkFormatError(f"truncated: got {r.get('ContentLength')} of {view.nbytes} bytes", FailureReason.TRUNCATED)
             read_body_into(body, view, on_progress=check)
         finally:
             body.close()
@@ -170,7 +171,7 @@ def read_body_into(
         with view[got : got + step] as rest:
             n = src(rest)
         if not n:
-            raise ChunkFormatError(f"truncated: got {got} of {view.nbytes} bytes")
+            raise ChunkFormatError(f"truncated: got {got} of {view.nbytes} bytes", FailureReason.TRUNCATED)
         got += n
         if on_progress is not None:
             on_progress(got)
@@ -239,7 +240,7 @@ class SpanVerifier:
             with self.view[: h.header_bytes] as head:
                 same = head == expected
             if not same:
-                raise ChunkFormatError("header checksum mismatch: the object is not the indexed chunk")
+                raise ChunkFormatError("header checksum mismatch: the object is not the indexed chunk", FailureReason.CHECKSUM)
             self.header_ok = True
         while self.next <= span.hi:
             off = h.block_offset(self.next) - span.obj_start
@@ -248,12 +249,12 @@ class SpanVerifier:
             with self.view[off : off + h.block_bytes] as b:
                 ok = block_crc(b) == h.crcs[self.next]
             if not ok:
-                raise ChunkFormatError(f"block {self.next} checksum mismatch")
+                raise ChunkFormatError(f"block {self.next} checksum mismatch", FailureReason.CHECKSUM)
             self.next += 1
 
     def finish(self) -> None:
         if not self.header_ok or self.next <= self.span.hi:
-            raise ChunkFormatError("truncated: not every block was checked")
+            raise ChunkFormatError("truncated: not every block was checked", FailureReason.TRUNCATED)
         self.view = None  # type: ignore[assignment]
 
 

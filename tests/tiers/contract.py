@@ -1,0 +1,443 @@
+"""THE store contract suite (vllm_kvtier.tiers.base.ChunkStore), written once.
+
+A medium is bound to it in a few lines: a class named ``Test...`` that derives from
+:class:`StoreContract` and says how to build its store and how to reach its stored bytes
+through the medium itself (a dict entry, a file, an object written with a raw client),
+never through the store's private state::
+
+    class TestMemoryStore(StoreContract):
+        def make_store(self, tmp_path, **kw):
+            return MemoryStore(NS, BLOCK, **kw)
+        def get_raw(self, store, chunk_id):
+            return bytes(store.raw(chunk_id))
+        def put_raw(self, store, chunk_id, data):
+            store.forge(chunk_id, data)
+
+``make_store`` gets the kernel's knobs as keywords (``buffers``, ``read_deadline_s``,
+``max_queued_writes``, ``max_chunk_blocks``) and must pass them on. File media also derive
+:class:`FileMediumContract` (sparse files, FIFOs, the start-up scan).
+
+Every adversarial case ends as a miss with a named FailureReason, and its memory is
+ASSERTED: the store's injected BufferPool's ``allocated_bytes`` and ``tracemalloc``'s peak
+stay under :data:`SMALL` however large the sizes the stored bytes claim.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.base import ChunkStore, IOResult
+from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, encode_header, make_header
+from vllm_kvtier.tiers.kernel import Medium, StoreKernel
+
+BLOCK = 3000  # deliberately not a multiple of 4096: the format pads it
+NS = "contract00000000"
+MAX_BLOCKS = 8  # the stores' max_chunk_blocks (the config's chunk_blocks)
+#: What any failed read may allocate at most: a header probe and a few pages.
+SMALL = 256 << 10
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8  # 32 bytes, like a hash
+
+
+def block(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(BLOCK))
+
+
+_backlog: dict[int, list[IOResult]] = {}
+
+
+def wait_for(store: ChunkStore, job: int, timeout_s: float = 10.0) -> IOResult:
+    """The result of ``job``; results of other jobs polled meanwhile are kept for their
+    own ``wait_for``."""
+    end = time.monotonic() + timeout_s
+    seen = _backlog.setdefault(id(store), [])
+    while True:
+        seen += store.poll()
+        for r in seen:
+            if r.job_id == job:
+                seen.remove(r)
+                return r
+        if time.monotonic() > end:
+            raise AssertionError(f"job {job} gave no result within {timeout_s} s")
+        store.wait(0.01)
+
+
+def fill(pool: BufferPool, first: int, n: int) -> WriteBuffer:
+    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK, pool)
+    for i in range(n):
+        with wb.block(i) as b:
+            b[:] = block(first + i)
+    return wb
+
+
+class Stalled:
+    """A medium wrapper whose reads (and, with ``writes``, puts) block until ``go`` is set:
+    a hung disk or endpoint. Its close is the wrapped store's business."""
+
+    def __init__(self, inner: Medium, *, writes: bool = False) -> None:
+        self.inner = inner
+        self.name = f"stalled-{inner.name}"
+        self.read_shape = inner.read_shape
+        self.go = threading.Event()
+        self.entered = threading.Event()
+        self._writes = writes
+
+    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
+        if self._writes:
+            self.entered.set()
+            self.go.wait(30)
+        self.inner.put(chunk_id, view, deadline)
+
+    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
+        self.entered.set()
+        self.go.wait(30)
+        self.inner.read_into(chunk_id, offset, dst, deadline)
+
+    def delete(self, chunk_id: str) -> None:
+        self.inner.delete(chunk_id)
+
+    def classify(self, exc: BaseException) -> FailureReason:
+        return self.inner.classify(exc)
+
+    def close(self) -> None:
+        pass
+
+
+class StoreContract:
+    """The cases every medium must pass (see the module doc for binding one)."""
+
+    # ---- the binding --------------------------------------------------------------------
+
+    def make_store(self, tmp_path: Path, **kw: Any) -> StoreKernel:
+        raise NotImplementedError
+
+    def get_raw(self, store: StoreKernel, chunk_id: str) -> bytes:
+        """The stored bytes of a chunk, read through the medium."""
+        raise NotImplementedError
+
+    def put_raw(self, store: StoreKernel, chunk_id: str, data: bytes) -> None:
+        """Store ``data`` as the chunk, through the medium (a foreign or damaged writer)."""
+        raise NotImplementedError
+
+    # ---- fixtures and helpers ------------------------------------------------------------
+
+    @pytest.fixture
+    def pool(self) -> BufferPool:
+        return BufferPool(64 << 20)
+
+    @pytest.fixture
+    def store(self, tmp_path: Path, pool: BufferPool) -> Iterator[StoreKernel]:
+        s = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS)
+        yield s
+        s.close(timeout_s=10.0)
+
+    def write(self, store: StoreKernel, pool: BufferPool, chunk_id: str, first: int = 0, n: int = 5,
+              job: int = 1) -> ChunkHeader:
+        assert store.submit_write(job, chunk_id, fill(pool, first, n))
+        r = wait_for(store, job)
+        assert r.ok and r.reason is None and r.header is not None, r.reason
+        assert r.header.keys == tuple(key(first + i) for i in range(n))
+        return r.header
+
+    def read(self, store: StoreKernel, chunk_id: str, header: ChunkHeader | None, positions: list[int],
+             keys: list[bytes] | None = None, job: int = 100) -> IOResult:
+        store.submit_read(job, chunk_id, header, positions, keys if keys is not None else [key(p) for p in positions])
+        return wait_for(store, job)
+
+    def assert_miss(self, store: StoreKernel, pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
+                    positions: list[int], reason: FailureReason, keys: list[bytes] | None = None) -> None:
+        """The read fails with ``reason``, and cost no more than SMALL bytes of memory."""
+        before = pool.allocated_bytes
+        tracemalloc.start()
+        try:
+            r = self.read(store, chunk_id, header, positions, keys)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert not r.ok and r.reason is reason and r.blocks is None, r.reason
+        assert pool.allocated_bytes - before <= SMALL, pool.allocated_bytes - before
+        assert peak <= SMALL, peak
+
+    # ---- the plain contract ---------------------------------------------------------------
+
+    def test_is_a_chunk_store(self, store: StoreKernel) -> None:
+        assert isinstance(store, ChunkStore)
+        assert store.block_bytes == BLOCK
+        assert store.poll() == []
+
+    def test_round_trip(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 5)
+        assert h.nblocks == 5 and h.block_bytes == BLOCK and h.namespace == NS
+        r = self.read(store, "c1", h, [0, 1, 2, 3, 4])
+        assert r.ok and r.blocks is not None, r.reason
+        assert [b.tobytes() for b in r.blocks] == [block(i) for i in range(5)]
+        r.release()
+
+    @pytest.mark.parametrize("positions", [[3, 1, 4], [0], [4], [0, 4], [2, 3], [1, 3, 2, 0]])
+    @pytest.mark.parametrize("known", [True, False], ids=["header", "no-header"])
+    def test_ranged_reads_of_any_positions(self, store: StoreKernel, pool: BufferPool, positions: list[int],
+                                           known: bool) -> None:
+        h = self.write(store, pool, "c1", 10, 5)
+        r = self.read(store, "c1", h if known else None, positions, [key(10 + p) for p in positions])
+        assert r.ok and r.blocks is not None, r.reason
+        assert [b.tobytes() for b in r.blocks] == [block(10 + p) for p in positions]
+        assert r.header == h  # a read without a header returns the verified one
+        r.release()
+
+    def test_duplicate_ids_and_chunks(self, store: StoreKernel, pool: BufferPool) -> None:
+        h1 = self.write(store, pool, "dup", 0, 3, job=1)
+        h2 = self.write(store, pool, "dup", 0, 3, job=2)  # the same chunk again: fine
+        assert h1 == h2
+        self.write(store, pool, "other", 0, 3, job=3)  # the same blocks under another id
+        for cid in ("dup", "other"):
+            r = self.read(store, cid, h1, [2])
+            assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(2), r.reason
+            r.release()
+
+    def test_exactly_one_result_per_job(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 4)
+        for j in range(10, 20):
+            store.submit_read(j, "c1", h, [j % 4], [key(j % 4)])
+        seen: list[int] = []
+        end = time.monotonic() + 10
+        while len(seen) < 10 and time.monotonic() < end:
+            for r in store.poll():
+                seen.append(r.job_id)
+                assert r.ok, r.reason
+                r.release()
+            store.wait(0.01)
+        time.sleep(0.05)
+        assert sorted(seen + [r.job_id for r in store.poll()]) == list(range(10, 20))
+
+    def test_delete(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 2)
+        self.write(store, pool, "c2", 5, 2, job=2)
+        store.submit_delete("c1")
+        store.submit_delete("never-stored")  # absent is fine
+        end = time.monotonic() + 5
+        deletes = 0
+        while deletes < 2 and time.monotonic() < end:
+            deletes += sum(r.kind == "delete" for r in store.poll())
+            store.wait(0.01)
+        r = self.read(store, "c1", h, [0])
+        assert not r.ok and r.reason is FailureReason.MISSING and r.reason.damaged
+        r = self.read(store, "c2", None, [1], [key(6)], job=101)
+        assert r.ok, r.reason
+        r.release()
+
+    def test_bad_requests(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 2)
+        for positions, keys in (([2], [key(2)]), ([], []), ([0, 1], [key(0)])):
+            r = self.read(store, "c1", h, positions, keys)
+            assert not r.ok and r.reason is FailureReason.BAD_REQUEST, (positions, r.reason)
+        assert not store.submit_write(9, "c9", fill(pool, 0, 1)) or wait_for(store, 9).ok
+        with pytest.raises(ValueError):
+            store.submit_read(3, "../escape", h, [0], [key(0)])
+        big = fill(pool, 0, MAX_BLOCKS + 1)  # more blocks than this store may write
+        assert store.submit_write(4, "big", big)
+        r = wait_for(store, 4)
+        assert not r.ok and r.reason is FailureReason.BAD_REQUEST
+
+    def test_full_write_queue_refuses_and_the_caller_keeps_the_buffer(self, store: StoreKernel,
+                                                                      pool: BufferPool) -> None:
+        slow = Stalled(store.medium, writes=True)
+        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
+                        read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+        try:
+            assert k.submit_write(1, "w1", fill(pool, 0, 1))
+            assert slow.entered.wait(5)
+            assert k.submit_write(2, "w2", fill(pool, 1, 1))  # queued behind the stalled one
+            refused = fill(pool, 2, 1)
+            assert not k.submit_write(3, "w3", refused)  # full: back-pressure, nothing queued
+            with refused.block(0) as b:  # still the caller's: usable, then closed by it
+                assert b.tobytes() == block(2)
+            refused.close()
+            slow.go.set()
+            assert wait_for(k, 1).ok and wait_for(k, 2).ok
+            assert k.submit_write(4, "w4", fill(pool, 3, 1))  # room again
+            assert wait_for(k, 4).ok
+        finally:
+            slow.go.set()
+            k.close(timeout_s=5)
+
+    def test_closed_store(self, tmp_path: Path, pool: BufferPool) -> None:
+        s = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS)
+        h = self.write(s, pool, "c1", 0, 1)
+        s.close(timeout_s=10)
+        wb = fill(pool, 0, 1)
+        assert not s.submit_write(2, "c2", wb)
+        wb.close()
+        s.submit_delete("c1")  # ignored
+        r = self.read(s, "c1", h, [0])
+        assert not r.ok and r.reason is FailureReason.CLOSED and not r.reason.damaged
+        s.close()  # idempotent
+
+    # ---- adversarial: a read must verify everything it uses ---------------------------------
+
+    def test_damaged_block_is_a_checksum_miss_and_the_rest_serves(self, store: StoreKernel,
+                                                                  pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 4)
+        data = bytearray(self.get_raw(store, "c1"))
+        data[h.block_offset(2) + BLOCK // 2] ^= 0xFF
+        self.put_raw(store, "c1", bytes(data))
+        self.assert_miss(store, pool, "c1", h, [2], FailureReason.CHECKSUM)
+        self.assert_miss(store, pool, "c1", None, [1, 2], FailureReason.CHECKSUM, [key(1), key(2)])
+        r = self.read(store, "c1", h, [3, 1])
+        assert r.ok and r.blocks is not None and [b.tobytes() for b in r.blocks] == [block(3), block(1)]
+        r.release()
+        assert FailureReason.CHECKSUM.damaged
+
+    def test_key_mismatch_at_a_read_position(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 3)
+        self.write(store, pool, "c2", 20, 3, job=2)
+        # Asking for keys the chunk does not hold there: never served.
+        self.assert_miss(store, pool, "c1", h, [1], FailureReason.KEY_MISMATCH, [key(2)])
+        self.assert_miss(store, pool, "c1", None, [0, 1], FailureReason.KEY_MISMATCH, [key(0), key(99)])
+        # A well-formed chunk under a wrong index entry (another chunk's bytes under c1's id):
+        self.put_raw(store, "c1", self.get_raw(store, "c2"))
+        self.assert_miss(store, pool, "c1", None, [0], FailureReason.KEY_MISMATCH, [key(0)])
+        r = self.read(store, "c1", h, [1])
+        assert not r.ok and r.reason is not None and r.reason.damaged  # the stored CRCs are not c1's
+        assert FailureReason.KEY_MISMATCH.damaged
+
+    def test_stale_header_read_along_is_a_checksum_miss(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 2)
+        h2 = self.write(store, pool, "c2", 0, 2, job=2)
+        assert h == h2
+        # c1 rewritten with the same keys but other bytes: the caller's header is stale.
+        wb = WriteBuffer([key(0), key(1)], BLOCK, pool)
+        for i in range(2):
+            with wb.block(i) as b:
+                b[:] = bytes(BLOCK)
+        assert store.submit_write(3, "c1", wb) and wait_for(store, 3).ok
+        self.assert_miss(store, pool, "c1", h, [0], FailureReason.CHECKSUM)
+
+    def test_truncated_chunk(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 4)
+        data = self.get_raw(store, "c1")
+        self.put_raw(store, "c1", data[: h.block_offset(3) + BLOCK // 2])
+        self.assert_miss(store, pool, "c1", h, [3], FailureReason.TRUNCATED)
+        self.put_raw(store, "c1", data[:100])
+        self.assert_miss(store, pool, "c1", None, [0], FailureReason.TRUNCATED)
+
+    @pytest.mark.parametrize("forge", ["nblocks", "block_bytes", "header_bytes", "many_keys"])
+    def test_forged_sizes_in_a_header_allocate_nothing(self, store: StoreKernel, pool: BufferPool,
+                                                       forge: str) -> None:
+        h = self.write(store, pool, "c1", 0, 2)
+        data = bytearray(self.get_raw(store, "c1"))
+        huge = (1 << 32) - 1
+        expected = FailureReason.FORMAT
+        if forge == "nblocks":
+            data[28:32] = huge.to_bytes(4, "little")
+            expected = FailureReason.TOO_LARGE
+        elif forge == "block_bytes":
+            data[32:40] = (1 << 44).to_bytes(8, "little")
+        elif forge == "header_bytes":
+            data[48:56] = (1 << 40).to_bytes(8, "little")
+        else:  # a header that verifies (its own CRC is right) but claims more blocks than we write
+            n = MAX_BLOCKS * 40
+            fake = make_header(NS, [key(i) for i in range(n)], [0] * n, BLOCK)
+            data = bytearray(fake.header_bytes + BLOCK)
+            encode_header(fake, memoryview(data))
+            expected = FailureReason.TOO_LARGE
+        self.put_raw(store, "c1", bytes(data))
+        self.assert_miss(store, pool, "c1", None, [0], expected, [key(0)])
+        assert expected.damaged
+        # The caller's own header is the truth for sizes: a forged one in the medium only
+        # fails verification (the header read along does not match).
+        r = self.read(store, "c1", h, [0])
+        assert not r.ok and r.reason is not None and r.reason.damaged
+
+    def test_read_stalled_past_its_deadline(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 2)
+        slow = Stalled(store.medium)
+        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
+                        read_deadline_s=0.3, io_threads=1)
+        try:
+            t0 = time.monotonic()
+            k.submit_read(7, "c1", h, [1], [key(1)])
+            assert slow.entered.wait(5)
+            r = wait_for(k, 7)
+            assert 0.25 <= time.monotonic() - t0 < 3.0
+            assert not r.ok and r.reason is FailureReason.DEADLINE and not r.reason.damaged
+            allocated = pool.allocated_bytes
+            slow.go.set()  # the late answer: dropped, its buffer back in the pool
+            time.sleep(0.3)
+            assert [x.job_id for x in k.poll()] == []
+            k.submit_read(8, "c1", h, [1], [key(1)])
+            r = wait_for(k, 8)
+            assert r.ok, r.reason
+            r.release()
+            assert pool.allocated_bytes == allocated  # the late read's buffer was reused
+        finally:
+            slow.go.set()
+            k.close(timeout_s=5)
+
+
+class FileMediumContract:
+    """Cases of media made of files in a directory (NVMe). The binding gives ``path_of``
+    (the chunk's file) and ``scan`` (the store's start-up scan)."""
+
+    def path_of(self, store: StoreKernel, chunk_id: str) -> Path:
+        raise NotImplementedError
+
+    def test_sparse_file_is_truncated_without_reading_its_holes(self, store: StoreKernel, pool: BufferPool) -> None:
+        h = self.write(store, pool, "c1", 0, 4)  # type: ignore[attr-defined]
+        p = self.path_of(store, "c1")
+        head = p.read_bytes()[: h.header_bytes]
+        p.unlink()
+        with open(p, "wb") as f:  # the header, then a hole to the full size
+            f.write(head)
+            f.truncate(h.total_bytes)
+        if os.lseek(os.open(p, os.O_RDONLY), 0, os.SEEK_HOLE) >= h.total_bytes:
+            pytest.skip("this file system does not report holes")
+        self.assert_miss(store, pool, "c1", h, [2], FailureReason.TRUNCATED)  # type: ignore[attr-defined]
+        found = store.scan().found  # type: ignore[attr-defined]
+        assert "c1" not in found
+
+    def test_fifo_in_the_directory_never_hangs(self, store: StoreKernel, pool: BufferPool) -> None:
+        self.write(store, pool, "ok", 0, 1)  # type: ignore[attr-defined]
+        fifo = self.path_of(store, "fifo")
+        os.mkfifo(fifo)
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(store.scan(cleanup=True)), daemon=True)  # type: ignore[attr-defined]
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "the scan hangs on a FIFO"
+        assert "ok" in out[0].found and "fifo" not in out[0].found
+        assert out[0].problems.get(FailureReason.NOT_REGULAR) == 1
+        assert fifo.exists()  # not ours to delete
+        self.assert_miss(store, pool, "fifo", None, [0], FailureReason.NOT_REGULAR)  # type: ignore[attr-defined]
+        assert FailureReason.NOT_REGULAR.damaged
+
+    def test_forged_header_in_the_directory_is_dropped_at_scan(self, store: StoreKernel, pool: BufferPool) -> None:
+        self.write(store, pool, "ok", 0, 1)  # type: ignore[attr-defined]
+        n = MAX_BLOCKS * 40
+        fake = make_header(NS, [key(i) for i in range(n)], [0] * n, BLOCK)
+        data = bytearray(fake.header_bytes)
+        encode_header(fake, memoryview(data))
+        p = self.path_of(store, "forged")
+        with open(p, "wb") as f:  # a verifying header claiming 320 blocks, the rest a hole
+            f.write(data)
+            f.truncate(fake.total_bytes)
+        tracemalloc.start()
+        try:
+            res = store.scan(cleanup=True)  # type: ignore[attr-defined]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert set(res.found) == {"ok"} and res.problems.get(FailureReason.TOO_LARGE) == 1
+        assert peak <= SMALL
+        assert not p.exists()  # the owner's scan deletes what fails to verify

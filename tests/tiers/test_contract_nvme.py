@@ -1,0 +1,43 @@
+"""The store contract, bound to the NVMe store: chunk files in tmp_path, through the
+``posix`` I/O engine and NIXL's POSIX backend (``nixl``; skipped with the reason where
+nixl is missing). Damage is done to the files themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
+from tests.tiers.contract import BLOCK, NS, FileMediumContract, StoreContract
+from vllm_kvtier.tiers.nvme import NVMeStore
+
+nixl_env = nixl_env  # fixtures: the UCX/NIXL environment of the nixl binding
+nixl_engine_env = nixl_engine_env
+
+
+class NVMeBinding(FileMediumContract, StoreContract):
+    io_engine = "posix"
+
+    def make_store(self, tmp_path: Path, **kw: Any) -> NVMeStore:
+        return or_skip(lambda: NVMeStore(tmp_path / "nvme", NS, 0, BLOCK, io_engine=self.io_engine, **kw))
+
+    def path_of(self, store: NVMeStore, chunk_id: str) -> Path:  # type: ignore[override]
+        return store.path(chunk_id)
+
+    def get_raw(self, store: NVMeStore, chunk_id: str) -> bytes:  # type: ignore[override]
+        return store.path(chunk_id).read_bytes()
+
+    def put_raw(self, store: NVMeStore, chunk_id: str, data: bytes) -> None:  # type: ignore[override]
+        store.path(chunk_id).write_bytes(data)
+
+
+class TestNVMePosix(NVMeBinding):
+    io_engine = "posix"
+
+
+@pytest.mark.nixl
+@requires_nixl
+class TestNVMeNixl(NVMeBinding):
+    io_engine = "nixl"
