@@ -4,7 +4,15 @@ both hand-off paths (the Mooncake pool, NIXL peer to peer): the decode server's 
 equal a single-instance baseline and its /metrics show the prompt blocks were loaded.
 
 The first request goes through the proxy right after start (no warm-up): the prefill
-workers publish their NIXL address in a step the plugin asks for at start."""
+workers publish their NIXL address in a step the plugin asks for at start.
+
+What is asserted holds at any machine speed: the hand-off happened (every loadable block
+of both prompts loaded on the decode side, no hand-off timeout, no failed load). Two API
+servers and a proxy share this machine's cores with whatever else runs, so the waits of the
+hand-off are set far above anything a healthy loaded host needs (:data:`GENEROUS`): on a
+2-core host at load 15 a NIXL read to a new peer once took 11.8 s (later ones 1-15 ms) and
+a batch of pool reads 1.0 s; the product defaults are checked elsewhere. A failure prints
+both servers' kvtier counters and log tails."""
 
 from __future__ import annotations
 
@@ -29,6 +37,14 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADABLE = (330 - 1) // BLOCK_SIZE
+#: The hand-off's waits in this test (stated, not the defaults): a slow host then delays
+#: the hand-off, it cannot lose it. Mooncake: the decode side's wait for the prefill's puts,
+#: each existence check, each read; NIXL: each read (its first sets up the connection) and
+#: the prefill side's hold on the offered blocks (longer than a read may take).
+GENEROUS = {
+    "mooncake": {"handoff_wait_s": 120.0, "lookup_timeout_s": 2.0, "deadline_s": 60.0},
+    "nixl": {"deadline_s": 120.0, "hold_s": 600.0},
+}
 baseline_of = nvme_engine.baseline_of
 mooncake_master = mcsrv.mooncake_master
 
@@ -84,6 +100,17 @@ def _loaded(url: str, tier: str) -> float:
     return total
 
 
+def _kvtier(url: str) -> dict[str, float]:
+    """Every kvtier counter of ``url``'s /metrics, as ``"metric|tier": value``."""
+    out: dict[str, float] = {}
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:kvtier_") and "_total{" in line:
+            name = line[len("vllm:kvtier_"):line.index("_total{")]
+            tier = line.split('tier="', 1)[1].split('"', 1)[0] if 'tier="' in line else ""
+            out[f"{name}|{tier}"] = out.get(f"{name}|{tier}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _counter(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines()
                if line.startswith(f"vllm:kvtier_{name}_total{{"))
@@ -94,11 +121,12 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
     if path == "mooncake":
         master = request.getfixturevalue("mooncake_master")
         section = {"mooncake": {"master": master.address, "local_hostname": "127.0.0.1",
-                                "global_segment_bytes": 64 * 2**20, "transfer_buffer_bytes": 16 * 2**20}}
+                                "global_segment_bytes": 64 * 2**20, "transfer_buffer_bytes": 16 * 2**20,
+                                **GENEROUS["mooncake"]}}
         tier = "mooncake"
     else:
         pytest.importorskip("nixl_cu12", reason="NIXL is not installed (tools/setup-remote.sh installs it)")
-        section = {"nixl": {"deadline_s": 5.0}}
+        section = {"nixl": GENEROUS["nixl"]}
         tier = "peer"
     kv = {role: {**kvtier_config({"cpu": {"capacity_bytes": 64 * 2**20}, **section}), "kv_role": role}
           for role in ("kv_producer", "kv_consumer")}
@@ -120,7 +148,7 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
         ps = SETS[2]
         before = _loaded(d_url, tier)
         for p in ps:
-            r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300, json={
+            r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
                 "model": str(tiny_model), "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True})
             r.raise_for_status()
@@ -129,7 +157,15 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
             if _loaded(d_url, tier) - before >= 2 * LOADABLE:
                 break
             time.sleep(0.1)
-        assert _loaded(d_url, tier) - before == 2 * LOADABLE
+        counters = _kvtier(d_url)
+        diag = (f"decode counters {counters}\nprefill counters {_kvtier(p_url)}\n"
+                f"decode log: {(tmp_path / 'decode.log').read_text()[-3000:]}\n"
+                f"prefill log: {(tmp_path / 'prefill.log').read_text()[-3000:]}")
+        # The hand-off happened: every block came from the prefill instance, none was lost
+        # to a wait running out or a failed read.
+        assert _loaded(d_url, tier) - before == 2 * LOADABLE, diag
+        assert counters.get("handoff_timeouts|all", 0) == 0, diag
+        assert counters.get(f"load_failures|{tier}", 0) == 0, diag
         assert requests.get(f"http://127.0.0.1:{port}/proxy_stats", timeout=10).json()["prefill_failures"] == 0
         if path == "nixl":  # the prefill server freed the offers when the decode side read them
             for _ in range(100):

@@ -197,8 +197,13 @@ class NixlConfig:
 
     #: NIXL backends to create; UCX moves DRAM (and VRAM) between agents.
     backends: tuple[str, ...] = ("UCX",)
-    #: Per transfer, from submission.
-    deadline_s: float = 5.0
+    #: Per transfer, from submission; past it the transfer is aborted and its blocks are
+    #: recomputed (``load_failures``, reason ``deadline`` in the log). 30 s, not 5: the first
+    #: read from a new peer also sets up the connection, whose round trips progress only as
+    #: both engines step (no progress thread), and on a loaded host that took 11.8 s (2 cores,
+    #: load 15; later reads 1-15 ms), so 5 s lost the hand-off. A gone peer fails at once
+    #: (``peer_gone``), not here; keep ``nixl.hold_s`` above this.
+    deadline_s: float = 30.0
     #: Backend worker threads (0: the backend's default).
     num_threads: int = 0
     #: NIXL's UCX progress thread. Off by default: it polls without pause (NIXL's Python

@@ -122,22 +122,32 @@ def _mooncake_planner(
         counters.add("store_failures", "mooncake")
         return ChunkPlanner(policy, **common)  # type: ignore[arg-type]
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
-    inflight: list[Future[list[bool]]] = []
+    #: a lookup that timed out: the ids it asked about, and its answer to come
+    inflight: list[tuple[list[str], Future[list[bool]]]] = []
 
     def exists_everywhere(ids: list[str]) -> list[bool]:
         per_rank = [st.exists(ids) for st in stores]
         return [all(col) for col in zip(*per_rank, strict=True)]
 
     def oracle(ids: list[str]) -> list[bool] | None:
-        if inflight and not inflight[0].done():
-            # The previous lookup still hangs (master gone?): a miss, not counted again. Its
-            # timeout was; vLLM steps a waiting request thousands of times a second, and a
-            # count per step would say more about the step rate than about the pool.
-            return None
-        inflight[:] = [pool.submit(exists_everywhere, ids)]
+        if inflight:
+            asked, fut = inflight[0]
+            if not fut.done():
+                # The previous lookup still hangs (master gone?): a miss, not counted again. Its
+                # timeout was; vLLM steps a waiting request thousands of times a second, and a
+                # count per step would say more about the step rate than about the pool.
+                return None
+            inflight.clear()
+            if asked == ids and fut.exception() is None:
+                # It timed out here but has answered since: use that answer (on a loaded host
+                # every lookup may take longer than lookup_timeout_s; asking afresh each time
+                # would never see one, and a P/D decode request would wait out its hand-off).
+                return fut.result()
+        fut = pool.submit(exists_everywhere, ids)
         try:
-            return inflight[0].result(timeout=mc.lookup_timeout_s)
+            return fut.result(timeout=mc.lookup_timeout_s)
         except FutureTimeout:
+            inflight[:] = [(ids, fut)]
             counters.add("lookup_timeouts", "mooncake")
             return None
 
