@@ -308,9 +308,10 @@ def run_nvme_config(name: str, model_dir: Path, kv_transfer_config: dict, nvme_d
     before = eng.counters()
     _, check_tokens = eng.gen(check_prompt, eng.sp4)
     check_loaded = delta(eng.counters(), before, "blocks_loaded")
-    counters_b = eng.counters()
+    counters_b, binding = eng.counters(), eng.binding
     eng.close()
     res = summarize(name, [start_a, start_b], runs, check_tokens, check_loaded, counters_b, True)
+    res["binding"] = binding
     res.update({"counters_engine_a": counters_a, "engine_a_close_s": close_a_s,
                 "nvme_files": n_files, "nvme_bytes": n_bytes, "warmup_loaded_engine_b": warmup_loaded,
                 "engine_a_drain_steps": drain_steps})
