@@ -45,7 +45,9 @@ really cold) after one warm-up request, and reports medians. The script also ass
 every warm KVTier run loaded blocks (``vllm:kvtier_blocks_loaded`` went up) and that the
 greedy tokens of warm runs (``max_tokens=4``) equal those of a cold no-connector run.
 
-    python bench/ttft.py        # ~2 min on 2 quiet CPU cores, ~3.5 min under other load
+    python bench/ttft.py        # ~2 min on 2 quiet CPU cores, ~3.5 min under other load,
+                                # plus ~1.5 min for the four processes of the restart rows
+                                # (all rows at --prompt-tokens 2048: 3.3 min at load avg 7)
     python bench/ttft.py --configs kvtier-restart,example-restart --prompt-tokens 2048
     python bench/ttft.py --prompt-tokens 2048 --repeats 5 --json out.json
 
