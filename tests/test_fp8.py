@@ -29,6 +29,7 @@ from vllm_kvtier.transfer.fp8 import (
     storage_format,
     stored_block_bytes,
 )
+from vllm_kvtier.transfer.slots import SlotTable
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: e4m3 keeps 3 mantissa bits: round to nearest is within 2^-4 of the value (normals).
@@ -191,15 +192,17 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, "storage_dtype": "fp8",
                                  "admit_min_seen": 1}})
     ns, counters = "0123456789abcdef", Counters()
-    w = make_workers(cfg, namespace=ns, rank=0, block_bytes=pool.slot_bytes, counters=counters,
-                     kv_dtype=torch.float32)["nvme"]
+    slots = SlotTable(pool)
+    w = make_workers(cfg, namespace=ns, rank=0, slots=slots, counters=counters, kv_dtype=torch.float32)["nvme"]
     keys = tuple(bytes([i]) * 32 for i in range(4))
     fid = chunk_id_for(keys)
-    w.write([ChunkWriteJob("nvme", fid, (0, 1, 2, 3), keys)], pool, lambda s: None, lambda s, k: True)
+    for s, k in enumerate(keys):
+        slots.set_key(s, k)  # as the worker does once the saves into them completed
+    w.write([ChunkWriteJob("nvme", fid, (0, 1, 2, 3), keys)])
     meta = WorkerReport()
     deadline = time.monotonic() + 10
     while not meta.written and time.monotonic() < deadline:
-        w.poll(pool, lambda *a: None, lambda s: None)
+        w.poll()
         w.take_meta(meta)
         time.sleep(0.01)
     assert meta.written == {("nvme", fid): 1}
@@ -221,13 +224,13 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     assert w.start_read(ChunkRead("nvme", fid, (1, 2), (6, 7), keys[1:3])) is not None
     deadline = time.monotonic() + 10
     while not done and time.monotonic() < deadline:
-        w.poll(pool, lambda rid, read, ok: done.append(ok), lambda s: None)
+        done += [ok for _, _, ok in w.poll()]
         time.sleep(0.01)
     assert done == [True]
     for p, b in zip(pool.planes, before, strict=True):
         for src, dst in ((1, 6), (2, 7)):
             assert_within_e4m3(b[src].view(torch.float32), p[dst].view(torch.float32), torch.float32)
-    w.close(None, [])
+    w.close()
 
 
 # ---- a real engine -------------------------------------------------------------------------

@@ -51,9 +51,6 @@ NO_TORCH = {"keys", "errors", "jobs", "config", "index", "plan"}
 #: (importer, imported) edges of today's tree that break a rule, with the step that removes
 #: each. Keep it short: a new edge fails the test; an edge that disappears must go too.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # the chunk tier driver stays in connector/ while the store kernel is rebuilt (step 4,
-    # slot table: it moves to transfer/ beside the worker half)
-    ("vllm_kvtier.transfer.worker", "vllm_kvtier.connector.chunk_worker"): "step 4, slot table",
 }
 
 

@@ -127,6 +127,23 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode, 
     assert data["counters"].get("blocks_loaded|nvme", 0) == 2 * ((330 - 1) // BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("multiprocess", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["inproc", "multiprocess"])
+def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, multiprocess):
+    """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 2. Prompts
+    seen once are still on NVMe for the next process (the shutdown flush and the idle flush
+    ignore admission counts), and a fresh process loads them with the baseline's tokens."""
+    ps = SETS[2]
+    kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
+                        "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20}})
+    run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
+    assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
+    data = run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
+    for p, r in zip(ps, results(data), strict=True):
+        assert r.tokens == baseline_of(p)
+    assert data["counters"].get("blocks_loaded|nvme", 0) == 2 * ((330 - 1) // BLOCK_SIZE)
+
+
 def test_last_request_before_exit_is_stored(tiny_model, tmp_path):
     """Offline use: the engine stops stepping when the last request returns (here after
     one token). Its blocks must already be stored: a fresh engine loads all of them."""

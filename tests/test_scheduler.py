@@ -450,3 +450,22 @@ def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
     worker.run_until_idle(sched)
     assert r.num_output_tokens == 20
     assert_scheduler_empty(sched, initial)
+
+
+def test_an_idle_engine_writes_back_what_dram_holds_whatever_the_admission(model_dir, tmp_path):
+    """Default NVMe config (write-back, admit_min_seen 2): a prompt seen once is still on
+    NVMe for the next process. vLLM's real scheduler is kept stepping while the engine is
+    idle until those blocks are planned for writing, and each is marked for the shutdown
+    flush; then the engine goes quiet."""
+    sched, _ = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 64 * block_bytes()},
+                                         "nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30}})
+    worker = FakeWorker()
+    prompt = prompt_tokens(4 * BS + 8)
+    store_prompt(sched, worker, "a", prompt)  # runs until the scheduler has nothing to do
+    keys = list(keys_of(prompt, 4))
+    flushed = [k for m in worker.metas for job in m.write_through if job.tier == "nvme" for k in job.keys]
+    assert sorted(flushed) == sorted(keys)  # in an idle step, not on eviction (nothing was evicted)
+    assert all(not m.demotes for m in worker.metas)
+    marked = {s for m in worker.metas for s in m.persist_slots.get("nvme", [])}
+    assert marked == {s for j in all_saves(worker.metas, "a") for s in j.slots}
+    assert not sched.has_requests()  # nothing left to flush: no more idle steps

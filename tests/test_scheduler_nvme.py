@@ -172,3 +172,39 @@ def test_s3_capacity_evicts_lru_objects_and_deletes_them(tmp_path):
     assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(0), key(1)))]
     assert meta.deletes == [("s3", "old")]
     assert s3.index.used_bytes <= 2 * per_object and counters.totals["evictions|s3"] == 2
+
+
+def test_write_back_flushes_aged_blocks_while_busy_and_all_of_them_when_idle():
+    """Warm restart whatever the admission count: blocks only in DRAM are written once they
+    are flush_interval_s old (busy), or at once when the engine is idle; a block evicted
+    before it aged is not written unless admitted, and a slot reused meanwhile is skipped."""
+    now = [0.0]
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-back", 2, 4, None, flush_interval_s=10.0), world_size=1,
+                     block_bytes_per_rank=4096, counters=counters, found=[{}], clock=lambda: now[0])
+    where = {key(i): i for i in range(6)}
+    for i in range(6):
+        p.on_cpu_save(i, key(i))  # none admitted: each was seen in no earlier prompt
+
+    def flushed(idle: bool = False) -> list[BlockKey]:
+        demotes, through, _ = p.take_jobs(set(), where.get, idle=idle)
+        assert demotes == []
+        return [k for job in through for k in job.keys]
+
+    now[0] = 5.0
+    assert flushed() == [] and p.has_flush_work()  # busy, nothing aged yet
+    p.on_cpu_evict(0, key(0))  # a one-off evicted before it aged: not admitted, not written
+    del where[key(0)]
+    where[key(3)] = 7  # slot 3 was reused for another block: key 3 is not in its slot
+    now[0] = 11.0
+    assert flushed() == [key(1), key(2), key(4), key(5)]
+    assert counters.totals["flushed_blocks|nvme"] == 4 and not p.has_flush_work()
+
+    now[0] = 12.0
+    for i in (10, 11):
+        where[key(i)] = i
+        p.on_cpu_save(i, key(i))
+    assert flushed() == []  # busy: too young
+    assert p.has_flush_work() and flushed(idle=True) == [key(10), key(11)]
+    assert not p.has_flush_work() and flushed(idle=True) == []  # each block is written once
+

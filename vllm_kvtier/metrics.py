@@ -30,6 +30,7 @@ COUNTERS: dict[str, str] = {
     "store_failures": "Writes to a tier that failed (disk full, permission, I/O error...).",
     "evictions": "Blocks evicted from a tier to make room.",
     "store_skipped": "Blocks not stored because every slot was in use by transfers.",
+    "flushed_blocks": "Write-back blocks written in the background while still in DRAM (aged or the engine idle).",
     "load_seconds": "Seconds spent in load transfers (sum).",
     "store_seconds": "Seconds spent in store transfers (sum).",
     "requests": "Requests sent to a remote tier's endpoint (S3: every HTTP attempt).",

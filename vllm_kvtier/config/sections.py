@@ -111,8 +111,16 @@ class NVMeTierConfig:
     io_threads: int = 4
     #: Writes waiting for the disk beyond this are refused (counted), never queued forever.
     max_queued_writes: int = 64
-    #: Upper bound on the time spent at shutdown flushing write-back blocks.
+    #: Upper bound on the time spent at shutdown flushing write-back blocks (every block
+    #: still only in DRAM, whatever its admission count).
     flush_on_shutdown_s: float = 10.0
+    #: Write-back: a block still only in DRAM is written in the background once it has
+    #: been there this long, and every such block as soon as the engine has no request. So
+    #: an abort (vLLM's default SIGTERM) or a crash loses at most this window of what was
+    #: served under continuous traffic, and nothing after an idle moment. Cost: each block
+    #: that outlives it in DRAM is written once (admission still keeps one-off blocks that
+    #: are evicted sooner off the SSD). 0: only on eviction and at a clean shutdown.
+    flush_interval_s: float = 10.0
     #: How blocks are stored. "native": the KV cache's bytes as they are. "fp8": e4m3 with
     #: a float32 scale per 1024 elements (vllm_kvtier/transfer/fp8.py): half the bytes and
     #: I/O of bf16/fp16, a quarter of fp32, at the cost of a small numeric drift in what is
@@ -140,6 +148,7 @@ class NVMeTierConfig:
         _at_most("nvme.chunk_blocks", self.chunk_blocks, MAX_CHUNK_BLOCKS)
         _at_most("nvme.io_threads", self.io_threads, MAX_IO_THREADS)
         _at_least("nvme.flush_on_shutdown_s", self.flush_on_shutdown_s, 0)
+        _at_least("nvme.flush_interval_s", self.flush_interval_s, 0)
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,8 @@ class S3TierConfig:
     rescan_interval_s: float = 60.0
     #: Upper bound on the time spent at shutdown flushing write-back blocks.
     flush_on_shutdown_s: float = 10.0
+    #: Write-back only: as :attr:`NVMeTierConfig.flush_interval_s`.
+    flush_interval_s: float = 10.0
     #: "native" or "fp8": as :attr:`NVMeTierConfig.storage_dtype` (fp8 halves PUT/GET bytes
     #: of a bf16 cache). Instances sharing a bucket share blocks only with the same setting.
     storage_dtype: Literal["native", "fp8"] = "native"
@@ -186,7 +197,7 @@ class S3TierConfig:
         _at_least("s3.admit_min_seen", self.admit_min_seen, 1)
         _at_least("s3.chunk_blocks", self.chunk_blocks, 1)
         _at_most("s3.chunk_blocks", self.chunk_blocks, MAX_CHUNK_BLOCKS)
-        for name in ("rescan_interval_s", "flush_on_shutdown_s"):
+        for name in ("rescan_interval_s", "flush_on_shutdown_s", "flush_interval_s"):
             _at_least(f"s3.{name}", getattr(self, name), 0)
 
 

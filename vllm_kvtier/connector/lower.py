@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
-from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
@@ -35,6 +34,8 @@ from vllm_kvtier.transfer.fp8 import (
     storage_format,
     stored_block_bytes,
 )
+from vllm_kvtier.transfer.slots import SlotTable
+from vllm_kvtier.transfer.tier_io import ChunkWorker
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def make_planners(
                         kv_dtype=kv_dtype)
         found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace, max_blocks=n.chunk_blocks,
                           block_bytes=f.block_bytes)[0] for r in range(world_size)]
-        policy = ChunkPolicy("nvme", n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes)
+        policy = ChunkPolicy("nvme", n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
+                             flush_interval_s=n.flush_interval_s)
         planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes,
                                      counters=counters, found=found))
     if cfg.s3 is not None:
@@ -162,7 +164,8 @@ def _mooncake_planner(
 def _s3_planner(
     s3: S3TierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters
 ) -> ChunkPlanner:
-    policy = ChunkPolicy("s3", s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes)
+    policy = ChunkPolicy("s3", s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes,
+                         flush_interval_s=s3.flush_interval_s)
     try:
         # The scheduler only lists and reads headers, which always go through boto3: no
         # NIXL agent here whatever s3.io_engine says (the workers check that it runs).
@@ -198,16 +201,18 @@ def _s3_planner(
 
 
 def make_workers(
-    cfg: KVTierConfig, *, namespace: str, rank: int, block_bytes: int, counters: Counters,
+    cfg: KVTierConfig, *, namespace: str, rank: int, slots: SlotTable, counters: Counters,
     kv_dtype: torch.dtype | None = None,
 ) -> dict[str, ChunkWorker]:
-    """This rank's data path of each configured lower tier, by tier name. ``block_bytes``:
-    a CPU pool slot's; ``kv_dtype``: the KV cache's (None: unknown, native storage).
+    """This rank's data path of each configured lower tier, by tier name. ``slots``: the
+    worker's slot table (its pool's slot size is the block size stored); ``kv_dtype``: the
+    KV cache's (None: unknown, native storage).
 
     One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process)
     is handed to every store and chunk driver built here: their transfer buffers share one
     bound on idle memory."""
     workers: dict[str, ChunkWorker] = {}
+    block_bytes = slots.pool.slot_bytes
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
     n = cfg.nvme
     if n is not None:
@@ -228,7 +233,7 @@ def make_workers(
             for reason, count in scanned.problems.items():
                 logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
                 counters.add("load_failures", "nvme", count)
-        workers["nvme"] = ChunkWorker("nvme", nvme_store, counters=counters, mode=n.mode,
+        workers["nvme"] = ChunkWorker("nvme", nvme_store, slots=slots, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
                                       headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                       buffers=buffers)
@@ -247,7 +252,7 @@ def make_workers(
             counters.add("store_failures", "s3")
         # No listing here: the scheduler lists the bucket; a chunk's header is fetched on
         # its first read (one ranged GET) and kept.
-        workers["s3"] = ChunkWorker("s3", s3_store, counters=counters, mode=s3.mode,
+        workers["s3"] = ChunkWorker("s3", s3_store, slots=slots, counters=counters, mode=s3.mode,
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
@@ -262,7 +267,7 @@ def make_workers(
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
             counters.add("store_failures", "mooncake")
-        workers["mooncake"] = ChunkWorker("mooncake", mc_store, counters=counters, mode=mc.mode, chunk_blocks=1,
+        workers["mooncake"] = ChunkWorker("mooncake", mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
                                           flush_on_shutdown_s=0.0, fetches_headers=True,
                                           remote_stats=mc_store.stats if mc_store is not None else None,
                                           buffers=buffers)

@@ -8,8 +8,16 @@ shared bucket run on a background thread and are merged at the next step.
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
   requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
   endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
-* **Write-back**: a block goes down when the CPU tier evicts it; the worker copies the
-  slot out before the same step's saves reuse it. **Write-through**: every admitted
+* **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
+  copies the slot out before the same step's saves reuse it. So that a restart (or an
+  abort, or a crash) finds what DRAM held, write-back also **flushes in the background**
+  the blocks still only in DRAM, whatever their admission count: while requests run, each
+  block once it has stayed in DRAM ``flush_interval_s`` (so an abort loses at most that
+  window; a one-off block evicted sooner is not written: admission keeps protecting the
+  SSD from floods); and all of them as soon as the engine has no request (it asks vLLM for
+  idle steps until they are written), at most :data:`_FLUSH_BLOCKS_PER_STEP` x
+  ``chunk_blocks`` blocks per step. Cost: each block that outlives the interval in DRAM, or
+  is in DRAM when the engine goes idle, is written once. **Write-through**: every admitted
   block saved to the CPU tier is also written at once. With both NVMe and S3 configured,
   each tier takes the CPU tier's blocks by its own mode: the hierarchy is inclusive, so
   a block evicted from NVMe is usually still in S3 (nothing is copied NVMe -> S3).
@@ -39,6 +47,9 @@ from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, hea
 
 logger = logging.getLogger(__name__)
 
+#: Background flushes planned per step at most, in chunks (a bound on one step's writes).
+_FLUSH_BLOCKS_PER_STEP = 4
+
 _SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at most)
 #: Circuit breaker on writes: after this many write failures in a row, stop for a while.
 _BREAKER_FAILURES = 8
@@ -65,6 +76,9 @@ class ChunkPolicy:
     #: Chunks of one block named by the block's key (hex), so another instance finds a
     #: prefix from its own block hashes without a listing (a key-value pool).
     key_named: bool = False
+    #: Write-back: flush a block still only in DRAM once it is this old (seconds), and
+    #: every such block when the engine is idle. 0: only on eviction and at shutdown.
+    flush_interval_s: float = 0.0
 
 
 class Rescanner:
@@ -107,11 +121,13 @@ class ChunkPlanner:
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
         found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
         oracle: Callable[[list[str]], list[bool] | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
         listed), or None when it could not tell in time; it must not block for long."""
         self.policy = policy
         self.tier = policy.tier
+        self._clock = clock  # the background flush's ages (a test passes its own)
         self.world_size = world_size
         self.block_bytes = block_bytes_per_rank
         self.counters = counters
@@ -120,6 +136,8 @@ class ChunkPlanner:
         self.index = ChunkIndex(None if cap is None else cap // world_size)
         self._seen: OrderedDict[BlockKey, int] = OrderedDict()
         self._demote: list[tuple[int, BlockKey]] = []
+        #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
+        self._dirty: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
         self._through: list[tuple[int, BlockKey]] = []
         self._deletes: list[str] = []
         self._acks: dict[str, int] = {}
@@ -221,12 +239,40 @@ class ChunkPlanner:
     # ---- events from the CPU tier ----------------------------------------------------
 
     def on_cpu_evict(self, slot: int, key: BlockKey) -> None:
+        self._dirty.pop(key, None)
         if self.policy.mode == "write-back" and self.admitted(key):
             self._demote.append((slot, key))
 
     def on_cpu_save(self, slot: int, key: BlockKey) -> None:
         if self.policy.mode == "write-through" and self.admitted(key):
             self._through.append((slot, key))
+        elif self.policy.mode == "write-back" and self.policy.flush_interval_s > 0 and not self.index.knows(key):
+            self._dirty[key] = (slot, self._clock())
+            self._dirty.move_to_end(key)
+
+    def has_flush_work(self) -> bool:
+        """Blocks only in DRAM that an idle engine should write now."""
+        return bool(self._dirty) and not self._paused()
+
+    def _paused(self) -> bool:
+        return bool(self._paused_until) and time.monotonic() < self._paused_until
+
+    def _take_flush(self, cpu_slot_of: Callable[[BlockKey], int | None], idle: bool) -> list[tuple[int, BlockKey]]:
+        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step;
+        a block no longer in its slot (evicted, or its slot reused) is forgotten."""
+        if not self._dirty or self._paused():
+            return []
+        due = self._clock() - self.policy.flush_interval_s
+        budget = _FLUSH_BLOCKS_PER_STEP * self.policy.chunk_blocks
+        out: list[tuple[int, BlockKey]] = []
+        while self._dirty and len(out) < budget:
+            key, (slot, saved_at) = next(iter(self._dirty.items()))
+            if not idle and saved_at > due:
+                break
+            del self._dirty[key]
+            if cpu_slot_of(key) == slot and not self.index.knows(key):
+                out.append((slot, key))
+        return out
 
     # ---- per step --------------------------------------------------------------------
 
@@ -252,18 +298,25 @@ class ChunkPlanner:
         return jobs
 
     def take_jobs(
-        self, saved_this_step: set[BlockKey], cpu_slot_of: Callable[[BlockKey], int | None]
+        self, saved_this_step: set[BlockKey], cpu_slot_of: Callable[[BlockKey], int | None], *,
+        idle: bool = False,
     ) -> tuple[list[ChunkWriteJob], list[ChunkWriteJob], list[str]]:
-        """(demotes, write-through writes, deletes) for this step's metadata.
+        """(demotes, write-through writes, deletes) for this step's metadata; ``idle``: the
+        engine has no request (flush every dirty block now, see the module doc).
 
         The worker copies demoted slots *before* this step's saves and write-through slots
         *after* them, so a pair is dropped when the slot will not hold that key's bytes at
         that moment: a demoted key saved in this same step (its bytes never reached the
-        slot), or a write-through key whose slot was reused later in the step.
+        slot), or a write-through key whose slot was reused later in the step. Background
+        flushes go with the write-through writes (the slot holds its key after the saves).
         """
         self.refresh()
         self._demote = [(s, k) for s, k in self._demote if k not in saved_this_step]
         self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
+        flushed = self._take_flush(cpu_slot_of, idle)
+        if flushed:
+            self.counters.add("flushed_blocks", self.tier, len(flushed))
+            self._through += flushed
         before = self.index.evicted_blocks
         demotes = self._chunk(self._demote)
         through = self._chunk(self._through)

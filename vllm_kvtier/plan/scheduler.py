@@ -406,15 +406,18 @@ class SchedulerPlanner:
             release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
+        idle = not self._reqs  # nothing running: write back what DRAM holds (see chunk_plan)
         for tier in self.lower:
-            demotes, through, deletes = tier.take_jobs(saved, self.index.slot)
+            demotes, through, deletes = tier.take_jobs(saved, self.index.slot, idle=idle)
             meta.demotes += demotes
             meta.write_through += through
             meta.deletes += [(tier.tier, fid) for fid in deletes]
             if tier.policy.mode == "write-back":
+                # At a clean shutdown the worker flushes every block still only in DRAM,
+                # whatever its admission count: the next process starts warm.
                 meta.persist_slots[tier.tier] = [
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
-                    if tier.admitted(BlockKey(k))
+                    if not tier.index.knows(BlockKey(k))
                 ]
         self._loads, self._final_saves, self._release = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
@@ -564,10 +567,14 @@ class SchedulerPlanner:
 
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
-        releases to issue, or prefetches queued or in flight (they land between requests)."""
+        releases to issue, prefetches queued or in flight (they land between requests), or
+        write-back blocks to flush."""
         pf = self.prefetcher
         return bool(self._final_saves or self._release or self._loads or self._releasing
                     or (pf is not None and pf.has_work())
+                    # write-back blocks only in DRAM: written in idle steps (a restart or
+                    # an abort afterwards finds them on the lower tier)
+                    or (not self._reqs and any(t.has_flush_work() for t in self.lower))
                     # blocks held for a decode instance: keep stepping to see its read's
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,

@@ -10,7 +10,7 @@ them for every medium and :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both
 reference implementation and the fake for higher layers.
 
 Who calls it: the worker half's chunk driver
-(:class:`~vllm_kvtier.connector.chunk_worker.ChunkWorker`), from the worker's main thread
+(:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`), from the worker's main thread
 (tools and tests from theirs): ONE caller thread per store. The store's own I/O threads do
 the transfers; results come back only through :meth:`ChunkStore.poll`, on the caller's
 thread.

@@ -3,7 +3,7 @@ and the write buffer a caller assembles a chunk in.
 
 Who uses it: every chunk store (through :class:`~vllm_kvtier.tiers.kernel.StoreKernel`) and
 the worker-side chunk driver that fills write buffers
-(:class:`~vllm_kvtier.connector.chunk_worker.ChunkWorker`). The pool is INJECTED: the worker
+(:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`). The pool is INJECTED: the worker
 creates one :class:`BufferPool` per process and hands it to every store it builds, so the
 bound on idle memory is one number per process and a test can give a store its own pool and
 read what it allocated (:attr:`BufferPool.allocated_bytes`). :func:`shared_pool` is a

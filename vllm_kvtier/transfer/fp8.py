@@ -41,7 +41,7 @@ token's |logprob difference| after quantizing its KV): groups of 64 (token x hea
 of 1024 0.130, of 8192 0.125, one scale per tensor 0.164; bf16 rounding, for scale, 0.008.
 The 3-bit mantissa dominates; finer scales would buy ~10% of the drift for 6% more bytes.
 
-Who calls it: :class:`~vllm_kvtier.connector.chunk_worker.ChunkWorker`, from the worker's
+Who calls it: :class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`, from the worker's
 main thread, once per block written or read. Pure torch on CPU tensors; no I/O, no state.
 Cost (one core, bench/fp8_drift.py prints it): roughly 1 G elements/s each way, against
 ~10 for a plain copy; a 2 MiB bf16 block takes ~1 ms to encode and to decode.

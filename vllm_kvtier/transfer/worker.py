@@ -29,14 +29,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.connector.chunk_worker import ChunkWorker
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
@@ -44,6 +43,8 @@ from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.peer import PeerLink
+from vllm_kvtier.transfer.slots import SlotTable
+from vllm_kvtier.transfer.tier_io import ChunkWorker
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +77,13 @@ class WorkerHalf:
         self.rank = rank
         #: The tiers below CPU, by name ("nvme", "s3"); built with the pool.
         self.lower: dict[str, ChunkWorker] = {}
-        #: slot -> the last transfer that reads or writes it (CUDA copies complete
-        #: asynchronously): waited for before the host itself touches the slot.
-        self._slot_busy: dict[int, Transfer] = {}
         self.counters = Counters()
         self.layout: KVLayout | None = None
         self.pool: CPUPool | None = None
         self.engine: CopyEngine | None = None
-        self._slot_key: list[bytes | None] = []
-        self._slot_crc: list[int] = []
+        #: what each CPU slot holds and which device copy still uses it; made with the pool
+        #: and handed to every tier driver
+        self.slots: SlotTable | None = None
         self._step_begun = -1
         self._step_ended = -1
         self._meta: StepPlan | None = None
@@ -110,6 +109,11 @@ class WorkerHalf:
         self._layer_loads: dict[str, list[tuple[Transfer, list[int]]]] = {}
         self._rng = random.Random(cfg.fault_injection.seed)
 
+    @property
+    def _table(self) -> SlotTable:
+        assert self.slots is not None, "the slot table is made with the pool, on the first step"
+        return self.slots
+
     # ---- setup -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,8 +135,7 @@ class WorkerHalf:
         self.engine = make_copy_engine(self.layout, self.pool)
         mode = self.cfg.layer_pipelined_loads
         self.layered = mode == "on" or (mode == "auto" and self.layout.device.type == "cuda")
-        self._slot_key = [None] * num_slots
-        self._slot_crc = [0] * num_slots
+        self.slots = SlotTable(self.pool)
         if self.cfg.nixl is not None:
             try:
                 self.peer = PeerLink(self.cfg.nixl, self.pool, rank=self.rank, counters=self.counters)
@@ -140,10 +143,11 @@ class WorkerHalf:
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
                 self.counters.add("store_failures", TierName.PEER)
                 self._peer_unavailable = str(e)
+            else:
+                self.slots.stamp_with(self.peer)
         if self._make_tiers is not None:
             self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
-                                          block_bytes=self.pool.slot_bytes, counters=self.counters,
-                                          kv_dtype=self.layout.dtype)
+                                          slots=self.slots, counters=self.counters, kv_dtype=self.layout.dtype)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -163,7 +167,7 @@ class WorkerHalf:
                 self.engine.order_before_compute(t)
         # Demoted slots are copied out before this step's saves reuse them.
         for name, tier in self.lower.items():
-            tier.write([j for j in meta.demotes if j.tier == name], self.pool, self._wait_slot, self._holds)
+            tier.write([j for j in meta.demotes if j.tier == name])
             tier.delete([fid for t, fid in meta.deletes if t == name])
         self._run_saves(meta.saves)
         for pf in meta.prefetches:
@@ -181,59 +185,34 @@ class WorkerHalf:
         self._run_saves(meta.saves_after)
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
-                tier.dirty.difference_update(job.slots)
-            tier.dirty.update(meta.persist_slots.get(name, ()))
-            tier.write([j for j in meta.write_through if j.tier == name], self.pool, self._wait_slot, self._holds)
-
-    def _holds(self, slot: int, key: bytes) -> bool:
-        return self._slot_key[slot] == key
+                tier.clean(job.slots)
+            tier.mark_dirty(meta.persist_slots.get(name, ()))
+            tier.write([j for j in meta.write_through if j.tier == name])
 
     def _run_saves(self, jobs: list[SaveJob]) -> None:
-        assert self.engine is not None and self.pool is not None
+        assert self.engine is not None and self.slots is not None
         for job in jobs:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
-                    self._set_slot_key(s, None)
+                    self.slots.set_key(s, None)
                 continue
+            # A peer may read these slots: stamp them only once their bytes are complete.
+            done = t.done()
             for s, k in zip(job.slots, job.keys, strict=True):
-                self._slot_key[s] = k
-            if self.peer is not None:
-                # A peer may read these slots: stamp them only once their bytes are complete.
-                for s in job.slots:
-                    self.peer.stamp(s, None)
-                if t.done():
-                    for s, k in zip(job.slots, job.keys, strict=True):
-                        self.peer.stamp(s, k)
-                else:
-                    self._unstamped.append((t, job.slots, job.keys))
+                self.slots.set_key(s, k, "now" if done else "later")
+            if not done and self.peer is not None:
+                self._unstamped.append((t, job.slots, job.keys))
             self._inflight_saves.setdefault(job.req_id, []).append(t)
-            self._mark_busy(job.slots, t)
+            self._table.mark_busy(job.slots, t)
             self.counters.add("blocks_stored", TIER, len(job.block_ids))
             self.counters.add("bytes_stored", TIER, t.nbytes)
             if self.cfg.cpu.checksum:
                 t.wait()
                 for s in job.slots:
-                    self._slot_crc[s] = self.pool.checksum(s)
-
-    def _set_slot_key(self, slot: int, key: bytes | None) -> None:
-        """``slot`` now holds ``key`` completely (None: nothing valid)."""
-        self._slot_key[slot] = key
-        if self.peer is not None:
-            self.peer.stamp(slot, key)
-
-    def _mark_busy(self, slots: Iterable[int], t: Transfer) -> None:
-        """Remember device copies still using these slots (CUDA); host copies are done."""
-        if not t.done():
-            for s in slots:
-                self._slot_busy[s] = t
-
-    def _wait_slot(self, slot: int) -> None:
-        t = self._slot_busy.pop(slot, None)
-        if t is not None:
-            t.wait()
+                    self.slots.record_crc(s)
 
     def start_loads(self) -> None:
         meta = self._meta
@@ -250,9 +229,9 @@ class WorkerHalf:
         for b, s, k in zip(job.block_ids, job.slots, job.keys, strict=True):
             if b in skip:
                 continue
-            good = self._slot_key[s] == k
+            good = self.slots is not None and self.slots.holds(s, k)
             if good and self.cfg.cpu.checksum:
-                good = self.pool is not None and self.pool.checksum(s) == self._slot_crc[s]
+                good = self.slots is not None and self.slots.crc_matches(s)
             if good and rate and self._rng.random() < rate:
                 good = False
             if good:
@@ -284,7 +263,7 @@ class WorkerHalf:
                            len(failed), len(job.block_ids), job.req_id)
             self.counters.add("load_failures", TIER, len(failed))
         if transfer is not None:
-            self._mark_busy(slots, transfer)
+            self._table.mark_busy(slots, transfer)
         if job.asynchronous:
             self._async_loads.append(_AsyncLoad(job.req_id, transfer, failed, blocks))
             return
@@ -315,7 +294,7 @@ class WorkerHalf:
         for name, t in layers.items():
             self._layer_loads.setdefault(name, []).append((t, blocks))
         last = list(layers.values())[-1]  # layers are copied in order: the last ends last
-        self._mark_busy(slots, last)
+        self._table.mark_busy(slots, last)
         if self.layout is not None:
             self.counters.add("blocks_loaded", TIER, len(blocks))
             self.counters.add("bytes_loaded", TIER, len(blocks) * self.layout.block_bytes)
@@ -394,11 +373,11 @@ class WorkerHalf:
             self._prefetch_done.prefetched[pid] = 1
 
     def _on_read(self, rid: int, read: ChunkRead, ok: bool) -> None:
-        if ok:
+        if ok and self.slots is not None:
             for s, k in zip(read.slots, read.keys, strict=True):
-                self._set_slot_key(s, k)
-                if self.cfg.cpu.checksum and self.pool is not None:
-                    self._slot_crc[s] = self.pool.checksum(s)
+                self.slots.set_key(s, k)
+                if self.cfg.cpu.checksum:
+                    self.slots.record_crc(s)
         ref = (read.tier, rid)
         pid = self._prefetch_reads.pop(ref, None)
         if pid is not None:
@@ -426,7 +405,7 @@ class WorkerHalf:
         if blocks:
             try:
                 a.transfer = self.engine.submit("load", blocks, slots, background=True)
-                self._mark_busy(slots, a.transfer)
+                self._table.mark_busy(slots, a.transfer)
             except Exception:
                 logger.exception("kvtier: load of %d blocks failed", len(blocks))
                 a.failed_blocks.update(blocks)
@@ -450,7 +429,8 @@ class WorkerHalf:
                 if idle_step and tier.pending_reads():
                     tier.wait_for_reads(0.002)
                     idle_step = False  # one wait per step
-                tier.poll(self.pool, self._on_read, self._wait_slot)
+                for rid, read, ok in tier.poll():
+                    self._on_read(rid, read, ok)
             if self.peer is not None:
                 self._poll_peer()
         still: list[_AsyncLoad] = []
@@ -494,15 +474,16 @@ class WorkerHalf:
             for t, slots, keys in self._unstamped:
                 if t.done():
                     for s, k in zip(slots, keys, strict=True):
-                        if self._slot_key[s] == k:
-                            self.peer.stamp(s, k)
+                        if self.slots is not None and self.slots.holds(s, k):
+                            self.slots.stamp(s)
                 else:
                     left.append((t, slots, keys))
             self._unstamped = left
         self._peer_done |= self.peer.done_requests()
         for prid, res in self.peer.poll():
             for s, k in zip(res.read.slots, res.read.keys, strict=True):
-                self._slot_key[s] = k if k in res.good else None  # stamps are already right
+                if self.slots is not None:  # the peer link filled and stamped them itself
+                    self.slots.set_key(s, k if k in res.good else None, "unchanged")
             ref = (TierName.PEER, prid)
             for a in self._async_loads:
                 if a.pending_reads is not None and ref in a.pending_reads:
@@ -536,7 +517,7 @@ class WorkerHalf:
         if self.engine is not None:
             self.engine.shutdown()
         for tier in self.lower.values():
-            tier.close(self.pool, self._slot_key)
+            tier.close()
         self.lower = {}
         if self.peer is not None:
             self.peer.close()

@@ -1,11 +1,16 @@
 """Worker side of a chunk tier (NVMe files, S3 objects): moves blocks between CPU pool
 slots and chunks.
 
-Who calls it: :class:`~vllm_kvtier.connector.worker.WorkerHalf`, from the worker's main
+Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
 thread. I/O runs on the store's threads (:class:`ChunkStore`); this class only copies slot
 bytes into write buffers (fast memory copies, so the slot can be reused by this step's
 saves) and read buffers back into slots, and reports outcomes to the scheduler
-(``KVTierWorkerMeta``). Nothing here raises into vLLM: failures are results.
+(``WorkerReport``). Nothing here raises into vLLM: failures are results.
+
+It is handed the worker's :class:`~vllm_kvtier.transfer.slots.SlotTable` once, at
+construction: what each slot holds and which device copy still uses it. It reads that
+table (a job whose slots no longer hold their keys is not written) and never writes it:
+:meth:`ChunkWorker.poll` returns the reads that finished, and the worker records their keys.
 
 A tier may store blocks encoded (``storage_dtype: fp8``): the codec turns slot rows into
 the stored block in ``_buffer`` and back in ``poll``, on this thread (~1 ms per 2 MiB
@@ -27,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from vllm_kvtier.errors import FailureReason
@@ -37,8 +42,8 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import ChunkStore, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for
-from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.fp8 import BlockCodec
+from vllm_kvtier.transfer.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +52,14 @@ __all__ = ["ChunkStore", "ChunkWorker"]
 
 class ChunkWorker:
     def __init__(
-        self, tier: str, store: ChunkStore | None, *, counters: Counters,
+        self, tier: str, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
         buffers: BufferPool | None = None,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
+        ``slots``: the worker's slot table (the CPU pool and what each slot holds).
         ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
         read a chunk whose header we do not have (S3: another instance wrote it).
         ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
@@ -62,6 +68,7 @@ class ChunkWorker:
         buffers come from (the worker's pool, shared with its stores; None: the process
         default)."""
         self.buffers = buffers
+        self.slots = slots
         self.codec = codec
         self.tier = tier
         self.store = store
@@ -75,33 +82,42 @@ class ChunkWorker:
         self._reads: dict[int, ChunkRead] = {}
         self._prefetch_reads: set[int] = set()
         self._meta = KVTierWorkerMeta()
-        #: slot -> admitted for a shutdown flush (write-back), set by the scheduler.
-        self.dirty: set[int] = set()
+        #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
+        #: as the scheduler says (:meth:`mark_dirty`, :meth:`clean`)
+        self._dirty: set[int] = set()
         self._remote_stats = remote_stats
         self._reported = (0, 0, 0)  # requests, retries, breaker opens already counted
 
     # ---- writes -------------------------------------------------------------------
 
-    def write(self, jobs: list[ChunkWriteJob], pool: CPUPool, before_read: Callable[[int], None],
-              holds: Callable[[int, bytes], bool]) -> None:
+    def mark_dirty(self, slots: Iterable[int]) -> None:
+        """These slots' blocks are only in DRAM: flush them at shutdown (write-back)."""
+        self._dirty.update(slots)
+
+    def clean(self, slots: Iterable[int]) -> None:
+        """These slots no longer hold what was marked (saved over, or written)."""
+        self._dirty.difference_update(slots)
+
+    def write(self, jobs: list[ChunkWriteJob]) -> None:
         """Copy each job's slots out now, then queue the chunk write. A job whose slots do
         not all hold their keys (a save into them failed) is not written."""
         for job in jobs:
             ref = (self.tier, job.file_id)
-            if not all(holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
+            if not all(self.slots.holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
                 self._meta.failed.add(ref)
                 continue
             for s in job.slots:
-                before_read(s)  # a save into this slot may still be in flight (CUDA)
-                self.dirty.discard(s)
+                self.slots.wait(s)  # a save into this slot may still be in flight (CUDA)
             if self.store is None:
                 self._meta.failed.add(ref)
                 continue
-            wb = self._buffer(job.keys, job.slots, pool)
+            wb = self._buffer(job.keys, job.slots)
             if not self.store.submit_write(next(self._ids), job.file_id, wb):
                 wb.buf.close()
                 self.counters.add("store_skipped", self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
+                continue  # still dirty: the shutdown flush may write them yet
+            self.clean(job.slots)
 
     def delete(self, file_ids: list[str]) -> None:
         for fid in file_ids:
@@ -125,9 +141,10 @@ class ChunkWorker:
         self.store.submit_read(rid, read.file_id, header, list(read.positions), list(read.keys))
         return rid
 
-    def poll(self, pool: CPUPool, on_read: Callable[[int, ChunkRead, bool], None],
-             before_write: Callable[[int], None]) -> None:
-        """Handle finished I/O: fill slots from completed reads and call ``on_read``."""
+    def poll(self) -> list[tuple[int, ChunkRead, bool]]:
+        """Handle finished I/O: fill slots from completed reads. Returns (read id, read,
+        ok) for every read that finished; the caller records the slots' new keys."""
+        finished: list[tuple[int, ChunkRead, bool]] = []
         for res in self.store.poll() if self.store is not None else ():
             if res.kind == "write":
                 self._on_write(res)
@@ -143,8 +160,8 @@ class ChunkWorker:
                     assert res.blocks is not None
                     try:
                         for slot, data in zip(read.slots, res.blocks, strict=True):
-                            before_write(slot)  # a device copy may still use the slot (CUDA)
-                            self._fill(pool, slot, data)
+                            self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
+                            self._fill(slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
                         logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
                         ok, reason = False, FailureReason.FORMAT
@@ -164,8 +181,9 @@ class ChunkWorker:
                         self._meta.bad.add((self.tier, read.file_id))
                         self.headers.pop(read.file_id, None)
                 res.release()
-                on_read(res.job_id, read, ok)
+                finished.append((res.job_id, read, ok))
         self._report_remote()
+        return finished
 
     def _report_remote(self) -> None:
         """Requests, retries and breaker state of a remote store, as counters and a gauge."""
@@ -210,21 +228,21 @@ class ChunkWorker:
 
     # ---- shutdown -----------------------------------------------------------------
 
-    def close(self, pool: CPUPool | None, slot_key: list[bytes | None]) -> None:
-        """Flush admitted write-back blocks still only in DRAM (bounded by
-        ``flush_on_shutdown_s``), then finish queued I/O and stop."""
+    def close(self) -> None:
+        """Flush write-back blocks still only in DRAM (bounded by ``flush_on_shutdown_s``),
+        then finish queued I/O and stop."""
         if self.store is None:
             return
         deadline = time.monotonic() + self.flush_on_shutdown_s
-        if pool is not None and self.mode == "write-back" and self.dirty:
-            items = [(s, k) for s in sorted(self.dirty) if (k := slot_key[s]) is not None]
+        if self.mode == "write-back" and self._dirty:
+            items = [(s, k) for s in sorted(self._dirty) if (k := self.slots.key(s)) is not None]
             written = 0
             for i in range(0, len(items), self.chunk_blocks):
                 if time.monotonic() > deadline:
                     break
                 part = items[i : i + self.chunk_blocks]
                 keys = tuple(k for _, k in part)
-                wb = self._buffer(keys, tuple(s for s, _ in part), pool)
+                wb = self._buffer(keys, tuple(s for s, _ in part))
                 while not self.store.submit_write(next(self._ids), chunk_id_for(keys), wb):
                     if time.monotonic() > deadline:
                         wb.buf.close()
@@ -235,8 +253,8 @@ class ChunkWorker:
             logger.info("kvtier %s: flushed %d write-back blocks at shutdown", self.tier, written)
         self.store.close(timeout_s=max(0.0, deadline - time.monotonic()) + 5.0)
 
-    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...], pool: CPUPool) -> WriteBuffer:
-        codec = self.codec
+    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
+        codec, pool = self.codec, self.slots.pool
         wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes, self.buffers)
         for i, s in enumerate(slots):
             if codec is None:
@@ -245,7 +263,8 @@ class ChunkWorker:
                 codec.encode([p[s] for p in pool.planes], wb.block(i))
         return wb
 
-    def _fill(self, pool: CPUPool, slot: int, data: memoryview) -> None:
+    def _fill(self, slot: int, data: memoryview) -> None:
+        pool = self.slots.pool
         if self.codec is None:
             pool.copy_slot_in(slot, data)
         else:

@@ -1,0 +1,104 @@
+"""The worker's slot table and a tier driver that reads it (no engine): what each CPU slot
+holds decides what may be written to a lower tier, loaded, or flushed at shutdown."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.chunkfile import chunk_id_for
+from vllm_kvtier.tiers.cpu import CPUPool
+from vllm_kvtier.tiers.memory import MemoryStore
+from vllm_kvtier.transfer.slots import SlotTable
+from vllm_kvtier.transfer.tier_io import ChunkWorker
+
+PLANES = (4096, 4096)
+
+
+class _Stamps:
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bytes | None]] = []
+
+    def stamp(self, slot: int, key: bytes | None) -> None:
+        self.seen.append((slot, key))
+
+
+def _pool() -> CPUPool:
+    pool = CPUPool(8, PLANES, pin=False, prefault=False)
+    for i, p in enumerate(pool.planes):
+        p.copy_(torch.arange(p.numel(), dtype=torch.uint8).view(p.shape) + i)
+    return pool
+
+
+def _driver(slots: SlotTable, store: MemoryStore, mode: str = "write-back") -> ChunkWorker:
+    return ChunkWorker("nvme", store, slots=slots, counters=Counters(), mode=mode, chunk_blocks=4,  # type: ignore[arg-type]
+                       flush_on_shutdown_s=5.0)
+
+
+def _settle(w: ChunkWorker, want: int) -> tuple[WorkerReport, list[tuple[int, ChunkRead, bool]]]:
+    meta, done = WorkerReport(), []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done += w.poll()
+        w.take_meta(meta)
+        if len(meta.written) + len(meta.failed) + len(done) >= want:
+            break
+        time.sleep(0.005)
+    return meta, done
+
+
+def test_keys_and_stamps():
+    slots = SlotTable(_pool())
+    st = _Stamps()
+    slots.stamp_with(st)
+    slots.set_key(1, b"k1")
+    slots.set_key(2, b"k2", "later")  # bytes still in flight: readers hear None first
+    slots.set_key(3, b"k3", "unchanged")
+    assert slots.holds(1, b"k1") and slots.holds(2, b"k2") and not slots.holds(1, b"k2")
+    slots.stamp(2)
+    assert st.seen == [(1, b"k1"), (2, None), (2, b"k2")]
+    slots.record_crc(1)
+    assert slots.crc_matches(1)
+    slots.pool.planes[0][1][0] ^= 0xFF
+    assert not slots.crc_matches(1)
+
+
+def test_a_slot_that_lost_its_key_is_not_written_and_a_read_refills_slots():
+    slots = SlotTable(_pool())
+    store = MemoryStore("ns", slots.pool.slot_bytes)
+    w = _driver(slots, store, mode="write-through")
+    keys = (b"a" * 32, b"b" * 32)
+    slots.set_key(0, keys[0])
+    slots.set_key(1, None)  # its save failed
+    bad = chunk_id_for(keys)
+    w.write([ChunkWriteJob("nvme", bad, (0, 1), keys)])
+    slots.set_key(1, keys[1])
+    good = chunk_id_for(keys)
+    w.write([ChunkWriteJob("nvme", good, (0, 1), keys)])
+    meta, _ = _settle(w, 2)
+    assert meta.failed == {("nvme", bad)} and meta.written == {("nvme", good): 1}
+    assert store.chunk_ids() == [good]
+    # Read the chunk back into two other slots: the driver fills them and reports them.
+    rid = w.start_read(ChunkRead("nvme", good, (0, 1), (5, 6), keys))
+    _, done = _settle(w, 1)
+    assert [(r, ok) for r, _, ok in done] == [(rid, True)]
+    for p in slots.pool.planes:
+        assert torch.equal(p[5], p[0]) and torch.equal(p[6], p[1])
+    w.close()
+
+
+def test_shutdown_flushes_dirty_slots_that_still_hold_a_key():
+    slots = SlotTable(_pool())
+    store = MemoryStore("ns", slots.pool.slot_bytes)
+    w = _driver(slots, store)
+    for s in (2, 3, 4):
+        slots.set_key(s, bytes([s]) * 32)
+    w.mark_dirty([2, 3, 4])
+    w.clean([3])  # saved over since
+    slots.set_key(4, None)  # and this one no longer holds anything valid
+    w.close()
+    (cid,) = store.chunk_ids()
+    assert cid.startswith((bytes([2]) * 32).hex()[:32])
