@@ -283,7 +283,9 @@ def make_index_dir(d: Path, nblocks: int, block_bytes: int, chunk_blocks: int) -
         fd = os.open(d / f"{f:016x}-idx.kvt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, head)
-            os.ftruncate(fd, h.total_bytes)
+            # Real bytes, not a sparse file: the store refuses a chunk with holes
+            # ("truncated") without reading it, so a sparse index would scan as empty.
+            os.write(fd, bytes(h.total_bytes - h.header_bytes))
         finally:
             os.close(fd)
     os.sync()
