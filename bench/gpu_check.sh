@@ -9,7 +9,7 @@
 #    plus this package (`pip install -e . --no-deps`; PYTHONPATH as a fallback);
 # 3. bench/cpu_tier_throughput.py --device cuda: GPU<->pinned-host block copies through our
 #    copy engine vs one plain cudaMemcpyAsync of the same bytes;
-# 4. pytest tests/test_gpu_e2e.py (copy engine on CUDA + a real vLLM engine on CUDA), with
+# 4. pytest tests/integration/test_gpu_e2e.py (copy engine on CUDA + a real vLLM engine on CUDA), with
 #    KVTIER_REQUIRE_GPU=1 so it fails instead of skipping without a GPU.
 #
 # Everything lands in bench/results/ (gpu_check_*.log, cpu_tier_throughput_cuda.json,
@@ -141,6 +141,6 @@ run_step bench_cuda "$(step_timeout 120 150)" "$PY" bench/cpu_tier_throughput.py
 # ---- 4. tests on the GPU -----------------------------------------------------------
 export KVTIER_REQUIRE_GPU=1
 run_step pytest_gpu "$(step_timeout 330 0)" "$PY" -m pytest -q -rs -p no:cacheprovider \
-  tests/test_gpu_e2e.py --junitxml="$RESULTS/gpu_e2e_junit.xml"
+  tests/integration/test_gpu_e2e.py --junitxml="$RESULTS/gpu_e2e_junit.xml"
 
 finish

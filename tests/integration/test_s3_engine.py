@@ -15,9 +15,9 @@ import pytest
 
 from testkit import s3_server as s3srv
 from testkit.s3_server import FaultProxy, MotoServer
-from tests import test_nvme_engine as nvme_engine
 from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
-from tests.test_nvme_engine import BLOCK_BYTES, SETS, results, run_process
+from tests.integration import test_nvme_engine as nvme_engine
+from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS, results, run_process
 
 # Fixtures from other modules, bound to names in this one.
 s3_server = s3srv.s3_server
@@ -26,7 +26,7 @@ baseline_of = nvme_engine.baseline_of
 
 pytestmark = pytest.mark.s3
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOADABLE = (330 - 1) // 32  # blocks of a 330-token prompt that may come from a tier
 
 

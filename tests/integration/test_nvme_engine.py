@@ -25,7 +25,7 @@ from tests.conftest import (
     rand_tokens,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # tiny model, fp32: layers x heads x block x 2*head x 4
 
 

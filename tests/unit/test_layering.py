@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 PKG = "vllm_kvtier"
-ROOT = Path(__file__).resolve().parent.parent / PKG
+ROOT = Path(__file__).resolve().parents[2] / PKG
 
 #: layer -> the layers it may import (its own is always allowed)
 ALLOWED: dict[str, set[str]] = {

@@ -15,8 +15,8 @@ from tests.conftest import (
     make_llm,
     rand_tokens,
 )
-from tests.test_nvme_engine import BLOCK_BYTES
-from tests.test_scheduler_nvme import FakeRequest, _Out, key, make_two_tiers
+from tests.connector.test_scheduler_nvme import FakeRequest, _Out, key, make_two_tiers
+from tests.integration.test_nvme_engine import BLOCK_BYTES
 from vllm_kvtier.jobs import WorkerReport
 
 

@@ -33,7 +33,7 @@ import yaml
 from vllm_kvtier import metrics as kvtier_metrics
 from vllm_kvtier.config import KVTierConfig, parse_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "docker/helm/vllm-kvtier"
 EXAMPLES = sorted((REPO / "docker/helm/examples").glob("values-*.yaml"))
 EXAMPLE_IDS = [p.stem for p in EXAMPLES]

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_nvme_engine as nvme_engine
 from tests.conftest import BLOCK_SIZE, close_llm, kvtier_config, kvtier_counters, make_llm
-from tests.test_nvme_engine import BLOCK_BYTES, SETS
+from tests.integration import test_nvme_engine as nvme_engine
+from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS
 
 pytestmark = [
     pytest.mark.nixl,
@@ -26,7 +26,7 @@ pytestmark = [
                        reason="NIXL is not installed (tools/setup-remote.sh installs it)"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOADABLE = (330 - 1) // BLOCK_SIZE
 baseline_of = nvme_engine.baseline_of
 

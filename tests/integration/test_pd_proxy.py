@@ -29,13 +29,13 @@ import pytest
 import requests
 
 from testkit import mooncake_server as mcsrv
-from tests import test_nvme_engine as nvme_engine
 from tests.conftest import BLOCK_SIZE, kvtier_config
-from tests.test_nvme_engine import SETS
+from tests.integration import test_nvme_engine as nvme_engine
+from tests.integration.test_nvme_engine import SETS
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOADABLE = (330 - 1) // BLOCK_SIZE
 #: The hand-off's waits in this test (stated, not the defaults): a slow host then delays
 #: the hand-off, it cannot lose it. Mooncake: the decode side's wait for the prefill's puts,

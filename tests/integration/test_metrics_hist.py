@@ -15,7 +15,7 @@ from vllm.v1.metrics.reader import Histogram
 from vllm.v1.outputs import KVConnectorOutput
 
 from tests.conftest import close_llm, generate, kvtier_config, make_llm, rand_tokens
-from tests.test_scheduler_nvme import BS, FakeRequest, _Out, key, make_two_tiers
+from tests.connector.test_scheduler_nvme import BS, FakeRequest, _Out, key, make_two_tiers
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierStats

@@ -10,7 +10,7 @@ skipping).
 2. End to end: ``vllm.LLM`` on CUDA with and without the plugin, three prompts sharing a
    300-token prefix sent one after the other; greedy tokens must be equal and the plugin's
    ``vllm:kvtier_blocks_loaded{tier="cpu"}`` counter must be > 0. Each engine runs in a
-   fresh process (``python -m tests.test_gpu_e2e MODEL KV_JSON``) so GPU memory and
+   fresh process (``python -m tests.integration.test_gpu_e2e MODEL KV_JSON``) so GPU memory and
    vLLM's global state never leak from one engine to the next.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA and os.environ.get("KVTIER_REQUIRE_GPU") == "1":
@@ -163,7 +163,7 @@ def _engine_in_subprocess(model: Path, kv: dict[str, Any] | None) -> dict[str, A
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: faster start
     env.setdefault("HF_HUB_OFFLINE", "1")  # local model; never wait on the network
-    cmd = [sys.executable, "-m", "tests.test_gpu_e2e", str(model), json.dumps(kv)]
+    cmd = [sys.executable, "-m", "tests.integration.test_gpu_e2e", str(model), json.dumps(kv)]
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=ENGINE_TIMEOUT_S)
@@ -199,7 +199,7 @@ def test_vllm_engine_end_to_end(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    # Runner for test_vllm_engine_end_to_end: python -m tests.test_gpu_e2e MODEL KV_JSON
+    # Runner for test_vllm_engine_end_to_end: python -m tests.integration.test_gpu_e2e MODEL KV_JSON
     result = _run_engine(sys.argv[1], json.loads(sys.argv[2]))
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip vLLM's teardown at interpreter exit; the process is done

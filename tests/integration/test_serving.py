@@ -19,7 +19,7 @@ import requests
 from tests.conftest import BLOCK_SIZE, Result, assert_same_tokens, kvtier_config, reuse_scenario
 from vllm_kvtier.tiers.nvme import read_header
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 P1_BLOCKS = (320 - 1) // BLOCK_SIZE
 
 
