@@ -158,7 +158,7 @@ def ours_load(store: S3Store, w: Workload, ids: list[str], headers: dict[str, Ch
     failed, wrong = [], 0
     t0 = time.perf_counter()
     for c, oid in enumerate(ids):
-        store.submit_read(c, oid, headers[oid], positions)
+        store.submit_read(c, oid, headers[oid], positions, [headers[oid].keys[p] for p in positions])
     done = 0
     while done < w.nchunks:
         res = store.poll()

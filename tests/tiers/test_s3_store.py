@@ -30,7 +30,7 @@ from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.resilience import BreakerState, CircuitBreaker
-from vllm_kvtier.tiers.s3 import S3Config, S3Store, contiguous_runs
+from vllm_kvtier.tiers.s3 import S3Config, S3Store
 
 pytestmark = pytest.mark.s3
 s3_server = s3srv.s3_server  # fixtures: a moto server for this module, a fresh bucket per test
@@ -94,7 +94,7 @@ def write(store: S3Store, object_id: str, first: int, n: int, job: int = 1) -> C
 
 
 def read(store: S3Store, object_id: str, h: ChunkHeader, positions: list[int], job: int = 2) -> IOResult:
-    store.submit_read(job, object_id, h, positions)
+    store.submit_read(job, object_id, h, positions, [h.keys[p] for p in positions])
     return wait(store, job)
 
 
@@ -111,10 +111,18 @@ def test_ranged_reads_fetch_only_the_needed_runs(store: S3Store) -> None:
     r = read(store, "obj-a", h, [6, 1, 2, 7])  # runs [1,2] and [6,7]: two ranged GETs
     assert r.ok and r.blocks is not None
     assert [b.tobytes() for b in r.blocks] == [block(6), block(1), block(2), block(7)]
-    assert r.nbytes == 4 * BLOCK
+    assert r.nbytes == 2 * (h.stride + BLOCK)  # the bytes fetched: two runs of two blocks, no more
     r.release()
     assert requests(store) == {"PutObject": 1, "GetObject": 2}
-    assert contiguous_runs([5, 1, 2, 3, 9, 2]) == [(1, 3), (5, 5), (9, 9)]
+    h = write(store, "obj-b", 0, 10, job=3)
+    r = read(store, "obj-b", h, [5, 1, 2, 3, 9, 2], job=4)  # runs [1,3], [5], [9]: three GETs
+    assert r.ok and r.blocks is not None and [b.tobytes() for b in r.blocks] == [block(p) for p in [5, 1, 2, 3, 9, 2]]
+    r.release()
+    assert requests(store) == {"PutObject": 2, "GetObject": 5}
+    r = read(store, "obj-b", h, list(range(10)), job=5)  # every block: one plain GET of the object
+    assert r.ok and r.nbytes == h.total_bytes
+    r.release()
+    assert requests(store) == {"PutObject": 2, "GetObject": 6}
 
 
 def test_key_layout_spreads_over_hashed_prefixes(store: S3Store) -> None:
@@ -124,7 +132,7 @@ def test_key_layout_spreads_over_hashed_prefixes(store: S3Store) -> None:
     assert len({k.split("/")[3] for k in keys}) > 32  # 64 ids over 256 prefixes
     h = write(store, "obj-7", 0, 1)
     listed = store.scan()
-    assert listed == {"obj-7": h}
+    assert listed.found == {"obj-7": h} and listed.problems == {}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -186,7 +194,7 @@ def test_engines_read_each_others_objects(s3_server: MotoServer, s3_bucket: str)
             assert [x.tobytes() for x in r.blocks] == [block(p) for p in positions]
             r.release()
         assert b.stats().requests == {"PutObject": 1, "GetObject": 3}  # one GET per run, as boto3's
-        assert b.scan() == a.scan() == {"by-boto3": ha, "by-nixl": hb}
+        assert b.scan().found == a.scan().found == {"by-boto3": ha, "by-nixl": hb}
     finally:
         a.close()
         b.close()
@@ -200,7 +208,7 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
 
     b = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
     try:
-        found = b.scan()
+        found = b.scan().found
         assert found == headers
         rep = b.last_scan
         assert (rep.list_requests, rep.manifest_gets, rep.header_gets, rep.from_manifests) == (1, 1, 0, 3)
@@ -210,7 +218,7 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
         # Written since the last manifest: found by its header (one ranged GET).
         headers["c9"] = write(b, "c9", 90, 2, job=9)
         again = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
-        assert again.scan() == headers
+        assert again.scan().found == headers
         assert (again.last_scan.header_gets, again.last_scan.from_manifests) == (1, 3)
         again.close()
     finally:
@@ -224,7 +232,7 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
         client.delete_object(Bucket=s3_bucket, Key=m["Key"])
     c = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
     try:
-        found = c.scan()
+        found = c.scan().found
         assert set(found) == {"c1", "c2", "c9"}
         assert c.last_scan.header_gets + c.last_scan.from_manifests == 3
     finally:
@@ -238,12 +246,12 @@ def test_namespaces_and_prefixes_are_isolated(s3_server: MotoServer, s3_bucket: 
     other_rank = S3Store(config(s3_server, s3_bucket), "nsA", 1, BLOCK)
     try:
         write(a, "x1", 0, 2)
-        assert b.scan() == {} and other_prefix.scan() == {} and other_rank.scan() == {}
+        assert b.scan().found == {} and other_prefix.scan().found == {} and other_rank.scan().found == {}
         # nsA's bytes copied under nsB's key: the header's namespace does not verify.
         client = s3_server.client()
         client.copy_object(Bucket=s3_bucket, Key=b.key("x1"), CopySource={"Bucket": s3_bucket, "Key": a.key("x1")})
-        assert b.scan() == {} and b.last_scan.problems == {"namespace": 1}
-        assert set(a.scan()) == {"x1"}
+        assert b.scan().found == {} and b.last_scan.problems == {"namespace": 1}
+        assert set(a.scan().found) == {"x1"}
     finally:
         for s in (a, b, other_prefix, other_rank):
             s.close()
@@ -324,7 +332,7 @@ def test_unanswered_request_is_a_deadline_miss_not_a_stall(s3_server: MotoServer
         h = write(s, "h", 0, 2)
         proxy.hang(2.0)
         t0 = time.monotonic()
-        s.submit_read(7, "h", h, [0])
+        s.submit_read(7, "h", h, [0], [h.keys[0]])
         assert time.monotonic() - t0 < 0.3  # submit never blocks (it does not wait 0.8 s)
         r = wait(s, 7)
         took = time.monotonic() - t0

@@ -174,7 +174,7 @@ def _s3_planner(
         from vllm_kvtier.tiers.s3 import S3Store
 
         listing = dataclasses.replace(s3.store, io_engine="boto3")
-        stores = [S3Store(listing, namespace, r, block_bytes) for r in range(world_size)]
+        stores = [S3Store(listing, namespace, r, block_bytes, max_chunk_blocks=s3.chunk_blocks) for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
         counters.add("store_failures", "s3")
@@ -182,7 +182,7 @@ def _s3_planner(
                             counters=counters, found=[{} for _ in range(world_size)])
 
     def scan() -> Found:
-        return [st.scan() for st in stores]
+        return [st.scan().found for st in stores]
 
     found = scan()
     for st in stores:
@@ -244,7 +244,8 @@ def make_workers(
         try:
             from vllm_kvtier.tiers.s3 import S3Store
 
-            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes, buffers=buffers)
+            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes, buffers=buffers,
+                               max_chunk_blocks=s3.chunk_blocks)
         except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
             raise
         except Exception as e:

@@ -47,7 +47,8 @@ How the media map onto it:
   run of wanted blocks, each queued as its own task, so the runs of one read go in
   parallel on the read threads; ``write_threads`` = io_threads keeps uploads off them).
   A read with no header (another writer's chunk) probes the first 4 KiB through
-  ``read_into`` (the kernel bounds the announced header before fetching the rest).
+  ``read_into`` (the kernel bounds the announced header before fetching the rest). A read
+  of every block is one plain GET of the whole object (:class:`WholeObjectMedium`).
   ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
 * **Mooncake** (to port): ``SizedMedium.size_of`` = ``get_size`` from the master (the kernel
@@ -87,7 +88,10 @@ from vllm_kvtier.tiers.chunkfile import (
     max_chunk_bytes,
 )
 
-__all__ = ["AllocatingMedium", "BatchingMedium", "KernelStats", "Medium", "ReadShape", "SizedMedium", "StoreKernel"]
+__all__ = [
+    "AllocatingMedium", "BatchingMedium", "KernelStats", "Medium", "ReadShape", "SizedMedium", "StoreKernel",
+    "ExplainingMedium", "WholeObjectMedium",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +168,25 @@ class BatchingMedium(Protocol):
     ) -> list[BaseException | None]: ...
 
 
+@runtime_checkable
+class WholeObjectMedium(Protocol):
+    """A "runs" medium with a cheaper request for a whole object (S3: a GET without a
+    Range). The kernel calls it, instead of ``read_into``, for a read of every block of a
+    chunk: ``dst`` is then ``header.total_bytes`` long and the object must be exactly that."""
+
+    def read_whole_into(self, chunk_id: str, dst: memoryview, deadline: float) -> None: ...
+
+
+@runtime_checkable
+class ExplainingMedium(Protocol):
+    """A medium whose reads may come back short without saying so (S3 through NIXL's OBJ
+    engine). After a range ``[0, end)`` of a chunk failed its checksum, the kernel asks
+    why: an exception to report instead (``truncated``, from the object's real size), or
+    None (the checksum failure stands). Costs the medium a request only on a failure."""
+
+    def explain_damage(self, chunk_id: str, end: int, deadline: float) -> BaseException | None: ...
+
+
 # ---- jobs ---------------------------------------------------------------------------------
 
 
@@ -176,6 +199,8 @@ class _Part:
     length: int
     buf_off: int
     positions: tuple[int, ...]
+    #: the whole object (a :class:`WholeObjectMedium` reads it with ``read_whole_into``)
+    whole: bool = False
 
 
 @dataclass(eq=False)
@@ -358,6 +383,11 @@ class StoreKernel:
         else:
             logger.warning("kvtier %s: I/O still running after %.1f s at close", self.medium.name, timeout_s)
 
+    def on_written(self, chunk_id: str, header: ChunkHeader) -> None:
+        """Called on an I/O thread for every write that succeeded, just before its result
+        is queued: a store that keeps an index of its own (S3's manifest) overrides it. It
+        must not raise or block for long. The kernel's does nothing."""
+
     def op_stats(self) -> KernelStats:
         """Operations and failures so far (any thread)."""
         with self._lock:
@@ -381,6 +411,8 @@ class StoreKernel:
         shape = self.medium.read_shape
         if shape == "whole":
             return [_Part(0, h.total_bytes, 0, tuple(sorted(set(positions))))]
+        if shape == "runs" and isinstance(self.medium, WholeObjectMedium) and len(set(positions)) == h.nblocks:
+            return [_Part(0, h.total_bytes, 0, tuple(range(h.nblocks)), whole=True)]
         runs = [(min(positions), max(positions))] if shape == "span" else _runs(positions)
         parts, buf_off = [], 0
         for lo, hi in runs:
@@ -505,6 +537,8 @@ class StoreKernel:
         if reason is not None:
             logger.warning("kvtier %s: write of %s failed (%s): %s", self.medium.name, w.chunk_id, reason, err)
         h = w.header if reason is None else None
+        if h is not None:
+            self.on_written(w.chunk_id, h)
         self._emit(IOResult(w.job_id, "write", w.chunk_id, reason is None, reason, nbytes=h.total_bytes if h else 0,
                             seconds=time.perf_counter() - w.t0, header=h))
 
@@ -569,12 +603,18 @@ class StoreKernel:
                 self._count("read")
                 with buf.view[:need] as head:
                     self.medium.read_into(job.chunk_id, 0, head, job.deadline)
-                    with head[:64] as fixed:
-                        full = bounded_header_bytes(fixed, max_blocks=self.max_chunk_blocks,
-                                                    block_bytes=self.block_bytes)
-                    if full <= need:
-                        with head[:full] as exact:
-                            return decode_header(exact, self.namespace)
+                    try:
+                        with head[:64] as fixed:
+                            full = bounded_header_bytes(fixed, max_blocks=self.max_chunk_blocks,
+                                                        block_bytes=self.block_bytes)
+                        if full <= need:
+                            with head[:full] as exact:
+                                return decode_header(exact, self.namespace)
+                    except ChunkFormatError as e:  # a short read the medium did not notice?
+                        why = self._explain(job, _Part(0, need, 0, ()), _Failed(FailureReason.CHECKSUM, str(e)))
+                        if why is None or isinstance(why, _Failed):
+                            raise
+                        raise why from e
                 need = full
             finally:
                 buf.close()
@@ -609,7 +649,10 @@ class StoreKernel:
             else:
                 (j, p), v = live[0], views[0]
                 try:
-                    self.medium.read_into(j.chunk_id, p.offset, v, j.deadline)
+                    if p.whole and isinstance(self.medium, WholeObjectMedium):
+                        self.medium.read_whole_into(j.chunk_id, v, j.deadline)
+                    else:
+                        self.medium.read_into(j.chunk_id, p.offset, v, j.deadline)
                     errors = [None]
                 except Exception as e:
                     errors = [e]
@@ -618,6 +661,7 @@ class StoreKernel:
         finally:
             for v in views:  # released before a failed job's buffer can go back to the pool
                 v.release()
+        errors = [self._explain(j, p, err) for (j, p), err in zip(live, errors, strict=True)]
         for (j, p), err in zip(live, errors, strict=True):
             self._part_done(j, p, err)
 
@@ -638,6 +682,18 @@ class StoreKernel:
                 if block_crc(b) != h.crcs[p]:
                     return _Failed(FailureReason.CHECKSUM, f"block {p} checksum mismatch")
         return None
+
+    def _explain(self, job: _Read, part: _Part, err: BaseException | None) -> BaseException | None:
+        """What an :class:`ExplainingMedium` says about a checksum failure of ``part``."""
+        if (not isinstance(self.medium, ExplainingMedium) or not isinstance(err, _Failed)
+                or err.reason is not FailureReason.CHECKSUM or job.done):
+            return err
+        try:
+            why = self.medium.explain_damage(job.chunk_id, part.offset + part.length, job.deadline)
+        except Exception as e:  # the explanation failed: the checksum failure stands
+            logger.debug("kvtier %s: no explanation for %s: %s", self.medium.name, job.chunk_id, e)
+            return err
+        return err if why is None else why
 
     def _part_done(self, job: _Read, part: _Part, err: BaseException | None) -> None:
         reason = None if err is None else self._reason(err)

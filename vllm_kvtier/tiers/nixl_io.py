@@ -319,19 +319,13 @@ class NixlObjectIO:
     def put(self, key: str, view: memoryview, deadline: float) -> None:
         self._transfer("WRITE", key, 0, view, deadline)
 
-    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float,
-                 check: Callable[[int], None] | None = None) -> None:
+    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float) -> None:
+        """A ranged GET (``start`` None: from 0; the store kernel then checks the header read
+        along and every block). A failed one is explained by a HEAD (``truncated``)."""
         offset = start or 0
         try:
             self._transfer("READ", key, offset, view, deadline)
         except NixlTransferError as e:
-            self._explain(key, offset + view.nbytes, e)
-            raise
-        if check is None:
-            return
-        try:
-            check(view.nbytes)
-        except ChunkFormatError as e:
             self._explain(key, offset + view.nbytes, e)
             raise
 

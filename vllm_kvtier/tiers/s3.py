@@ -1,32 +1,41 @@
-"""The object-store tier's data path: chunk objects in an S3 bucket (or any S3-compatible
-endpoint: MinIO, Ceph RGW, GCS interoperability), written and read by I/O threads.
+"""The object-store tier: chunk objects in an S3 bucket (or any S3-compatible endpoint:
+MinIO, Ceph RGW, GCS interoperability).
 
-Who calls it: the worker half (one store per TP rank), from the worker's main thread;
-``submit_*`` return at once, completions come back through :meth:`S3Store.poll`, exactly
-like :class:`~vllm_kvtier.tiers.nvme.NVMeStore`. :meth:`S3Store.scan` (start-up) and
-:meth:`S3Store.close` (shutdown) block their caller.
+Who calls it: the worker half (one store per TP rank), from the worker's main thread:
+the :class:`~vllm_kvtier.tiers.base.ChunkStore` contract, implemented once by
+:class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, claiming, stats, header
+stamping and the one verified read path). This module is only what is S3's: the byte
+primitives (:class:`S3Medium`: PUT or multipart, ranged GET, DELETE, with retries, the
+circuit breaker and request counts), the key layout, manifests and the start-up listing
+(:meth:`S3Store.scan`, :class:`~vllm_kvtier.tiers.base.Scannable`) and the request figures
+(:meth:`S3Store.stats`, :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`). The scheduler
+half builds stores only to list (``scan``). :meth:`S3Store.scan` and :meth:`S3Store.close`
+block their caller.
 
 Objects: the chunk format of :mod:`~vllm_kvtier.tiers.chunkfile` (a header with every
 block's key and CRC32, then the blocks at a fixed stride), so one object holds many blocks
 and a load fetches exactly the byte ranges it needs: one ranged GET per contiguous run of
-needed blocks (a plain GET when that is every block), the runs of a load fetched in
-parallel straight into a pooled buffer, every block's CRC32 checked as its bytes arrive
-(a mismatch is a failed read, reason ``checksum``). Fewer, bigger objects is the point: S3
-bills and rate-limits per request (about 3,500 writes and 5,500 reads per second per key
-prefix), so a 16-block chunk costs 1/16 of the requests of one object per block. Objects
-above ``multipart_threshold_bytes`` go up as a multipart upload; bodies are sent from the
-caller's buffer without a copy.
+needed blocks (the kernel's ``read_shape`` "runs"; a plain GET of the whole object when
+every block is wanted, :class:`~vllm_kvtier.tiers.kernel.WholeObjectMedium`), the runs of a
+load fetched in parallel on the read threads straight into a pooled buffer; the kernel
+checks every block's CRC32 once its bytes landed (a mismatch is a miss, ``checksum``).
+Fewer, bigger objects is the point: S3 bills and rate-limits per request (about 3,500
+writes and 5,500 reads per second per key prefix), so a 16-block chunk costs 1/16 of the
+requests of one object per block. Objects above ``multipart_threshold_bytes`` go up as a
+multipart upload; bodies are sent from the caller's buffer without a copy. Uploads run on
+threads of their own (``write_threads`` = ``io_threads``), so they never hold a load back.
 
 Engines: chunk PUTs and GETs go through ``s3.io_engine``
 (:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`): boto3 (default) or NIXL's OBJ backend
 (:mod:`~vllm_kvtier.tiers.nixl_io`), which also does ranged GETs, so a load fetches the
-same ranges either way. Listing, header probes, manifests, deletes and multipart uploads
-always use boto3. Keys, headers, CRC32 checks, retries, breaker and deadlines are this
-module's for both, so an object written through one engine reads through the other.
+same ranges either way. Listing, header probes at scan, manifests, deletes and multipart
+uploads always use boto3. Keys, headers, CRC32 checks, retries, breaker and deadlines are
+the same for both, so an object written through one engine reads through the other.
 
-Modules: configuration, key layout and failure labels in :mod:`~vllm_kvtier.tiers.s3_config`;
-body and thread plumbing in :mod:`~vllm_kvtier.tiers.s3_io`; retries and the breaker in
-:mod:`~vllm_kvtier.tiers.resilience`; manifests in :mod:`~vllm_kvtier.tiers.manifest`.
+Modules: configuration, key layout and the failure classifier in
+:mod:`~vllm_kvtier.tiers.s3_config`; request bodies in :mod:`~vllm_kvtier.tiers.s3_io`;
+retries and the breaker in :mod:`~vllm_kvtier.tiers.resilience`; manifests in
+:mod:`~vllm_kvtier.tiers.manifest`.
 
 Keys: ``<prefix><namespace>/r<rank>/<hh>/<object_id>.kvt``; ``hh`` is two hex characters of
 a hash of the object id, so writes spread over 256 prefixes that S3 can partition
@@ -42,15 +51,18 @@ close, so a scan costs ``ceil(keys / 1000)`` LISTs + one GET per writer's manife
 ranged GET (first 4 KiB) per object that no manifest covers (written since that writer's
 last manifest, or by a writer that crashed). The listing is the truth; a manifest entry is
 used only for an object the listing shows, so a stale or lost manifest costs requests,
-never correctness. Writing manifests costs one PUT per ``manifest_every_writes`` chunk
-writes (1.6% more PUTs at the default 64).
+never correctness. Every size in a listed header or a manifest is bounded by what this
+engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it sizes
+anything. Writing manifests costs one PUT per ``manifest_every_writes`` chunk writes (1.6%
+more PUTs at the default 64).
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
-and connection errors, within a deadline; a per-store circuit breaker
-(:mod:`~vllm_kvtier.tiers.resilience`). A read's deadline counts from its submission and
-:meth:`S3Store.poll` reports a read past it as failed (``deadline``) even while a request is
-still on the wire, so a slow endpoint is a miss, never a stall. Every failure is an
-``IOResult(ok=False, reason=...)``; no exception leaves an I/O thread.
+and connection errors, within the request's deadline; a per-store circuit breaker
+(:mod:`~vllm_kvtier.tiers.resilience`). A read's deadline (``s3.deadline_s``) counts from
+its submission and the kernel reports a read past it as failed (``deadline``) even while a
+request is still on the wire, so a slow endpoint is a miss, never a stall. A single PUT
+gets ``s3.deadline_s``; each request of a multipart upload gets its own. Every failure is
+an ``IOResult(ok=False, reason=...)`` labelled by :func:`~vllm_kvtier.tiers.s3_config.error_reason`.
 
 Credentials: only the standard AWS chain (environment, shared profile, web identity/IRSA,
 container and instance metadata), resolved by boto3. They are never in :class:`S3Config`,
@@ -62,36 +74,40 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import queue
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.base import IOResult, drain
-from vllm_kvtier.tiers.buffers import AlignedBuffer, BufferPool, WriteBuffer, shared_pool
+from vllm_kvtier.tiers.base import ScanResult
+from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import (
+    FIXED_BYTES,
+    MAX_CHUNK_BLOCKS,
     ChunkFormatError,
     ChunkHeader,
-    block_crc,
+    bounded_header_bytes,
     decode_header,
-    encode_header,
-    header_bytes_for,
-    keys_match,
-    make_header,
+    max_chunk_bytes,
 )
+from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
-from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats, RetryPolicy, call_with_retries
+from vllm_kvtier.tiers.resilience import (
+    CircuitBreaker,
+    DeadlineExceeded,
+    RemoteStats,
+    RetryPolicy,
+    call_with_retries,
+)
 from vllm_kvtier.tiers.s3_config import (
     HEAD_PROBE_BYTES,
     INSTALL_HINT,
     MANIFEST_SUFFIX,
-    SAFE_ID,
     SUFFIX,
     S3Config,
     error_reason,
@@ -99,23 +115,15 @@ from vllm_kvtier.tiers.s3_config import (
     object_key,
     rank_prefix,
 )
-from vllm_kvtier.tiers.s3_io import (
-    Boto3ObjectIO,
-    ObjectIO,
-    Span,
-    SpanVerifier,
-    ViewReader,
-    Workers,
-    contiguous_runs,
-    read_body_into,
-)
+from vllm_kvtier.tiers.s3_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
 
 __all__ = [
+    "MAX_MANIFEST_BYTES",
     "S3Config",
+    "S3Medium",
     "S3Stats",
     "S3Store",
     "ScanReport",
-    "contiguous_runs",
     "error_reason",
     "is_transient",
     "object_key",
@@ -125,29 +133,233 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(eq=False)
-class _ReadJob:
-    job_id: int
-    object_id: str
-    key: str
-    #: None until fetched, for an object this process has not seen (another writer's).
-    header: ChunkHeader | None
-    positions: list[int]
-    deadline: float
-    t0: float
-    keys: list[bytes] | None = None
-    buffer: AlignedBuffer | None = None
-    #: position -> offset of its block in ``buffer``
-    offsets: dict[int, int] = field(default_factory=dict)
-    remaining: int = 0
-    reason: str = ""
-    done: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 #: The S3 store's figures (the shape every remote store reports).
 S3Stats = RemoteStats
+
+#: The largest manifest object a scan reads (its ``ContentLength``, checked before any
+#: memory is sized from it): a million entries of 16-block chunks compress to about 700 MB.
+#: The manifest's own fields are bounded by :func:`~vllm_kvtier.tiers.manifest.decode_manifest`.
+MAX_MANIFEST_BYTES = 1 << 30
+
+
+# ---- the medium ---------------------------------------------------------------------------
+
+
+class S3Medium:
+    """The byte primitives of one (bucket prefix, namespace, rank), for the store kernel:
+    ``put`` (a PUT, or a multipart upload above ``multipart_threshold_bytes``),
+    ``read_into`` (one ranged GET through ``s3.io_engine``), ``read_whole_into`` (one plain
+    GET), ``delete``, ``classify`` (:func:`~vllm_kvtier.tiers.s3_config.error_reason`).
+
+    Every request goes through :meth:`call`: retries with backoff on transient failures,
+    the circuit breaker, and the deadline it is given. Who calls it: the kernel's I/O
+    threads and the store's scan, several threads at once."""
+
+    name = "s3"
+    #: one ranged GET per contiguous run of wanted blocks, the runs in parallel
+    read_shape: ReadShape = "runs"
+
+    def __init__(self, config: S3Config, namespace: str, rank: int) -> None:
+        try:
+            import boto3
+            from botocore.config import Config as BotoConfig
+        except ImportError as e:
+            raise ImportError(INSTALL_HINT) from e
+        self.config = config
+        self.namespace = namespace
+        self.rank = rank
+        #: every key of this medium starts with it
+        self.prefix = rank_prefix(config, namespace, rank)
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        self._policy = RetryPolicy(config.max_attempts, config.backoff_base_s, config.backoff_max_s)
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._requests: dict[str, int] = {}
+        self._retries = 0
+        session = boto3.session.Session(region_name=config.region, profile_name=config.profile)
+        self.client: Any = session.client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            verify=config.ca_bundle,  # None: the default CA store
+            config=BotoConfig(
+                connect_timeout=config.connect_timeout_s,
+                read_timeout=config.read_timeout_s,
+                retries={"total_max_attempts": 1},  # ours: backoff, deadline, breaker
+                # reads and writes have io_threads threads each; the scan a pool of its own
+                max_pool_connections=3 * config.io_threads + 2,
+                s3={"addressing_style": "path" if config.path_style else "auto"},
+                # Every block carries its own CRC32, verified on read. botocore's default
+                # (>= 1.36) adds an aws-chunked CRC trailer to each PUT, which several
+                # S3-compatible servers (GCS interop, older MinIO/Ceph) reject or store
+                # mangled; "when_required" sends plain Content-Length bodies.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                user_agent_extra="vllm-kvtier",
+            ),
+        )
+        self.client.meta.events.register("before-send.s3", self._count_request)
+        #: listing, header probes, manifests, deletes, multipart: always boto3
+        self.boto = Boto3ObjectIO(self.client, config.bucket)
+        #: chunk PUTs and GETs: the configured engine (ConfigError naming s3.io_engine if
+        #: it cannot run here)
+        self.data: ObjectIO = self.boto
+        if config.io_engine == "nixl":
+            from vllm_kvtier.tiers.nixl_io import NixlObjectIO
+
+            self.data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
+
+    def key(self, chunk_id: str) -> str:
+        return object_key(self.config, self.namespace, self.rank, chunk_id)
+
+    def soon(self) -> float:
+        """The deadline of a request started now."""
+        return time.monotonic() + self.config.deadline_s
+
+    # the Medium protocol
+
+    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
+        self.put_key(self.key(chunk_id), view, deadline, self.data)
+
+    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
+        self._get(self.key(chunk_id), offset, dst, deadline)
+
+    def read_whole_into(self, chunk_id: str, dst: memoryview, deadline: float) -> None:
+        """A GET without a Range: same request count, and spares servers that serve a range
+        by copying it out of the object (moto does)."""
+        self._get(self.key(chunk_id), None, dst, deadline)
+
+    def delete(self, chunk_id: str) -> None:
+        self.delete_key(self.key(chunk_id))
+
+    def explain_damage(self, chunk_id: str, end: int, deadline: float) -> BaseException | None:
+        """NIXL's OBJ engine does not tell a short GET (an object shorter than the range)
+        from a full one: a HEAD tells (``truncated``). boto3 checks every body's length."""
+        if self.data is self.boto:
+            return None
+        size = self.call(lambda: self._size_of(self.key(chunk_id)), deadline)
+        if size < end:
+            return ChunkFormatError(f"truncated: the object has {size} of {end} bytes", FailureReason.TRUNCATED)
+        return None
+
+    def classify(self, exc: BaseException) -> FailureReason:
+        return error_reason(exc)
+
+    def close(self) -> None:
+        self.data.close()
+
+    # requests
+
+    def call(self, fn: Callable[[], Any], deadline: float) -> Any:
+        """``fn()`` with retries, backoff and the breaker, no attempt started past ``deadline``."""
+        return call_with_retries(fn, transient=is_transient, policy=self._policy, breaker=self.breaker,
+                                 deadline=deadline, rng=self._rng, on_retry=self._on_retry)
+
+    def _get(self, key: str, start: int | None, dst: memoryview, deadline: float) -> None:
+        try:
+            self.call(lambda: self.data.get_into(key, start, dst, deadline), deadline)
+        except Exception as e:
+            if time.monotonic() >= deadline and error_reason(e) is FailureReason.TIMEOUT:
+                # An engine that waits no longer than the deadline (NIXL's) gave up at it:
+                # the same outcome as the kernel's expiry, under the same name.
+                raise DeadlineExceeded(f"GET of {key}: {e}") from e
+            raise
+
+    def get_range(self, key: str, start: int, dst: memoryview, deadline: float) -> None:
+        """One ranged GET through boto3 (header probes at scan)."""
+        self.call(functools.partial(self.boto.get_into, key, start, dst, deadline), deadline)
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
+        r = self.call(lambda: self.client.get_object(Bucket=self.config.bucket, Key=key), self.soon())
+        with contextlib.closing(r["Body"]) as body:
+            n = int(r.get("ContentLength") or 0)
+            if n > max_bytes:
+                raise ChunkFormatError(f"too large: an object of {n} B, at most {max_bytes}", FailureReason.TOO_LARGE)
+            data = bytearray(n)
+            read_body_into(body, memoryview(data))
+        return bytes(data)
+
+    def put_key(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
+        """PUT ``body`` (through ``engine``, default boto3) within ``deadline``, or a
+        multipart upload through boto3 above ``multipart_threshold_bytes`` (the NIXL engine
+        only does single PUTs)."""
+        view = memoryview(body)
+        io_ = engine or self.boto
+        if view.nbytes > self.config.multipart_threshold_bytes:
+            self._put_multipart(key, view)
+        else:
+            self.call(lambda: io_.put(key, view, deadline), deadline)
+
+    def _put_multipart(self, key: str, view: memoryview) -> None:
+        """Create, upload parts in order (each its own deadline and retries), complete.
+        On failure the upload is aborted (best effort; a lifecycle rule with
+        AbortIncompleteMultipartUpload removes what an abort could not)."""
+        c, bucket, part = self.client, self.config.bucket, self.config.multipart_part_bytes
+        upload_id = self.call(lambda: c.create_multipart_upload(Bucket=bucket, Key=key), self.soon())["UploadId"]
+
+        def upload(number: int, chunk: memoryview) -> str:
+            reader = ViewReader(chunk)
+            try:
+                return str(c.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=reader,
+                                         ContentLength=chunk.nbytes)["ETag"])
+            finally:
+                reader.close()
+
+        try:
+            parts = []
+            for i, off in enumerate(range(0, view.nbytes, part)):
+                etag = self.call(functools.partial(upload, i + 1, view[off : off + part]), self.soon())
+                parts.append({"ETag": etag, "PartNumber": i + 1})
+            self.call(lambda: c.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
+                                                          MultipartUpload={"Parts": parts}), self.soon())
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.call(lambda: c.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id), self.soon())
+            raise
+
+    def delete_key(self, key: str) -> None:
+        """Delete any key of this medium's prefix (absent is fine)."""
+        if not key.startswith(self.prefix):
+            raise ValueError(f"{key!r} is outside this store's prefix")
+        self.call(lambda: self.client.delete_object(Bucket=self.config.bucket, Key=key), self.soon())
+
+    def list_pages(self) -> Iterator[dict[str, Any]]:
+        """LIST the prefix, page by page (each page one request)."""
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": self.prefix}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self.call(functools.partial(self.client.list_objects_v2, **kw), self.soon())
+            yield page
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return
+
+    def _size_of(self, key: str) -> int:
+        """One HEAD (botocore's error if the object is gone or the endpoint unreachable)."""
+        return int(self.client.head_object(Bucket=self.config.bucket, Key=key)["ContentLength"])
+
+    # figures
+
+    def _count_request(self, event_name: str = "", **_: Any) -> None:
+        self._count_op(event_name.rsplit(".", 1)[-1])
+
+    def _count_op(self, op: str) -> None:
+        with self._lock:
+            self._requests[op] = self._requests.get(op, 0) + 1
+
+    def _on_retry(self, e: BaseException) -> None:
+        with self._lock:
+            self._retries += 1
+
+    def request_counts(self) -> tuple[dict[str, int], int]:
+        """(requests sent by operation, attempts retried) so far."""
+        with self._lock:
+            return dict(self._requests), self._retries
+
+
+# ---- the store ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -172,75 +384,36 @@ class ScanReport:
     problems: dict[str, int] = field(default_factory=dict)
 
 
-# ---- the store ----------------------------------------------------------------------------
+class S3Store(StoreKernel):
+    """The S3 tier's :class:`~vllm_kvtier.tiers.base.ChunkStore` for one (namespace, rank):
+    the kernel over :class:`S3Medium`, also :class:`~vllm_kvtier.tiers.base.Scannable` and
+    :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`. See the module doc."""
 
-
-class S3Store:
-    """Chunk objects in one bucket prefix for one (namespace, rank). See the module doc."""
+    medium: S3Medium
 
     def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
-                 buffers: BufferPool | None = None) -> None:
-        """``buffers``: the worker's read-buffer pool (None: the process default)."""
-        try:
-            import boto3
-            from botocore.config import Config as BotoConfig
-        except ImportError as e:
-            raise ImportError(INSTALL_HINT) from e
+                 buffers: BufferPool | None = None, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
+                 read_deadline_s: float | None = None) -> None:
+        """Builds the client (ImportError with the install hint without boto3; ConfigError
+        naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
+        request. ``buffers``: the worker's read-buffer pool (None: the process default);
+        ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
+        count); ``read_deadline_s``: None is ``s3.deadline_s``."""
+        medium = S3Medium(config, namespace, rank)
         self.config = config
-        self._buffers = buffers or shared_pool()
-        self.namespace = namespace
         self.rank = rank
-        self.block_bytes = block_bytes
         self.writer_id = config.writer_id or uuid.uuid4().hex[:16]
-        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         self.last_scan = ScanReport()
-        self._policy = RetryPolicy(config.max_attempts, config.backoff_base_s, config.backoff_max_s)
-        self._rng = random.Random()
-        session = boto3.session.Session(region_name=config.region, profile_name=config.profile)
-        self._client = session.client(
-            "s3",
-            endpoint_url=config.endpoint_url,
-            verify=config.ca_bundle,  # None: the default CA store
-            config=BotoConfig(
-                connect_timeout=config.connect_timeout_s,
-                read_timeout=config.read_timeout_s,
-                retries={"total_max_attempts": 1},  # ours: backoff, deadline, breaker
-                max_pool_connections=2 * config.io_threads + 2,
-                s3={"addressing_style": "path" if config.path_style else "auto"},
-                # Every block carries its own CRC32, verified on read. botocore's default
-                # (>= 1.36) adds an aws-chunked CRC trailer to each PUT, which several
-                # S3-compatible servers (GCS interop, older MinIO/Ceph) reject or store
-                # mangled; "when_required" sends plain Content-Length bodies.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                user_agent_extra="vllm-kvtier",
-            ),
-        )
-        self._client.meta.events.register("before-send.s3", self._count_request)
-        #: listing, header probes, manifests, deletes, multipart: always boto3
-        self._boto = Boto3ObjectIO(self._client, config.bucket)
-        #: chunk PUTs and GETs: the configured engine (ConfigError naming s3.io_engine if
-        #: it cannot run here)
-        self._data: ObjectIO = self._boto
-        if config.io_engine == "nixl":
-            from vllm_kvtier.tiers.nixl_io import NixlObjectIO
-
-            self._data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
-        self.max_queued_writes = config.max_queued_writes
-        self._lock = threading.Lock()
-        self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
-        self._has_done = threading.Event()
-        self._pending: set[_ReadJob] = set()
-        self._queued_writes = 0
-        self._closed = False
-        self._requests: dict[str, int] = {}
-        self._retries = 0
-        self._failures: dict[str, int] = {}
+        self._mlock = threading.Lock()
         self._manifest: dict[str, ChunkHeader] = {}  # this writer's live objects
         self._manifest_changes = 0
         self._flush_lock = threading.Lock()
-        self._readers = Workers("kvtier-s3-read", config.io_threads)
-        self._writers = Workers("kvtier-s3-write", config.io_threads)
+        self._closing = False
+        super().__init__(medium, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
+                         buffers=buffers or shared_pool(),
+                         read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
+                         write_deadline_s=config.deadline_s, io_threads=config.io_threads,
+                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes)
 
     def __repr__(self) -> str:
         c = self.config
@@ -250,355 +423,54 @@ class S3Store:
             f"io_engine={c.io_engine!r})"
         )
 
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.medium.breaker
+
     # ---- keys ---------------------------------------------------------------------------
 
     def key(self, object_id: str) -> str:
-        return object_key(self.config, self.namespace, self.rank, object_id)
+        return self.medium.key(object_id)
 
     def manifest_key(self, writer_id: str | None = None) -> str:
-        wid = writer_id or self.writer_id
-        return f"{rank_prefix(self.config, self.namespace, self.rank)}manifest/{wid}{MANIFEST_SUFFIX}"
+        return f"{self.medium.prefix}manifest/{writer_id or self.writer_id}{MANIFEST_SUFFIX}"
 
-    # ---- submission (caller's thread; never blocks) -----------------------------------------
+    # ---- the contract, where S3 adds to the kernel ------------------------------------------
 
-    def submit_write(self, job_id: int, object_id: str, wb: WriteBuffer) -> bool:
-        """Queue a chunk upload. False (and nothing queued) if too many writes wait or the
-        store is closed; the caller still owns ``wb`` then. Otherwise the store closes
-        ``wb``'s buffer when the upload ends."""
-        if not SAFE_ID.match(object_id):
-            raise ValueError(f"object id {object_id!r}: 1-128 of A-Z a-z 0-9 _ . -")
-        with self._lock:
-            if self._closed or self._queued_writes >= self.max_queued_writes:
-                return False
-            self._queued_writes += 1
-        self._writers.submit(functools.partial(self._run_write, job_id, object_id, wb))
-        return True
-
-    def submit_read(
-        self, job_id: int, object_id: str, header: ChunkHeader | None, positions: Sequence[int],
-        keys: Sequence[bytes] | None = None,
-    ) -> None:
-        """Queue a load of the blocks at ``positions`` (any order; the result's ``blocks``
-        follow it). The result arrives by poll within ``deadline_s`` of this call.
-
-        ``header`` None: an object this process has not indexed (another instance wrote
-        it; the scheduler found it by listing). Its header is fetched and verified first,
-        one more ranged GET within the same deadline, and comes back in the result's
-        ``header`` for the caller to keep. ``keys``: the keys expected at ``positions``
-        (a chunk holding others fails with ``key_mismatch``)."""
-        t0 = time.perf_counter()
-        bad = not positions or (header is not None and not all(0 <= p < header.nblocks for p in positions))
-        if self._closed or bad:
-            self._emit(IOResult(job_id, "read", object_id, False, reason=FailureReason.CLOSED if self._closed else FailureReason.BAD_REQUEST))
-            return
-        if header is not None and not keys_match(header, positions, keys):
-            self._emit(IOResult(job_id, "read", object_id, False, reason=FailureReason.KEY_MISMATCH))
-            return
-        job = _ReadJob(
-            job_id, object_id, self.key(object_id), header, list(positions),
-            time.monotonic() + self.config.deadline_s, t0, keys=None if keys is None else list(keys),
-        )
-        with self._lock:
-            self._pending.add(job)
-        if header is None:
-            self._readers.submit(functools.partial(self._fetch_header, job))
-        else:
-            self._start_runs(job, header)
-
-    def _start_runs(self, job: _ReadJob, header: ChunkHeader) -> None:
-        """Queue one ranged GET per contiguous run of wanted blocks (any thread)."""
-        spans: list[Span] = []
-        total = 0
-        for lo, hi in contiguous_runs(job.positions):
-            # Every block wanted: a plain GET of the whole object. Same request count; it
-            # brings the 4 KiB header along (compared with the index's copy) and spares
-            # servers that serve a range by copying it out of the object (moto does).
-            whole = lo == 0 and hi == header.nblocks - 1
-            start = 0 if whole else header.block_offset(lo)
-            length = header.total_bytes if whole else header.block_offset(hi) + header.block_bytes - start
-            spans.append(Span(lo, hi, start, total, length, whole))
-            for p in range(lo, hi + 1):
-                job.offsets[p] = total + header.block_offset(p) - start
-            total += length
-        job.buffer = self._buffers.take(total)
-        job.remaining = len(spans)
-        for span in spans:
-            self._readers.submit(functools.partial(self._fetch_run, job, span))
-
-    def _fetch_header(self, job: _ReadJob) -> None:
-        got = self._read_header((job.object_id, None, job.key), job.deadline)
-        if isinstance(got, ChunkHeader) and not all(0 <= p < got.nblocks for p in job.positions):
-            got = "bad_request"
-        elif isinstance(got, ChunkHeader) and not keys_match(got, job.positions, job.keys):
-            got = FailureReason.KEY_MISMATCH
-        with job.lock:
-            if job.done:  # expired meanwhile: already reported
-                return
-            if isinstance(got, str):
-                job.done = True
-                job.reason = got
-            else:
-                job.header = got
-        if isinstance(got, str):
-            self._finish_read(job, None)
-        else:
-            self._start_runs(job, got)
-
-    def submit_delete(self, object_id: str) -> None:
-        self._writers.submit(functools.partial(self._run_delete, object_id))
-
-    def poll(self) -> list[IOResult]:
-        """Completed jobs since the last poll, and reads past their deadline (failed,
-        reason ``deadline``; a late answer to them is dropped)."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [j for j in self._pending if j.deadline <= now]
-        for job in expired:
-            with job.lock:
-                if job.done:
-                    continue
-                job.done = True
-                job.reason = "deadline"
-            self._finish_read(job, None)
-        return drain(self._done)
-
-    def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until some job has completed (True) or not; for idle
-        engine steps only (hands the GIL to the I/O threads, as NVMeStore.wait)."""
-        done = self._has_done.wait(timeout_s)
-        self._has_done.clear()
-        return done
-
-    def stats(self) -> S3Stats:
-        with self._lock:
-            return S3Stats(dict(self._requests), self._retries, dict(self._failures), self.breaker.snapshot())
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Finish queued uploads and loads (up to ``timeout_s``), write this writer's
-        manifest, stop the threads. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        deadline = time.monotonic() + timeout_s
-        self._writers.close(deadline)
-        if self._manifest_changes:
-            self.flush_manifest()
-        self._readers.close(deadline)
-        self._data.close()
-
-    # ---- I/O threads: requests ------------------------------------------------------------
-
-    def _count_request(self, event_name: str = "", **_: Any) -> None:
-        self._count_op(event_name.rsplit(".", 1)[-1])
-
-    def _count_op(self, op: str) -> None:
-        with self._lock:
-            self._requests[op] = self._requests.get(op, 0) + 1
-
-    def _on_retry(self, e: BaseException) -> None:
-        with self._lock:
-            self._retries += 1
-
-    def _call(self, fn: Callable[[], Any], deadline: float) -> Any:
-        return call_with_retries(
-            fn,
-            transient=is_transient,
-            policy=self._policy,
-            breaker=self.breaker,
-            deadline=deadline,
-            rng=self._rng,
-            on_retry=self._on_retry,
-        )
-
-    def _size_of(self, key: str) -> int:
-        """One HEAD (botocore's error if the object is gone or the endpoint unreachable)."""
-        return int(self._client.head_object(Bucket=self.config.bucket, Key=key)["ContentLength"])
-
-    def _put(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
-        """PUT ``body`` (through ``engine``, default boto3), or a multipart upload through
-        boto3 above ``multipart_threshold_bytes`` (the NIXL engine only does single PUTs)."""
-        view = memoryview(body)
-        io_ = engine or self._boto
-        if view.nbytes > self.config.multipart_threshold_bytes:
-            self._put_multipart(key, view)
-        else:
-            self._call(lambda: io_.put(key, view, deadline), deadline)
-
-    def _put_multipart(self, key: str, view: memoryview) -> None:
-        """Create, upload parts in order (each its own deadline and retries), complete.
-        On failure the upload is aborted (best effort; a lifecycle rule with
-        AbortIncompleteMultipartUpload removes what an abort could not)."""
-        c, bucket, part = self._client, self.config.bucket, self.config.multipart_part_bytes
-        soon = lambda: time.monotonic() + self.config.deadline_s  # noqa: E731
-        upload_id = self._call(lambda: c.create_multipart_upload(Bucket=bucket, Key=key), soon())["UploadId"]
-
-        def upload(number: int, chunk: memoryview) -> str:
-            reader = ViewReader(chunk)
-            try:
-                return c.upload_part(
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=reader,
-                    ContentLength=chunk.nbytes,
-                )["ETag"]
-            finally:
-                reader.close()
-
-        try:
-            parts = []
-            for i, off in enumerate(range(0, view.nbytes, part)):
-                etag = self._call(functools.partial(upload, i + 1, view[off : off + part]), soon())
-                parts.append({"ETag": etag, "PartNumber": i + 1})
-            self._call(
-                lambda: c.complete_multipart_upload(
-                    Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                ),
-                soon(),
-            )
-        except Exception:
-            with contextlib.suppress(Exception):
-                self._call(
-                    lambda: c.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id), soon()
-                )
-            raise
-
-    # ---- I/O threads: jobs ------------------------------------------------------------------
-
-    def _emit(self, res: IOResult) -> None:
-        if not res.ok:
-            with self._lock:
-                self._failures[str(res.reason)] = self._failures.get(str(res.reason), 0) + 1
-        self._done.put(res)
-        self._has_done.set()
-
-    def _run_write(self, job_id: int, object_id: str, wb: WriteBuffer) -> None:
-        t0 = time.perf_counter()
-        try:
-            crcs = [block_crc(wb.block(i)) for i in range(len(wb.keys))]
-            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes)
-            encode_header(h, wb.buf.view)
-            self._put(
-                self.key(object_id), wb.buf.view[: h.total_bytes], time.monotonic() + self.config.deadline_s,
-                self._data,
-            )
-            res = IOResult(job_id, "write", object_id, True, nbytes=h.total_bytes, header=h)
-        except Exception as e:  # every failure becomes a result, never a dead thread
-            res = IOResult(job_id, "write", object_id, False, reason=error_reason(e))
-            self._log_failure("write", object_id, str(res.reason), e)
-        finally:
-            wb.buf.close()
-            with self._lock:
-                self._queued_writes -= 1
-        res.seconds = time.perf_counter() - t0
-        flush = False
-        if res.ok and res.header is not None:
-            with self._lock:
-                self._manifest[object_id] = res.header
+    def submit_delete(self, chunk_id: str) -> None:
+        """The kernel's, and the chunk leaves this writer's manifest."""
+        with self._mlock:
+            if self._manifest.pop(chunk_id, None) is not None:
                 self._manifest_changes += 1
-                every = self.config.manifest_every_writes
-                flush = every > 0 and self._manifest_changes >= every and not self._closed
-        self._emit(res)
+        super().submit_delete(chunk_id)
+
+    def on_written(self, chunk_id: str, header: ChunkHeader) -> None:
+        """Into this writer's manifest; every ``manifest_every_writes`` changes it is
+        rewritten (here, on the write thread; skipped if a flush is running)."""
+        with self._mlock:
+            self._manifest[chunk_id] = header
+            self._manifest_changes += 1
+            every = self.config.manifest_every_writes
+            flush = every > 0 and self._manifest_changes >= every and not self._closing
         if flush:
             self.flush_manifest(blocking=False)
 
-    def _run_delete(self, object_id: str) -> None:
-        t0 = time.perf_counter()
-        with self._lock:
-            if self._manifest.pop(object_id, None) is not None:
-                self._manifest_changes += 1
-        try:
-            key = self.key(object_id)
-            self._call(
-                lambda: self._client.delete_object(Bucket=self.config.bucket, Key=key),
-                time.monotonic() + self.config.deadline_s,
-            )
-            res = IOResult(-1, "delete", object_id, True)
-        except Exception as e:
-            res = IOResult(-1, "delete", object_id, False, reason=error_reason(e))
-            self._log_failure("delete", object_id, str(res.reason), e)
-        res.seconds = time.perf_counter() - t0
-        self._emit(res)
+    def stats(self) -> S3Stats:
+        """Requests (every HTTP attempt), retries, failed jobs by reason, the breaker."""
+        requests, retries = self.medium.request_counts()
+        failures = {str(r): n for r, n in self.op_stats().failures.items()}
+        return S3Stats(requests, retries, failures, self.breaker.snapshot())
 
-    def _fetch_run(self, job: _ReadJob, span: Span) -> None:
-        reason = ""
-        if not job.done:  # a failed or expired job's other runs are not fetched
-            try:
-                self._fetch_and_verify(job, span)
-            except Exception as e:
-                reason = error_reason(e)
-                if reason == "timeout" and time.monotonic() >= job.deadline:
-                    # An engine that waits no longer than the deadline (NIXL's) gave up at
-                    # it: the same outcome as poll's expiry, under the same name.
-                    reason = "deadline"
-                self._log_failure("read", job.object_id, reason, e)
-        with job.lock:
-            job.remaining -= 1
-            if reason and not job.reason:
-                job.reason = reason
-            finish = not job.done and (bool(reason) or job.remaining == 0)
-            if finish:
-                job.done = True
-            last = job.remaining == 0
-        if finish:
-            self._finish_read(job, None if job.reason else job.buffer)
-        if last and job.reason and job.buffer is not None:
-            # No result holds the buffer: return it once no run writes to it.
-            job.buffer.close()
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish queued uploads and loads (up to ``timeout_s``), stop the threads, write
+        this writer's manifest. Idempotent."""
+        with self._mlock:
+            first, self._closing = not self._closing, True
+        super().close(timeout_s)
+        if first and self._manifest_changes:
+            self.flush_manifest()
 
-    def _fetch_and_verify(self, job: _ReadJob, span: Span) -> None:
-        """One GET of a run of blocks into the job's buffer, every block's CRC32 (and, for a
-        whole object, its header against the index's) checked as the bytes arrive. Its own
-        function so that no slice of the buffer outlives it: a buffer with live slices
-        cannot go back to the pool."""
-        assert job.buffer is not None and job.header is not None
-        header = job.header
-        with job.buffer.view[span.buf_off : span.buf_off + span.length] as view:
-            start = None if span.whole else span.obj_start
-
-            def attempt() -> None:  # a retry starts over, with a fresh verifier
-                verify = SpanVerifier(header, span, view)
-                self._data.get_into(job.key, start, view, job.deadline, verify)
-                verify.finish()
-
-            self._call(attempt, job.deadline)
-
-    def _finish_read(self, job: _ReadJob, buffer: AlignedBuffer | None) -> None:
-        with self._lock:
-            self._pending.discard(job)
-        seconds = time.perf_counter() - job.t0
-        if buffer is None:
-            self._emit(IOResult(job.job_id, "read", job.object_id, False, reason=FailureReason(job.reason or "error"),
-                                seconds=seconds))
-            return
-        assert job.header is not None
-        bb = job.header.block_bytes
-        blocks = [buffer.view[job.offsets[p] : job.offsets[p] + bb] for p in job.positions]
-        self._emit(
-            IOResult(
-                job.job_id,
-                "read",
-                job.object_id,
-                True,
-                nbytes=sum(len(b) for b in blocks),
-                seconds=seconds,
-                blocks=blocks,
-                buffer=buffer,
-                header=job.header,
-            )
-        )
-
-    def _log_failure(self, kind: str, object_id: str, reason: str, e: BaseException) -> None:
-        if reason == "breaker_open":  # one line per refused request would flood the log
-            logger.debug("kvtier s3: %s of %s refused: circuit breaker open", kind, object_id)
-        elif reason in ("error", "client_error"):
-            logger.warning("kvtier s3: %s of %s failed (%s): %r", kind, object_id, reason, e)
-        else:
-            logger.warning("kvtier s3: %s of %s failed (%s): %s", kind, object_id, reason, e)
-
-    # ---- manifest -----------------------------------------------------------------------------
+    # ---- manifest -------------------------------------------------------------------------
 
     def flush_manifest(self, *, blocking: bool = True) -> bool:
         """Write this writer's manifest now (blocks for one PUT). False if it failed, or if
@@ -606,12 +478,11 @@ class S3Store:
         if not self._flush_lock.acquire(blocking=blocking):
             return False
         try:
-            with self._lock:
+            with self._mlock:
                 entries = list(self._manifest.items())
                 changes = self._manifest_changes
-            data = encode_manifest(self.namespace, entries)
-            self._put(self.manifest_key(), data, time.monotonic() + self.config.deadline_s)
-            with self._lock:
+            self.medium.put_key(self.manifest_key(), encode_manifest(self.namespace, entries), self.medium.soon())
+            with self._mlock:
                 self._manifest_changes -= changes
             return True
         except Exception as e:
@@ -622,16 +493,15 @@ class S3Store:
 
     # ---- index rebuild (caller's thread; blocks) --------------------------------------------
 
-    def scan(self, *, cleanup: bool = False) -> dict[str, ChunkHeader]:
-        """Every verified chunk of this (namespace, rank) in the bucket: {object_id: header},
-        oldest first (by LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per
-        manifest and one ranged GET per object no manifest covers (see
-        :attr:`last_scan`). Never raises for a failed request: what could not be read is
-        left out and counted in ``last_scan.problems`` (a failed listing gives {}).
+    def scan(self, *, cleanup: bool = False) -> ScanResult:
+        """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
+        LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest and one ranged
+        GET per object no manifest covers (see :attr:`last_scan`). Never raises for a failed
+        request: what could not be read is left out and counted in ``problems`` (a failed
+        listing finds nothing, ``list_<reason>``).
 
-        With ``cleanup`` (the worker that owns the prefix), objects that fail to verify
-        and manifests that cover no existing object are deleted.
-        """
+        With ``cleanup`` (the worker that owns the prefix), objects that fail to verify and
+        manifests that cover no existing object are deleted."""
         problems: dict[str, int] = {}
 
         def problem(what: str) -> None:
@@ -642,15 +512,14 @@ class S3Store:
             self._list_rank(listing, problem)
         except Exception as e:
             problem(f"list_{error_reason(e)}")
-            logger.warning(
-                "kvtier s3: listing %s failed: %s", rank_prefix(self.config, self.namespace, self.rank), e
-            )
+            logger.warning("kvtier s3: listing %s failed: %s", self.medium.prefix, e)
             self.last_scan = ScanReport(0, listing.requests, 0, 0, 0, problems)
-            return {}
+            return ScanResult({}, problems)
         objects = listing.objects
         found: dict[str, ChunkHeader] = {}
+        doomed: list[str] = []
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-s3-scan") as pool:
-            covered = self._manifest_headers(pool, listing, cleanup, problem)
+            covered = self._manifest_headers(pool, listing, cleanup, problem, doomed)
             todo = []
             for oid, (size, _, key) in objects.items():
                 h = covered.get(oid)
@@ -658,32 +527,24 @@ class S3Store:
                     found[oid] = h
                 else:
                     todo.append((oid, size, key))
-            for (oid, _, key), hdr in zip(todo, pool.map(self._read_header, todo), strict=True):
-                if isinstance(hdr, ChunkHeader):
-                    found[oid] = hdr
+            for (oid, _, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
+                if isinstance(got, ChunkHeader):
+                    found[oid] = got
                     continue
-                problem(hdr)
-                if cleanup and hdr in ("checksum", "truncated", "namespace", "format"):
-                    self.submit_delete_key(key)
+                problem(got)
+                if cleanup and got.damaged and got is not FailureReason.MISSING:
+                    doomed.append(key)
+            list(pool.map(self._delete_quietly, doomed))
         from_manifests = len(found) - sum(1 for oid, _, _ in todo if oid in found)
-        self.last_scan = ScanReport(
-            len(found), listing.requests, len(listing.manifests), len(todo), from_manifests, problems
-        )
-        return {oid: found[oid] for oid in sorted(found, key=lambda oid: objects[oid][1])}
+        self.last_scan = ScanReport(len(found), listing.requests, len(listing.manifests), len(todo), from_manifests,
+                                    problems)
+        return ScanResult({oid: found[oid] for oid in sorted(found, key=lambda oid: objects[oid][1])}, problems)
 
     def _list_rank(self, out: _Listing, problem: Callable[[str], None]) -> None:
-        """LIST the rank's prefix, page by page, sorting keys into chunks and manifests."""
-        root = rank_prefix(self.config, self.namespace, self.rank)
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": root}
-            if token:
-                kw["ContinuationToken"] = token
+        """LIST the rank's prefix, sorting keys into chunks and manifests."""
+        root = self.medium.prefix
+        for page in self.medium.list_pages():
             out.requests += 1
-            page = self._call(
-                functools.partial(self._client.list_objects_v2, **kw),
-                time.monotonic() + self.config.deadline_s,
-            )
             for o in page.get("Contents", []):
                 key, rel = o["Key"], o["Key"][len(root) :]
                 oid = rel.rsplit("/", 1)[-1][: -len(SUFFIX)]
@@ -693,89 +554,66 @@ class S3Store:
                     out.objects[oid] = (o["Size"], o["LastModified"].timestamp(), key)
                 else:
                     problem("unknown_key")
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return
 
-    def _manifest_headers(
-        self, pool: ThreadPoolExecutor, listing: _Listing, cleanup: bool, problem: Callable[[str], None]
-    ) -> dict[str, ChunkHeader]:
+    def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, cleanup: bool,
+                          problem: Callable[[str], None], doomed: list[str]) -> dict[str, ChunkHeader]:
         """Headers from every manifest, for the objects the listing shows. Our own manifest
         (same writer id, before a restart) is adopted, so our next one still covers them."""
         covered: dict[str, ChunkHeader] = {}
-        for mkey, got in zip(
-            listing.manifests, pool.map(self._read_manifest, listing.manifests), strict=True
-        ):
-            if isinstance(got, str):
+        for mkey, got in zip(listing.manifests, pool.map(self._scan_manifest, listing.manifests), strict=True):
+            if isinstance(got, FailureReason):
                 problem(f"manifest_{got}")
                 continue
             live = {oid: h for oid, h in got.items() if oid in listing.objects}
             if mkey == self.manifest_key():
-                with self._lock:
+                with self._mlock:
                     self._manifest.update(live)
             elif not live and cleanup:
-                self.submit_delete_key(mkey)
+                doomed.append(mkey)
             covered.update(live)
         return covered
 
-    def submit_delete_key(self, key: str) -> None:
-        """Delete any key of this store's prefix (a stale manifest, a damaged object)."""
-        if not key.startswith(rank_prefix(self.config, self.namespace, self.rank)):
-            raise ValueError(f"{key!r} is outside this store's prefix")
-
-        def run() -> None:
-            try:
-                self._call(
-                    lambda: self._client.delete_object(Bucket=self.config.bucket, Key=key),
-                    time.monotonic() + self.config.deadline_s,
-                )
-            except Exception as e:
-                logger.warning("kvtier s3: delete of %s failed (%s): %s", key, error_reason(e), e)
-
-        self._writers.submit(run)
-
-    def _read_manifest(self, key: str) -> dict[str, ChunkHeader] | str:
+    def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:
         try:
-            r = self._call(
-                lambda: self._client.get_object(Bucket=self.config.bucket, Key=key),
-                time.monotonic() + self.config.deadline_s,
-            )
-            with contextlib.closing(r["Body"]) as body:
-                data = body.read()
-            return decode_manifest(data, self.namespace)
+            data = self.medium.get_bounded(key, MAX_MANIFEST_BYTES)
+            return decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
+                                   block_bytes=self.block_bytes)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
 
-    def _read_header(self, item: tuple[str, int | None, str], deadline: float | None = None) -> ChunkHeader | str:
-        """The verified header of one object (one ranged GET, two for > 58 blocks).
-        ``size`` None (not listed): unknown; a short object then fails its GET."""
-        _, size_or_none, key = item
-        size = HEAD_PROBE_BYTES if size_or_none is None else size_or_none
-        if deadline is None:
-            deadline = time.monotonic() + self.config.deadline_s
+    def _scan_header(self, item: tuple[str, int, str]) -> ChunkHeader | FailureReason:
+        """The verified header of one listed object (one ranged GET, two for a header
+        longer than 4 KiB), every size in it bounded (by what this store writes, and by
+        the listed size) before it sizes a read."""
+        _, size, key = item
+        deadline = self.medium.soon()
         try:
-            if size < 64:
-                raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
+            if size < FIXED_BYTES:
+                raise ChunkFormatError(f"truncated: an object of {size} B", FailureReason.TRUNCATED)
+            limit = max_chunk_bytes(self.max_chunk_blocks, self.block_bytes)
+            if size > limit:
+                raise ChunkFormatError(f"too large: an object of {size} B, at most {limit}", FailureReason.TOO_LARGE)
             head = bytearray(min(size, HEAD_PROBE_BYTES))
-            self._call(functools.partial(self._boto.get_into, key, 0, memoryview(head), deadline), deadline)
-            # Not verified yet: bound the header length by the object's size.
-            need = header_bytes_for(int.from_bytes(head[28:32], "little"))
-            if size_or_none is None:
-                size = max(size, need)
+            self.medium.get_range(key, 0, memoryview(head), deadline)
+            need = bounded_header_bytes(head, max_blocks=self.max_chunk_blocks,
+                                        block_bytes=self.block_bytes)
             if need > size:
                 raise ChunkFormatError(f"truncated header: {size} of {need} bytes", FailureReason.TRUNCATED)
             if need > len(head):
                 rest = bytearray(need - len(head))
-                self._call(functools.partial(self._boto.get_into, key, len(head), memoryview(rest), deadline),
-                           deadline)
+                self.medium.get_range(key, len(head), memoryview(rest), deadline)
                 head += rest
-            h = decode_header(bytes(head), self.namespace)
-            if h.block_bytes != self.block_bytes:
-                raise ChunkFormatError(f"format: blocks of {h.block_bytes} B, expected {self.block_bytes}", FailureReason.FORMAT)
-            if size_or_none is not None and size < h.total_bytes:
+            h = decode_header(bytes(head[:need]), self.namespace)
+            if size < h.total_bytes:
                 raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
             return h
         except Exception as e:
             logger.warning("kvtier s3: ignoring %s: %s", key, e)
             return error_reason(e)
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self.medium.delete_key(key)
+        except Exception as e:
+            logger.warning("kvtier s3: delete of %s failed (%s): %s", key, error_reason(e), e)

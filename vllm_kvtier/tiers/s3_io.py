@@ -1,29 +1,24 @@
-"""Plumbing of the S3 store's I/O threads: the object I/O engine contract
-(:class:`ObjectIO`) and its boto3 engine, request bodies over memoryviews, reading a GET
-body into a buffer while checking its blocks, and a tiny thread pool that can be joined
-with a deadline. No boto3 import (the engine is handed a client); used only by
+"""The S3 medium's request plumbing: the object I/O engine contract (:class:`ObjectIO`)
+and its boto3 engine, request bodies over memoryviews, and reading a GET body straight
+into a buffer. No boto3 import (the engine is handed a client); used only by
 :mod:`vllm_kvtier.tiers.s3` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl_io`).
+Checksums are not this module's: the store kernel verifies every block once its bytes
+landed (:mod:`vllm_kvtier.tiers.kernel`).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError, ChunkHeader, block_crc, encode_header
+from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 
 logger = logging.getLogger("vllm_kvtier.tiers.s3")
 
-#: Bytes per socket read of a GET body: blocks are checksummed as each read lands, while
-#: they are still in the CPU cache (checking after the whole GET read them back from RAM,
-#: measurably slower at GB/s), and few enough reads that Python's per-call cost is noise.
+#: Bytes per socket read of a GET body: few enough reads that Python's per-call cost is noise.
 READ_STEP_BYTES = 1 << 20
 
 
@@ -31,16 +26,16 @@ class ObjectIO(Protocol):
     """Moves one chunk object's bytes between host memory and the bucket: the
     ``s3.io_engine`` plug point.
 
-    Who calls it: the S3 store's I/O threads, several at once, each call on its own key and
-    buffer; one call is one request attempt (the store wraps it in its retries, breaker
-    and deadline) and blocks its thread until the request ended, failed, or (engines that
-    can tell) ``deadline`` (a ``time.monotonic()`` time) passed. The store keeps
-    everything else (keys, headers, CRC32s, multipart uploads, listing, manifests), so the
-    objects are the same whichever engine wrote them.
+    Who calls it: the S3 medium, on the store kernel's I/O threads, several at once, each
+    call on its own key and buffer; one call is one request attempt (the medium wraps it in
+    its retries, breaker and deadline) and blocks its thread until the request ended,
+    failed, or (engines that can tell) ``deadline`` (a ``time.monotonic()`` time) passed.
+    The store keeps everything else (keys, headers, CRC32s, multipart uploads, listing,
+    manifests), so the objects are the same whichever engine wrote them.
 
     Failure: raises; :func:`~vllm_kvtier.tiers.s3_config.error_reason` labels it (botocore's
-    errors, ChunkFormatError from the check or a short body, TimeoutError, ConnectionError).
-    After a failed GET the bytes in ``view`` are undefined."""
+    errors, ChunkFormatError for a short body, TimeoutError, ConnectionError). After a
+    failed GET the bytes in ``view`` are undefined."""
 
     #: the ``s3.io_engine`` value
     name: str
@@ -49,11 +44,9 @@ class ObjectIO(Protocol):
         """One PUT of all of ``view`` as the object ``key`` (atomic: S3 never shows part of it)."""
         ...
 
-    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float,
-                 check: Callable[[int], None] | None = None) -> None:
+    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float) -> None:
         """One GET of ``len(view)`` bytes at ``start`` into ``view``: a ranged GET, or with
-        ``start`` None a GET of the whole object. ``check(bytes so far)`` runs as the bytes
-        arrive (it raises to reject them); at the latest once they all did."""
+        ``start`` None a GET of the whole object (which must be exactly that long)."""
         ...
 
     def close(self) -> None:
@@ -78,8 +71,7 @@ class Boto3ObjectIO:
         finally:
             reader.close()
 
-    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float,
-                 check: Callable[[int], None] | None = None) -> None:
+    def get_into(self, key: str, start: int | None, view: memoryview, deadline: float) -> None:
         """The whole object must be exactly ``len(view)`` bytes; a ranged GET that comes back
         short is ``truncated``."""
         kw = {} if start is None else {"Range": f"bytes={start}-{start + view.nbytes - 1}"}
@@ -88,7 +80,7 @@ class Boto3ObjectIO:
         try:
             if r.get("ContentLength") != view.nbytes:
                 raise ChunkFormatError(f"truncated: got {r.get('ContentLength')} of {view.nbytes} bytes", FailureReason.TRUNCATED)
-            read_body_into(body, view, on_progress=check)
+            read_body_into(body, view)
         finally:
             body.close()
 
@@ -177,93 +169,3 @@ def read_body_into(
             on_progress(got)
     if direct:
         raw.release_conn()  # type: ignore[union-attr]
-
-
-class Workers:
-    """``n`` daemon threads running queued callables in order (callables never raise)."""
-
-    def __init__(self, name: str, n: int) -> None:
-        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._q.put(fn)
-
-    def close(self, deadline: float) -> None:
-        """Let queued work finish, then stop; waits until ``deadline`` (a monotonic time)."""
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except Exception:  # a bug in our own plumbing: log it, keep the thread
-                logger.exception("kvtier s3: unexpected error in an I/O thread")
-
-
-@dataclass(frozen=True)
-class Span:
-    """One GET of a read: blocks ``lo..hi`` from object offset ``obj_start``, ``length``
-    bytes, landing at ``buf_off`` in the job's buffer."""
-
-    lo: int
-    hi: int
-    obj_start: int
-    buf_off: int
-    length: int
-    whole: bool
-
-
-class SpanVerifier:
-    """Checks a span's blocks, and a whole object's header, as the bytes arrive."""
-
-    def __init__(self, h: ChunkHeader, span: Span, view: memoryview) -> None:
-        self.h, self.span, self.view = h, span, view
-        self.next = span.lo
-        self.header_ok = not span.whole
-
-    def __call__(self, got: int) -> None:
-        h, span = self.h, self.span
-        if not self.header_ok and got >= h.header_bytes:
-            expected = bytearray(h.header_bytes)
-            encode_header(h, memoryview(expected))
-            with self.view[: h.header_bytes] as head:
-                same = head == expected
-            if not same:
-                raise ChunkFormatError("header checksum mismatch: the object is not the indexed chunk", FailureReason.CHECKSUM)
-            self.header_ok = True
-        while self.next <= span.hi:
-            off = h.block_offset(self.next) - span.obj_start
-            if off + h.block_bytes > got:
-                return
-            with self.view[off : off + h.block_bytes] as b:
-                ok = block_crc(b) == h.crcs[self.next]
-            if not ok:
-                raise ChunkFormatError(f"block {self.next} checksum mismatch", FailureReason.CHECKSUM)
-            self.next += 1
-
-    def finish(self) -> None:
-        if not self.header_ok or self.next <= self.span.hi:
-            raise ChunkFormatError("truncated: not every block was checked", FailureReason.TRUNCATED)
-        self.view = None  # type: ignore[assignment]
-
-
-def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct positions as inclusive (first, last) runs: [1,2,3,7] -> [(1,3),(7,7)]."""
-    runs: list[tuple[int, int]] = []
-    for p in sorted(set(positions)):
-        if runs and p == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], p)
-        else:
-            runs.append((p, p))
-    return runs
