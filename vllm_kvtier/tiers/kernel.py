@@ -50,12 +50,15 @@ How the media map onto it:
   ``read_into`` (the kernel bounds the announced header before fetching the rest).
   ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
-* **Mooncake** (to port): ``SizedMedium.size_of`` = ``get_size`` from the master (the kernel
-  bounds it by :func:`max_chunk_bytes`); ``AllocatingMedium.take_buffer`` = a slice of the
-  registered arena (None: ``no_buffer``); ``BatchingMedium.read_batch`` =
-  ``batch_get_into`` of whole objects, ``put_batch`` = copy into the arena +
-  ``batch_put_from``; ``read_shape`` "whole". ``Probeable.exists`` and
-  ``ReportsRemoteStats`` stay on the Mooncake store.
+* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake`): ``SizedMedium.size_of`` = ``get_size``
+  from the master (the kernel bounds it by :func:`max_chunk_bytes` before it takes memory);
+  ``AllocatingMedium.take_buffer`` = a slice of the registered arena (None: ``no_buffer``);
+  ``BatchingMedium.read_batch`` = ``batch_get_into`` of whole objects, ``put_batch`` = copy
+  into the arena + ``batch_put_from``; ``read_shape`` "whole". A read with no header is
+  then one ``size_of`` and the whole object as the read's one range (batched with the
+  other reads), its header decoded, bounded and checked when it lands. ``Probeable.exists``,
+  ``ReportsRemoteStats``, the breaker and a close that goes on in the background stay on
+  the Mooncake store.
 """
 
 from __future__ import annotations
