@@ -50,6 +50,7 @@ import logging
 import mmap
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from vllm_kvtier.config.stores import MooncakeConfig
@@ -416,7 +417,7 @@ class MooncakeMedium:
             return [-1] * len(keys)
         return rcs
 
-    def _guarded(self, fn: Any, n: int = 1) -> list[int]:
+    def _guarded(self, fn: Callable[[], list[int]], n: int = 1) -> list[int]:
         """``fn()``'s codes, through the breaker: refused at once while it is open; an
         answer with an unhealthy code (the pool, not one object) counts as a failure."""
         if not self.breaker.allow():
