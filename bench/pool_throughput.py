@@ -114,9 +114,11 @@ class Workload:
     def block(self, b: int) -> bytes:
         return struct.pack("<Q", b) + self.pattern[8:]
 
+    def keys(self, c: int) -> list[bytes]:
+        return [struct.pack("<QQ", 0xB0, c * self.chunk_blocks + i) for i in range(self.chunk_blocks)]
+
     def write_buffer(self, c: int) -> WriteBuffer:
-        wb = WriteBuffer([struct.pack("<QQ", 0xB0, c * self.chunk_blocks + i) for i in range(self.chunk_blocks)],
-                         self.block_bytes)
+        wb = WriteBuffer(self.keys(c), self.block_bytes)
         for i in range(self.chunk_blocks):
             with wb.block(i) as dst:
                 dst[:] = self.block(c * self.chunk_blocks + i)
@@ -207,7 +209,7 @@ def ours_load(store: MooncakeStore, w: Workload, ids: list[str], headers: dict[s
 
     t0 = time.perf_counter()
     for c, oid in enumerate(ids):
-        store.submit_read(c, oid, headers[oid] if headers is not None else None, positions)
+        store.submit_read(c, oid, headers[oid] if headers is not None else None, positions, w.keys(c))
     poll_all(store, w.nchunks, on_result)
     secs = time.perf_counter() - t0
     if failed or wrong:
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                              transfer_buffer_bytes=w.nchunks * align_up(object_bytes) + 16 * MiB,
                              deadline_s=120.0, io_threads=a.threads, max_batch=a.batch,
                              max_queued_writes=w.nchunks)
-        store = MooncakeStore(cfg, NAMESPACE, 0, w.block_bytes)
+        store = MooncakeStore(cfg, NAMESPACE, 0, w.block_bytes, max_chunk_blocks=w.chunk_blocks)
         stack.callback(store.close)
 
         # Plain: the same kind of client, two registered buffers (source and destination).

@@ -61,8 +61,9 @@ def put(store: MooncakeStore, job_id: int, chunk_id: str, chunk: int, nblocks: i
 
 
 def read(store: MooncakeStore, job_id: int, chunk_id: str, header: ChunkHeader | None,
-         positions: list[int]) -> tuple[IOResult, list[bytes]]:
-    store.submit_read(job_id, chunk_id, header, positions)
+         positions: list[int], chunk: int) -> tuple[IOResult, list[bytes]]:
+    """Read ``positions`` of ``chunk_id``, which must hold chunk number ``chunk``'s keys."""
+    store.submit_read(job_id, chunk_id, header, positions, [bkey(chunk, p) for p in positions])
     res = wait_for(store, job_id)
     data = [b.tobytes() for b in res.blocks] if res.ok and res.blocks is not None else []
     res.release()
@@ -81,11 +82,11 @@ def store(mooncake_master: MooncakeMaster) -> Iterator[MooncakeStore]:
 @requires_mooncake
 def test_round_trip(store: MooncakeStore) -> None:
     h = put(store, 1, "chunk-a", 1, 3)
-    res, data = read(store, 2, "chunk-a", h, [2, 0])
+    res, data = read(store, 2, "chunk-a", h, [2, 0], 1)
     assert res.ok and data == [block(1, 2), block(1, 0)]
     assert res.nbytes == h.total_bytes
     # Without the header (another instance wrote it): read, verified, and handed back.
-    res, data = read(store, 3, "chunk-a", None, [1])
+    res, data = read(store, 3, "chunk-a", None, [1], 1)
     assert res.ok and data == [block(1, 1)]
     assert res.header == h
     assert store.exists(["chunk-a", "chunk-none"]) == [True, False]
@@ -103,7 +104,7 @@ def test_many_jobs_in_flight(store: MooncakeStore) -> None:
     done = wait_all(store, set(range(n)))
     assert all(r.ok for r in done.values())
     for c in range(n):
-        store.submit_read(100 + c, f"many-{c}", done[c].header, [1])
+        store.submit_read(100 + c, f"many-{c}", done[c].header, [1], [bkey(c, 1)])
     got = wait_all(store, {100 + c for c in range(n)})
     for c in range(n):
         res = got[100 + c]
@@ -126,7 +127,7 @@ def wait_all(store: MooncakeStore, jobs: set[int], limit_s: float = 20.0) -> dic
 @requires_mooncake
 def test_missing_chunk_is_a_miss(store: MooncakeStore) -> None:
     t0 = time.monotonic()
-    res, _ = read(store, 1, "never-written", None, [0])
+    res, _ = read(store, 1, "never-written", None, [0], 0)
     assert not res.ok and res.reason == "missing"
     assert time.monotonic() - t0 < store.config.deadline_s  # an answer, not a timeout
     h = put(store, 2, "deleted", 2, 1)
@@ -136,7 +137,7 @@ def test_missing_chunk_is_a_miss(store: MooncakeStore) -> None:
         assert time.monotonic() < deadline, "delete did not take effect"
         store.poll()
         time.sleep(0.02)
-    res, _ = read(store, 3, "deleted", h, [0])
+    res, _ = read(store, 3, "deleted", h, [0], 2)
     assert not res.ok and res.reason == "missing"
 
 
@@ -149,15 +150,15 @@ def test_damaged_value_fails_its_checksum(store: MooncakeStore, mooncake_master:
         assert len(value) == h.total_bytes
         value[h.block_offset(1) + 17] ^= 0xFF  # one byte of block 1
         assert raw.upsert(store.key("damaged"), bytes(value)) == 0
-        res, _ = read(store, 2, "damaged", h, [1])
+        res, _ = read(store, 2, "damaged", h, [1], 3)
         assert not res.ok and res.reason == "checksum"
-        res, data = read(store, 3, "damaged", h, [0])  # only the requested blocks are checked
+        res, data = read(store, 3, "damaged", h, [0], 3)  # only the requested blocks are checked
         assert res.ok and data == [block(3, 0)]
         # Garbage in place of the header: unreadable whether or not we hold the header.
         assert raw.upsert(store.key("damaged"), bytes(h.total_bytes)) == 0
-        res, _ = read(store, 4, "damaged", h, [0])
+        res, _ = read(store, 4, "damaged", h, [0], 3)
         assert not res.ok and res.reason == "checksum"
-        res, _ = read(store, 5, "damaged", None, [0])
+        res, _ = read(store, 5, "damaged", None, [0], 3)
         assert not res.ok and res.reason == "format"
     assert store.stats().failures.get("checksum") == 2
 
@@ -171,7 +172,7 @@ def test_another_namespace_is_never_read(store: MooncakeStore, mooncake_master: 
         put(other, 1, "shared", 4, 1)
         with mooncake_master.raw_client() as raw:
             assert raw.put(store.key("shared"), raw.get(other.key("shared"))) == 0
-        res, _ = read(store, 2, "shared", None, [0])
+        res, _ = read(store, 2, "shared", None, [0], 4)
         assert not res.ok and res.reason == "namespace"
     finally:
         other.close(30.0)
@@ -185,7 +186,7 @@ def test_closed_store_refuses_work(mooncake_master: MooncakeMaster) -> None:
     wb = write_buffer(5, 1)
     assert not s.submit_write(1, "late", wb)
     wb.buf.close()
-    s.submit_read(2, "late", None, [0])
+    s.submit_read(2, "late", None, [0], [bkey(5, 0)])
     res = wait_for(s, 2)
     assert not res.ok and res.reason == "closed"
     s.close()  # idempotent
@@ -202,7 +203,7 @@ def test_master_gone_reads_fail_within_the_deadline(tmp_path: Path) -> None:
         master.stop()
         for job in range(10, 14):  # the first fails at once (connection closed), later ones block in the client
             t0 = time.monotonic()
-            res, _ = read(s, job, "before", h, [0])
+            res, _ = read(s, job, "before", h, [0], 6)
             assert not res.ok and res.reason in ("unavailable", "deadline", "breaker_open"), res.reason
             assert time.monotonic() - t0 < s.config.deadline_s + 0.5
         assert s.exists(["before"]) == [False]
@@ -221,7 +222,7 @@ def test_master_gone_reads_fail_within_the_deadline(tmp_path: Path) -> None:
                     break
             assert time.monotonic() < deadline, "the store did not recover after the master came back"
             time.sleep(0.2)
-        res, data = read(s, 999, "after", res.header, [0])
+        res, data = read(s, 999, "after", res.header, [0], 7)
         assert res.ok and data == [block(7, 0)]
     finally:
         t0 = time.monotonic()

@@ -264,7 +264,7 @@ def make_workers(
         try:
             from vllm_kvtier.tiers.mooncake import MooncakeStore
 
-            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes)
+            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes, max_chunk_blocks=1, buffers=buffers)
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
             counters.add("store_failures", "mooncake")

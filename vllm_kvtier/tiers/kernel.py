@@ -51,12 +51,15 @@ How the media map onto it:
   of every block is one plain GET of the whole object (:class:`WholeObjectMedium`).
   ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
-* **Mooncake** (to port): ``SizedMedium.size_of`` = ``get_size`` from the master (the kernel
-  bounds it by :func:`max_chunk_bytes`); ``AllocatingMedium.take_buffer`` = a slice of the
-  registered arena (None: ``no_buffer``); ``BatchingMedium.read_batch`` =
-  ``batch_get_into`` of whole objects, ``put_batch`` = copy into the arena +
-  ``batch_put_from``; ``read_shape`` "whole". ``Probeable.exists`` and
-  ``ReportsRemoteStats`` stay on the Mooncake store.
+* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake`): ``SizedMedium.size_of`` = ``get_size``
+  from the master (the kernel bounds it by :func:`max_chunk_bytes` before it takes memory);
+  ``AllocatingMedium.take_buffer`` = a slice of the registered arena (None: ``no_buffer``);
+  ``BatchingMedium.read_batch`` = ``batch_get_into`` of whole objects, ``put_batch`` = copy
+  into the arena + ``batch_put_from``; ``read_shape`` "whole". A read with no header is
+  then one ``size_of`` and the whole object as the read's one range (batched with the
+  other reads), its header decoded, bounded and checked when it lands. ``Probeable.exists``,
+  ``ReportsRemoteStats``, the breaker and a close that goes on in the background stay on
+  the Mooncake store.
 """
 
 from __future__ import annotations
@@ -369,10 +372,21 @@ class StoreKernel:
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued I/O (up to ``timeout_s``), stop the threads, close the medium
         (only once no thread is still inside it). Idempotent."""
+        if self._stop_accepting():
+            self._shut_down(timeout_s)
+
+    def _stop_accepting(self) -> bool:
+        """The first step of :meth:`close`: refuse new work from now on; False if already
+        closed. A store whose close must go on in the background (Mooncake: leaving a pool
+        can outlast the caller's patience) calls it, then :meth:`_shut_down` on a thread."""
         with self._lock:
             if self._closed:
-                return
+                return False
             self._closed = True
+            return True
+
+    def _shut_down(self, timeout_s: float) -> None:
+        """The rest of :meth:`close`: finish queued I/O, stop the threads, close the medium."""
         for _, q in self._workers:
             q.put((_STOP, next(self._seq), None))
         deadline = time.monotonic() + timeout_s
@@ -573,14 +587,14 @@ class StoreKernel:
                 buffer = self._take(size)
                 if buffer is None:
                     raise _Failed(FailureReason.NO_BUFFER, f"no transfer memory for {size} B")
-                self._count("read")
-                with buffer.view[:size] as dst:
-                    self.medium.read_into(job.chunk_id, 0, dst, job.deadline)
-                    h = self._decode(dst)
-                if size < h.total_bytes:
-                    raise _Failed(FailureReason.TRUNCATED, f"{size} of {h.total_bytes} bytes")
-            else:
-                h = self._read_header(job)
+                # The whole object is the read's one range, batched with other reads; its
+                # header is decoded and checked first when it lands (_verify).
+                with job.lock:
+                    job.buffer, job.remaining = buffer, 1
+                whole = _Part(0, size, 0, tuple(sorted(set(job.positions))))
+                self._reads_q.put((_READ, next(self._seq), ("part", job, whole)))
+                return
+            h = self._read_header(job)
             why = self._check_request(job, h)
             if why is not None:
                 raise why
@@ -669,8 +683,18 @@ class StoreKernel:
         """The CRC32 of every wanted block in the range, and the stored header against the
         caller's when the range holds it."""
         h = job.header
-        assert h is not None
-        if part.offset == 0:
+        if h is None:  # a whole object probed by size (SizedMedium): its header first
+            try:
+                h = self._decode(view)
+                if len(view) < h.total_bytes:
+                    raise _Failed(FailureReason.TRUNCATED, f"{len(view)} of {h.total_bytes} bytes")
+                why = self._check_request(job, h)
+                if why is not None:
+                    raise why
+            except (ChunkFormatError, _Failed) as e:
+                return e
+            job.header, job.offsets = h, {p: h.block_offset(p) for p in job.positions}
+        elif part.offset == 0:
             expected = bytearray(h.header_bytes)
             encode_header(h, memoryview(expected))
             with view[: h.header_bytes] as head:
