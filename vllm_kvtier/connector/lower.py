@@ -22,6 +22,7 @@ import torch
 
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
@@ -81,16 +82,16 @@ def make_planners(
     planners = []
     n = cfg.nvme
     if n is not None:
-        f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
+        f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
         found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace, max_blocks=n.chunk_blocks,
                           block_bytes=f.block_bytes)[0] for r in range(world_size)]
-        policy = ChunkPolicy("nvme", n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
+        policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
                              flush_interval_s=n.flush_interval_s)
         planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes,
                                      counters=counters, found=found))
     if cfg.s3 is not None:
-        f = tier_format("s3", cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
+        f = tier_format(TierName.S3, cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
         planners.append(_s3_planner(cfg.s3, f.namespace, world_size, f.block_bytes, counters))
     if cfg.mooncake is not None:
@@ -109,7 +110,7 @@ def _mooncake_planner(
     from concurrent.futures import Future, ThreadPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    policy = ChunkPolicy("mooncake", "read-only" if read_only else mc.mode, mc.admit_min_seen, 1, None,
+    policy = ChunkPolicy(TierName.MOONCAKE, "read-only" if read_only else mc.mode, mc.admit_min_seen, 1, None,
                          key_named=True)
     common = {"world_size": world_size, "block_bytes_per_rank": block_bytes, "counters": counters,
               "found": [{} for _ in range(world_size)]}
@@ -121,7 +122,7 @@ def _mooncake_planner(
         stores = [MooncakeStore(light, namespace, r, block_bytes) for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier mooncake: tier disabled, cannot reach master %s: %s", mc.store.master, e)
-        counters.add("store_failures", "mooncake")
+        counters.add("store_failures", TierName.MOONCAKE)
         return ChunkPlanner(policy, **common)  # type: ignore[arg-type]
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
     #: a lookup that timed out: the ids it asked about, and its answer to come
@@ -150,7 +151,7 @@ def _mooncake_planner(
             return fut.result(timeout=mc.lookup_timeout_s)
         except FutureTimeout:
             inflight[:] = [(ids, fut)]
-            counters.add("lookup_timeouts", "mooncake")
+            counters.add("lookup_timeouts", TierName.MOONCAKE)
             return None
 
     def close() -> None:
@@ -164,7 +165,7 @@ def _mooncake_planner(
 def _s3_planner(
     s3: S3TierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters
 ) -> ChunkPlanner:
-    policy = ChunkPolicy("s3", s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes,
+    policy = ChunkPolicy(TierName.S3, s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes,
                          flush_interval_s=s3.flush_interval_s)
     try:
         # The scheduler only lists and reads headers, which always go through boto3: no
@@ -177,7 +178,7 @@ def _s3_planner(
         stores = [S3Store(listing, namespace, r, block_bytes, max_chunk_blocks=s3.chunk_blocks) for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
-        counters.add("store_failures", "s3")
+        counters.add("store_failures", TierName.S3)
         return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes,
                             counters=counters, found=[{} for _ in range(world_size)])
 
@@ -190,7 +191,7 @@ def _s3_planner(
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
                     st.rank, r.objects, r.list_requests, r.manifest_gets, r.header_gets,
                     f"; problems {r.problems}" if r.problems else "")
-    rescanner = Rescanner("s3", scan, s3.rescan_interval_s) if s3.rescan_interval_s > 0 else None
+    rescanner = Rescanner(TierName.S3, scan, s3.rescan_interval_s) if s3.rescan_interval_s > 0 else None
 
     def close() -> None:
         for st in stores:
@@ -216,7 +217,7 @@ def make_workers(
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
     n = cfg.nvme
     if n is not None:
-        f = tier_format("nvme", n.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
+        f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
         nvme_store: NVMeStore | None = None
         headers: dict[str, ChunkHeader] = {}
         try:
@@ -226,20 +227,20 @@ def make_workers(
         except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
             # Serving goes on without the tier: every NVMe write and read is a miss.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
-            counters.add("store_failures", "nvme")
+            counters.add("store_failures", TierName.NVME)
         if nvme_store is not None:
             scanned = nvme_store.scan(cleanup=True)
             headers = scanned.found
             for reason, count in scanned.problems.items():
                 logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
-                counters.add("load_failures", "nvme", count)
-        workers["nvme"] = ChunkWorker("nvme", nvme_store, slots=slots, counters=counters, mode=n.mode,
+                counters.add("load_failures", TierName.NVME, count)
+        workers[TierName.NVME] = ChunkWorker(TierName.NVME, nvme_store, slots=slots, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
                                       headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                       buffers=buffers)
     s3 = cfg.s3
     if s3 is not None:
-        f = tier_format("s3", s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
+        f = tier_format(TierName.S3, s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
         s3_store = None
         try:
             from vllm_kvtier.tiers.s3 import S3Store
@@ -250,10 +251,10 @@ def make_workers(
             raise
         except Exception as e:
             logger.error("kvtier s3: tier disabled, cannot use bucket %r: %s", s3.store.bucket, e)
-            counters.add("store_failures", "s3")
+            counters.add("store_failures", TierName.S3)
         # No listing here: the scheduler lists the bucket; a chunk's header is fetched on
         # its first read (one ranged GET) and kept.
-        workers["s3"] = ChunkWorker("s3", s3_store, slots=slots, counters=counters, mode=s3.mode,
+        workers[TierName.S3] = ChunkWorker(TierName.S3, s3_store, slots=slots, counters=counters, mode=s3.mode,
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
@@ -267,8 +268,8 @@ def make_workers(
             mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes, max_chunk_blocks=1, buffers=buffers)
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
-            counters.add("store_failures", "mooncake")
-        workers["mooncake"] = ChunkWorker("mooncake", mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
+            counters.add("store_failures", TierName.MOONCAKE)
+        workers[TierName.MOONCAKE] = ChunkWorker(TierName.MOONCAKE, mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
                                           flush_on_shutdown_s=0.0, fetches_headers=True,
                                           remote_stats=mc_store.stats if mc_store is not None else None,
                                           buffers=buffers)
