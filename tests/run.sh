@@ -7,12 +7,21 @@ tools/setup-venv.sh
 tools/setup-remote.sh     # Mooncake and NIXL (issue 6 tiers): pinned wheels, libibverbs1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # fast in-process engines; multiprocess tests set 1 themselves
 export VLLM_LOGGING_LEVEL=WARNING          # vLLM's shutdown lines would print after pytest's summary
+log=$(mktemp)
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
-rc=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
 set -e
+summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed|warnings?)\b' "$log" | tail -n 1)
+rm -f "$log"
 if [ "$rc" -eq 5 ]; then
   echo "0 passed, 1 failed: pytest collected no tests"
   exit 1
+fi
+# Native libraries log from their destructors while the interpreter exits, after pytest's
+# summary (Mooncake's client: "Cleaning up DistributedObjectStore instance"). Print the
+# summary again, so that pytest's closing line stays the last line printed.
+if [ -n "$summary" ]; then
+  echo "$summary"
 fi
 exit "$rc"
