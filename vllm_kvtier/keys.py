@@ -25,9 +25,6 @@ class TierName(StrEnum):
     ALL = "all"
 
 
-#: The tiers below the CPU tier that hold chunks (a planner and a worker each).
-CHUNK_TIERS: tuple[TierName, ...] = (TierName.NVME, TierName.S3, TierName.MOONCAKE)
-
 #: Eviction policies of the CPU tier (``cpu.eviction``; :mod:`vllm_kvtier.index.policy`).
 EvictionName = Literal["lru", "s3fifo"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
+from vllm_kvtier.config.stores import MAX_IO_THREADS, MooncakeConfig, NixlConfig, S3Config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import EvictionName
 
@@ -21,8 +21,6 @@ LoadMode = Literal["sync", "async"]
 #: Blocks per chunk at most (``nvme.chunk_blocks``, ``s3.chunk_blocks``): also the bound a
 #: reader puts on a chunk header's block count before it allocates anything.
 MAX_CHUNK_BLOCKS = 256
-#: I/O threads per store at most: more only adds contention.
-MAX_IO_THREADS = 256
 
 
 def _positive(path: str, value: float) -> None:

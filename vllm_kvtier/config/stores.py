@@ -17,6 +17,8 @@ from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import SAFE_ID
 
 MiB = 1 << 20
+#: I/O threads per store at most (every tier's ``io_threads``): more only adds contention.
+MAX_IO_THREADS = 256
 
 #: ``s3.io_engine`` values (see :attr:`S3Config.io_engine`).
 IOEngineName = Literal["boto3", "nixl"]
@@ -96,8 +98,8 @@ class S3Config:
         for name in ("max_attempts", "breaker_failures", "io_threads", "max_queued_writes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
-        if self.io_threads > 256:
-            raise bad("io_threads", f"must be <= 256, got {self.io_threads}")
+        if self.io_threads > MAX_IO_THREADS:
+            raise bad("io_threads", f"must be <= {MAX_IO_THREADS}, got {self.io_threads}")
         if self.manifest_every_writes < 0:
             raise bad("manifest_every_writes", "must be >= 0")
         if not 5 * MiB <= self.multipart_part_bytes <= 5 << 30:
@@ -182,8 +184,8 @@ class MooncakeConfig:
         for name in ("io_threads", "max_batch", "max_queued_writes", "replicas", "breaker_failures"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
-        if self.io_threads > 256:
-            raise bad("io_threads", f"must be <= 256, got {self.io_threads}")
+        if self.io_threads > MAX_IO_THREADS:
+            raise bad("io_threads", f"must be <= {MAX_IO_THREADS}, got {self.io_threads}")
 
     @property
     def master_host_port(self) -> tuple[str, int]:

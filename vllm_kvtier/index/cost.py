@@ -58,12 +58,12 @@ class TierEstimate:
 
     def __init__(self, latency_s: float, bandwidth_Bps: float) -> None:
         self.last_sample_s = -math.inf
-        self.samples = 0
         self.set_prior(latency_s, bandwidth_Bps)
 
     def set_prior(self, latency_s: float, bandwidth_Bps: float) -> None:
         self._a0, self._b0 = max(latency_s, 0.0), 1.0 / bandwidth_Bps
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.samples = 0
         self.latency_s, self.bandwidth_Bps = self._a0, bandwidth_Bps
 
     def observe(self, nbytes: float, seconds: float) -> None:

@@ -232,7 +232,7 @@ class ChunkPlanner:
             seen.popitem(last=False)
 
     def admitted(self, key: BlockKey) -> bool:
-        if self._paused_until and time.monotonic() < self._paused_until:
+        if self._paused():
             return False  # the breaker is open: the tier keeps failing
         return self._seen.get(key, 0) >= self.policy.admit_min_seen and not self.index.knows(key)
 
