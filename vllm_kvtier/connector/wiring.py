@@ -38,12 +38,44 @@ except ImportError:  # pragma: no cover
 CONNECTOR_NAME = "KVTierConnector"
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers the ``vllm`` logger has *now* (vLLM configures,
+    and may reconfigure, its logging after plugins are loaded), at vLLM's level; nothing
+    when vLLM's logging is not configured (``VLLM_CONFIGURE_LOGGING=0``: the record still
+    propagates to the application's root handlers)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm")
+        if target.handlers and record.levelno >= target.getEffectiveLevel():
+            target.handle(record)
+
+
+def route_logs_to_vllm() -> None:
+    """Send the plugin's log lines where vLLM's go, in vLLM's format and at its level.
+
+    The plugin logs under ``vllm_kvtier``, outside vLLM's ``vllm`` logger tree: without
+    this its INFO lines (tiers and namespace at start, blocks found after a restart,
+    load-or-recompute verdicts) are dropped and its warnings reach stderr only through
+    Python's last-resort handler. Idempotent. The ``vllm_kvtier`` logger keeps
+    propagating, so handlers an application put on the root logger see the lines too.
+    """
+    ours = logging.getLogger("vllm_kvtier")
+    if any(isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        return
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:  # an operator's own setting wins
+        import vllm.envs as envs
+
+        ours.setLevel(logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper()))
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
-    work without ``kv_connector_module_path``. vLLM calls this in every process; calling
-    it twice is harmless."""
+    work without ``kv_connector_module_path``, and route the plugin's logs to vLLM's
+    handlers. vLLM calls this in every process; calling it twice is harmless."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    route_logs_to_vllm()
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
