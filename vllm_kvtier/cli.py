@@ -45,6 +45,7 @@ from vllm_kvtier.ops.capacity import (
     read_model_config,
     render_plan,
 )
+from vllm_kvtier.sysmem import budget_overrun
 
 _SIZE_HELP = "bytes, or with a unit: 80GB (10^9), 80GiB (2^30)"
 
@@ -401,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier: {e}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+    overrun = budget_overrun(cfg.cpu.capacity_bytes)
+    if overrun is not None:  # the config may be meant for a bigger machine: a warning
+        print(f"kvtier: warning: cpu.capacity_bytes: {overrun}; an engine on this machine would "
+              "refuse to start",
+              file=sys.stderr)
     return 0
 
 

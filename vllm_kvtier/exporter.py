@@ -61,6 +61,17 @@ class PromMetrics:
             for m, spec in HISTOGRAMS.items()
         }
 
+    def zero(self, tiers: Sequence[str], labelvalues: Sequence[object] = ()) -> None:
+        """Export every counter and histogram at 0 for ``tiers`` now, before any event, so
+        that ``rate(...)`` alerts and dashboards read 0, not "no data", on a healthy idle
+        server. Gauges get their values with the first stats (a 0 would be a false
+        capacity or estimate)."""
+        for tier in tiers:
+            for counter in self.counters.values():
+                counter.labels(*labelvalues, tier)
+            for histogram in self.histograms.values():
+                histogram.labels(*labelvalues, tier)
+
     def observe(self, data: Mapping[str, Any], labelvalues: Sequence[object] = ()) -> None:
         """Add one stats data dict: counters grow by their deltas, gauges take their values,
         each histogram value is observed. Undeclared metrics are ignored (a newer worker
@@ -84,16 +95,19 @@ class PromMetrics:
 class StandaloneExporter:
     """The plugin's metrics on ``registry``, named ``kvtier_...``, optionally served over HTTP.
 
-    ``labels``: constant labels on every sample (``{"model_name": ...}``). Whoever holds the
+    ``labels``: constant labels on every sample (``{"model_name": ...}``); ``tiers``: the
+    configured tiers, whose counters are exported at 0 from the start. Whoever holds the
     stats (a stat logger, a tool polling ``KVTierStats``) calls :meth:`observe` with each
     data dict, from any thread; :meth:`start` serves ``registry`` on ``/metrics`` from a
     daemon thread until :meth:`stop`.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, labels: Mapping[str, str] | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, *, labels: Mapping[str, str] | None = None,
+                 tiers: Sequence[str] = ()) -> None:
         self.registry = registry
         self._labels = dict(labels or {})
         self.metrics = PromMetrics(prefix=STANDALONE_PREFIX, labelnames=list(self._labels), registry=registry)
+        self.metrics.zero(tiers, list(self._labels.values()))
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -1,8 +1,9 @@
 """How much DRAM this process may still use: the host's available memory, capped by the
 container's cgroup limit (a Kubernetes pod's ``resources.limits.memory``).
 
-Who calls it: the connector when it sizes the CPU tier from ``cpu.capacity_fraction``
-(once, at start-up), and ``kvtier doctor``. Reads ``/proc`` and ``/sys`` only; never raises.
+Who calls it: the connector when it sizes the CPU tier (once, at start-up: a fixed
+``cpu.capacity_bytes`` that cannot fit fails the start, naming the field), ``kvtier
+check-config`` (a warning) and ``kvtier doctor``. Reads ``/proc`` and ``/sys`` only; never raises.
 
 Why the cgroup matters: ``MemAvailable`` is the *node's* free memory. In a pod limited to
 64 GiB on a 1 TiB node, half of "available" would be far above the limit, and the pool's
@@ -69,3 +70,17 @@ def available_memory(root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo
         if headroom < host:
             return headroom, "the cgroup memory limit minus its current usage"
     return host, "MemAvailable"
+
+
+def budget_overrun(capacity_bytes: int | None) -> str | None:
+    """Why a CPU tier of ``capacity_bytes`` (``cpu.capacity_bytes``) cannot fit in what this
+    process may still allocate (a sentence with both figures), or None when it
+    fits or no fixed budget is set (``cpu.capacity_fraction`` sizes from this figure)."""
+    if capacity_bytes is None:
+        return None
+    available, where = available_memory()
+    if capacity_bytes <= available:
+        return None
+    return (f"{capacity_bytes / 2**30:.1f} GiB is more than this machine "
+            f"can still allocate ({available / 2**30:.1f} GiB, {where}); lower it, or size the "
+            f"tier with cpu.capacity_fraction")

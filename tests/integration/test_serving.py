@@ -61,18 +61,22 @@ def _metric(text: str, name: str, tier: str = "cpu") -> float:
     return total
 
 
-def _start_server(model: Path, kv: dict, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """vLLM's own OpenAI API server with the plugin (vLLM's default shutdown: a SIGTERM
-    aborts the engine at once), ready to serve; (process, base URL)."""
-    port = _free_port()
-    log = open(log_path, "w")  # noqa: SIM115 (the server writes it until it exits)
-    cmd = [
+def _server_cmd(model: Path, kv: dict, port: int) -> list[str]:
+    return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
         "--enforce-eager", "--no-enable-prefix-caching", "--block-size", str(BLOCK_SIZE),
         "--kv-transfer-config", json.dumps(kv),
     ]
-    server = subprocess.Popen(cmd, cwd=ROOT, env=_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=log,
+
+
+def _start_server(model: Path, kv: dict, log_path: Path, log_level: str = "WARNING") -> tuple[subprocess.Popen, str]:
+    """vLLM's own OpenAI API server with the plugin (vLLM's default shutdown: a SIGTERM
+    aborts the engine at once), ready to serve; (process, base URL)."""
+    port = _free_port()
+    log = open(log_path, "w")  # noqa: SIM115 (the server writes it until it exits)
+    cmd = _server_cmd(model, kv, port)
+    server = subprocess.Popen(cmd, cwd=ROOT, env=_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL=log_level), stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     base_url = f"http://127.0.0.1:{port}"
@@ -120,8 +124,17 @@ def _wait_metric(base_url: str, name: str, tier: str, at_least: float, timeout_s
 
 @pytest.mark.slow
 def test_openai_api_server(tiny_model, baseline, tmp_path):
-    server, base_url = _start_server(tiny_model, kvtier_config(), tmp_path / "server.log")
+    """The reuse scenario through vLLM's server; the plugin is operable from the first
+    minute: its counters are scraped at 0 before any traffic, its INFO lines are in the
+    server's log in vLLM's format."""
+    log_path = tmp_path / "server.log"
+    server, base_url = _start_server(tiny_model, kvtier_config(), log_path, log_level="INFO")
     try:
+        idle = requests.get(f"{base_url}/metrics", timeout=10).text
+        zero = [ln for ln in idle.splitlines()
+                if ln.startswith("vllm:kvtier_load_failures_total{") and 'tier="cpu"' in ln]
+        assert zero and float(zero[0].rsplit(" ", 1)[1]) == 0.0, "no load_failures series at 0 before traffic"
+        assert "vllm:kvtier_blocks_loaded_total{" in idle
         def complete(prompt: list[int], max_tokens: int) -> list[int]:
             return _complete(base_url, tiny_model, prompt, max_tokens)
 
@@ -143,8 +156,31 @@ def test_openai_api_server(tiny_model, baseline, tmp_path):
             assert got[name] == baseline[name].tokens, name
         assert loaded["repeat"] == P1_BLOCKS
         assert loaded["turn2"] == 11
+        plugin_lines = [ln for ln in log_path.read_text().splitlines() if "kvtier: CPU tier" in ln]
+        assert plugin_lines and " INFO " in plugin_lines[0], "the plugin's start-up line is not in the server log"
     finally:
         _stop_server(server)
+
+
+@pytest.mark.slow
+def test_an_oversized_cpu_budget_stops_the_server_at_start_naming_the_field(tiny_model, tmp_path):
+    """A CPU budget the machine cannot hold fails the start, before /health says 200, with
+    a non-zero exit and the field named (it used to pass /health and kill the server at
+    its first request, exiting 0)."""
+    kv = kvtier_config({"cpu": {"capacity_bytes": 1 << 50}})
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_server_cmd(tiny_model, kv, _free_port()), cwd=ROOT,
+                                env=_env(VLLM_CPU_KVCACHE_SPACE="1"), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert rc != 0, text[-4000:]
+    assert "cpu.capacity_bytes" in text, text[-4000:]
 
 
 def _stored_blocks(root: Path) -> int:

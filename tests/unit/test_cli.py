@@ -43,3 +43,13 @@ def test_files_that_are_not_small_regular_files_are_refused(tmp_path, capsys):
     big.write_bytes(b" " * (5 << 20))
     assert main(["plan", "--model-config", str(big), "--context-tokens", "1K"]) == 2
     assert "larger than" in capsys.readouterr().err
+
+
+def test_check_config_warns_when_the_cpu_budget_exceeds_this_machine(capsys):
+    """A budget this machine cannot hold is a warning (the config may be for a bigger
+    machine; an engine here refuses to start with the same sentence), still exit 0."""
+    assert main(["check-config", '{"cpu": {"capacity_bytes": 1125899906842624}}']) == 0
+    err = capsys.readouterr().err
+    assert "warning: cpu.capacity_bytes" in err and "refuse to start" in err
+    assert main(["check-config", '{"cpu": {"capacity_bytes": 1048576}}']) == 0
+    assert "warning" not in capsys.readouterr().err

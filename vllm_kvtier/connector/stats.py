@@ -15,9 +15,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.exporter import PromMetrics
+from vllm_kvtier.keys import TierName
 
 _SECTIONS = ("counters", "gauges", "histograms")
+
+
+def metric_tiers(cfg: KVTierConfig) -> list[str]:
+    """The ``tier`` label values this config's counters can carry (exported at 0 from the
+    start): the CPU tier, each configured tier below it, ``peer`` with NIXL, ``all``."""
+    tiers = [TierName.CPU]
+    tiers += [name for name, section in ((TierName.NVME, cfg.nvme), (TierName.S3, cfg.s3),
+                                         (TierName.MOONCAKE, cfg.mooncake), (TierName.PEER, cfg.nixl))
+              if section is not None]
+    return [str(t) for t in (*tiers, TierName.ALL)]
 
 
 class KVTierStats(KVConnectorStats):
@@ -60,7 +73,8 @@ class KVTierStats(KVConnectorStats):
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Built once by vLLM's Prometheus stat logger (``build_prom_metrics``); ``observe``
+    """Built once by vLLM's Prometheus stat logger (``build_prom_metrics``), before any
+    request: every counter of the configured tiers is exported at 0 from then on. ``observe``
     is called from its thread with each step's aggregated ``KVTierStats.data``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
@@ -69,6 +83,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             prefix="vllm:kvtier_", labelnames=list(labelnames), counter_cls=self._counter_cls,
             gauge_cls=self._gauge_cls, histogram_cls=self._histogram_cls,
         )
+        try:  # the connector itself refuses a bad config, with the field named
+            tiers = metric_tiers(parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config))
+        except (ConfigError, AttributeError):
+            tiers = [str(TierName.CPU)]
+        for labelvalues in self.per_engine_labelvalues.values():
+            self._metrics.zero(tiers, list(labelvalues))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._metrics.observe(transfer_stats_data, list(self.per_engine_labelvalues.get(engine_idx, [])))

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.lower import make_planners, make_workers
 from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.connector.stats import metric_tiers
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.sysmem import available_memory
+from vllm_kvtier.sysmem import available_memory, budget_overrun
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -102,6 +104,11 @@ def worker_rank() -> int:
 def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
     """Number of CPU slots for the configured budget (whole engine, all ranks)."""
     if cfg.cpu.capacity_bytes is not None:
+        # Checked here, before serving: the worker's pool is touched at its first step, and
+        # an oversized one would kill the server at its first request.
+        overrun = budget_overrun(cfg.cpu.capacity_bytes)
+        if overrun is not None:
+            raise ConfigError("cpu.capacity_bytes", overrun)
         budget = cfg.cpu.capacity_bytes
         source = "cpu.capacity_bytes"
     else:
@@ -148,7 +155,7 @@ def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
 
     from vllm_kvtier.exporter import StandaloneExporter
 
-    exporter = StandaloneExporter(CollectorRegistry(), labels={"namespace": ns})
+    exporter = StandaloneExporter(CollectorRegistry(), labels={"namespace": ns}, tiers=metric_tiers(cfg))
     try:
         port = exporter.start(ex.port, ex.addr)
     except OSError as e:  # a busy port must not stop the engine
