@@ -225,3 +225,16 @@ def test_api_server_comes_back_warm_after_a_plain_stop(tiny_model, baseline, tmp
         assert _wait_metric(url, "vllm:kvtier_blocks_loaded_total", "nvme", P1_BLOCKS) == P1_BLOCKS
     finally:
         _stop_server(server)
+
+
+def test_a_config_typo_on_the_command_line_stops_the_server_before_the_model_loads(tmp_path):
+    """vLLM builds the connector after the model is loaded; the plugin checks the config
+    given on vLLM's command line as vLLM loads plugins, first of all: exit 2, one line
+    naming the field, no traceback, and no model load (the model path does not even
+    exist: vLLM would fail on it later, differently)."""
+    kv = kvtier_config({"cpu": {"capacty_bytes": 5}})
+    proc = subprocess.run(_server_cmd(tmp_path / "no-such-model", kv, _free_port()), cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "kvtier config field 'cpu.capacty_bytes': unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr and "no-such-model" not in proc.stderr

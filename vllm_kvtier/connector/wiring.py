@@ -8,10 +8,11 @@ Who calls it: vLLM (:func:`register`) and
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.config import KVTierConfig, parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import metric_tiers
@@ -71,13 +72,57 @@ def route_logs_to_vllm() -> None:
         ours.setLevel(logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper()))
 
 
+def check_command_line_config() -> None:
+    """Refuse a bad ``kv_connector_extra_config`` given on vLLM's command line at once.
+
+    vLLM builds the connector only after the model is loaded (minutes for a real model),
+    and then reports a typo inside hundreds of lines and several tracebacks. vLLM loads
+    general plugins first of all, as it builds its argument parser, so :func:`register`
+    reads ``--kv-transfer-config`` from the command line of a vLLM entry point itself
+    (``vllm serve``, ``python -m vllm.entrypoints...``), in the main process only, and
+    when it names this connector and its extra config does not parse, prints the one-line
+    error naming the field and exits with status 2. Anything it cannot read (other forms
+    of the flag, bad JSON, another connector) is left to vLLM and to the connector's own
+    check at start.
+    """
+    import multiprocessing
+    import os
+    import sys
+
+    argv = sys.argv
+    if not argv or "vllm" not in os.path.basename(argv[0]) + os.path.dirname(argv[0]).replace(os.sep, "/") \
+            or multiprocessing.parent_process() is not None:
+        return
+    raw = None
+    for i, arg in enumerate(argv):
+        if arg == "--kv-transfer-config" and i + 1 < len(argv):
+            raw = argv[i + 1]
+        elif arg.startswith("--kv-transfer-config="):
+            raw = arg.partition("=")[2]
+    if raw is None:
+        return
+    try:
+        ktc = json.loads(raw)
+    except ValueError:
+        return
+    if not isinstance(ktc, dict) or ktc.get("kv_connector") != CONNECTOR_NAME:
+        return
+    try:
+        parse_config(ktc.get("kv_connector_extra_config") or {})
+    except ConfigError as e:
+        print(f"kvtier: --kv-transfer-config: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
-    work without ``kv_connector_module_path``, and route the plugin's logs to vLLM's
-    handlers. vLLM calls this in every process; calling it twice is harmless."""
+    work without ``kv_connector_module_path``, route the plugin's logs to vLLM's handlers,
+    and refuse a bad config on the command line before vLLM loads the model. vLLM calls
+    this in every process; calling it twice is harmless."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     route_logs_to_vllm()
+    check_command_line_config()
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
