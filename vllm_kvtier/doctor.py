@@ -33,6 +33,7 @@ from vllm_kvtier.ops.capacity import (
     KVModel,
     RequestKV,
     gpu_kv_budget,
+    host_overhead,
     human_bytes,
     request_kv,
 )
@@ -220,6 +221,11 @@ def check_cpu_budget(cfg: KVTierConfig, m: Machine, req: RequestKV | None) -> Ch
     head = f"CPU budget {human_bytes(budget)} ({how}) = {_pct(budget, avail)} of {human_bytes(avail)} ({where})"
     if budget > avail:
         return Check("cpu-budget", Status.FAIL, f"{head}: more DRAM than is available")
+    if req is not None and req.tokens:
+        extra = host_overhead(-(-req.stored_bytes // req.tokens), cfg).total_bytes()
+        head += f"; plus up to {human_bytes(extra)} outside it (transfer buffers, queued writes)"
+        if budget + extra > avail:
+            return Check("cpu-budget", Status.WARN, f"{head}: together more than is available")
     hi = CPU_BUDGET_RANGE[1]
     if budget > hi * avail:
         return Check("cpu-budget", Status.WARN, f"{head}: above the 50-70% rule's {hi:.0%}, little headroom left")

@@ -263,3 +263,29 @@ def test_units():
     assert parse_tokens("1m", "x") == 2**20
     with pytest.raises(PlanInputError, match="--dram-bytes"):
         parse_size("lots", "--dram-bytes")
+
+
+def test_plan_states_the_host_memory_outside_the_cpu_budget():
+    """Idle transfer buffers and the chunks a lower tier's write queue may hold are not in
+    cpu.capacity_bytes: the plan states them (issue 16), at the tiers' default queue and
+    chunk sizes. A 70B-like model in bf16: 327,680 B per token, 256 tokens per chunk."""
+    from vllm_kvtier.ops.capacity import host_overhead
+
+    h = host_overhead(327_680)
+    assert h.writes_in_flight["nvme"] == (64, 16, 64 * 256 * 327_680)  # 5 GiB
+    assert h.writes_in_flight["s3"] == (32, 16, 32 * 256 * 327_680)
+    assert h.total_bytes(workers=2) == 2 * (256 << 20) + 96 * 256 * 327_680
+    out = subprocess.run([sys.executable, "-m", "vllm_kvtier.cli", "plan", "--layers", "80", "--kv-heads", "8",
+                          "--head-dim", "128", "--context-tokens", "128K"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "Host memory outside the CPU budget" in out and "5.00 GiB (nvme.max_queued_writes 64" in out
+
+
+def test_host_overhead_follows_the_configured_tiers():
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.ops.capacity import host_overhead
+
+    cfg = parse_config({"nvme": {"path": "/tmp/kv", "capacity_bytes": 2**30, "max_queued_writes": 8,
+                                 "chunk_blocks": 4}})
+    h = host_overhead(1000, cfg, block_tokens=16)
+    assert h.writes_in_flight == {"nvme": (8, 4, 8 * 64 * 1000)}  # no S3 section, no S3 queue

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.parse import read_small_file
 from vllm_kvtier.errors import KVTierError
+from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES
 
 #: bytes per cached value for each ``--kv-dtype`` (vLLM's ``--kv-cache-dtype``)
 KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -140,6 +142,53 @@ class CPUBudget:
     high_bytes: int
 
 
+#: vLLM's default KV block size on GPUs (tokens per block), for the chunk sizes below
+DEFAULT_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Host memory the plugin may use OUTSIDE the CPU tier's budget, for a whole engine:
+    idle page-aligned transfer buffers kept for reuse (at most ``idle_per_worker_bytes`` in
+    each worker process, one per TP rank) and, per tier below DRAM, the chunks its write
+    queue may hold assembled at once (``max_queued_writes`` x ``chunk_blocks`` blocks).
+    Reads in flight are bounded by the same chunk size times the tier's ``io_threads``."""
+
+    idle_per_worker_bytes: int
+    block_tokens: int
+    #: tier -> (max_queued_writes, chunk_blocks, bytes of that many chunks)
+    writes_in_flight: dict[str, tuple[int, int, int]]
+
+    def total_bytes(self, workers: int = 1) -> int:
+        return self.idle_per_worker_bytes * workers + sum(b for _, _, b in self.writes_in_flight.values())
+
+
+def host_overhead(bytes_per_token: int, cfg: KVTierConfig | None = None,
+                  block_tokens: int = DEFAULT_BLOCK_TOKENS) -> HostOverhead:
+    """The :class:`HostOverhead` of ``cfg``'s lower tiers (its queue and chunk sizes), or,
+    without a config, of an NVMe and an S3 tier at their defaults."""
+    from vllm_kvtier.config.sections import NVMeTierConfig, S3TierConfig
+    from vllm_kvtier.config.stores import S3Config
+
+    def default(cls: type, name: str) -> int:
+        return int(cls.__dataclass_fields__[name].default)  # type: ignore[attr-defined]
+
+    if cfg is None:
+        tiers: dict[str, tuple[int, int]] = {
+            "nvme": (default(NVMeTierConfig, "max_queued_writes"), default(NVMeTierConfig, "chunk_blocks")),
+            "s3": (default(S3Config, "max_queued_writes"), default(S3TierConfig, "chunk_blocks")),
+        }
+    else:
+        tiers = {}
+        if cfg.nvme is not None:
+            tiers["nvme"] = (cfg.nvme.max_queued_writes, cfg.nvme.chunk_blocks)
+        if cfg.s3 is not None:
+            tiers["s3"] = (cfg.s3.store.max_queued_writes, cfg.s3.chunk_blocks)
+    chunk_tokens = {t: blocks * block_tokens for t, (_, blocks) in tiers.items()}
+    return HostOverhead(DEFAULT_IDLE_BYTES, block_tokens, {
+        t: (int(q), int(blocks), int(q) * chunk_tokens[t] * bytes_per_token) for t, (q, blocks) in tiers.items()})
+
+
 @dataclass(frozen=True)
 class Plan:
     inp: PlanInput
@@ -149,6 +198,7 @@ class Plan:
     recompute_s: float | None
     cpu_budget: CPUBudget | None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    host_overhead: HostOverhead | None = None
 
 
 # -- model shapes -----------------------------------------------------------------------
@@ -339,7 +389,8 @@ def make_plan(inp: PlanInput) -> Plan:
     if inp.model.windowed_layers and req.gpu_bytes != req.model_bytes:
         notes.append("GPU figure: vLLM disables its hybrid KV cache manager with a KV connector, "
                      "so sliding layers are allocated at full length")
-    return Plan(inp, kv_bytes_per_token(inp.model, inp.kv_dtype), req, tuple(rows), recompute, budget, tuple(notes))
+    per_token = kv_bytes_per_token(inp.model, inp.kv_dtype)
+    return Plan(inp, per_token, req, tuple(rows), recompute, budget, tuple(notes), host_overhead(per_token))
 
 
 # -- units ------------------------------------------------------------------------------
@@ -472,5 +523,18 @@ def render_plan(plan: Plan) -> str:
         lines.append("CPU budget: give --dram-bytes (and --dram-reserved-bytes) to size it")
     else:
         lines += _cpu_lines(plan.cpu_budget)
+    if plan.host_overhead is not None:
+        lines += ["", *_overhead_lines(plan.host_overhead)]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _overhead_lines(h: HostOverhead) -> list[str]:
+    out = [f"Host memory outside the CPU budget (reserve it with the OS and workers; at block size "
+           f"{h.block_tokens}):",
+           f"  idle transfer buffers  up to {human_bytes(h.idle_per_worker_bytes)} per worker process "
+           "(one per TP rank)"]
+    for tier, (queue, blocks, nbytes) in h.writes_in_flight.items():
+        out.append(f"  {tier + ' writes queued':<22} up to {human_bytes(nbytes)} ({tier}.max_queued_writes {queue} "
+                   f"x chunks of {blocks} blocks)")
+    return out
