@@ -10,6 +10,7 @@ run in-process, one at a time."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -121,6 +122,58 @@ def test_model_dtype_change_is_a_miss(model_copy, tmp_path):
     got, cb = run_one(model_copy, nvme_kv(nvme), dtype="bfloat16", kv_cache_dtype="bfloat16")
     assert got == want
     assert loaded(cb) == 0 and cb.get("hit_blocks|nvme", 0) == 0
+
+
+def write_adapter(path: Path, seed: int) -> Path:
+    """A LoRA adapter (PEFT layout) for the tiny model: q_proj and v_proj of both layers,
+    rank 8, random weights; every seed has the same file names, headers and sizes."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False}))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(2):
+        for proj, out in (("q_proj", 256), ("v_proj", 128)):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, 256, generator=gen) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, 8, generator=gen) * 0.5
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def run_lora(model: Path, kv: dict | None, adapter: Path, times: int = 1) -> tuple[list[list[int]], dict]:
+    """The prompt's greedy tokens with the adapter, ``times`` in a row on one engine."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm = make_llm(model, kv, enable_lora=True, max_lora_rank=8, max_loras=1)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+        lora = LoRARequest("adapter", 1, str(adapter))
+        out = [list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], sp, use_tqdm=False,
+                                 lora_request=lora)[0].outputs[0].token_ids) for _ in range(times)]
+        return out, kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+
+
+def test_rewritten_lora_adapter_is_a_miss(model_copy, tmp_path):
+    """vLLM hashes a LoRA request's blocks by the adapter's name: the plugin binds them to
+    its content, so a new adapter under the same name and path does not get the old KV."""
+    nvme, adapter = tmp_path / "nvme", write_adapter(tmp_path / "adapter", seed=1)
+    _, ca = run_lora(model_copy, nvme_kv(nvme), adapter)
+    assert ca.get("blocks_stored|nvme", 0) > 0
+    write_adapter(adapter, seed=2)
+    (want,), _ = run_lora(model_copy, None, adapter)
+    (got, again), cb = run_lora(model_copy, nvme_kv(nvme), adapter, times=2)
+    assert got == want and again == want
+    assert cb.get("blocks_loaded|nvme", 0) == 0
+    assert cb.get("blocks_loaded|cpu", 0) == LOADABLE  # its own blocks, keyed by the new content, hit
 
 
 def test_hf_overrides_change_is_a_miss(model_copy, tmp_path):

@@ -24,6 +24,9 @@ from vllm_kvtier.plan.scheduler import SchedulerPlanner
 
 logger = logging.getLogger("vllm_kvtier")
 
+#: LoRA request views kept at most (one per live LoRA request; vLLM finishes each).
+MAX_VIEWS = 65536
+
 
 def step_input(scheduler_output: Any) -> StepInput:
     """The planner's view of a ``SchedulerOutput``: tokens scheduled per request, the
@@ -103,6 +106,8 @@ class SchedulerHalf(SchedulerPlanner):
             self.counters.add("lora_unkeyed_requests", TierName.ALL)
             logger.warning("kvtier: LoRA adapter %r at %r cannot be fingerprinted (%s): its requests skip the "
                            "tiers", getattr(lora, "lora_name", ""), path, e)
+        if len(self._views) >= MAX_VIEWS:  # looked up and never finished: forget the oldest
+            self._views.pop(next(iter(self._views)))
         view = self._views[request.request_id] = AdapterRequest(request, adapter)
         return view
 
