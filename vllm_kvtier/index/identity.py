@@ -260,6 +260,7 @@ class ModelIdentity:
     def describe(self) -> dict[str, str]:
         """The fields for a log line: the salt only as "set"/"unset"."""
         out = asdict(self)
+        out["model"] = self.model or "(named by its weights)"
         out["salt"] = "set" if self.salt else "unset"
         return out
 
