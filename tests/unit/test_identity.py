@@ -205,3 +205,21 @@ def test_adapter_keys_bind_block_hashes_to_adapter_content(tmp_path):
     assert len(keys) == 4 and keys[-1] == adapter_key(fp1, b"\x09" * 32)
     with pytest.raises(OSError):
         fps.get(str(tmp_path / "missing"))
+
+
+def test_special_files_are_not_read(tmp_path):
+    """A FIFO named like a weight file would block a reader: it is skipped."""
+    d = model_dir(tmp_path / "a")
+    before = fingerprint_weights(d).digest
+    os.mkfifo(d / "extra.safetensors")
+    assert fingerprint_weights(d).digest == before
+
+
+def test_symlinked_weights_are_followed(tmp_path):
+    """A hub snapshot's files are symlinks to its blobs."""
+    a = model_dir(tmp_path / "a")
+    b = tmp_path / "b"
+    b.mkdir()
+    for f in a.iterdir():
+        (b / f.name).symlink_to(f)
+    assert fingerprint_weights(b).digest == fingerprint_weights(a).digest

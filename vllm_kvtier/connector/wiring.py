@@ -142,7 +142,7 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
     if local is not None:
         try:
             fp = fingerprint_weights(local)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
             logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
     if fp is None:
         logger.warning("kvtier: the weights of %r cannot be fingerprinted (not a readable local model); the "

@@ -170,8 +170,10 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
         # deeper trees (training checkpoints kept beside the model) are not walked.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if depth < MAX_DEPTH else []
         for name in filenames:
-            if name.endswith(WEIGHT_SUFFIXES) or name in CONFIG_FILES:
-                full = Path(dirpath) / name
+            full = Path(dirpath) / name
+            # regular files only (symlinks followed: a hub snapshot links to its blobs); a
+            # FIFO or device named like a weight file would block or never end
+            if (name.endswith(WEIGHT_SUFFIXES) or name in CONFIG_FILES) and full.is_file():
                 found.append((full.relative_to(root).as_posix(), full))
     yield from sorted(found)
 
