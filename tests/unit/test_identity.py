@@ -223,3 +223,31 @@ def test_symlinked_weights_are_followed(tmp_path):
     for f in a.iterdir():
         (b / f.name).symlink_to(f)
     assert fingerprint_weights(b).digest == fingerprint_weights(a).digest
+
+
+def test_cost_of_a_70b_layout_is_about_1200_reads(tmp_path):
+    """Llama-70B's layout: 723 tensors in 30 safetensors shards (sparse files here, 1 MiB
+    each: the read count depends on tensors and files, not bytes). One read per tensor,
+    16 per file, one per header and config file: the figure docs/configuration.md gives."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    names += [f"model.layers.{i}.{t}.weight" for i in range(80) for t in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+    assert len(names) == 723
+    d = tmp_path / "70b"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    shard = 1 << 20
+    for s in range(30):
+        chunk = names[s * len(names) // 30:(s + 1) * len(names) // 30]
+        step = shard // len(chunk)
+        header = {n: {"dtype": "U8", "shape": [step], "data_offsets": [i * step, (i + 1) * step]}
+                  for i, n in enumerate(chunk)}
+        blob = json.dumps(header).encode()
+        with open(d / f"model-{s + 1:05d}-of-00030.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            f.truncate(8 + len(blob) + step * len(chunk))
+    fp = fingerprint_weights(d)
+    assert fp.files == 31
+    assert 723 + 30 <= fp.reads <= 723 + 30 * (1 + identity.FILE_WINDOWS) + 1
+    assert 1100 <= fp.reads <= 1250
