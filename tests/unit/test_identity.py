@@ -251,3 +251,11 @@ def test_cost_of_a_70b_layout_is_about_1200_reads(tmp_path):
     assert fp.files == 31
     assert 723 + 30 <= fp.reads <= 723 + 30 * (1 + identity.FILE_WINDOWS) + 1
     assert 1100 <= fp.reads <= 1250
+
+
+def test_canonical_is_stable_and_total():
+    assert identity.canonical({"b": 1, "a": [1.5, None]}) == identity.canonical({"a": [1.5, None], "b": 1})
+    loop: list = []
+    loop.append(loop)
+    assert identity.canonical(loop).startswith("repr:")
+    assert identity.canonical({1, 2}) == identity.canonical({1, 2})  # by str

@@ -227,8 +227,12 @@ def fingerprint_weights(path: str | Path) -> WeightsFingerprint:
 
 
 def canonical(value: Any) -> str:
-    """A stable text form of a config value (dicts sorted; other objects by ``str``)."""
-    return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+    """A stable text form of a config value (dicts sorted; other objects by ``str``; a
+    value JSON cannot walk, e.g. one that contains itself, by its ``repr``)."""
+    try:
+        return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
+    except (ValueError, TypeError, RecursionError):
+        return "repr:" + repr(value)
 
 
 @dataclass(frozen=True)
