@@ -52,6 +52,8 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
+                             "load from nor save to the tiers.",
 }
 
 #: gauge metric -> help text

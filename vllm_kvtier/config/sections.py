@@ -21,6 +21,8 @@ LoadMode = Literal["sync", "async"]
 #: Blocks per chunk at most (``nvme.chunk_blocks``, ``s3.chunk_blocks``): also the bound a
 #: reader puts on a chunk header's block count before it allocates anything.
 MAX_CHUNK_BLOCKS = 256
+#: ``namespace_salt`` is at most this many characters.
+MAX_SALT_CHARS = 256
 
 
 def _positive(path: str, value: float) -> None:
@@ -351,6 +353,15 @@ class KVTierConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     fault_injection: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    #: Mixed into the namespace digest, for what no fingerprint can see (custom kernels, a
+    #: model not in a local directory): engines with different salts never share KV.
+    #: Logged only as "set"/"unset" (not in the repr).
+    namespace_salt: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)
+        if len(self.namespace_salt) > MAX_SALT_CHARS:
+            raise ConfigError("namespace_salt",
+                              f"must be at most {MAX_SALT_CHARS} characters, got {len(self.namespace_salt)}")
+        if not self.namespace_salt.isprintable():
+            raise ConfigError("namespace_salt", "must be printable text (no control characters)")

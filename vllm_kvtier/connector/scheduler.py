@@ -11,12 +11,21 @@ has the attributes of :class:`~vllm_kvtier.plan.inputs.Request`.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.index.identity import AdapterFingerprints, AdapterKeys
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
+
+logger = logging.getLogger("vllm_kvtier")
+
+#: LoRA request views kept at most (one per live LoRA request; vLLM finishes each).
+MAX_VIEWS = 65536
 
 
 def step_input(scheduler_output: Any) -> StepInput:
@@ -52,20 +61,72 @@ def worker_output(connector_output: Any) -> WorkerOutput:
     )
 
 
+class AdapterRequest:
+    """A LoRA request as the planners see it: vLLM's live ``Request`` with its block
+    hashes bound to the adapter's content (:class:`~vllm_kvtier.index.identity.AdapterKeys`).
+    vLLM folds only the adapter's *name* into its block hashes, so without this a
+    rewritten adapter under the same name would be served its old KV. ``adapter`` None (no
+    fingerprint could be taken): no block hashes, so the request neither loads from nor
+    saves to the tiers."""
+
+    def __init__(self, request: Any, adapter: bytes | None) -> None:
+        self.live = request
+        self._keys: Sequence[bytes] = AdapterKeys(request, adapter) if adapter is not None else ()
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        return self._keys
+
+    def __getattr__(self, name: str) -> Any:  # everything else: the live request's
+        return getattr(self.live, name)
+
+
 class SchedulerHalf(SchedulerPlanner):
-    """The planner under vLLM's hook names and types (its introspection is the planner's)."""
+    """The planner under vLLM's hook names and types (its introspection is the planner's).
+    A request with a LoRA adapter reaches the planner as an :class:`AdapterRequest`, the
+    same object on every hook until it finishes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._adapters = AdapterFingerprints()
+        self._views: dict[str, AdapterRequest] = {}
+
+    def _view(self, request: Any) -> Any:
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return request
+        view = self._views.get(request.request_id)
+        if view is not None and view.live is request:
+            return view
+        path = str(getattr(lora, "lora_path", "") or getattr(lora, "path", ""))
+        try:
+            adapter: bytes | None = self._adapters.get(path)
+        except OSError as e:
+            adapter = None
+            self.counters.add("lora_unkeyed_requests", TierName.ALL)
+            logger.warning("kvtier: LoRA adapter %r at %r cannot be fingerprinted (%s): its requests skip the "
+                           "tiers", getattr(lora, "lora_name", ""), path, e)
+        if len(self._views) >= MAX_VIEWS:  # looked up and never finished: forget the oldest
+            self._views.pop(next(iter(self._views)))
+        view = self._views[request.request_id] = AdapterRequest(request, adapter)
+        return view
+
+    def record_lookup(self, request: Request) -> None:
+        super().record_lookup(self._view(request))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.lookup(request, num_computed_tokens)
+        return self.lookup(self._view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        self.on_alloc(request, block_ids, num_external_tokens)
+        self.on_alloc(self._view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         return KVTierMetadata.from_plan(self.plan_step(step_input(scheduler_output)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self.on_finished(request, block_ids)
+        view = self._view(request)
+        self._views.pop(request.request_id, None)
+        return self.on_finished(view, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.on_worker_output(worker_output(connector_output))

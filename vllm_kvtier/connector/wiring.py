@@ -8,8 +8,11 @@ Who calls it: vLLM (:func:`register`) and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.config import KVTierConfig, parse_config
@@ -17,6 +20,13 @@ from vllm_kvtier.connector.lower import make_planners, make_workers
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import metric_tiers
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.index.identity import (
+    ModelIdentity,
+    WeightsFingerprint,
+    canonical,
+    describe_line,
+    fingerprint_weights,
+)
 from vllm_kvtier.index.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.sysmem import available_memory, budget_overrun
@@ -167,27 +177,113 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) ->
     return int(slots)
 
 
-def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """The digest naming what this engine stores (model, KV dtype and shape, TP size,
-    layout, hash): blocks of another namespace are never read back."""
+#: Keys of the resolved HF config that name files or versions, not what is computed.
+_VOLATILE_HF_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "name_or_path",
+                               "_attn_implementation_autoset"})
+#: Resolved HF config fields logged as the rope settings (all of the config is hashed).
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+              "partial_rotary_factor", "original_max_position_embeddings")
+
+
+def _hf_dict(hf_config: Any) -> dict[str, Any]:
+    try:
+        raw = hf_config.to_dict()
+    except Exception:  # not a transformers config: its public attributes
+        raw = {k: v for k, v in vars(hf_config).items() if not k.startswith("_")}
+    # A value printed with its address would differ between processes (scheduler and
+    # workers must agree on the namespace): such values are left out.
+    return {k: v for k, v in raw.items()
+            if k not in _VOLATILE_HF_KEYS and " at 0x" not in canonical(v)}
+
+
+def _local_model_path(model_config: Any, load_config: Any) -> Path | None:
+    """The local directory (or file) vLLM loads the weights from: the model path itself,
+    or a hub id's snapshot already in the local HF cache (never downloaded here)."""
+    path = Path(str(model_config.model))
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        found = snapshot_download(str(model_config.model), revision=model_config.revision,
+                                  cache_dir=getattr(load_config, "download_dir", None), local_files_only=True)
+        return Path(found)
+    except Exception:
+        return None
+
+
+def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, WeightsFingerprint | None]:
+    """The :class:`ModelIdentity` of this engine, read from vLLM's resolved configuration,
+    and the weights fingerprint it used (None when the weights could not be fingerprinted:
+    then the model id and revision stand for them, with a WARNING)."""
+    model = vllm_config.model_config
+    load = vllm_config.load_config
+    cache = vllm_config.cache_config
+    hf = getattr(model, "hf_config", None)
+    text = getattr(model, "hf_text_config", hf)
+    fp: WeightsFingerprint | None = None
+    local = _local_model_path(model, load)
+    if local is not None:
+        try:
+            fp = fingerprint_weights(local)
+        except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
+            logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
+    if fp is None:
+        logger.warning("kvtier: the weights of %r cannot be fingerprinted (not a readable local model); the "
+                       "namespace uses its id and revision only: set namespace_salt when the weights behind "
+                       "them can change", model.model)
+    overrides: Any = model.hf_overrides
+    if callable(overrides):  # a function: only its name can be seen
+        overrides = f"callable:{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+    rope = {k: getattr(text, k) for k in _ROPE_KEYS if getattr(text, k, None) is not None}
+    identity = ModelIdentity(
+        model="" if fp is not None else f"{model.model}@{model.revision or ''}",
+        weights=fp.digest if fp is not None else "",
+        model_dtype=str(model.dtype),
+        kv_cache_dtype=str(cache.cache_dtype),
+        quantization=str(model.quantization or ""),
+        quant_config=canonical(getattr(hf, "quantization_config", None)),
+        hf_overrides=canonical(overrides),
+        rope=canonical(rope),
+        hf_config=hashlib.sha256(canonical(_hf_dict(hf) if hf is not None else {}).encode()).hexdigest()[:32],
+        load_format=str(getattr(load, "load_format", "")) + (
+            f":seed={model.seed}" if str(getattr(load, "load_format", "")) == "dummy" else ""),
+        salt=salt,
+    )
+    return identity, fp
+
+
+def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
+                     log: bool = False) -> str:
+    """The digest naming what this engine stores (the model's identity: weights, dtype,
+    quantization, overrides, salt; KV dtype and shape, TP size, layout, hash): blocks of
+    another namespace are never read back. ``log``: its inputs at INFO (once per engine:
+    the scheduler role)."""
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    return namespace(
-        NamespaceFields(
-            model=f"{model.model}@{model.revision or ''}",
-            kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
-            block_size=cache.block_size,
-            num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
-            num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
-            head_size=int(getattr(spec, "head_size", 0)),
-            tp_size=par.tensor_parallel_size,
-            tp_rank=0,
-            layout="vllm-block-planes",
-            hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
-        )
+    identity, fp = model_identity(vllm_config, salt)
+    fields = NamespaceFields(
+        model=identity.digest(),
+        kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
+        block_size=cache.block_size,
+        num_layers=sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups),
+        num_kv_heads=int(getattr(spec, "num_kv_heads", 0)),
+        head_size=int(getattr(spec, "head_size", 0)),
+        tp_size=par.tensor_parallel_size,
+        tp_rank=0,
+        layout="vllm-block-planes",
+        hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
     )
+    ns = namespace(fields)
+    if log:
+        cost = ("none" if fp is None else
+                f"{fp.files} files, {fp.total_bytes / 2**30:.2f} GiB, {fp.reads} reads, {fp.seconds * 1e3:.0f} ms")
+        logger.info("kvtier: namespace %s from %s (weights fingerprint: %s) %s", ns,
+                    describe_line(identity.describe()), cost,
+                    describe_line({k: v for k, v in asdict(fields).items() if k != "model"}))
+    return ns
 
 
 def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
