@@ -52,6 +52,7 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
 }
 
 #: gauge metric -> help text

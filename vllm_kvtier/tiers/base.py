@@ -127,6 +127,9 @@ class ChunkStore(Protocol):
 
     #: Bytes of every block this store writes and accepts on read.
     block_bytes: int
+    #: Whether it signs and verifies chunks (a key): the caller builds its write buffers
+    #: with the same ``authenticated`` (the signed header needs more room).
+    authenticated: bool
 
     def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
         """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled;
