@@ -33,7 +33,6 @@ and thread-safe) and the worker's start-up (:func:`load_auth`, which may raise
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -81,7 +80,7 @@ class ChunkAuth:
         if len(key) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
         h = hmac.new(self._key, _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + bytes([len(key)]) + key,
-                     hashlib.sha256)
+                     "sha256")
         h.update(data)
         return h.digest()
 
