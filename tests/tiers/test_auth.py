@@ -74,3 +74,42 @@ def test_auth_section_is_parsed_and_validated() -> None:
         parse_config({"auth": {"key_file": "relative/key"}})
     with pytest.raises(ConfigError, match="auth.key_env"):
         parse_config({"auth": {"key_env": "NOT A NAME"}})
+
+
+def test_short_keys_are_refused_by_the_signer_too() -> None:
+    with pytest.raises(ValueError):
+        ChunkAuth(bytes(31))
+
+
+def test_signed_header_longer_than_a_page_and_the_buffer_room() -> None:
+    """48 blocks: the signed header (101 B per block) outgrows one page where the unsigned
+    one (69 B) does not, so a read without a header fetches it in two steps, and a write
+    buffer built for the unsigned format is refused (its blocks would sit elsewhere)."""
+    from tests.tiers.contract import wait_for
+    from vllm_kvtier.errors import FailureReason
+    from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
+    from vllm_kvtier.tiers.chunkfile import header_bytes_for
+    from vllm_kvtier.tiers.memory import MemoryStore
+
+    n, bb = 48, 512
+    assert header_bytes_for(n) == 4096 < header_bytes_for(n, True)
+    pool = BufferPool(16 << 20)
+    store = MemoryStore("authtest00000000", bb, max_chunk_blocks=64, buffers=pool,
+                        auth=ChunkAuth(bytes.fromhex(KEY_HEX)))
+    try:
+        keys = [bytes([i]) * 32 for i in range(n)]
+        for job, signed in ((1, False), (2, True)):
+            wb = WriteBuffer(keys, bb, pool, authenticated=signed)
+            for i in range(n):
+                with wb.block(i) as b:
+                    b[:] = bytes([i]) * bb
+            assert store.submit_write(job, f"c{job}", wb)
+            r = wait_for(store, job)
+            assert r.ok is signed and (signed or r.reason is FailureReason.BAD_REQUEST), r.reason
+        store.submit_read(3, "c2", None, [47, 0], [keys[47], keys[0]])
+        r = wait_for(store, 3)
+        assert r.ok and r.blocks is not None and r.header is not None and r.header.header_bytes > 4096, r.reason
+        assert [b.tobytes() for b in r.blocks] == [bytes([47]) * bb, bytes(bb)]
+        r.release()
+    finally:
+        store.close()
