@@ -34,6 +34,12 @@ works), the second is fully warm.
     python bench/nvme_throughput.py                       # 1 GiB, 5 rounds, 100k-block index
     python bench/nvme_throughput.py --dir /mnt/nvme/tmp --total-mib 4096
     python bench/nvme_throughput.py --sweep               # also try io_threads / chunk sizes
+    python bench/nvme_throughput.py --auth                # also with MACs (auth), paired on/off
+
+``--auth``: every round also writes and reads the same workload through a second store that
+signs and verifies every chunk (``auth``, HMAC-SHA256 of every block and the header, a
+random key), interleaved with the unauthenticated one (the order flips every round); the
+rows ``write(auth)`` / ``read(auth)`` and the JSON's ``auth`` give the MAC-on/MAC-off ratio.
 
 The data directory is a fresh subdirectory of ``--dir`` (default a new temp dir under
 /var/tmp, i.e. the real disk rather than tmpfs) and is removed at the end.
@@ -61,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
+from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.base import IOResult  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
@@ -96,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--index-block-bytes", type=int, default=4096)
     p.add_argument("--index-chunk-blocks", type=int, default=16)
     p.add_argument("--no-fill-row", action="store_true", help="skip the write+fill row")
+    p.add_argument("--auth", action="store_true",
+                   help="also run every round through a store with MACs on (auth) and report the on/off ratio")
     p.add_argument("--sweep", action="store_true",
                    help="also time ours (write+read, one round each) for io_threads in {1,2,4} "
                         "and chunk-blocks in {4,16,64} (informational, no dd)")
@@ -154,8 +163,8 @@ class Workload:
     def keys(self, c: int) -> list[bytes]:
         return [struct.pack("<QQ", self.tag, c * self.chunk_blocks + i) for i in range(self.chunk_blocks)]
 
-    def make_buffer(self, c: int) -> WriteBuffer:
-        wb = WriteBuffer(self.keys(c), self.block_bytes)
+    def make_buffer(self, c: int, authenticated: bool = False) -> WriteBuffer:
+        wb = WriteBuffer(self.keys(c), self.block_bytes, authenticated=authenticated)
         for i in range(self.chunk_blocks):
             blk = wb.block(i)
             blk[:] = self.pattern
@@ -173,7 +182,8 @@ def poll_wait(store: NVMeStore) -> list[IOResult]:
 
 def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float, dict[str, Any], dict[str, Any]]:
     """Submit every chunk (until refused, poll, resubmit); returns (seconds, headers, stats)."""
-    bufs: list[WriteBuffer | None] | None = [w.make_buffer(c) for c in range(w.nchunks)] if prefill else None
+    bufs: list[WriteBuffer | None] | None = (
+        [w.make_buffer(c, store.authenticated) for c in range(w.nchunks)] if prefill else None)
     headers: dict[str, Any] = {}
     refused = 0
     failed: list[str] = []
@@ -186,7 +196,7 @@ def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float
         while nxt < w.nchunks:
             if pending is None:
                 pending = bufs[nxt] if bufs is not None else None
-                pending = pending or w.make_buffer(nxt)
+                pending = pending or w.make_buffer(nxt, store.authenticated)
             if not store.submit_write(nxt, w.file_ids[nxt], pending):
                 refused += 1
                 break
@@ -380,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = NVMeStore(base / "store", NAMESPACE, 0, a.block_bytes, direct_io=a.direct_io,
                           io_threads=a.io_threads, max_queued_writes=a.max_queued_writes)
+        auth_store = (NVMeStore(base / "store-auth", NAMESPACE, 0, a.block_bytes, direct_io=a.direct_io,
+                                io_threads=a.io_threads, max_queued_writes=a.max_queued_writes,
+                                auth=ChunkAuth(os.urandom(32))) if a.auth else None)
         w = Workload(a.total_mib * MiB, a.block_bytes, a.chunk_blocks, tag=0xB10C)
         dd_path = base / "dd.bin"
         print(f"dir {base} ({fs.get('type')} on {fs.get('device')}), O_DIRECT: {store.direct}, "
@@ -389,10 +402,18 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         try:
             for i in range(a.repeats):
-                order = ("ours", "dd") if i % 2 == 0 else ("dd", "ours")
+                order: tuple[str, ...] = ("ours", "dd") if i % 2 == 0 else ("dd", "ours")
+                if auth_store is not None:  # MAC on right before or after MAC off, alternating
+                    order = ("ours", "auth", "dd") if i % 2 == 0 else ("dd", "auth", "ours")
                 rec: dict[str, Any] = {"order": list(order)}
                 for who in order:
-                    rec[who] = one_round_ours(store, w, not a.no_fill_row) if who == "ours" else one_round_dd(dd_path, w)
+                    if who == "ours":
+                        rec[who] = one_round_ours(store, w, not a.no_fill_row)
+                    elif who == "auth":
+                        assert auth_store is not None
+                        rec[who] = one_round_ours(auth_store, w, False)
+                    else:
+                        rec[who] = one_round_dd(dd_path, w)
                 rounds.append(rec)
                 o, d = rec["ours"], rec["dd"]
                 print(f"  round {i + 1} ({'/'.join(order)}): write ours {w.payload_bytes / o['write_s'] / MB:.0f} "
@@ -402,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             direct = store.direct
         finally:
             store.close()
+            if auth_store is not None:
+                auth_store.close()
 
         def med(who: str, key: str) -> float:
             return statistics.median(r[who][key] for r in rounds)
@@ -419,6 +442,16 @@ def main(argv: list[str] | None = None) -> int:
                           "ours_median_s": med("ours", okey), "dd_median_s": med("dd", dkey),
                           "ours_cpu_s": med("ours", ckey)})
 
+        auth_rows = None
+        if auth_store is not None:
+            auth_rows = []
+            for case, key in (("write", "write_s"), ("read", "read_s")):
+                on, off = w.payload_bytes / med("auth", key) / MB, w.payload_bytes / med("ours", key) / MB
+                auth_rows.append({"case": f"{case}(auth)", "auth_MBps": on, "plain_MBps": off, "ratio": on / off,
+                                  "paired_ratio": statistics.median(r["ours"][key] / r["auth"][key] for r in rounds),
+                                  "auth_cpu_s": med("auth", key.replace("_s", "_cpu_s")),
+                                  "plain_cpu_s": med("ours", key.replace("_s", "_cpu_s"))})
+
         sweep_rows = sweep(base, a) if a.sweep else None
         index = time_index(base / "index", a) if a.index_blocks > 0 else None
         load_after = _loadavg()
@@ -431,6 +464,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c['paired_ratio']:>7.2f} {c['ours_cpu_s']:>10.2f}")
         print("(ratio = ours/dd of the median MB/s; paired = median over rounds of ours/dd within a round; "
               "ours CPU s = process CPU time, all threads, median)")
+        if auth_rows:
+            print()
+            print(f"{'case':<12} {'MAC on MB/s':>12} {'MAC off MB/s':>13} {'ratio':>6} {'paired':>7} "
+                  f"{'CPU s on/off':>14}")
+            for c in auth_rows:
+                print(f"{c['case']:<12} {c['auth_MBps']:>12.0f} {c['plain_MBps']:>13.0f} {c['ratio']:>6.2f} "
+                      f"{c['paired_ratio']:>7.2f} {c['auth_cpu_s']:>6.2f}/{c['plain_cpu_s']:.2f}")
+            print("(auth: HMAC-SHA256 of every block and header on write, verified on read; ratio = on/off)")
         by = {c["case"]: c for c in cases}
         print()
         for case in ("write", "read"):
@@ -459,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": {f"{c}_ratio_ge_0.8": by[c]["ratio"] >= 0.8 for c in ("write", "read")},
             "rounds": rounds,
             "sweep": sweep_rows,
+            "auth": auth_rows,
             "index_rebuild": index,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "platform": platform.platform(), "loadavg_before": load_before,

@@ -18,12 +18,16 @@ on 127.0.0.1, or ``--endpoint-url`` with credentials from the standard AWS chain
 * requests per GiB stored and loaded: HTTP requests actually sent (counted on botocore's
   ``before-send`` event, every attempt) for the chunked store against plain boto3 storing
   and loading one object per block (the same payload; target: ours <= 1/10 of that).
+* ``--auth``: a third side in every round, a store that signs and verifies every chunk
+  (``auth``: HMAC-SHA256 of every block and the header, a random key), interleaved with
+  the others; the table ``MAC on/off`` and the JSON's ``auth`` give the on/off ratio.
 
 MB/s = payload bytes (blocks only; our objects also carry a 4 KiB header) / seconds, MB =
 1e6 bytes. moto keeps objects in its process memory and does not give it back, so the
 defaults stay small (64 MiB per phase); objects are deleted after each phase.
 
     python bench/s3_throughput.py                        # moto on 127.0.0.1, 64 MiB, 7 rounds
+    python bench/s3_throughput.py --auth                 # also with MACs on (auth), paired on/off
     python bench/s3_throughput.py --endpoint-url https://s3.us-east-1.amazonaws.com \\
         --bucket my-bucket --total-mib 1024              # a real endpoint (bucket must exist)
 """
@@ -48,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import save_json  # noqa: E402
 from testkit.s3_server import MotoServer, aws_test_env  # noqa: E402
+from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.chunkfile import ChunkHeader  # noqa: E402
 from vllm_kvtier.tiers.s3 import S3Config, S3Store  # noqa: E402
@@ -72,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--load-passes", type=int, default=4,
                    help="each load phase reads every object this many times (more bytes timed, no more stored)")
+    p.add_argument("--auth", action="store_true",
+                   help="also run every round through a store with MACs on (auth) and report the on/off ratio")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "s3_throughput.json"))
     a = p.parse_args(argv)
     if min(a.block_bytes, a.chunk_blocks, a.total_mib, a.threads, a.repeats, a.load_passes) <= 0:
@@ -96,9 +103,9 @@ class Workload:
     def chunk_bytes(self, c: int) -> bytes:
         return b"".join(self.block(c * self.chunk_blocks + i) for i in range(self.chunk_blocks))
 
-    def write_buffer(self, c: int) -> WriteBuffer:
+    def write_buffer(self, c: int, authenticated: bool = False) -> WriteBuffer:
         wb = WriteBuffer([struct.pack("<QQ", 0xB0, c * self.chunk_blocks + i) for i in range(self.chunk_blocks)],
-                         self.block_bytes)
+                         self.block_bytes, authenticated=authenticated)
         for i in range(self.chunk_blocks):
             with wb.block(i) as dst:
                 dst[:] = self.block(c * self.chunk_blocks + i)
@@ -129,7 +136,7 @@ def diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def ours_store(store: S3Store, w: Workload, ids: list[str]) -> tuple[float, dict[str, ChunkHeader]]:
-    bufs = [w.write_buffer(c) for c in range(w.nchunks)]
+    bufs = [w.write_buffer(c, store.authenticated) for c in range(w.nchunks)]
     headers: dict[str, ChunkHeader] = {}
     failed: list[str] = []
     t0 = time.perf_counter()
@@ -209,37 +216,38 @@ def boto_load(client: Any, bucket: str, keys: list[str], threads: int, expect: i
 # ---- main -------------------------------------------------------------------------------------
 
 
-def one_round(store: S3Store, client: Any, counts: dict[str, int], w: Workload, threads: int, tag: int,
-              passes: int, order: tuple[str, str]) -> dict[str, Any]:
-    """Both sides store the same payload (in ``order``), then load it ``passes`` times,
-    alternating sides pass by pass (so drift in the machine's load hits both), then delete."""
-    bucket = store.config.bucket
+def one_round(stores: dict[str, S3Store], client: Any, counts: dict[str, int], w: Workload, threads: int, tag: int,
+              passes: int, order: tuple[str, ...]) -> dict[str, Any]:
+    """Every side (our stores by name: "ours", and "auth" with MACs on; "boto3") stores the
+    same payload (in ``order``), then loads it ``passes`` times, alternating the order pass
+    by pass (so drift in the machine's load hits all), then deletes."""
+    bucket = stores["ours"].config.bucket
     ids = [f"r{tag:02d}c{c:05d}" for c in range(w.nchunks)]
     items = [(f"bench/boto/r{tag:02d}/{c:05d}", w.chunk_bytes(c)) for c in range(w.nchunks)]
     keys = [k for k, _ in items]
-    rec: dict[str, Any] = {"order": list(order), "ours": {"load_pass_s": []}, "boto3": {"load_pass_s": []}}
-    headers: dict[str, ChunkHeader] = {}
+    rec: dict[str, Any] = {"order": list(order), **{who: {"load_pass_s": []} for who in order}}
+    headers: dict[str, dict[str, ChunkHeader]] = {}
 
     def requests_of(who: str) -> dict[str, int]:
-        return store.stats().requests if who == "ours" else dict(counts)
+        return stores[who].stats().requests if who in stores else dict(counts)
 
     for who in order:
         before = requests_of(who)
-        if who == "ours":
-            rec[who]["store_s"], headers = ours_store(store, w, ids)
+        if who in stores:
+            rec[who]["store_s"], headers[who] = ours_store(stores[who], w, ids)
         else:
             rec[who]["store_s"] = boto_store(client, bucket, items, threads)
         rec[who]["store_requests"] = diff(requests_of(who), before)
     before = {who: requests_of(who) for who in order}
     for p in range(passes):
         for who in order if p % 2 == 0 else order[::-1]:
-            secs = ours_load(store, w, ids, headers) if who == "ours" else \
+            secs = ours_load(stores[who], w, ids, headers[who]) if who in stores else \
                 boto_load(client, bucket, keys, threads, w.payload_bytes)
             rec[who]["load_pass_s"].append(secs)
     for who in order:
         rec[who]["load_s"] = statistics.mean(rec[who]["load_pass_s"])
         rec[who]["load_requests"] = per_pass(diff(requests_of(who), before[who]), passes)
-    delete_all(client, bucket, [store.key(i) for i in ids] + keys)
+    delete_all(client, bucket, [st.key(i) for st in stores.values() for i in ids] + keys)
     return rec
 
 
@@ -277,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                        multipart_threshold_bytes=max(64 * MiB, 2 * w.chunk_blocks * w.block_bytes))
         store = S3Store(cfg, NAMESPACE, 0, a.block_bytes)
         stack.callback(store.close)
+        stores = {"ours": store}
+        if a.auth:  # its own prefix: the same payload, MACs on
+            import dataclasses
+
+            stores["auth"] = S3Store(dataclasses.replace(cfg, prefix=a.prefix + "auth/"), NAMESPACE, 0, a.block_bytes,
+                                     auth=ChunkAuth(os.urandom(32)))
+            stack.callback(stores["auth"].close)
         # The baseline client: the same botocore settings as the store's (a fair comparison).
         import boto3
         from botocore.config import Config
@@ -291,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rounds = []
         for i in range(a.repeats):
-            order = ("ours", "boto3") if i % 2 == 0 else ("boto3", "ours")
-            rec = one_round(store, base, counts, w, a.threads, i, a.load_passes, order)
+            order: tuple[str, ...] = ("ours", "boto3") if i % 2 == 0 else ("boto3", "ours")
+            if a.auth:
+                order = ("ours", "auth", "boto3") if i % 2 == 0 else ("boto3", "auth", "ours")
+            rec = one_round(stores, base, counts, w, a.threads, i, a.load_passes, order)
             rounds.append(rec)
             o, b = rec["ours"], rec["boto3"]
             print(f"  round {i + 1} ({'/'.join(order)}): store ours {w.payload_bytes / o['store_s'] / MB:.0f} "
@@ -334,6 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in reqs:
         print(f"{r['case']:<13} {r['ours_per_GiB']:>8.0f} {r['boto3_chunk_objects_per_GiB']:>20.0f} "
               f"{r['one_object_per_block_per_GiB']:>15.0f} {r['ratio_vs_per_block']:>15.3f}")
+    auth_rows = None
+    if a.auth:
+        auth_rows = []
+        for case in ("store", "load"):
+            on, off = w.payload_bytes / med("auth", f"{case}_s") / MB, w.payload_bytes / med("ours", f"{case}_s") / MB
+            auth_rows.append({"case": case, "auth_MBps": on, "plain_MBps": off, "ratio": on / off,
+                              "paired_ratio": statistics.median(r["ours"][f"{case}_s"] / r["auth"][f"{case}_s"]
+                                                                for r in rounds)})
+        print(f"\n{'MAC on/off':<11} {'on MB/s':>10} {'off MB/s':>10} {'ratio':>6} {'paired':>7}")
+        for c in auth_rows:
+            print(f"{c['case']:<11} {c['auth_MBps']:>10.0f} {c['plain_MBps']:>10.0f} {c['ratio']:>6.2f} "
+                  f"{c['paired_ratio']:>7.2f}")
+        print("(auth: HMAC-SHA256 of every block and header on store, verified on load; ratio = on/off)\n")
     print("(ratio = ours/boto3 of the median MB/s; paired = median over rounds of ours/boto3 within a round;")
     print(f" ours' stores exclude the manifest PUT, one per {cfg.manifest_every_writes} chunk writes: "
           f"+{100 / cfg.manifest_every_writes:.1f}% PUTs)")
@@ -345,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "s3_throughput", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(a),
         "endpoint": where, "payload_bytes_per_phase": w.payload_bytes, "chunks": w.nchunks,
-        "throughput": cases, "requests": reqs, "targets": targets, "rounds": rounds, "per_block_round": per_block,
+        "throughput": cases, "requests": reqs, "auth": auth_rows, "targets": targets, "rounds": rounds, "per_block_round": per_block,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
     save_json(a.json, result)

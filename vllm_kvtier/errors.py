@@ -50,6 +50,7 @@ class FailureReason(StrEnum):
     NOT_REGULAR = "not_regular"  #: a FIFO, device, socket or link where a chunk file should be
     BAD_REQUEST = "bad_request"  #: the medium refuses the request for this chunk (positions out of range...)
     IO_ERROR = "io_error"  #: the medium reports the bytes unreadable (EIO)
+    AUTH_FAILED = "auth_failed"  #: signed with our key id, but a MAC does not verify: forged or altered
     # ---- transient: the way to the chunk failed ------------------------------------------
     DEADLINE = "deadline"  #: no answer within the read's deadline (a late answer is dropped)
     TIMEOUT = "timeout"  #: one request timed out (connect or read timeout)
@@ -75,6 +76,9 @@ class FailureReason(StrEnum):
     LEASE_EXPIRED = "lease_expired"  #: Mooncake: the lease expired before the transfer ended
     TRANSFER = "transfer"  #: Mooncake: the transfer engine failed
     ERROR = "error"  #: anything else (logged with its traceback where it is caught)
+    #: not signed with our key: no MAC while we verify, a MAC under another key, or a MAC
+    #: we hold no key for. Never delivered, but kept: it may be another fleet's good data.
+    UNAUTHENTICATED = "unauthenticated"
 
     # A member hashes like its string, so ``reason in {"checksum", ...}`` works both ways.
     __hash__ = str.__hash__
@@ -90,5 +94,8 @@ class FailureReason(StrEnum):
 DAMAGED: frozenset[FailureReason] = frozenset({
     FailureReason.CHECKSUM, FailureReason.TRUNCATED, FailureReason.MISSING, FailureReason.NAMESPACE,
     FailureReason.FORMAT, FailureReason.KEY_MISMATCH, FailureReason.TOO_LARGE, FailureReason.NOT_REGULAR,
-    FailureReason.BAD_REQUEST, FailureReason.IO_ERROR,
+    FailureReason.BAD_REQUEST, FailureReason.IO_ERROR, FailureReason.AUTH_FAILED,
 })
+
+#: The reasons counted in ``kvtier_auth_failures_total``: a chunk refused by its MAC.
+AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, FailureReason.UNAUTHENTICATED})

@@ -54,6 +54,7 @@ COUNTERS: dict[str, str] = {
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
     "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
                              "load from nor save to the tiers.",
+    "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
 }
 
 #: gauge metric -> help text

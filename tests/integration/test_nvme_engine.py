@@ -226,3 +226,37 @@ def test_read_only_nvme_directory_degrades_to_misses(tiny_model, baseline_of, tm
     assert counters.get("store_failures|nvme", 0) > 0
     assert counters.get("blocks_loaded|nvme", 0) == 0
     assert got[-1].loaded == (330 - 1) // BLOCK_SIZE  # the DRAM tier still serves
+
+
+def test_signed_nvme_chunks_with_auth_local_tiers(tiny_model, baseline_of, tmp_path, monkeypatch):
+    """``auth.local_tiers``: with the key, NVMe chunk files are signed and a restart loads
+    them (the scanned headers are re-verified on read); without the key the same files
+    are refused (counted, kept on disk) and recomputed with the baseline's tokens; with
+    ``auth.required`` and no key the engine refuses to start, naming the field."""
+    from vllm_kvtier.tiers.chunkfile import decode_header
+
+    ps = SETS[2]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
+    kv["kv_connector_extra_config"]["auth"] = {"local_tiers": True}
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "3e" * 32)
+    run_process(tiny_model, kv, ps, tmp_path)
+    files = sorted((tmp_path / "nvme").rglob("*.kvt"))
+    assert files
+    head = files[0].read_bytes()
+    assert decode_header(head, head[12:28].rstrip(b"\0").decode()).authenticated
+    loadable = 2 * ((330 - 1) // BLOCK_SIZE)
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps]
+    assert data["counters"].get("blocks_loaded|nvme", 0) == loadable
+    assert data["counters"].get("auth_failures|nvme", 0) == 0
+
+    monkeypatch.delenv("KVTIER_AUTH_KEY")
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps]
+    c = data["counters"]
+    assert c.get("blocks_loaded|nvme", 0) == 0 and c.get("auth_failures|nvme", 0) >= 1, c
+    assert all(f.exists() for f in files), "another key's chunks are kept"
+
+    kv["kv_connector_extra_config"]["auth"]["required"] = True
+    with pytest.raises(AssertionError, match="auth.required"):
+        run_process(tiny_model, kv, ps[:1], tmp_path)

@@ -119,6 +119,37 @@ def test_decode_loads_what_prefill_put_in_the_pool(tiny_model, baseline_of, moon
     assert alone == baseline_of(fresh) and alone_c.get("blocks_loaded|mooncake", 0) == 0
 
 
+
+def test_pool_handoff_objects_are_signed_and_verified(tiny_model, baseline_of, mooncake_master, tmp_path,
+                                                      monkeypatch):
+    """``auth``: the hand-off objects a prefill instance with the key puts into the pool are
+    signed; a decode instance with the key loads them; one without it refuses every one
+    (counted, ``unauthenticated``) and recomputes, with the baseline's tokens."""
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "a7" * 32)
+    ps = SETS[2][:1]
+    prefill = start_prefill(tiny_model, mooncake_master.address, ps, tmp_path)
+    try:
+        wait_prefilled(prefill, tmp_path)
+        llm = make_llm(tiny_model, pd_config(mooncake_master.address, "kv_consumer"))
+        try:
+            signed = decode(llm, ps[0], HANDOFF)
+        finally:
+            close_llm(llm)
+        monkeypatch.delenv("KVTIER_AUTH_KEY")
+        llm = make_llm(tiny_model, pd_config(mooncake_master.address, "kv_consumer"))
+        try:
+            keyless = decode(llm, ps[0], HANDOFF)
+        finally:
+            close_llm(llm)
+    finally:
+        stop_prefill(prefill, tmp_path)
+    tokens, c = signed
+    assert tokens == baseline_of(ps[0])
+    assert c.get("blocks_loaded|mooncake", 0) == LOADABLE and c.get("auth_failures|mooncake", 0) == 0, c
+    tokens, c = keyless
+    assert tokens == baseline_of(ps[0])
+    assert c.get("blocks_loaded|mooncake", 0) == 0 and c.get("auth_failures|mooncake", 0) >= 1, c
+
 def test_decode_recomputes_when_the_prefill_blocks_never_come(tiny_model, baseline_of, mooncake_master):
     """The proxy says the prefill instance stored the blocks, but the pool never gets them
     (prefill gone): the decode instance waits handoff_wait_s, then recomputes."""

@@ -189,3 +189,43 @@ def test_objects_overwritten_with_garbage(tiny_model, baseline_of, s3_server, s3
     assert after.get("load_failures|s3", 0) > 0
     assert after.get("blocks_loaded|s3", 0) == before.get("blocks_loaded|s3", 0)
     assert vandalised and set(vandalised) - set(objects(s3_server, s3_bucket)), "bad objects are deleted"
+
+
+def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path,
+                                                  monkeypatch):
+    """``auth``: A stores with the key; someone without it replaces one object by a forged
+    one with valid CRCs (other block bytes, their CRCs and the header's CRC recomputed, the
+    keys kept). B, with the key, refuses it (counted), loads the rest, and its tokens are
+    the baseline's; the forged object is deleted."""
+    from dataclasses import replace
+
+    from vllm_kvtier.tiers.chunkfile import block_crc, decode_header, encode_header
+
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "5c" * 32)
+    ps = SETS[2]
+    kv = s3_config(s3_server.url, s3_bucket)
+    kv["kv_connector_extra_config"]["auth"] = {"required": True}  # both engines refuse to start without it
+    run_process(tiny_model, kv, ps, tmp_path)
+    client = s3_server.client()
+    chunks = sorted(k for k in objects(s3_server, s3_bucket) if k.endswith(".kvt"))
+    assert chunks
+    victim = chunks[0]
+    body = bytearray(client.get_object(Bucket=s3_bucket, Key=victim)["Body"].read())
+    ns = body[12:28].rstrip(b"\0").decode()
+    h = decode_header(bytes(body), ns)
+    assert h.authenticated  # A signed it
+    crcs = []
+    for p in range(h.nblocks):
+        off = h.block_offset(p)
+        body[off : off + h.block_bytes] = bytes(h.block_bytes)  # zero KV: wrong bytes
+        crcs.append(block_crc(bytes(body[off : off + h.block_bytes])))
+    encode_header(replace(h, crcs=tuple(crcs)), memoryview(body))  # every CRC valid, the MAC kept
+    client.put_object(Bucket=s3_bucket, Key=victim, Body=bytes(body))
+
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    for p, r in zip(ps, results(data), strict=True):
+        assert r.tokens == baseline_of(p)
+    c = data["counters"]
+    assert c.get("auth_failures|s3", 0) >= 1 and c.get("load_failures|s3", 0) >= 1
+    assert 0 < c.get("blocks_loaded|s3", 0) < 2 * LOADABLE  # the other objects still serve
+    assert victim not in objects(s3_server, s3_bucket), "the forged object is deleted"

@@ -24,6 +24,8 @@ stay under :data:`SMALL` however large the sizes the stored bytes claim.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -35,9 +37,10 @@ from typing import Any
 import pytest
 
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ChunkStore, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, encode_header, make_header
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, block_crc, decode_header, encode_header, make_header
 from vllm_kvtier.tiers.kernel import Medium, StoreKernel
 
 BLOCK = 3000  # deliberately not a multiple of 4096: the format pads it
@@ -74,8 +77,45 @@ def wait_for(store: ChunkStore, job: int, timeout_s: float = 10.0) -> IOResult:
         store.wait(0.01)
 
 
-def fill(pool: BufferPool, first: int, n: int) -> WriteBuffer:
-    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK, pool)
+#: Two keys (32 bytes each): the one the stores share, and another fleet's.
+KEY = hashlib.sha256(b"contract key").digest()
+OTHER_KEY = hashlib.sha256(b"another fleet's key").digest()
+
+
+def crc_forged(data: bytes, target: int) -> bytes:
+    """``data`` with its last 4 bytes changed so that its CRC32 is ``target``: what anyone
+    can do to a CRC (it is affine over GF(2) in the input bits), and why it is no MAC."""
+    base = bytearray(data)
+    base[-4:] = bytes(4)
+    c0 = block_crc(bytes(base))
+    cols = []  # the CRC change each of the 32 free bits makes
+    for bit in range(32):
+        probe = bytearray(base)
+        probe[-4 + bit // 8] ^= 1 << (bit % 8)
+        cols.append(block_crc(bytes(probe)) ^ c0)
+    # Solve sum(x_i * cols[i]) = target ^ c0 over GF(2) by elimination on (column, bit mask).
+    rows = [(c, 1 << i) for i, c in enumerate(cols)]
+    basis: dict[int, tuple[int, int]] = {}
+    for c, m in rows:
+        for hb in sorted(basis, reverse=True):
+            if c >> hb & 1:
+                c, m = c ^ basis[hb][0], m ^ basis[hb][1]
+        if c:
+            basis[c.bit_length() - 1] = (c, m)
+    want, mask = target ^ c0, 0
+    for hb in sorted(basis, reverse=True):
+        if want >> hb & 1:
+            want, mask = want ^ basis[hb][0], mask ^ basis[hb][1]
+    assert want == 0, "CRC32's 32 bits are always reachable"
+    for bit in range(32):
+        if mask >> bit & 1:
+            base[-4 + bit // 8] ^= 1 << (bit % 8)
+    assert block_crc(bytes(base)) == target
+    return bytes(base)
+
+
+def fill(pool: BufferPool, first: int, n: int, authenticated: bool = False) -> WriteBuffer:
+    wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK, pool, authenticated=authenticated)
     for i in range(n):
         with wb.block(i) as b:
             b[:] = block(first + i)
@@ -384,6 +424,126 @@ class StoreContract:
         finally:
             slow.go.set()
             k.close(timeout_s=5)
+
+    # ---- authenticated chunks: a MAC only key holders can make, verified before use ----------
+
+    @pytest.fixture
+    def signed(self, tmp_path: Path, pool: BufferPool) -> Iterator[StoreKernel]:
+        """A store that signs and verifies with :data:`KEY`."""
+        s = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS,
+                            auth=ChunkAuth(KEY))
+        yield s
+        s.close(timeout_s=10.0)
+
+    def write_signed(self, store: StoreKernel, pool: BufferPool, chunk_id: str, first: int = 0, n: int = 4,
+                     job: int = 1) -> ChunkHeader:
+        assert store.authenticated
+        assert store.submit_write(job, chunk_id, fill(pool, first, n, authenticated=True))
+        r = wait_for(store, job)
+        assert r.ok and r.header is not None, r.reason
+        return r.header
+
+    def refused(self, store: StoreKernel, pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
+                positions: list[int], reason: FailureReason, first: int = 0) -> None:
+        """The read is a miss with ``reason``, counted in the store's failures."""
+        before = store.op_stats().failures.get(reason, 0)
+        self.assert_miss(store, pool, chunk_id, header, positions, reason, [key(first + p) for p in positions])
+        assert store.op_stats().failures.get(reason, 0) == before + 1
+
+    def test_auth_round_trip(self, signed: StoreKernel, pool: BufferPool) -> None:
+        h = self.write_signed(signed, pool, "c1", 0, 5)
+        assert h.authenticated and h.key_id == ChunkAuth(KEY).key_id and len(h.mac) == 32
+        for positions, known in (([0, 1, 2, 3, 4], True), ([3, 1], True), ([4], False), ([0, 2], False)):
+            r = self.read(signed, "c1", h if known else None, positions)
+            assert r.ok and r.blocks is not None, (positions, r.reason)
+            assert [b.tobytes() for b in r.blocks] == [block(p) for p in positions]
+            assert r.header == h
+            r.release()
+        raw = self.get_raw(signed, "c1")
+        assert decode_header(raw, NS) == h  # the stored header is the signed one, MAC included
+        assert KEY not in raw and KEY.hex().encode() not in raw and KEY.hex() not in repr(signed.auth)
+
+    @pytest.mark.parametrize("known", [True, False], ids=["header", "no-header"])
+    def test_forged_block_with_a_valid_crc_is_refused(self, signed: StoreKernel, pool: BufferPool,
+                                                      known: bool) -> None:
+        """Right keys, a valid header (MAC and all), a block of other bytes whose CRC32 is
+        the original's: only the block's tag tells."""
+        h = self.write_signed(signed, pool, "c1", 0, 4)
+        data = bytearray(self.get_raw(signed, "c1"))
+        off = h.block_offset(2)
+        forged = crc_forged(bytes(BLOCK), h.crcs[2])
+        data[off : off + BLOCK] = forged
+        self.put_raw(signed, "c1", bytes(data))
+        self.refused(signed, pool, "c1", h if known else None, [2], FailureReason.AUTH_FAILED)
+        self.refused(signed, pool, "c1", h if known else None, [1, 2, 3], FailureReason.AUTH_FAILED)
+        r = self.read(signed, "c1", h, [3, 1])  # the untouched blocks still serve
+        assert r.ok and r.blocks is not None and [b.tobytes() for b in r.blocks] == [block(3), block(1)]
+        r.release()
+        assert FailureReason.AUTH_FAILED.damaged
+
+    @pytest.mark.parametrize("forge", ["crcs", "keys", "own_key"])
+    def test_forged_header_is_refused(self, tmp_path: Path, signed: StoreKernel, pool: BufferPool,
+                                      forge: str) -> None:
+        """A writer without the key rewrites a signed chunk: new bytes and their CRCs, or
+        other keys, or everything signed with its own key under our key id; every CRC is
+        valid, the header MAC is not."""
+        h = self.write_signed(signed, pool, "c1", 0, 3)
+        data = bytearray(self.get_raw(signed, "c1"))
+        if forge == "crcs":
+            for p in range(3):
+                data[h.block_offset(p) : h.block_offset(p) + BLOCK] = bytes([p]) * BLOCK
+            fake = dataclasses.replace(h, crcs=tuple(block_crc(bytes([p]) * BLOCK) for p in range(3)))
+        elif forge == "keys":
+            fake = dataclasses.replace(h, keys=(key(0), key(7), key(2)))
+        else:
+            other = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS,
+                                    auth=ChunkAuth(OTHER_KEY))
+            try:
+                oh = self.write_signed(other, pool, "c1x", 0, 3, job=5)
+                data = bytearray(self.get_raw(other, "c1x"))
+            finally:
+                other.close(timeout_s=10.0)
+            fake = dataclasses.replace(oh, key_id=h.key_id)
+        encode_header(fake, memoryview(data))  # its CRC recomputed: only the MAC can tell
+        self.put_raw(signed, "c1", bytes(data))
+        positions = [1] if forge == "keys" else [0, 1]
+        first = 0 if forge != "keys" else 6
+        self.refused(signed, pool, "c1", None, positions, FailureReason.AUTH_FAILED, first=first)
+        self.refused(signed, pool, "c1", fake, positions, FailureReason.AUTH_FAILED, first=first)
+
+    def test_signed_chunk_replayed_under_another_id_is_refused(self, signed: StoreKernel, pool: BufferPool) -> None:
+        """The same blocks, validly signed, but for chunk id c2: the MAC binds the id."""
+        self.write_signed(signed, pool, "c1", 0, 3)
+        self.write_signed(signed, pool, "c2", 0, 3, job=2)
+        self.put_raw(signed, "c1", self.get_raw(signed, "c2"))
+        self.refused(signed, pool, "c1", None, [0, 2], FailureReason.AUTH_FAILED)
+
+    def test_unsigned_chunk_is_refused_by_a_store_with_a_key(self, store: StoreKernel, signed: StoreKernel,
+                                                             pool: BufferPool) -> None:
+        h = self.write(store, pool, "plain", 0, 3)
+        self.put_raw(signed, "plain", self.get_raw(store, "plain"))
+        self.refused(signed, pool, "plain", None, [1], FailureReason.UNAUTHENTICATED)
+        self.refused(signed, pool, "plain", h, [0, 1], FailureReason.UNAUTHENTICATED)
+        assert not FailureReason.UNAUTHENTICATED.damaged  # kept: it may be another fleet's
+
+    def test_signed_chunk_is_refused_by_a_store_without_the_key(self, store: StoreKernel, signed: StoreKernel,
+                                                                pool: BufferPool) -> None:
+        h = self.write_signed(signed, pool, "c1", 0, 3)
+        self.put_raw(store, "c1", self.get_raw(signed, "c1"))
+        self.refused(store, pool, "c1", None, [1], FailureReason.UNAUTHENTICATED)
+        self.refused(store, pool, "c1", h, [0], FailureReason.UNAUTHENTICATED)
+
+    def test_signed_chunk_is_refused_under_another_key(self, tmp_path: Path, signed: StoreKernel,
+                                                       pool: BufferPool) -> None:
+        h = self.write_signed(signed, pool, "c1", 0, 3)
+        other = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS,
+                                auth=ChunkAuth(OTHER_KEY))
+        try:
+            self.put_raw(other, "c1", self.get_raw(signed, "c1"))
+            self.refused(other, pool, "c1", None, [2], FailureReason.UNAUTHENTICATED)
+            self.refused(other, pool, "c1", h, [0, 2], FailureReason.UNAUTHENTICATED)
+        finally:
+            other.close(timeout_s=10.0)
 
 
 class FileMediumContract:

@@ -5,6 +5,7 @@ house: the tiers import from here, never the reverse (config imports only ``keys
 
 from vllm_kvtier.config.parse import PRESET_DIR, available_presets, parse_config
 from vllm_kvtier.config.sections import (
+    AuthConfig,
     CPUTierConfig,
     ExporterConfig,
     FaultInjectionConfig,
@@ -20,7 +21,7 @@ from vllm_kvtier.config.sections import (
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 
 __all__ = [
-    "PRESET_DIR", "CPUTierConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
+    "PRESET_DIR", "AuthConfig", "CPUTierConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
     "LoadOrRecomputeConfig", "MooncakeConfig", "MooncakeTierConfig", "NVMeTierConfig", "NixlConfig",
     "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "available_presets", "parse_config",
 ]

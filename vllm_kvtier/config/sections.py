@@ -9,6 +9,7 @@ builds them. Units are in the names (``_bytes``, ``_s``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -327,6 +328,36 @@ class FaultInjectionConfig:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """Authenticated chunks (MACs) for the tiers below CPU: WHERE the key is, never the key.
+
+    With a key found, every chunk and pool object the shared tiers (s3, mooncake) write
+    carries a MAC over its header and blocks, and every read verifies it before a block is
+    used; a chunk without a valid MAC is a miss (``kvtier_auth_failures_total``). Without
+    one, write access to the bucket or the pool is control over every reader's output. See
+    :mod:`vllm_kvtier.tiers.auth` for the format."""
+
+    #: Environment variable holding the key as hex (64+ hex digits = 32+ bytes), read when
+    #: ``key_file`` is not set. Unset or empty: no key.
+    key_env: str = "KVTIER_AUTH_KEY"
+    #: A file holding the key as hex (a mounted secret): absolute path; it must not be
+    #: readable by group or other (mode 0600/0400) unless ``allow_readable_key_file``.
+    key_file: str | None = None
+    #: Refuse to start when no key is found (never run unauthenticated by accident).
+    required: bool = False
+    #: Sign and verify the local tier (nvme) too; off: only the shared tiers (s3, mooncake).
+    local_tiers: bool = False
+    #: Accept a key file that group or other can read (some secret mounts are 0644).
+    allow_readable_key_file: bool = False
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", self.key_env):
+            raise ConfigError("auth.key_env", f"must be an environment variable name, got {self.key_env!r}")
+        if self.key_file is not None and ("\0" in self.key_file or not self.key_file.startswith("/")):
+            raise ConfigError("auth.key_file", "must be an absolute path without NUL bytes")
+
+
+@dataclass(frozen=True)
 class KVTierConfig:
     """Everything ``kv_connector_extra_config`` may hold."""
 
@@ -357,6 +388,7 @@ class KVTierConfig:
     #: model not in a local directory): engines with different salts never share KV.
     #: Logged only as "set"/"unset" (not in the repr).
     namespace_salt: str = field(default="", repr=False)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)

@@ -25,6 +25,7 @@ from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
+from vllm_kvtier.tiers.auth import load_auth
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
@@ -78,7 +79,10 @@ def make_planners(
 ) -> list[ChunkPlanner]:
     """Planners of the configured lower tiers, fastest first. ``kv_dtype``: the KV
     cache's element type (None: unknown, then every tier stores native blocks).
-    ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``)."""
+    ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``).
+    Raises ConfigError when ``auth.required`` and no key is found (the scheduler only lists
+    and indexes; the workers verify every chunk they read)."""
+    load_auth(cfg.auth)
     planners = []
     n = cfg.nvme
     if n is not None:
@@ -211,7 +215,12 @@ def make_workers(
 
     One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process)
     is handed to every store and chunk driver built here: their transfer buffers share one
-    bound on idle memory."""
+    bound on idle memory.
+
+    Authentication (``auth``): with a key found, the shared tiers (s3, mooncake) sign and
+    verify every chunk, and nvme too when ``auth.local_tiers``; ConfigError when
+    ``auth.required`` and there is none."""
+    auth = load_auth(cfg.auth)
     workers: dict[str, ChunkWorker] = {}
     block_bytes = slots.pool.slot_bytes
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
@@ -223,7 +232,8 @@ def make_workers(
         try:
             nvme_store = NVMeStore(n.path, f.namespace, rank, f.block_bytes, direct_io=n.direct_io,
                                    io_threads=n.io_threads, max_queued_writes=n.max_queued_writes,
-                                   io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers)
+                                   io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers,
+                                   auth=auth if cfg.auth.local_tiers else None)
         except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
             # Serving goes on without the tier: every NVMe write and read is a miss.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
@@ -246,7 +256,7 @@ def make_workers(
             from vllm_kvtier.tiers.s3 import S3Store
 
             s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes, buffers=buffers,
-                               max_chunk_blocks=s3.chunk_blocks)
+                               max_chunk_blocks=s3.chunk_blocks, auth=auth)
         except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
             raise
         except Exception as e:
@@ -265,7 +275,8 @@ def make_workers(
         try:
             from vllm_kvtier.tiers.mooncake import MooncakeStore
 
-            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes, max_chunk_blocks=1, buffers=buffers)
+            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes, max_chunk_blocks=1, buffers=buffers,
+                                     auth=auth)
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
             counters.add("store_failures", TierName.MOONCAKE)

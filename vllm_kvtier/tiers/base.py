@@ -127,6 +127,9 @@ class ChunkStore(Protocol):
 
     #: Bytes of every block this store writes and accepts on read.
     block_bytes: int
+    #: Whether it signs and verifies chunks (a key): the caller builds its write buffers
+    #: with the same ``authenticated`` (the signed header needs more room).
+    authenticated: bool
 
     def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
         """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled;
@@ -164,7 +167,11 @@ class ChunkStore(Protocol):
         written BEFORE any memory was sized from it (``too_large``); the key at each
         position equals the key asked for (``key_mismatch``); every block's CRC32 matched
         before the result was made (``checksum``); a stored header read along is the
-        caller's header (``checksum``); the object is complete (``truncated``).
+        caller's header (``checksum``); the object is complete (``truncated``). A store
+        with a key (``authenticated``) also verified the header's MAC (the caller's header
+        too: it is re-verified, wherever it came from) and the tag of every returned block
+        (``auth_failed``), and serves only chunks signed with its key (``unauthenticated``
+        otherwise; a store without a key serves only unsigned chunks).
 
         Deadline: the result arrives within the store's ``read_deadline_s`` of this call.
         If the medium has not answered by then, ``poll`` reports the read failed with
@@ -172,7 +179,8 @@ class ChunkStore(Protocol):
 
         Failure reasons: damaged (the caller drops the chunk) ``checksum``, ``truncated``,
         ``missing``, ``namespace``, ``format``, ``key_mismatch``, ``too_large``,
-        ``not_regular``, ``bad_request`` (positions out of range), ``io_error``; transient
+        ``not_regular``, ``bad_request`` (positions out of range), ``io_error``,
+        ``auth_failed``; transient (kept) ``unauthenticated``,
         ``deadline``, ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``,
         ``no_buffer``, ``closed`` (a read submitted after close), ``permission``, ``error``.
         """

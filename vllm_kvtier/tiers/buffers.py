@@ -155,16 +155,19 @@ class WriteBuffer:
     """A chunk being assembled by the caller: fill ``block(i)`` for every key, then submit.
 
     Room is left for the header, which the store stamps (CRCs and keys) when it writes.
-    ``pool``: where the memory comes from (None: :func:`shared_pool`)."""
+    ``pool``: where the memory comes from (None: :func:`shared_pool`). ``authenticated``:
+    room for the signed header (the store's ``authenticated``; a store refuses a buffer
+    built for the other format, ``bad_request``)."""
 
     keys: list[bytes]
     block_bytes: int
     pool: BufferPool | None = None
+    authenticated: bool = False
     buf: AlignedBuffer = field(init=False)
     header_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.header_bytes = header_bytes_for(len(self.keys))
+        self.header_bytes = header_bytes_for(len(self.keys), self.authenticated)
         stride = align_up(self.block_bytes)
         self.buf = (self.pool or shared_pool()).take(self.header_bytes + len(self.keys) * stride)
         if not self.buf.fresh and stride != self.block_bytes:

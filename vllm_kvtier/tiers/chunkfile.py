@@ -11,6 +11,18 @@ Header fields (little endian): magic ``b"KVTCHNK1"``, format version, namespace 
 bytes), number of blocks, block bytes, stride, header bytes; per block: key length, key
 (up to 64 bytes), CRC32 of the block's bytes. Nothing here is ever unpickled: a chunk is
 data, and a block is trusted only after its CRC32 matches.
+
+Two versions (the fixed part is the same in both, so a reader learns which before it
+parses the rest):
+
+* **1** (unauthenticated): entries of key length, key, CRC32; then the header's CRC32.
+* **2** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): entries of key length, key, CRC32
+  and a 32-byte tag (HMAC-SHA256 of the namespace, the block's key and its bytes); then
+  the key id (8 bytes: which key signed it, derived from the key, never the key); the
+  header's CRC32; and the header's MAC (HMAC-SHA256 of the chunk id and every header byte
+  before it, so of the namespace, sizes, keys, tags). A reader with the key verifies the
+  header's MAC and each wanted block's tag before a block is delivered; this module only
+  lays the fields out (:func:`signed_bytes` is what the MAC covers).
 """
 
 from __future__ import annotations
@@ -25,6 +37,11 @@ from vllm_kvtier.errors import FailureReason
 
 MAGIC = b"KVTCHNK1"
 VERSION = 1
+#: The authenticated format (per-block tags, key id, header MAC).
+VERSION_AUTH = 2
+#: Bytes of a tag (per block) and of the header MAC: HMAC-SHA256.
+TAG_BYTES = 32
+KEY_ID_BYTES = 8
 ALIGN = 4096
 MAX_KEY = 64
 #: The most blocks a chunk may have (the config's bound on ``chunk_blocks``).
@@ -32,6 +49,7 @@ MAX_CHUNK_BLOCKS = 256
 
 _FIXED = struct.Struct("<8sI16sIQQQ")  # magic, version, namespace, nblocks, block_bytes, stride, header_bytes
 _ENTRY = struct.Struct(f"<B{MAX_KEY}sI")  # key length, key, crc32
+_ENTRY_AUTH = struct.Struct(f"<B{MAX_KEY}sI{TAG_BYTES}s")  # key length, key, crc32, tag
 _CRC = struct.Struct("<I")
 
 
@@ -59,10 +77,24 @@ class ChunkHeader:
     block_bytes: int
     stride: int
     header_bytes: int
+    #: Version 2 only (empty in version 1): each block's tag, the signing key's id, the
+    #: header's MAC. Carried along so a reader can re-verify a header it keeps.
+    tags: tuple[bytes, ...] = ()
+    key_id: bytes = b""
+    mac: bytes = b""
 
     @property
     def nblocks(self) -> int:
         return len(self.keys)
+
+    @property
+    def authenticated(self) -> bool:
+        """Version 2: signed with a key (whose id is :attr:`key_id`)."""
+        return bool(self.key_id)
+
+    @property
+    def version(self) -> int:
+        return VERSION_AUTH if self.authenticated else VERSION
 
     @property
     def total_bytes(self) -> int:
@@ -72,7 +104,10 @@ class ChunkHeader:
         return self.header_bytes + i * self.stride
 
 
-def header_bytes_for(nblocks: int) -> int:
+def header_bytes_for(nblocks: int, authenticated: bool = False) -> int:
+    """The header length of a chunk of ``nblocks`` (version 2 when ``authenticated``)."""
+    if authenticated:
+        return align_up(_FIXED.size + nblocks * _ENTRY_AUTH.size + KEY_ID_BYTES + _CRC.size + TAG_BYTES)
     return align_up(_FIXED.size + nblocks * _ENTRY.size + _CRC.size)
 
 
@@ -89,8 +124,8 @@ def chunk_id_for(keys: Iterable[bytes]) -> str:
 
 def max_chunk_bytes(max_blocks: int, block_bytes: int) -> int:
     """The largest chunk an engine writing at most ``max_blocks`` blocks of ``block_bytes``
-    can have written: the bound of every size read back from stored bytes."""
-    return header_bytes_for(max_blocks) + max_blocks * align_up(block_bytes)
+    can have written (in either version): the bound of every size read back from stored bytes."""
+    return header_bytes_for(max_blocks, True) + max_blocks * align_up(block_bytes)
 
 
 def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: int, block_bytes: int | None) -> int:
@@ -105,13 +140,13 @@ def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: in
     if len(head) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, _, nblocks, bb, stride, hbytes = _FIXED.unpack_from(head, 0)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in (VERSION, VERSION_AUTH):
         raise ChunkFormatError("bad magic or format version", FailureReason.FORMAT)
     if nblocks > max_blocks:
         raise ChunkFormatError(f"too large: {nblocks} blocks, at most {max_blocks}", FailureReason.TOO_LARGE)
     if block_bytes is not None and bb != block_bytes:
         raise ChunkFormatError(f"format: blocks of {bb} B, expected {block_bytes}", FailureReason.FORMAT)
-    if nblocks < 1 or stride != align_up(bb) or hbytes != header_bytes_for(nblocks):
+    if nblocks < 1 or stride != align_up(bb) or hbytes != header_bytes_for(nblocks, version == VERSION_AUTH):
         raise ChunkFormatError("inconsistent header sizes", FailureReason.FORMAT)
     return int(hbytes)
 
@@ -124,55 +159,99 @@ def keys_match(h: ChunkHeader, positions: Iterable[int], keys: Iterable[bytes] |
     return len(pos) == len(ks) and all(0 <= p < h.nblocks and h.keys[p] == k for p, k in zip(pos, ks, strict=True))
 
 
-def make_header(namespace: str, keys: list[bytes], crcs: list[int], block_bytes: int) -> ChunkHeader:
+def make_header(namespace: str, keys: list[bytes], crcs: list[int], block_bytes: int, *,
+                tags: list[bytes] | None = None, key_id: bytes = b"") -> ChunkHeader:
+    """A version 1 header, or version 2 with ``tags`` and ``key_id`` (its MAC still empty:
+    the signer sets it over :func:`signed_bytes`)."""
     for k in keys:
         if len(k) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
+    auth = bool(key_id)
+    if auth and (len(key_id) != KEY_ID_BYTES or tags is None or len(tags) != len(keys)
+                 or any(len(t) != TAG_BYTES for t in tags)):
+        raise ValueError(f"an authenticated header needs a {KEY_ID_BYTES}-byte key id and a "
+                         f"{TAG_BYTES}-byte tag per block")
     return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, align_up(block_bytes),
-                       header_bytes_for(len(keys)))
+                       header_bytes_for(len(keys), auth), tuple(tags or ()) if auth else (), key_id)
 
 
-def encode_header(h: ChunkHeader, out: memoryview) -> None:
-    """Write ``h`` into ``out[:h.header_bytes]`` (zero padded)."""
+def _pack(h: ChunkHeader) -> tuple[bytearray, int]:
+    """The header's bytes (its MAC field, if any, zero) and the offset of that field."""
     ns = h.namespace.encode("ascii")
     if len(ns) > 16:
         raise ValueError("namespace longer than 16 characters")
     buf = bytearray(h.header_bytes)
-    _FIXED.pack_into(buf, 0, MAGIC, VERSION, ns, h.nblocks, h.block_bytes, h.stride, h.header_bytes)
+    _FIXED.pack_into(buf, 0, MAGIC, h.version, ns, h.nblocks, h.block_bytes, h.stride, h.header_bytes)
     off = _FIXED.size
-    for k, c in zip(h.keys, h.crcs, strict=True):
-        _ENTRY.pack_into(buf, off, len(k), k, c)
-        off += _ENTRY.size
+    if h.authenticated:
+        for k, c, t in zip(h.keys, h.crcs, h.tags, strict=True):
+            _ENTRY_AUTH.pack_into(buf, off, len(k), k, c, t)
+            off += _ENTRY_AUTH.size
+        buf[off : off + KEY_ID_BYTES] = h.key_id
+        off += KEY_ID_BYTES
+    else:
+        for k, c in zip(h.keys, h.crcs, strict=True):
+            _ENTRY.pack_into(buf, off, len(k), k, c)
+            off += _ENTRY.size
     _CRC.pack_into(buf, off, zlib.crc32(memoryview(buf)[:off]))
+    return buf, off + _CRC.size
+
+
+def signed_bytes(h: ChunkHeader) -> bytes:
+    """What a version 2 header's MAC covers: every header byte before the MAC field."""
+    buf, end = _pack(h)
+    return bytes(buf[:end])
+
+
+def encode_header(h: ChunkHeader, out: memoryview) -> None:
+    """Write ``h`` into ``out[:h.header_bytes]`` (zero padded)."""
+    buf, end = _pack(h)
+    if h.authenticated:
+        buf[end : end + TAG_BYTES] = h.mac.ljust(TAG_BYTES, b"\0")[:TAG_BYTES]
     out[: h.header_bytes] = buf
 
 
 def decode_header(data: bytes | memoryview, namespace: str) -> ChunkHeader:
-    """Parse and verify a header. Raises ChunkFormatError on any mismatch."""
+    """Parse and verify a header (either version; a version 2 header's MAC is NOT checked
+    here: that needs the key, :mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on
+    any mismatch."""
     if len(data) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, ns, nblocks, block_bytes, stride, header_bytes = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise ChunkFormatError("bad magic", FailureReason.FORMAT)
-    if version != VERSION:
-        raise ChunkFormatError(f"format version {version}, expected {VERSION}", FailureReason.FORMAT)
+    if version not in (VERSION, VERSION_AUTH):
+        raise ChunkFormatError(f"format version {version}, expected {VERSION} or {VERSION_AUTH}",
+                               FailureReason.FORMAT)
+    auth = version == VERSION_AUTH
     if ns.rstrip(b"\0").decode("ascii", "replace") != namespace:
         raise ChunkFormatError("namespace mismatch", FailureReason.NAMESPACE)
-    if header_bytes != header_bytes_for(nblocks) or stride != align_up(block_bytes) or len(data) < header_bytes:
+    if (header_bytes != header_bytes_for(nblocks, auth) or stride != align_up(block_bytes)
+            or len(data) < header_bytes):
         raise ChunkFormatError("inconsistent header sizes", FailureReason.FORMAT)
     off = _FIXED.size
-    keys, crcs = [], []
+    keys, crcs, tags = [], [], []
+    entry = _ENTRY_AUTH if auth else _ENTRY
     for _ in range(nblocks):
-        klen, key, crc = _ENTRY.unpack_from(data, off)
+        fields = entry.unpack_from(data, off)
+        klen, key, crc = fields[0], fields[1], fields[2]
         if klen > MAX_KEY:
             raise ChunkFormatError("bad key length", FailureReason.FORMAT)
         keys.append(bytes(key[:klen]))
         crcs.append(crc)
-        off += _ENTRY.size
+        if auth:
+            tags.append(bytes(fields[3]))
+        off += entry.size
+    key_id = b""
+    if auth:
+        key_id = bytes(data[off : off + KEY_ID_BYTES])
+        off += KEY_ID_BYTES
     (crc,) = _CRC.unpack_from(data, off)
     if crc != zlib.crc32(memoryview(data)[:off]):
         raise ChunkFormatError("header checksum mismatch", FailureReason.CHECKSUM)
-    return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, stride, header_bytes)
+    mac = bytes(data[off + _CRC.size : off + _CRC.size + TAG_BYTES]) if auth else b""
+    return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, stride, header_bytes, tuple(tags),
+                       key_id, mac)
 
 
 try:  # ISA-L's CRC-32: the same function as zlib's (same values), ~12x faster (50 vs 4 GB/s)

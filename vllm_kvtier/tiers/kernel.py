@@ -13,12 +13,19 @@ What the kernel owns, for every medium:
   deadline's: whoever claims the job first);
 * the completion queue, the wait event and per-operation stats;
 * header stamping on write (every block's CRC32, keys, namespace: ``encode_header``);
+  with a key (``auth``, :mod:`~vllm_kvtier.tiers.auth`), the authenticated format: every
+  block's tag and the header's MAC, bound to the chunk id;
 * the ONE verified read path: every size read from stored bytes is bounded by what this
   engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``:
   :func:`~vllm_kvtier.tiers.chunkfile.bounded_header_bytes`, :func:`max_chunk_bytes`)
   BEFORE memory is sized from it (``too_large``/``format``); the key at each read position
   must be the key asked for (``key_mismatch``); a stored header read along must be the
   caller's (``checksum``); the CRC32 of every block is checked before a result is made.
+  With a key, every header (the caller's, or one read) must carry a valid MAC under this
+  store's key for this chunk id, and every wanted block its tag, before a result is made
+  (``auth_failed``: signed with our key id but not verifying; ``unauthenticated``: unsigned,
+  signed with another key, or signed while this store holds no key). Unsigned chunks are
+  served only by a store without a key; signed ones only by a store with that key.
 
 What a medium implements (:class:`Medium`): ``put`` (atomic), ``read_into`` (exactly the
 bytes asked for, or raise), ``delete``, ``classify`` (its exceptions to
@@ -64,6 +71,7 @@ How the media map onto it:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -75,6 +83,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.keys import SAFE_ID
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult, drain
 from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer
 from vllm_kvtier.tiers.chunkfile import (
@@ -262,12 +271,14 @@ class StoreKernel:
     :meth:`submit_read`. ``write_deadline_s``: handed to the medium's ``put``.
     ``io_threads`` threads serve reads first, then writes and deletes; with
     ``write_threads`` > 0, writes and deletes get threads of their own instead.
+    ``auth``: the key this store signs and verifies with (None: unauthenticated chunks);
+    :attr:`authenticated` tells a caller which header room its write buffers need.
     """
 
     def __init__(
         self, medium: Medium, *, namespace: str, block_bytes: int, max_chunk_blocks: int,
         buffers: BufferPool, read_deadline_s: float, write_deadline_s: float = 60.0, io_threads: int = 2,
-        write_threads: int = 0, max_queued_writes: int = 64,
+        write_threads: int = 0, max_queued_writes: int = 64, auth: ChunkAuth | None = None,
     ) -> None:
         if block_bytes <= 0 or max_chunk_blocks < 1 or io_threads < 1 or read_deadline_s <= 0:
             raise ValueError(f"need block_bytes, max_chunk_blocks, io_threads, read_deadline_s > 0, got "
@@ -281,6 +292,9 @@ class StoreKernel:
         self.read_deadline_s = read_deadline_s
         self.write_deadline_s = write_deadline_s
         self.max_queued_writes = max_queued_writes
+        self.auth = auth
+        #: Chunks are signed (write buffers need :class:`WriteBuffer`'s ``authenticated``).
+        self.authenticated = auth is not None
         self._max_bytes = max_chunk_bytes(max_chunk_blocks, block_bytes)
         self._batch = medium.max_batch if isinstance(medium, BatchingMedium) else 1
         self._lock = threading.Lock()
@@ -411,6 +425,9 @@ class StoreKernel:
 
     def _check_request(self, job: _Read, h: ChunkHeader) -> _Failed | None:
         """Why the wanted positions cannot be served from a chunk with header ``h``."""
+        why = self._check_auth(job.chunk_id, h)
+        if why is not None:
+            return why
         if h.block_bytes != self.block_bytes:
             return _Failed(FailureReason.FORMAT, f"blocks of {h.block_bytes} B, expected {self.block_bytes}")
         if not all(0 <= p < h.nblocks for p in job.positions):
@@ -419,6 +436,21 @@ class StoreKernel:
             if h.keys[p] != k:
                 return _Failed(FailureReason.KEY_MISMATCH, f"position {p} holds key {h.keys[p].hex()[:16]}, "
                                                            f"not {k.hex()[:16]}")
+        return None
+
+    def _check_auth(self, chunk_id: str, h: ChunkHeader) -> _Failed | None:
+        """Why header ``h`` of ``chunk_id`` is not to be trusted by this store (None: it is)."""
+        if self.auth is None:
+            if h.authenticated:
+                return _Failed(FailureReason.UNAUTHENTICATED, "a signed chunk, and this store holds no key")
+            return None
+        if not h.authenticated:
+            return _Failed(FailureReason.UNAUTHENTICATED, "an unsigned chunk, and this store verifies MACs")
+        if h.key_id != self.auth.key_id:
+            return _Failed(FailureReason.UNAUTHENTICATED, f"signed with key id {h.key_id.hex()}, this store's is "
+                                                          f"{self.auth.key_id.hex()}")
+        if not self.auth.verify_header(chunk_id, h):
+            return _Failed(FailureReason.AUTH_FAILED, "the header's MAC does not verify")
         return None
 
     def _plan(self, h: ChunkHeader, positions: list[int]) -> list[_Part]:
@@ -507,7 +539,7 @@ class StoreKernel:
         ready: list[_Write] = []
         for w in writes:
             try:
-                w.header = self._stamp(w.wb)
+                w.header = self._stamp(w.chunk_id, w.wb)
                 ready.append(w)
             except (ValueError, _Failed) as e:
                 self._end_write(w, FailureReason.BAD_REQUEST if not isinstance(e, _Failed) else e.reason, e)
@@ -533,14 +565,27 @@ class StoreKernel:
         for w, err in zip(ready, errors, strict=True):
             self._end_write(w, None if err is None else self._reason(err), err)
 
-    def _stamp(self, wb: WriteBuffer) -> ChunkHeader:
-        """Every block's CRC32 and the header, written into the buffer's header room."""
+    def _stamp(self, chunk_id: str, wb: WriteBuffer) -> ChunkHeader:
+        """Every block's CRC32 (and, with a key, its tag and the header's MAC) and the
+        header, written into the buffer's header room."""
         n = len(wb.keys)
         if wb.block_bytes != self.block_bytes or not 1 <= n <= self.max_chunk_blocks:
             raise _Failed(FailureReason.BAD_REQUEST, f"a chunk of {n} blocks of {wb.block_bytes} B; this store "
                                                      f"writes 1..{self.max_chunk_blocks} of {self.block_bytes} B")
+        if wb.header_bytes != header_bytes_for(n, self.authenticated):
+            raise _Failed(FailureReason.BAD_REQUEST, f"a write buffer with {wb.header_bytes} B of header room; "
+                                                     f"this store (authenticated={self.authenticated}) needs "
+                                                     f"{header_bytes_for(n, self.authenticated)}")
         crcs = [block_crc(wb.block(i)) for i in range(n)]
-        h = make_header(self.namespace, wb.keys, crcs, self.block_bytes)
+        if self.auth is None:
+            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes)
+        else:
+            tags = []
+            for i, k in enumerate(wb.keys):
+                with wb.block(i) as b:
+                    tags.append(self.auth.block_tag(self.namespace, k, b))
+            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes, tags=tags, key_id=self.auth.key_id)
+            h = dataclasses.replace(h, mac=self.auth.header_mac(chunk_id, h))
         encode_header(h, wb.buf.view)
         return h
 
@@ -698,13 +743,17 @@ class StoreKernel:
             expected = bytearray(h.header_bytes)
             encode_header(h, memoryview(expected))
             with view[: h.header_bytes] as head:
-                if head != expected:
-                    return _Failed(FailureReason.CHECKSUM, "the stored header is not the indexed chunk's")
+                if head != expected:  # with a key, what was verified is not what is stored: forged
+                    return _Failed(FailureReason.CHECKSUM if self.auth is None else FailureReason.AUTH_FAILED,
+                                   "the stored header is not the indexed chunk's")
         for p in part.positions:
             off = h.block_offset(p) - part.offset
             with view[off : off + h.block_bytes] as b:
                 if block_crc(b) != h.crcs[p]:
                     return _Failed(FailureReason.CHECKSUM, f"block {p} checksum mismatch")
+                # The header (and so the tag) was verified by _check_request before this.
+                if self.auth is not None and not self.auth.verify_block(h.namespace, h.keys[p], b, h.tags[p]):
+                    return _Failed(FailureReason.AUTH_FAILED, f"block {p}: its tag does not verify")
         return None
 
     def _explain(self, job: _Read, part: _Part, err: BaseException | None) -> BaseException | None:

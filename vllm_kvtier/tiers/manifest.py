@@ -86,7 +86,7 @@ def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_
         raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
     if _CRC.unpack_from(data, end)[0] != zlib.crc32(memoryview(data)[:end]):
         raise ChunkFormatError("manifest checksum mismatch", FailureReason.CHECKSUM)
-    max_head = header_bytes_for(max_blocks)
+    max_head = header_bytes_for(max_blocks, True)  # either version (an authenticated header is longer)
     entry_bound = _ID.size + _MAX_ID + _HLEN.size + max_head
     reader = _Inflater(memoryview(data)[_FIXED.size : end], entry_bound)
     out: dict[str, ChunkHeader] = {}

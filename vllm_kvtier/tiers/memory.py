@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
@@ -60,12 +61,12 @@ class MemoryStore(StoreKernel):
 
     def __init__(
         self, namespace: str, block_bytes: int, *, max_chunk_blocks: int = 16, buffers: BufferPool | None = None,
-        read_deadline_s: float = 5.0, io_threads: int = 2, max_queued_writes: int = 64,
+        read_deadline_s: float = 5.0, io_threads: int = 2, max_queued_writes: int = 64, auth: ChunkAuth | None = None,
     ) -> None:
         self._mem = MemoryMedium()
         super().__init__(self._mem, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes)
+                         max_queued_writes=max_queued_writes, auth=auth)
 
     def raw(self, chunk_id: str) -> bytearray | None:
         """The stored bytes of ``chunk_id`` themselves, not a copy: for fault drills (flip a

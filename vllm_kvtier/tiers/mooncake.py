@@ -55,6 +55,7 @@ from typing import Any
 
 from vllm_kvtier.config.stores import MooncakeConfig
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
@@ -467,7 +468,8 @@ class MooncakeStore(StoreKernel):
     client cannot join the pool."""
 
     def __init__(self, config: MooncakeConfig, namespace: str, rank: int, block_bytes: int, *,
-                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None) -> None:
+                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
+                 auth: ChunkAuth | None = None) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:  # also a missing libibverbs.so.1 (an ImportError of the extension)
@@ -499,7 +501,7 @@ class MooncakeStore(StoreKernel):
         super().__init__(self._pool, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=config.deadline_s,
                          io_threads=config.io_threads, write_threads=config.io_threads,
-                         max_queued_writes=config.max_queued_writes)
+                         max_queued_writes=config.max_queued_writes, auth=auth)
         logger.info("kvtier mooncake: joined master %s as %s over %s (segment %d B)", config.master,
                     self.local_hostname, config.protocol, config.global_segment_bytes)
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Literal
 
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import (
@@ -284,7 +285,7 @@ class NVMeStore(StoreKernel):
         self, root: str | Path, namespace: str, rank: int, block_bytes: int, *,
         direct_io: Literal["auto", "on", "off"] = "auto", io_threads: int = 2, max_queued_writes: int = 64,
         io_engine: str = "posix", max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
-        read_deadline_s: float = DEFAULT_READ_DEADLINE_S,
+        read_deadline_s: float = DEFAULT_READ_DEADLINE_S, auth: ChunkAuth | None = None,
     ) -> None:
         """Blocks briefly: creates the directory, probes O_DIRECT, builds the I/O engine
         (``io_engine``: a name of :data:`~vllm_kvtier.tiers.file_io.FILE_IO_ENGINES`;
@@ -310,7 +311,7 @@ class NVMeStore(StoreKernel):
         self._files = NVMeMedium(self.dir, direct=direct, io=io)
         super().__init__(self._files, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes)
+                         max_queued_writes=max_queued_writes, auth=auth)
 
     def path(self, chunk_id: str) -> Path:
         """Where the chunk's file is (for tools and fault drills)."""

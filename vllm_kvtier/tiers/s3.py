@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import (
@@ -393,7 +394,7 @@ class S3Store(StoreKernel):
 
     def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
                  buffers: BufferPool | None = None, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
-                 read_deadline_s: float | None = None) -> None:
+                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None) -> None:
         """Builds the client (ImportError with the install hint without boto3; ConfigError
         naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
         request. ``buffers``: the worker's read-buffer pool (None: the process default);
@@ -413,7 +414,7 @@ class S3Store(StoreKernel):
                          buffers=buffers or shared_pool(),
                          read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
                          write_deadline_s=config.deadline_s, io_threads=config.io_threads,
-                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes)
+                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth)
 
     def __repr__(self) -> str:
         c = self.config

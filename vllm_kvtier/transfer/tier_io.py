@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
@@ -177,6 +177,8 @@ class ChunkWorker:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
                                    self.tier, read.file_id, reason, len(read.slots))
                     self.counters.add("load_failures", self.tier, len(read.slots))
+                    if reason in AUTH_REASONS:
+                        self.counters.add("auth_failures", self.tier)
                     if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.file_id))
                         self.headers.pop(read.file_id, None)
@@ -255,7 +257,8 @@ class ChunkWorker:
 
     def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
         codec, pool = self.codec, self.slots.pool
-        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes, self.buffers)
+        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes, self.buffers,
+                         authenticated=self.store is not None and self.store.authenticated)
         for i, s in enumerate(slots):
             if codec is None:
                 pool.copy_slot_out(s, wb.block(i))
