@@ -122,9 +122,18 @@ class SchedulerPlanner:
     # ---- lookups ---------------------------------------------------------------
 
     def _loadable_blocks(self, request: Request) -> int:
-        """Prompt blocks that may come from a tier: all full ones but never the last token."""
-        n_prompt = request.num_prompt_tokens
-        return max(0, (n_prompt - 1) // self.block_size)
+        """Prompt blocks that may come from a tier: every full one. An async load may
+        cover the whole prompt: when it lands, vLLM's scheduler recomputes only the last
+        token (``num_computed_tokens = num_tokens - 1``), so an exact multiple of the block
+        size recomputes 1 token instead of a whole block. A sync load is capped by
+        :meth:`_sync_blocks`."""
+        return request.num_prompt_tokens // self.block_size
+
+    def _sync_blocks(self, request: Request) -> int:
+        """Blocks a sync load may cover: vLLM computes at least one token in the step
+        that admits the request (it asserts ``num_new_tokens > 0``), so never the block
+        holding the prompt's last token."""
+        return max(0, (request.num_prompt_tokens - 1) // self.block_size)
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
@@ -159,10 +168,12 @@ class SchedulerPlanner:
             return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
+        asynchronous = self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
+        if not asynchronous:
+            tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
-        from_lower = any(t != TIER for t in tiers)
-        return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
+        return len(tiers) * self.block_size, asynchronous
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -209,7 +220,7 @@ class SchedulerPlanner:
             state.block_ids = list(block_ids)
             return
         for tier in self.lower:
-            tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
+            tier.note_request(request.block_hashes[: self._loadable_blocks(request)])
         if self.load_policy is not None:
             # Count the decision even when it was to load nothing (all recomputed).
             self.load_policy.commit(req_id)
