@@ -109,7 +109,7 @@ class SchedulerPlanner:
             self.load_policy = LoadPolicy(
                 CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
                 block_bytes=self.lower[0].block_bytes, block_size=block_size,
-                lower_tiers=[t.tier for t in self.lower],
+                lower_tiers=[t.tier for t in self.lower], measure_prefill=lr.measure_prefill,
             )
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
