@@ -280,6 +280,9 @@ def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_
         assert first.scheduled_new_reqs[0].num_computed_tokens == (4 * BS - 1 if mode == "async" else 3 * BS)
         assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 2
         assert_scheduler_empty(sched, initial)
+        # Looked up: what a load could cover, for "a" and "b" (so a full hit reads 100%).
+        counters = sched_half(sched).counters.totals
+        assert counters["lookup_blocks|cpu"] == 2 * offered and counters["hit_blocks|cpu"] == offered, mode
 
 
 def test_slot_pinned_by_async_load_is_never_reused_by_a_save(model_dir):

@@ -361,8 +361,13 @@ class SchedulerPlanner:
         return slot
 
     def record_lookup(self, request: Request) -> None:
-        """Count a lookup of ``request``'s loadable blocks (once per admission)."""
-        self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
+        """Count a lookup of the blocks of ``request`` a load could cover (once per
+        admission): every full prompt block where a load may be async (``load_mode:
+        async``, a tier below CPU, a peer), else all but the block of the last token; so a
+        DRAM-only sync setup still reads a full hit as 100%."""
+        may_be_async = self.cfg.load_mode == "async" or bool(self.lower) or self.peer_plan is not None
+        n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
+        self.counters.add("lookup_blocks", TIER, n)
 
     # ---- per step ----------------------------------------------------------------
 
