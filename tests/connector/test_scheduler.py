@@ -258,6 +258,33 @@ def test_lru_evicts_least_recently_used(model_dir):
     assert_scheduler_empty(sched, initial)
 
 
+def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_block(model_dir):
+    """A prompt of exactly 4 blocks: an async load offers all 4 (vLLM's scheduler then
+    recomputes only the last token), a sync one 3 (vLLM computes at least one token in
+    the admitting step, so the block holding the last token is recomputed)."""
+    prompt = prompt_tokens(4 * BS)
+    for mode, offered in (("sync", 3), ("async", 4)):
+        sched, initial = new_scheduler(model_dir, {"load_mode": mode, "cpu": {"capacity_bytes": 64 * block_bytes()}})
+        worker = FakeWorker()
+        store_prompt(sched, worker, "a", prompt)
+        assert lookup(sched, prompt) == (offered * BS, mode == "async"), mode
+        b = make_request("b", prompt, max_tokens=2)
+        sched.add_request(b)
+        outs = worker.run_until_idle(sched)
+        (load,) = all_loads(worker.metas, "b")
+        assert load.keys == tuple(b.block_hashes[:offered]), mode
+        first = next(o for o in outs if "b" in o.num_scheduled_tokens)
+        # What vLLM computes itself: the last token after a full async load, the whole
+        # last block after a sync one.
+        assert first.num_scheduled_tokens["b"] == (1 if mode == "async" else BS), mode
+        assert first.scheduled_new_reqs[0].num_computed_tokens == (4 * BS - 1 if mode == "async" else 3 * BS)
+        assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 2
+        assert_scheduler_empty(sched, initial)
+        # Looked up: what a load could cover, for "a" and "b" (so a full hit reads 100%).
+        counters = sched_half(sched).counters.totals
+        assert counters["lookup_blocks|cpu"] == 2 * offered and counters["hit_blocks|cpu"] == offered, mode
+
+
 def test_slot_pinned_by_async_load_is_never_reused_by_a_save(model_dir):
     sched, initial = new_scheduler(
         model_dir, {"load_mode": "async", "cpu": {"capacity_bytes": 4 * block_bytes()}})

@@ -22,13 +22,15 @@ from tests.conftest import (
 )
 
 # Blocks of the scenario's prompts that must come back from the CPU tier.
-P1_BLOCKS = (320 - 1) // BLOCK_SIZE  # 9: never the block holding the last prompt token
+P1_BLOCKS = (320 - 1) // BLOCK_SIZE  # 9: a sync load never covers the block holding the last token
+# 10: an async load covers the whole prompt (320 = 10 blocks); vLLM recomputes its last token.
+P1_BLOCKS_ASYNC = 320 // BLOCK_SIZE
 PREFIX_BLOCKS = 300 // BLOCK_SIZE  # 9 full blocks of the shared 300-token prefix
 
 
-def _check_reuse(res) -> None:
+def _check_reuse(res, load_mode: str = "sync") -> None:
     assert res["first"].loaded == 0, "nothing can hit on a fresh engine"
-    assert res["repeat"].loaded == P1_BLOCKS
+    assert res["repeat"].loaded == (P1_BLOCKS_ASYNC if load_mode == "async" else P1_BLOCKS)
     assert res["shared_prefix"].loaded == PREFIX_BLOCKS
     assert res["unrelated"].loaded == 0
     # Turn 2 = p1 (320) + 40 answer tokens + 40 new. Turn 1 computed 359 tokens (prompt +
@@ -40,7 +42,7 @@ def _check_reuse(res) -> None:
 def test_reuse_in_process(tiny_model, baseline, load_mode):
     res, counters = run_reuse(tiny_model, kvtier_config({"load_mode": load_mode}))
     assert_same_tokens(baseline, res)
-    _check_reuse(res)
+    _check_reuse(res, load_mode)
     assert counters["blocks_stored|cpu"] >= 11
     assert counters["bytes_loaded|cpu"] > 0
 
@@ -147,6 +149,30 @@ def test_with_vllm_prefix_caching_partial_local_hit(tiny_model):
     # vLLM served part of p1's prefix itself; the plugin supplied the rest, and together
     # they cover the 10 full blocks of p1 that may be reused.
     assert 0 < got[2].loaded < 10
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_with_vllm_prefix_caching_whole_block_prompt(tiny_model, load_mode):
+    """A prompt of exactly 10 blocks, repeated with vLLM's prefix cache on: vLLM's own hit
+    stops one token short of the prompt (9 blocks); an async load adds the 10th block
+    (vLLM then recomputes only the last token), a sync one adds nothing. Tokens equal
+    the run without the plugin either way."""
+    rng = random.Random(12)
+    p1 = rand_tokens(rng, 10 * BLOCK_SIZE)
+    seq = [p1, p1]
+
+    def run(kv):
+        llm = make_llm(tiny_model, kv, enable_prefix_caching=True)
+        try:
+            return [generate(llm, p) for p in seq]
+        finally:
+            close_llm(llm)
+
+    base = run(None)
+    got = run(kvtier_config({"load_mode": load_mode}))
+    assert [g.tokens for g in got] == [b.tokens for b in base]
+    assert max(abs(x - y) for x, y in zip(got[1].logprobs, base[1].logprobs, strict=True)) < 1e-4
+    assert got[1].loaded == (1 if load_mode == "async" else 0)
 
 
 def test_preemption_swaps_back_in_from_cpu(tiny_model):

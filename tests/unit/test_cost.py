@@ -151,3 +151,29 @@ def test_the_scheduler_logs_a_decision_once_per_change(caplog):
             assert policy.decide(f"r{i}", ["s3"] * 8) == 0
     lines = [r.getMessage() for r in caplog.records if "load or recompute" in r.getMessage()]
     assert len(lines) == 1 and "s3 now recomputes" in lines[0] and "500.0 ms" in lines[0], lines
+
+
+def test_a_pinned_prefill_rate_is_not_remeasured():
+    """``measure_prefill: false``: the configured rate stays, however long steps take
+    (without it, the same slow steps lower the estimate); false without a rate is refused."""
+    import time
+
+    import pytest
+
+    from vllm_kvtier.errors import ConfigError
+    from vllm_kvtier.plan.load_policy import LoadPolicy
+
+    def after_slow_steps(measure: bool) -> float:
+        policy = LoadPolicy(CostModel(prefill_tokens_per_s=10_000), Counters(), block_bytes=1 << 20,
+                            block_size=BS, lower_tiers=["s3"], measure_prefill=measure)
+        for _ in range(3):
+            policy.observe_step(1000)
+            time.sleep(0.2)  # 1000 tokens per 0.2 s or more: at most 5000 tokens/s
+        return policy.cost.prefill_tokens_per_s
+
+    assert after_slow_steps(False) == 10_000
+    assert after_slow_steps(True) < 9_000
+    cfg = parse_config({"load_or_recompute": {"prefill_tokens_per_s": 640, "measure_prefill": False}})
+    assert cfg.load_or_recompute.measure_prefill is False
+    with pytest.raises(ConfigError, match="load_or_recompute.measure_prefill"):
+        parse_config({"load_or_recompute": {"measure_prefill": False}})

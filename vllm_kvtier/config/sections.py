@@ -270,12 +270,19 @@ class LoadOrRecomputeConfig:
     prefill_tokens_per_s: float | None = None
     #: A tier not read from for this long gets one load anyway, to measure it again.
     probe_interval_s: float = 30.0
+    #: False: ``prefill_tokens_per_s`` is the prefill rate, never re-measured (a known
+    #: rate of this model on this accelerator, steadier than one timed from mixed steps;
+    #: or a test that must not depend on the machine's speed). Needs prefill_tokens_per_s.
+    measure_prefill: bool = True
 
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s is not None:
             _positive("load_or_recompute.prefill_tokens_per_s", self.prefill_tokens_per_s)
         _at_least("load_or_recompute.probe_interval_s", self.probe_interval_s, 0)
+        if not self.measure_prefill and self.prefill_tokens_per_s is None:
+            raise ConfigError("load_or_recompute.measure_prefill",
+                              "false needs load_or_recompute.prefill_tokens_per_s (the rate to use)")
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ _MIN_PREFILL_SAMPLE_TOKENS = 32
 
 class LoadPolicy:
     def __init__(self, cost: CostModel, counters: Counters, *, block_bytes: int, block_size: int,
-                 lower_tiers: list[str]) -> None:
-        """``block_bytes``: of one block on one rank (what one worker reads)."""
+                 lower_tiers: list[str], measure_prefill: bool = True) -> None:
+        """``block_bytes``: of one block on one rank (what one worker reads).
+        ``measure_prefill``: False keeps ``cost.prefill_tokens_per_s`` as given."""
         self.cost = cost
+        self.measure_prefill = measure_prefill
         self.counters = counters
         self.block_bytes = block_bytes
         self.block_size = block_size
@@ -82,7 +84,7 @@ class LoadPolicy:
     def observe_step(self, prefill_tokens: int) -> None:
         """Called once per scheduled step with the prompt tokens it computes."""
         now = time.monotonic()
-        if self._last_step is not None:
+        if self._last_step is not None and self.measure_prefill:
             t0, tokens = self._last_step
             if tokens >= _MIN_PREFILL_SAMPLE_TOKENS:
                 rate = tokens / max(now - t0, 1e-6)

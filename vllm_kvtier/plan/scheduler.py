@@ -109,7 +109,7 @@ class SchedulerPlanner:
             self.load_policy = LoadPolicy(
                 CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
                 block_bytes=self.lower[0].block_bytes, block_size=block_size,
-                lower_tiers=[t.tier for t in self.lower],
+                lower_tiers=[t.tier for t in self.lower], measure_prefill=lr.measure_prefill,
             )
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
@@ -122,9 +122,18 @@ class SchedulerPlanner:
     # ---- lookups ---------------------------------------------------------------
 
     def _loadable_blocks(self, request: Request) -> int:
-        """Prompt blocks that may come from a tier: all full ones but never the last token."""
-        n_prompt = request.num_prompt_tokens
-        return max(0, (n_prompt - 1) // self.block_size)
+        """Prompt blocks that may come from a tier: every full one. An async load may
+        cover the whole prompt: when it lands, vLLM's scheduler recomputes only the last
+        token (``num_computed_tokens = num_tokens - 1``), so an exact multiple of the block
+        size recomputes 1 token instead of a whole block. A sync load is capped by
+        :meth:`_sync_blocks`."""
+        return request.num_prompt_tokens // self.block_size
+
+    def _sync_blocks(self, request: Request) -> int:
+        """Blocks a sync load may cover: vLLM computes at least one token in the step
+        that admits the request (it asserts ``num_new_tokens > 0``), so never the block
+        holding the prompt's last token."""
+        return max(0, (request.num_prompt_tokens - 1) // self.block_size)
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
@@ -159,10 +168,12 @@ class SchedulerPlanner:
             return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
+        asynchronous = self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
+        if not asynchronous:
+            tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
-        from_lower = any(t != TIER for t in tiers)
-        return len(tiers) * self.block_size, from_lower or self.cfg.load_mode == "async"
+        return len(tiers) * self.block_size, asynchronous
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -209,7 +220,7 @@ class SchedulerPlanner:
             state.block_ids = list(block_ids)
             return
         for tier in self.lower:
-            tier.note_request(request.block_hashes[: self._loadable_blocks(request) + 1])
+            tier.note_request(request.block_hashes[: self._loadable_blocks(request)])
         if self.load_policy is not None:
             # Count the decision even when it was to load nothing (all recomputed).
             self.load_policy.commit(req_id)
@@ -350,8 +361,13 @@ class SchedulerPlanner:
         return slot
 
     def record_lookup(self, request: Request) -> None:
-        """Count a lookup of ``request``'s loadable blocks (once per admission)."""
-        self.counters.add("lookup_blocks", TIER, self._loadable_blocks(request))
+        """Count a lookup of the blocks of ``request`` a load could cover (once per
+        admission): every full prompt block where a load may be async (``load_mode:
+        async``, a tier below CPU, a peer), else all but the block of the last token; so a
+        DRAM-only sync setup still reads a full hit as 100%."""
+        may_be_async = self.cfg.load_mode == "async" or bool(self.lower) or self.peer_plan is not None
+        n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
+        self.counters.add("lookup_blocks", TIER, n)
 
     # ---- per step ----------------------------------------------------------------
 
