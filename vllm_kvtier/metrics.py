@@ -52,6 +52,8 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "reclaimed_files": "Files of a tier deleted at start as debris: partial writes, chunks on only some TP ranks, misfits.",
+    "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",
 }
 
 #: gauge metric -> help text
@@ -63,6 +65,7 @@ GAUGES: dict[str, str] = {
     "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
+    "foreign_bytes": "NVMe: bytes under nvme.path in other namespaces' directories at start (after any collection).",
 }
 
 

@@ -132,6 +132,12 @@ class NVMeTierConfig:
     #: with libcufile). File names, syncs, headers and checksums are the same for all three,
     #: so a directory written with one reads with any other. Measured in bench/nixl_io.py.
     io_engine: Literal["posix", "nixl", "nixl-gds"] = "posix"
+    #: Delete, at start, the directories other namespaces left under ``path`` (an earlier
+    #: model, revision, TP size, dtype or storage format: KV this engine can never read).
+    #: Off: they are only reported (a WARNING with each one's bytes and age). Never a
+    #: directory a live engine holds (its rank directories' locks), never a name or file
+    #: this tier does not write.
+    gc_foreign_namespaces: bool = False
 
 
     def __post_init__(self) -> None:
