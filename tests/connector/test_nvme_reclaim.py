@@ -47,6 +47,12 @@ def files(d: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in d.iterdir()}
 
 
+def gauge(eng: Engine, name: str) -> float:
+    drained = eng.counters.drain()
+    assert drained is not None
+    return drained["gauges"][name]
+
+
 class Engine:
     """One engine's NVMe tier as start-up builds it: the planner first (vLLM builds the
     scheduler before the workers' first step), then one worker per rank."""
@@ -188,3 +194,23 @@ def test_a_directory_locked_by_another_engine_is_neither_indexed_nor_touched(tmp
         assert done == [True] * WORLD
     finally:
         first.close()
+
+
+def test_foreign_namespaces_are_reported_at_start_and_collected_when_asked(tmp_path: Path, caplog) -> None:
+    old = "aaaaaaaaaaaaaaaa"  # an earlier model's namespace under the same nvme.path
+    for r in range(WORLD):
+        t = NVMeStore(tmp_path, old, r, SLOT)
+        put(t, "c", [key(1), key(2)])
+        t.close()
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    eng.close()
+    assert (tmp_path / old / "r1" / "c.kvt").exists()  # off by default: reported only
+    assert f"another namespace's directory {tmp_path / old}" in caplog.text
+    assert "set nvme.gc_foreign_namespaces: true" in caplog.text
+    size = eng.planner.file_bytes(2)
+    assert gauge(eng, "foreign_bytes|nvme") >= WORLD * size
+    eng = Engine(tmp_path, capacity_bytes=1 << 30, gc_foreign_namespaces=True)
+    eng.close()
+    assert not (tmp_path / old).exists() and (tmp_path / NS / "r0" / ".lock").exists()
+    assert eng.counters.totals["reclaimed_bytes|nvme"] >= WORLD * size
+    assert gauge(eng, "foreign_bytes|nvme") == 0
