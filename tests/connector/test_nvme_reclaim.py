@@ -6,6 +6,7 @@ another engine's locked directory is neither indexed nor touched."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -214,3 +215,21 @@ def test_foreign_namespaces_are_reported_at_start_and_collected_when_asked(tmp_p
     assert not (tmp_path / old).exists() and (tmp_path / NS / "r0" / ".lock").exists()
     assert eng.counters.totals["reclaimed_bytes|nvme"] >= WORLD * size
     assert gauge(eng, "foreign_bytes|nvme") == 0
+
+
+def test_an_unsafe_directory_is_not_indexed_either(tmp_path: Path) -> None:
+    """Chunks in a rank directory others can write (planted, perhaps): the planner indexes
+    none of them, and the workers refuse the directory."""
+    for r in range(WORLD):
+        t = NVMeStore(tmp_path, NS, r, SLOT)
+        put(t, "planted", [key(1), key(2)])
+        t.close()
+    os.chmod(rank_dir(tmp_path, NS, 1), 0o777)
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.locate(BlockKey(key(1))) is None
+        assert eng.workers[1].store is None
+        assert eng.step([key(3)]) == [] and eng.planner.locate(BlockKey(key(3))) is None
+    finally:
+        eng.close()
+    assert (rank_dir(tmp_path, NS, 0) / "planted.kvt").exists()

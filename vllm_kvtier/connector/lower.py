@@ -29,7 +29,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescan
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, other_bytes, rank_dir, scan_dir
-from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder
+from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
 from vllm_kvtier.transfer.fp8 import (
     StorageDtype,
     StorageFormat,
@@ -99,16 +99,21 @@ def make_planners(
 
 def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: Counters) -> ChunkPlanner:
     """The NVMe planner from a read-only scan of every rank's directory. A directory held
-    by another engine (its lock) turns the tier off here too: nothing of it is indexed,
-    nothing is written (the worker refuses it as well)."""
+    by another engine (its lock), or one the worker will refuse as unsafe (another user's,
+    writable by others), turns the tier off here too: nothing of it is indexed, nothing is
+    written (the worker refuses it as well)."""
     dirs = [rank_dir(n.path, f.namespace, r) for r in range(world_size)]
     policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
                          flush_interval_s=n.flush_interval_s, exclusive=True)
     held = [(d, who) for d in dirs if (who := lock_holder(d)) is not None]
-    if held:
-        d, who = held[0]
-        logger.error("kvtier nvme: tier disabled: %s is held by another engine (%s); two engines must not share "
-                     "one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
+    unsafe = [why for r in range(world_size) if (why := unsafe_reason(n.path, f.namespace, r)) is not None]
+    if held or unsafe:
+        if held:
+            d, who = held[0]
+            logger.error("kvtier nvme: tier disabled: %s is held by another engine (%s); two engines must not "
+                         "share one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
+        else:
+            logger.error("kvtier nvme: tier disabled: %s; serving goes on without it", unsafe[0])
         counters.add("store_failures", TierName.NVME)
         return ChunkPlanner(dataclasses.replace(policy, mode="read-only"), world_size=world_size,
                             block_bytes_per_rank=f.block_bytes, counters=counters, found=[{} for _ in dirs])

@@ -47,7 +47,7 @@ from pathlib import Path
 
 __all__ = [
     "LOCK_NAME", "DirectoryLocked", "ForeignNamespace", "RankDirLock", "UnsafeDirectory", "collect_namespace",
-    "foreign_namespaces", "lock_holder", "open_rank_dir",
+    "foreign_namespaces", "lock_holder", "open_rank_dir", "unsafe_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,9 @@ def _check_base(base: Path) -> None:
                                            f"{stat.S_IMODE(st.st_mode):o}) without the sticky bit", str(base))
 
 
-def _check_ours(path: Path) -> None:
-    """A namespace or rank directory: a real directory of this user, not writable by others."""
+def _check_ours(path: Path, *, tighten: bool = True) -> None:
+    """A namespace or rank directory: a real directory of this user, not writable by others
+    (``tighten``: one only readable by others is made 0700)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeDirectory(errno.ELOOP, "is a symlink (refused below nvme.path)", str(path))
@@ -106,7 +107,7 @@ def _check_ours(path: Path) -> None:
     if st.st_mode & 0o022:
         raise UnsafeDirectory(errno.EPERM, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})",
                               str(path))
-    if stat.S_IMODE(st.st_mode) != DIR_MODE:
+    if tighten and stat.S_IMODE(st.st_mode) != DIR_MODE:
         os.chmod(path, DIR_MODE)  # ours, readable by others (an earlier version): tighten
 
 
@@ -199,6 +200,26 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     if base != Path(os.path.abspath(root)):
         logger.info("kvtier nvme: nvme.path %s resolves to %s", root, base)
     return rank_dir, RankDirLock(rank_dir, fd)
+
+
+def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
+    """Why :func:`open_rank_dir` would refuse this rank directory, checked without changing
+    anything (the scheduler's start-up scan: it does not index what the worker will
+    refuse); None when it would not, or when the directories do not exist yet."""
+    try:
+        base = Path(os.path.realpath(root))
+        if not base.exists():
+            return None
+        _check_base(base)
+        for d in (base / namespace, base / namespace / f"r{rank}"):
+            if not os.path.lexists(d):
+                return None
+            _check_ours(d, tighten=False)
+    except UnsafeDirectory as e:
+        return str(e)
+    except OSError:
+        return None  # the worker will say what is wrong
+    return None
 
 
 def lock_holder(directory: Path) -> str | None:
