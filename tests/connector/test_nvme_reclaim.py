@@ -233,3 +233,19 @@ def test_an_unsafe_directory_is_not_indexed_either(tmp_path: Path) -> None:
     finally:
         eng.close()
     assert (rank_dir(tmp_path, NS, 0) / "planted.kvt").exists()
+
+
+def test_start_up_deletes_ask_for_a_step_of_an_idle_engine(tmp_path: Path) -> None:
+    """A partial chunk found at start is deleted at the first step, which an idle engine
+    is asked for (has_flush_work), not only once a request comes."""
+    t = NVMeStore(tmp_path, NS, 0, SLOT)
+    put(t, "partial", [key(1)])
+    t.close()
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.has_flush_work()
+        assert eng.step() == ["partial"]
+        assert not eng.planner.has_flush_work()
+        assert not (rank_dir(tmp_path, NS, 0) / "partial.kvt").exists()
+    finally:
+        eng.close()

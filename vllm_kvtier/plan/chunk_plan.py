@@ -276,8 +276,9 @@ class ChunkPlanner:
             self._dirty.move_to_end(key)
 
     def has_flush_work(self) -> bool:
-        """Blocks only in DRAM that an idle engine should write now."""
-        return bool(self._dirty) and not self._paused()
+        """Blocks only in DRAM that an idle engine should write now, or deletes to send
+        (start-up reclaim: debris goes at the first step, not at the first request)."""
+        return bool(self._deletes) or (bool(self._dirty) and not self._paused())
 
     def _paused(self) -> bool:
         return bool(self._paused_until) and time.monotonic() < self._paused_until
