@@ -55,6 +55,8 @@ COUNTERS: dict[str, str] = {
     "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
                              "load from nor save to the tiers.",
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
+    "reclaimed_files": "Files of a tier deleted at start as debris: partial writes, chunks on only some TP ranks, misfits.",
+    "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",
 }
 
 #: gauge metric -> help text
@@ -66,6 +68,7 @@ GAUGES: dict[str, str] = {
     "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
+    "foreign_bytes": "NVMe: bytes under nvme.path in other namespaces' directories at start (after any collection).",
 }
 
 

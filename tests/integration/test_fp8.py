@@ -211,6 +211,7 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     assert len(files) == 1 and files[0].parent.parent.name == tier_namespace(ns, FP8_FORMAT)
     assert read_header(files[0], tier_namespace(ns, FP8_FORMAT)).block_bytes == stored
     assert files[0].stat().st_size == header_bytes_for(4) + 4 * align_up(stored)
+    w.close()  # one engine per NVMe directory (its lock): the next one starts after this one
 
     planner = make_planners(cfg, namespace=ns, world_size=1, block_bytes_per_rank=pool.slot_bytes,
                             counters=Counters(), kv_dtype=torch.float32)[0]
@@ -220,6 +221,8 @@ def test_worker_writes_fp8_chunks_the_planner_adopts_and_reads_back(tmp_path):
     assert make_planners(native, namespace=ns, world_size=1, block_bytes_per_rank=pool.slot_bytes,
                          counters=Counters(), kv_dtype=torch.float32)[0].locate(BlockKey(keys[2])) is None
 
+    # A fresh worker (a restart) finds the chunk at start and reads it back.
+    w = make_workers(cfg, namespace=ns, rank=0, slots=slots, counters=counters, kv_dtype=torch.float32)["nvme"]
     done: list[bool] = []
     assert w.start_read(ChunkRead("nvme", fid, (1, 2), (6, 7), keys[1:3])) is not None
     deadline = time.monotonic() + 10

@@ -270,3 +270,39 @@ def test_signed_nvme_chunks_with_auth_local_tiers(tiny_model, baseline_of, tmp_p
     kv["kv_connector_extra_config"]["auth"]["required"] = True
     with pytest.raises(AssertionError, match="auth.required"):
         run_process(tiny_model, kv, ps[:1], tmp_path)
+
+
+def test_second_engine_on_the_same_directory_serves_without_it(tiny_model, baseline_of, tmp_path):
+    """Reproduced bug: a second engine on the same NVMe directory deleted the first one's
+    in-flight writes at start-up. Now the directory's lock turns it away: it logs an ERROR,
+    serves the baseline's tokens without the NVMe tier (0 blocks from it), and every file
+    of the first engine (a write still in flight too: a ``.tmp-`` file) is untouched; the
+    first engine then loads its prompts from NVMe."""
+    ps = SETS[1]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=12)
+    llm = make_llm(tiny_model, kv)
+    try:
+        first = [generate(llm, p) for p in ps]
+        time.sleep(0.5)  # let the demotion writes land
+        (rank0,) = [p.parent for p in (tmp_path / "nvme").rglob(".lock")]
+        in_flight = rank0 / ".tmp-0123456789abcdef-0badf00d"
+        in_flight.write_bytes(b"\0" * 8192)
+
+        def snapshot() -> dict[str, tuple[int, int]]:
+            return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in rank0.iterdir()}
+
+        before = snapshot()
+        assert any(n.endswith(".kvt") for n in before)
+        data = run_process(tiny_model, kv, ps, tmp_path)
+        assert snapshot() == before
+        again = [generate(llm, p) for p in ps]
+    finally:
+        close_llm(llm)
+    for p, r in zip(ps, results(data), strict=True):
+        assert r.tokens == baseline_of(p)
+    assert data["counters"].get("blocks_loaded|nvme", 0) == 0
+    assert data["counters"].get("store_failures|nvme", 0) >= 1
+    for p, r in zip(ps + ps, first + again, strict=True):
+        assert r.tokens == baseline_of(p)
+    assert again[0].loaded_nvme == (330 - 1) // BLOCK_SIZE
+    assert in_flight.exists()

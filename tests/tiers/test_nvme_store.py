@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -29,9 +30,18 @@ from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.nvme import NVMeStore
+from vllm_kvtier.tiers.nvme_dir import (
+    LOCK_NAME,
+    DirectoryLocked,
+    UnsafeDirectory,
+    collect_namespace,
+    foreign_namespaces,
+    lock_holder,
+)
 
 BLOCK = 3000
 FILE = header_bytes_for(1) + align_up(BLOCK)  # one one-block chunk on disk
+FILE_2 = header_bytes_for(2) + 2 * align_up(BLOCK)  # one two-block chunk on disk
 NS = "nvmetest00000000"
 nixl_env = nixl_env  # fixtures: UCX/NIXL environment for the nixl engine's tests
 nixl_engine_env = nixl_engine_env
@@ -48,7 +58,8 @@ def block(i: int) -> bytes:
 
 
 def chunk_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir())
+    """Every entry of a rank directory but its lock file."""
+    return sorted(p.name for p in d.iterdir() if p.name != LOCK_NAME)
 
 
 def wait_for(store: NVMeStore, job: int, timeout_s: float = 10.0) -> IOResult:
@@ -307,18 +318,21 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
 @pytest.mark.parametrize(("writer", "reader"), [("posix", "nixl"), ("nixl", "posix")])
 def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: str, direct_io: str) -> None:
+    # One engine at a time per directory (its lock): the writer closes, the reader opens.
     w = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=writer)  # type: ignore[arg-type]
-    other = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=reader)  # type: ignore[arg-type]
     try:
         h = write_chunk(w, "mine", 0, 5)
+    finally:
+        w.close()
+    other = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=reader)  # type: ignore[arg-type]
+    try:
         assert write_chunk(other, "theirs", 0, 5) == h
         # The same chunk written by either engine: the same bytes on disk.
-        assert w.path("mine").read_bytes() == other.path("theirs").read_bytes()
-        assert len(w.path("mine").read_bytes()) == h.total_bytes
+        assert other.path("mine").read_bytes() == other.path("theirs").read_bytes()
+        assert len(other.path("mine").read_bytes()) == h.total_bytes
         # A subset of its blocks, out of order, read back by the other engine.
         assert read_blocks(other, "mine", h, [3, 1, 4]) == [block(3), block(1), block(4)]
     finally:
-        w.close()
         other.close()
     # A store reopened with the other engine finds and serves what the first one stored.
     t = NVMeStore(tmp_path / "tier", NS, 0, BLOCK, io_engine=writer, direct_io=direct_io)  # type: ignore[arg-type]
@@ -362,3 +376,141 @@ def test_io_engine_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ConfigError, match="pip install nixl-cu12") as e:
         NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl")
     assert e.value.field == "nvme.io_engine"
+
+
+# ---- directories: private, checked, locked (issue 13), other namespaces (issue 14) -------------
+
+
+@contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_created_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path: Path) -> None:
+    with umask(0):  # a permissive umask: every bit the code asks for is kept
+        t = NVMeStore(tmp_path / "a" / "b", NS, 0, BLOCK)
+        write_chunk(t, "one", 1, 2)
+        t.close()
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / NS, t.dir):
+        assert mode(d) == 0o700, d
+    assert mode(t.path("one")) == 0o600
+    assert mode(t.dir / LOCK_NAME) == 0o600
+    with umask(0o077):  # a strict one changes nothing either
+        t = NVMeStore(tmp_path / "c", NS, 0, BLOCK)
+        write_chunk(t, "two", 1, 1)
+        t.close()
+    assert mode(t.dir) == 0o700 and mode(t.path("two")) == 0o600
+
+
+@pytest.mark.parametrize("which", ["rank", "namespace"])
+def test_group_or_other_writable_directory_is_refused_and_left_alone(tmp_path: Path, which: str) -> None:
+    t = NVMeStore(tmp_path, NS, 0, BLOCK)
+    write_chunk(t, "one", 1, 1)
+    t.close()
+    planted = t.dir / ".tmp-someones-12345678"
+    planted.write_bytes(b"x")
+    target = t.dir if which == "rank" else t.dir.parent
+    os.chmod(target, 0o770)
+    with pytest.raises(UnsafeDirectory, match="writable by group or others") as e:
+        NVMeStore(tmp_path, NS, 0, BLOCK)
+    assert str(target) in str(e.value)
+    assert planted.exists() and t.path("one").exists() and mode(target) == 0o770  # nothing touched
+
+
+def test_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a directory to another user")
+    t = NVMeStore(tmp_path, NS, 0, BLOCK)
+    t.close()
+    os.chown(t.dir, 65534, 65534)  # nobody: e.g. a local user who pre-created it to plant chunks
+    with pytest.raises(UnsafeDirectory, match="owned by uid 65534"):
+        NVMeStore(tmp_path, NS, 0, BLOCK)
+    os.chown(tmp_path, 65534, 65534)  # a base path of another (non-root) user
+    os.chown(t.dir, 0, 0)
+    with pytest.raises(UnsafeDirectory, match="nvme.path is owned by uid 65534"):
+        NVMeStore(tmp_path, NS, 0, BLOCK)
+
+
+def test_symlinks_resolved_in_the_base_path_refused_below_it(tmp_path: Path) -> None:
+    real = tmp_path / "data"
+    real.mkdir(mode=0o755)
+    (tmp_path / "mnt").symlink_to(real)  # an operator's /mnt/nvme -> /data/nvme: accepted
+    t = NVMeStore(tmp_path / "mnt", NS, 0, BLOCK)
+    write_chunk(t, "one", 1, 1)
+    t.close()
+    assert (real / NS / "r0" / "one.kvt").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (real / "0123456789abcdef").symlink_to(elsewhere)  # a namespace directory that is a link
+    with pytest.raises(UnsafeDirectory, match="symlink"):
+        NVMeStore(real, "0123456789abcdef", 0, BLOCK)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_world_writable_base_needs_the_sticky_bit(tmp_path: Path) -> None:
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, 0o777)
+    with pytest.raises(UnsafeDirectory, match="without the sticky bit"):
+        NVMeStore(base, NS, 0, BLOCK)
+    assert list(base.iterdir()) == []
+    os.chmod(base, 0o1777)  # like /tmp: nobody else can rename what we create there
+    NVMeStore(base, NS, 0, BLOCK).close()
+
+
+def test_second_store_on_a_locked_directory_is_refused_and_touches_nothing(tmp_path: Path) -> None:
+    """Reproduced bug: a second engine's start-up scan deleted the first one's in-flight
+    tmp writes. Now its store is refused before it touches anything."""
+    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    h = write_chunk(a, "one", 1, 2)
+    in_flight = a.dir / ".tmp-two-0badf00d"  # a write of the first store, not renamed yet
+    in_flight.write_bytes(b"\0" * 100)
+    before = {p.name: p.stat().st_mtime_ns for p in a.dir.iterdir()}
+    assert lock_holder(a.dir) is not None and f"pid {os.getpid()}" in lock_holder(a.dir)  # type: ignore[operator]
+    with pytest.raises(DirectoryLocked, match=f"held by another engine \\(pid {os.getpid()} host"):
+        NVMeStore(tmp_path, NS, 0, BLOCK)
+    assert {p.name: p.stat().st_mtime_ns for p in a.dir.iterdir()} == before
+    assert read_blocks(a, "one", h, [0, 1], first=1) == [block(1), block(2)]
+    a.close()
+    assert lock_holder(a.dir) is None  # released with the store
+    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    assert set(b.scan(cleanup=True).found) == {"one"} and not in_flight.exists()  # now it is ours to clean
+    b.close()
+
+
+def test_other_namespaces_are_reported_and_collected_only_when_free_and_ours(tmp_path: Path) -> None:
+    own, old, live, odd = "0" * 16, "1" * 16, "2" * 16, "3" * 16
+    mine = NVMeStore(tmp_path, own, 0, BLOCK)
+    for ns in (old, live, odd):
+        for r in (0, 1):
+            t = NVMeStore(tmp_path, ns, r, BLOCK)
+            write_chunk(t, f"c{r}", r, 2)
+            t.close()
+    (tmp_path / odd / "r0" / "readme").write_text("someone else's")  # a file this tier never writes
+    (tmp_path / "not-a-namespace").mkdir()
+    holder = NVMeStore(tmp_path, live, 1, BLOCK)  # a live engine on that namespace
+    try:
+        found = {f.path.name: f for f in foreign_namespaces(tmp_path, {own})}
+        assert set(found) == {old, live, odd}
+        assert found[old].files == 4 and found[old].nbytes == 2 * FILE_2 + 2 * len(
+            (tmp_path / old / "r0" / LOCK_NAME).read_bytes())
+        assert found[old].newest_age_s is not None and found[old].newest_age_s < 60
+        assert found[old].keep_reason == ""
+        assert "held by a live engine" in found[live].keep_reason
+        assert "never writes (readme)" in found[odd].keep_reason
+        assert collect_namespace(found[live]) == 0 and collect_namespace(found[odd]) == 0
+        assert collect_namespace(found[old]) > 0
+        assert not (tmp_path / old).exists()
+        assert (tmp_path / live / "r0" / "c0.kvt").exists() and (tmp_path / odd / "r1" / "c1.kvt").exists()
+        assert (tmp_path / "not-a-namespace").exists() and mine.dir.exists()
+    finally:
+        holder.close()
+        mine.close()

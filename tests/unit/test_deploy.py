@@ -472,6 +472,36 @@ def test_nvme_volume_kinds(helm, kind):
         assert not of_kind(docs, "PersistentVolumeClaim") and "affinity" not in pod
 
 
+@pytest.mark.parametrize("own_affinity", [False, True])
+def test_pd_roles_on_one_node_path_never_share_a_directory(helm, own_affinity):
+    """Prefill and decode pods with one NVMe hostPath: each role mounts its own sub-path of
+    it, so two pods of different roles on one node never share an NVMe directory (the
+    plugin's lock turns away a second engine on one directory; it must not be the
+    chart's doing). The chart's anti-affinity keeps two pods of one role off one node;
+    an operator's own affinity replaces it, and the sub-paths stay per role."""
+    sets = [*NVME_ON, "kvtier.nvme.volume.type=hostPath"]
+    if own_affinity:
+        sets.append("json:affinity={\"nodeAffinity\":{}}")
+    docs = render(helm, REPO / "docker/helm/examples/values-pd.yaml", *sets)
+    deployments = {component(d): d for d in of_kind(docs, "Deployment")}
+    assert set(deployments) == {"prefill", "decode"}
+    mounts, paths = {}, set()
+    for name, d in deployments.items():
+        pod = d["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kvtier-nvme"]
+        paths.add(vol["hostPath"]["path"])
+        (mount,) = [m for m in container(d)["volumeMounts"] if m["name"] == "kvtier-nvme"]
+        mounts[name] = mount["subPath"]
+        if own_affinity:
+            assert pod["affinity"] == {"nodeAffinity": {}}
+        else:
+            (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            assert term["topologyKey"] == "kubernetes.io/hostname"
+            assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == name
+    assert len(paths) == 1  # the same node directory...
+    assert mounts["prefill"] != mounts["decode"] and all(mounts.values())  # ...a sub-path per role
+
+
 @pytest.mark.parametrize(
     ("sets", "words"),
     [

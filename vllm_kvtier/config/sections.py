@@ -9,11 +9,12 @@ builds them. Units are in the names (``_bytes``, ``_s``).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vllm_kvtier.config.stores import MAX_IO_THREADS, MooncakeConfig, NixlConfig, S3Config
+from vllm_kvtier.config.stores import MAX_IO_THREADS, MooncakeConfig, NixlConfig, S3Config, check_bounds
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import EvictionName
 
@@ -135,6 +136,12 @@ class NVMeTierConfig:
     #: with libcufile). File names, syncs, headers and checksums are the same for all three,
     #: so a directory written with one reads with any other. Measured in bench/nixl_io.py.
     io_engine: Literal["posix", "nixl", "nixl-gds"] = "posix"
+    #: Delete, at start, the directories other namespaces left under ``path`` (an earlier
+    #: model, revision, TP size, dtype or storage format: KV this engine can never read).
+    #: Off: they are only reported (a WARNING with each one's bytes and age). Never a
+    #: directory a live engine holds (its rank directories' locks), never a name or file
+    #: this tier does not write.
+    gc_foreign_namespaces: bool = False
 
 
     def __post_init__(self) -> None:
@@ -143,6 +150,9 @@ class NVMeTierConfig:
             raise ConfigError("nvme.path", "must not be empty")
         if "\0" in self.path:
             raise ConfigError("nvme.path", "must not contain a NUL byte")
+        if not os.path.isabs(self.path):
+            # Each process (scheduler, every worker) would resolve it against its own cwd.
+            raise ConfigError("nvme.path", f"must be an absolute path, got {self.path!r}")
         for name in ("admit_min_seen", "io_threads", "max_queued_writes"):
             _at_least(f"nvme.{name}", getattr(self, name), 1)
         _at_least("nvme.chunk_blocks", self.chunk_blocks, 1)
@@ -150,6 +160,8 @@ class NVMeTierConfig:
         _at_most("nvme.io_threads", self.io_threads, MAX_IO_THREADS)
         _at_least("nvme.flush_on_shutdown_s", self.flush_on_shutdown_s, 0)
         _at_least("nvme.flush_interval_s", self.flush_interval_s, 0)
+        check_bounds("nvme", self, durations=("flush_on_shutdown_s", "flush_interval_s"),
+                     queues=("max_queued_writes",))
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,7 @@ class S3TierConfig:
         _at_most("s3.chunk_blocks", self.chunk_blocks, MAX_CHUNK_BLOCKS)
         for name in ("rescan_interval_s", "flush_on_shutdown_s", "flush_interval_s"):
             _at_least(f"s3.{name}", getattr(self, name), 0)
+        check_bounds("s3", self, durations=("rescan_interval_s", "flush_on_shutdown_s", "flush_interval_s"))
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,7 @@ class MooncakeTierConfig:
         _at_least("mooncake.admit_min_seen", self.admit_min_seen, 1)
         for name in ("lookup_timeout_s", "handoff_wait_s"):
             _at_least(f"mooncake.{name}", getattr(self, name), 0)
+        check_bounds("mooncake", self, durations=("lookup_timeout_s", "handoff_wait_s"))
 
 
 @dataclass(frozen=True)
@@ -257,6 +271,7 @@ class NixlTierConfig:
 
     def __post_init__(self) -> None:
         _positive("nixl.hold_s", self.hold_s)
+        check_bounds("nixl", self, durations=("hold_s",))
 
 
 @dataclass(frozen=True)
@@ -283,6 +298,7 @@ class LoadOrRecomputeConfig:
         if not self.measure_prefill and self.prefill_tokens_per_s is None:
             raise ConfigError("load_or_recompute.measure_prefill",
                               "false needs load_or_recompute.prefill_tokens_per_s (the rate to use)")
+        check_bounds("load_or_recompute", self, durations=("probe_interval_s",))
 
 
 @dataclass(frozen=True)
@@ -300,6 +316,8 @@ class PrefetchConfig:
     def __post_init__(self) -> None:
         _at_least("prefetch.max_inflight_blocks", self.max_inflight_blocks, 1)
         _at_least("prefetch.max_age_s", self.max_age_s, 0)
+        check_bounds("prefetch", self, durations=("max_age_s",))
+        _at_most("prefetch.max_inflight_blocks", self.max_inflight_blocks, 1 << 20)
 
 
 @dataclass(frozen=True)

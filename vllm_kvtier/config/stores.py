@@ -19,6 +19,28 @@ from vllm_kvtier.keys import SAFE_ID
 MiB = 1 << 20
 #: I/O threads per store at most (every tier's ``io_threads``): more only adds contention.
 MAX_IO_THREADS = 256
+#: Every deadline, timeout, interval and hold time at most (seconds): one day. Beyond it a
+#: value is a typo or a unit mistake (ms for s), and a wait that long is a hang.
+MAX_DURATION_S = 86400.0
+#: Writes queued per store at most (every tier's ``max_queued_writes``): each holds a chunk
+#: buffer (up to 256 blocks), so the bound is one on memory too.
+MAX_QUEUED_WRITES = 4096
+#: Attempts per request at most (``s3.max_attempts``): retries past this only delay a miss.
+MAX_ATTEMPTS = 100
+
+
+def check_bounds(section: str, obj: object, *, durations: tuple[str, ...] = (), queues: tuple[str, ...] = ()) -> None:
+    """The upper bounds shared by every section: ``durations`` (seconds) at most
+    :data:`MAX_DURATION_S`, ``queues`` at most :data:`MAX_QUEUED_WRITES`; ConfigError
+    naming ``<section>.<field>``."""
+    for name in durations:
+        value = getattr(obj, name)
+        if value is not None and not value <= MAX_DURATION_S:
+            raise ConfigError(f"{section}.{name}", f"must be <= {MAX_DURATION_S:.0f} s (one day), got {value}")
+    for name in queues:
+        value = getattr(obj, name)
+        if not value <= MAX_QUEUED_WRITES:
+            raise ConfigError(f"{section}.{name}", f"must be <= {MAX_QUEUED_WRITES}, got {value}")
 
 #: ``s3.io_engine`` values (see :attr:`S3Config.io_engine`).
 IOEngineName = Literal["boto3", "nixl"]
@@ -87,6 +109,8 @@ class S3Config:
                 raise bad("endpoint_url", "must start with http:// or https://")
             if "@" in m.group(1):
                 raise bad("endpoint_url", "must not embed credentials; use the AWS credential chain")
+        if self.ca_bundle is not None and ("\0" in self.ca_bundle or not os.path.isabs(self.ca_bundle)):
+            raise bad("ca_bundle", f"must be an absolute path without NUL bytes, got {self.ca_bundle!r}")
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise bad("ca_bundle", f"{self.ca_bundle!r} is not a file")
         for name in ("connect_timeout_s", "read_timeout_s", "deadline_s", "backoff_max_s"):
@@ -113,6 +137,10 @@ class S3Config:
         if self.io_engine == "nixl" and self.profile is not None:
             raise bad("io_engine", "'nixl' reads credentials through aws-sdk-cpp's default chain, which takes no "
                                    "per-client profile: drop s3.profile and export AWS_PROFILE instead")
+        check_bounds("s3", self, durations=("connect_timeout_s", "read_timeout_s", "deadline_s", "backoff_base_s",
+                                            "backoff_max_s", "breaker_cooldown_s"), queues=("max_queued_writes",))
+        if self.max_attempts > MAX_ATTEMPTS:
+            raise bad("max_attempts", f"must be <= {MAX_ATTEMPTS}, got {self.max_attempts}")
 
 
 @dataclass(frozen=True)
@@ -186,6 +214,8 @@ class MooncakeConfig:
                 raise bad(name, "must be >= 1")
         if self.io_threads > MAX_IO_THREADS:
             raise bad("io_threads", f"must be <= {MAX_IO_THREADS}, got {self.io_threads}")
+        check_bounds("mooncake", self, durations=("deadline_s", "connect_timeout_s", "breaker_cooldown_s"),
+                     queues=("max_queued_writes", "max_batch"))
 
     @property
     def master_host_port(self) -> tuple[str, int]:
@@ -224,3 +254,6 @@ class NixlConfig:
             raise ConfigError("nixl.deadline_s", "must be > 0")
         if self.num_threads < 0:
             raise ConfigError("nixl.num_threads", "must be >= 0")
+        if self.num_threads > MAX_IO_THREADS:
+            raise ConfigError("nixl.num_threads", f"must be <= {MAX_IO_THREADS}, got {self.num_threads}")
+        check_bounds("nixl", self, durations=("deadline_s",))

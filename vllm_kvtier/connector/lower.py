@@ -14,13 +14,14 @@ KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
+from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
@@ -28,7 +29,8 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescan
 from vllm_kvtier.tiers.auth import load_auth
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
-from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
+from vllm_kvtier.tiers.nvme import NVMeStore, other_bytes, rank_dir, scan_dir
+from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
 from vllm_kvtier.transfer.fp8 import (
     StorageDtype,
     StorageFormat,
@@ -88,12 +90,7 @@ def make_planners(
     if n is not None:
         f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
-        found = [scan_dir(rank_dir(n.path, f.namespace, r), f.namespace, max_blocks=n.chunk_blocks,
-                          block_bytes=f.block_bytes)[0] for r in range(world_size)]
-        policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
-                             flush_interval_s=n.flush_interval_s)
-        planners.append(ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes,
-                                     counters=counters, found=found))
+        planners.append(_nvme_planner(n, f, world_size, counters))
     if cfg.s3 is not None:
         f = tier_format(TierName.S3, cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
@@ -104,13 +101,59 @@ def make_planners(
     return planners
 
 
+def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: Counters) -> ChunkPlanner:
+    """The NVMe planner from a read-only scan of every rank's directory. A directory held
+    by another engine (its lock), or one the worker will refuse as unsafe (another user's,
+    writable by others), turns the tier off here too: nothing of it is indexed, nothing is
+    written (the worker refuses it as well)."""
+    dirs = [rank_dir(n.path, f.namespace, r) for r in range(world_size)]
+    policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
+                         flush_interval_s=n.flush_interval_s, exclusive=True)
+    held = [(d, who) for d in dirs if (who := lock_holder(d)) is not None]
+    unsafe = [why for r in range(world_size) if (why := unsafe_reason(n.path, f.namespace, r)) is not None]
+    if held or unsafe:
+        if held:
+            d, who = held[0]
+            logger.error("kvtier nvme: tier disabled: %s is held by another engine (%s); two engines must not "
+                         "share one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
+        else:
+            logger.error("kvtier nvme: tier disabled: %s; serving goes on without it", unsafe[0])
+        counters.add("store_failures", TierName.NVME)
+        return ChunkPlanner(dataclasses.replace(policy, mode="read-only"), world_size=world_size,
+                            block_bytes_per_rank=f.block_bytes, counters=counters, found=[{} for _ in dirs])
+    found = [scan_dir(d, f.namespace, max_blocks=n.chunk_blocks, block_bytes=f.block_bytes)[0] for d in dirs]
+    # Capacity covers every byte the tier leaves in its directories, not only the chunks.
+    reserved = max(other_bytes(d) for d in dirs)
+    return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes, counters=counters,
+                        found=found, reserved_bytes_per_rank=reserved)
+
+
+def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None:
+    """Report (and with ``nvme.gc_foreign_namespaces``, collect) the directories other
+    namespaces left under ``nvme.path``: rank 0's worker, at start, once its own lock is held."""
+    left = 0
+    for ns in foreign_namespaces(n.path, {own}):
+        age = "no file" if ns.newest_age_s is None else f"newest file {ns.newest_age_s / 3600:.1f} h old"
+        if n.gc_foreign_namespaces and not ns.keep_reason:
+            freed = collect_namespace(ns)
+            if freed or not ns.path.exists():
+                logger.warning("kvtier nvme: collected namespace directory %s (%d files, %d bytes, %s)",
+                               ns.path, ns.files, freed, age)
+                counters.add("reclaimed_bytes", TierName.NVME, freed)
+                continue
+        left += ns.nbytes
+        why = ns.keep_reason or "set nvme.gc_foreign_namespaces: true to delete it"
+        logger.warning("kvtier nvme: another namespace's directory %s holds %d files, %d bytes (%s): KV this "
+                       "engine never reads; kept: %s", ns.path, ns.files, ns.nbytes, age, why)
+    counters.set_gauge("foreign_bytes", TierName.NVME, left)
+
+
 def _mooncake_planner(
     mc: MooncakeTierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters,
     read_only: bool,
 ) -> ChunkPlanner:
     """One object per block, named by its key: lookups ask the master which exist (a pool
     cannot be listed), in a background thread bounded by ``lookup_timeout_s``."""
-    import dataclasses
     from concurrent.futures import Future, ThreadPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -235,15 +278,20 @@ def make_workers(
                                    io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers,
                                    auth=auth if cfg.auth.local_tiers else None)
         except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
-            # Serving goes on without the tier: every NVMe write and read is a miss.
+            # Serving goes on without the tier: every NVMe write and read is a miss. An
+            # unsafe or locked directory (another engine's) is left exactly as it is.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
             counters.add("store_failures", TierName.NVME)
         if nvme_store is not None:
-            scanned = nvme_store.scan(cleanup=True)
+            scanned = nvme_store.scan(cleanup=True)  # only now: the directory's lock is held
             headers = scanned.found
             for reason, count in scanned.problems.items():
                 logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
                 counters.add("load_failures", TierName.NVME, count)
+                if reason != "not_regular":  # deleted (see scan_dir)
+                    counters.add("reclaimed_files", TierName.NVME, count)
+            if rank == 0:
+                _foreign_namespaces(n, f.namespace, counters)
         workers[TierName.NVME] = ChunkWorker(TierName.NVME, nvme_store, slots=slots, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
                                       headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),

@@ -79,6 +79,10 @@ class ChunkPolicy:
     #: Write-back: flush a block still only in DRAM once it is this old (seconds), and
     #: every such block when the engine is idle. 0: only on eviction and at shutdown.
     flush_interval_s: float = 0.0
+    #: No other engine writes this tier's chunks (an NVMe rank directory, locked by its
+    #: owner): at start, chunks on only some ranks and misfits are this engine's debris and
+    #: are deleted. False for shared tiers (another instance may still be writing them).
+    exclusive: bool = False
 
 
 class Rescanner:
@@ -122,9 +126,13 @@ class ChunkPlanner:
         found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
         oracle: Callable[[list[str]], list[bool] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reserved_bytes_per_rank: int = 0,
     ) -> None:
         """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
-        listed), or None when it could not tell in time; it must not block for long."""
+        listed), or None when it could not tell in time; it must not block for long.
+        ``reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an NVMe
+        rank directory's lock file and anything else found in it), taken off the
+        capacity so that it bounds every byte on the medium."""
         self.policy = policy
         self.tier = policy.tier
         self._clock = clock  # the background flush's ages (a test passes its own)
@@ -133,7 +141,8 @@ class ChunkPlanner:
         self.counters = counters
         # Capacity is per engine; each rank stores its shard of every chunk.
         cap = policy.capacity_bytes
-        self.index = ChunkIndex(None if cap is None else cap // world_size)
+        self.reserved_bytes = reserved_bytes_per_rank
+        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved_bytes_per_rank))
         self._seen: OrderedDict[BlockKey, int] = OrderedDict()
         self._demote: list[tuple[int, BlockKey]] = []
         #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
@@ -159,13 +168,25 @@ class ChunkPlanner:
     def _adopt(self, found: Found, *, delete_unfit: bool) -> tuple[int, int]:
         """Index chunks present on every rank and not known yet; (blocks, chunks) added.
 
-        ``delete_unfit``: a chunk that does not fit the capacity is deleted (our own
-        start-up); after a rescan it is only ignored (another instance may be using it)."""
+        ``delete_unfit`` (our own start-up): a chunk that does not fit the capacity is
+        deleted; on an exclusive tier (:attr:`ChunkPolicy.exclusive`) so are chunks present
+        on only some ranks (a write that did not reach every rank) and chunks of another
+        block size, by the ranks that hold them (counted as ``reclaimed_files``). After a
+        rescan they are only ignored (another instance may be using or still writing them)."""
+        reclaim = delete_unfit and self.policy.exclusive
         common = set(found[0]).intersection(*found[1:]) if found else set()
         known = set(self.index.file_ids())
         n_blocks = n_files = 0
+        if reclaim:
+            partial = {f for rank in found for f in rank if f not in common and f not in known}
+            if partial:
+                logger.info("kvtier %s: deleting %d chunk(s) present on only some TP ranks", self.tier, len(partial))
+                self._reclaim(sorted(partial))
         for fid in [f for f in found[0] if f in common and f not in known]:  # oldest first
             h = found[0][fid]
+            if h.block_bytes != self.block_bytes and reclaim:
+                self._reclaim([fid])  # misfit: another block size (another layout)
+                continue
             if h.block_bytes != self.block_bytes or fid in self._failed_files:
                 continue
             if self.index.add_existing(fid, [BlockKey(k) for k in h.keys], h.total_bytes):
@@ -174,6 +195,10 @@ class ChunkPlanner:
             elif delete_unfit:
                 self._deletes.append(fid)
         return n_blocks, n_files
+
+    def _reclaim(self, file_ids: list[str]) -> None:
+        self._deletes.extend(file_ids)
+        self.counters.add("reclaimed_files", self.tier, len(file_ids))
 
     def refresh(self) -> None:
         """Merge the newest background rescan, if one finished (cheap: a queue poll).
@@ -251,8 +276,9 @@ class ChunkPlanner:
             self._dirty.move_to_end(key)
 
     def has_flush_work(self) -> bool:
-        """Blocks only in DRAM that an idle engine should write now."""
-        return bool(self._dirty) and not self._paused()
+        """Blocks only in DRAM that an idle engine should write now, or deletes to send
+        (start-up reclaim: debris goes at the first step, not at the first request)."""
+        return bool(self._deletes) or (bool(self._dirty) and not self._paused())
 
     def _paused(self) -> bool:
         return bool(self._paused_until) and time.monotonic() < self._paused_until
@@ -323,9 +349,11 @@ class ChunkPlanner:
         self.counters.add("evictions", self.tier, self.index.evicted_blocks - before)
         deletes = self._deletes
         self._demote, self._through, self._deletes = [], [], []
-        self.counters.set_gauge("usage_bytes", self.tier, self.index.used_bytes * self.world_size)
+        self.counters.set_gauge("usage_bytes", self.tier,
+                                (self.index.used_bytes + self.reserved_bytes) * self.world_size)
         if self.index.capacity_bytes is not None:
-            self.counters.set_gauge("capacity_bytes", self.tier, self.index.capacity_bytes * self.world_size)
+            self.counters.set_gauge("capacity_bytes", self.tier,
+                                    (self.index.capacity_bytes + self.reserved_bytes) * self.world_size)
         return demotes, through, deletes
 
     def drop_key(self, key: BlockKey) -> None:

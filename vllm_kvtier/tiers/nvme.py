@@ -10,7 +10,9 @@ its index.
 
 Directory layout: ``<path>/<namespace>/r<rank>/<file_id>.kvt`` where ``namespace`` digests
 everything that changes the bytes (model, dtype, geometry, TP size, format), so two
-engines sharing a disk never read each other's KV.
+engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
+checked and locked before use (one engine per rank directory): see
+:mod:`~vllm_kvtier.tiers.nvme_dir`.
 
 Crash safety: a chunk is written to ``.tmp-*`` in the same directory, fdatasync'ed, then
 renamed into place: a file with the final name is always complete, because its data was
@@ -59,13 +61,16 @@ from vllm_kvtier.tiers.chunkfile import (
     MAX_CHUNK_BLOCKS,
     ChunkFormatError,
     ChunkHeader,
+    align_up,
     bounded_header_bytes,
     decode_header,
 )
 from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir
 
-__all__ = ["NVMeMedium", "NVMeStore", "classify", "probe_direct_io", "rank_dir", "read_header", "scan_dir"]
+__all__ = ["NVMeMedium", "NVMeStore", "classify", "other_bytes", "probe_direct_io", "rank_dir", "read_header",
+           "scan_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +198,24 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
     return found, problems
 
 
+def other_bytes(directory: Path) -> int:
+    """Bytes on disk in ``directory`` that are not chunk files nor leftovers of a write
+    (the lock file, anything else someone put there), each rounded up to a 4 KiB block:
+    what the capacity bound must leave room for, since this tier neither indexes nor
+    deletes them. The lock file counts whether it exists yet or not (the store creates it)."""
+    total = ALIGN  # the lock file
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return total
+    for e in entries:
+        if e.name.endswith(SUFFIX) or e.name.startswith(".tmp-") or e.name == LOCK_NAME:
+            continue
+        with contextlib.suppress(OSError):
+            total += align_up(e.stat(follow_symlinks=False).st_size)
+    return total
+
+
 def _unlink_quietly(p: Path) -> None:
     with contextlib.suppress(OSError):
         p.unlink()
@@ -205,7 +228,7 @@ def probe_direct_io(directory: Path) -> tuple[bool, str]:
     p = directory / f".tmp-probe-{uuid.uuid4().hex[:8]}"
     buf = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, FILE_MODE)
         try:
             os.write(fd, buf)
         finally:
@@ -227,10 +250,12 @@ class NVMeMedium:
     #: one stride-aligned range per read (one I/O; O_DIRECT needs aligned offsets and lengths)
     read_shape: ReadShape = "span"
 
-    def __init__(self, directory: Path, *, direct: bool, io: FileIO) -> None:
+    def __init__(self, directory: Path, *, direct: bool, io: FileIO, lock: RankDirLock | None = None) -> None:
+        """``lock``: the directory's lock, released by :meth:`close` (after the last I/O)."""
         self.dir = directory
         self.direct = direct
         self.io = io
+        self._lock = lock
 
     def path(self, chunk_id: str) -> Path:
         return self.dir / f"{chunk_id}{SUFFIX}"
@@ -240,8 +265,9 @@ class NVMeMedium:
         tmp = self.dir / f".tmp-{chunk_id}-{uuid.uuid4().hex[:8]}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, FILE_MODE)
             try:
+                os.fchmod(fd, FILE_MODE)  # whatever the umask (one syscall per chunk)
                 self.io.write(fd, view, 0)
                 os.fdatasync(fd)
                 if not self.direct:
@@ -275,6 +301,8 @@ class NVMeMedium:
 
     def close(self) -> None:
         self.io.close()
+        if self._lock is not None:
+            self._lock.release()
 
 
 class NVMeStore(StoreKernel):
@@ -287,28 +315,40 @@ class NVMeStore(StoreKernel):
         io_engine: str = "posix", max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
         read_deadline_s: float = DEFAULT_READ_DEADLINE_S, auth: ChunkAuth | None = None,
     ) -> None:
-        """Blocks briefly: creates the directory, probes O_DIRECT, builds the I/O engine
+        """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
+        (:mod:`~vllm_kvtier.tiers.nvme_dir`: an OSError, ``UnsafeDirectory`` or
+        ``DirectoryLocked``, names the path and the reason), probes O_DIRECT, builds the I/O engine
         (``io_engine``: a name of :data:`~vllm_kvtier.tiers.file_io.FILE_IO_ENGINES`;
         ConfigError naming ``nvme.io_engine`` if it cannot run here), starts the threads.
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
         count); ``buffers``: the worker's pool (None: the process default)."""
         io = make_file_io(io_engine)
         self.io_engine = io_engine
-        self.dir = rank_dir(root, namespace, rank)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if direct_io == "off":
-            direct, why = False, "disabled by nvme.direct_io"
-        else:
-            direct, why = probe_direct_io(self.dir)
-            if not direct and direct_io == "on":
-                raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {self.dir}: {why}")
+        # Created 0700 or checked (owner, mode, no symlink), then locked: nothing in the
+        # directory is touched (not even the O_DIRECT probe) before the lock is held.
+        try:
+            self.dir, lock = open_rank_dir(root, namespace, rank)
+        except BaseException:
+            io.close()
+            raise
+        try:
+            if direct_io == "off":
+                direct, why = False, "disabled by nvme.direct_io"
+            else:
+                direct, why = probe_direct_io(self.dir)
+                if not direct and direct_io == "on":
+                    raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {self.dir}: {why}")
+        except BaseException:
+            lock.release()
+            io.close()
+            raise
         self.direct = direct
         if direct:
             logger.info("kvtier nvme: %s, O_DIRECT, io_engine %s", self.dir, io_engine)
         else:
             logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s), io_engine %s",
                            self.dir, why, io_engine)
-        self._files = NVMeMedium(self.dir, direct=direct, io=io)
+        self._files = NVMeMedium(self.dir, direct=direct, io=io, lock=lock)
         super().__init__(self._files, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
                          max_queued_writes=max_queued_writes, auth=auth)
