@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BLOCK_SIZE, close_llm, generate, kvtier_config, kvtier_counters, make_llm, rand_tokens
+from tests.conftest import (
+    BLOCK_SIZE,
+    close_llm,
+    generate,
+    kvtier_config,
+    kvtier_counters,
+    make_llm,
+    rand_tokens,
+)
 from vllm_kvtier.tiers.chunkfile import (
     FIXED_BYTES,
     block_crc,
