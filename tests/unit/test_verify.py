@@ -204,3 +204,27 @@ def test_a_request_finished_before_its_check_releases_what_it_held():
     assert not plan.verifies and not p.has_pending_work()
     got, plan = run_request(p, prompt("c"), [10, 11, 12, 13, 14])
     assert got == (0, False) and len(plan.verifies) == 1  # its blocks are still there to verify
+
+
+def test_worker_reports_merge_over_ranks():
+    a = WorkerReport(verified={1: 1, 2: 1}, verify_mismatched={(1, b"k1")}, verify_inexact={(2, b"k2")})
+    b = WorkerReport(verified={1: 1}, verify_unread={(1, b"k3")})
+    m = a.aggregate(b)
+    assert m.verified == {1: 2, 2: 1}
+    assert m.verify_mismatched == {(1, b"k1")} and m.verify_unread == {(1, b"k3")}
+    assert m.verify_inexact == {(2, b"k2")}
+    assert not m.is_empty() and WorkerReport().is_empty()
+
+
+def test_a_check_waits_for_every_rank():
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60))
+    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, world_size=2)
+    run_request(p, prompt("a"), [0, 1, 2, 3, 4])
+    _, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
+    (job,) = plan.verifies
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1})))
+    assert p.verify is not None and p.verify.has_work() and "verify_samples|cpu" not in p.counters.totals
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
+                                                        verify_mismatched={(job.verify_id, job.keys[3])})))
+    assert not p.verify.has_work() and p.counters.totals["verify_mismatches|cpu"] == 1
+    assert p.verify.quarantined("cpu")
