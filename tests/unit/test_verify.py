@@ -21,8 +21,8 @@ from vllm_kvtier.transfer.verify import DEFAULT_TOLERANCES, Tolerance, compare_b
 AUTO = VerifyConfig(sample_rate=1.0)
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).flatten()
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def kv_block(dtype: torch.dtype, seed: int = 0, n: int = 4096) -> torch.Tensor:
@@ -228,3 +228,13 @@ def test_a_check_waits_for_every_rank():
                                                         verify_mismatched={(job.verify_id, job.keys[3])})))
     assert not p.verify.has_work() and p.counters.totals["verify_mismatches|cpu"] == 1
     assert p.verify.quarantined("cpu")
+
+
+def test_host_rows_concatenates_one_row_of_every_plane():
+    from vllm_kvtier.transfer.verify import host_rows
+
+    g = torch.Generator().manual_seed(1)
+    planes = (torch.randint(0, 256, (5, 48), generator=g, dtype=torch.uint8),
+              torch.randint(0, 256, (5, 16), generator=g, dtype=torch.uint8))
+    for i in range(5):
+        assert host_rows(planes, i) == torch.cat([planes[0][i], planes[1][i]]).numpy().tobytes()

@@ -26,11 +26,13 @@ exact`` compares bitwise only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_kvtier.config import VerifyConfig
@@ -87,23 +89,55 @@ class Comparison:
     max_abs: float
 
 
-def compare_block(stored: torch.Tensor, computed: torch.Tensor, dtype: torch.dtype, tol: Tolerance) -> Comparison:
-    """Compare two host ``uint8`` tensors holding one block's bytes as ``dtype`` elements."""
-    if stored.shape == computed.shape and torch.equal(stored, computed):
+def _as_float32(buf: bytes, dtype: torch.dtype) -> np.ndarray | None:
+    """``buf``'s elements as float32 (numpy has no bfloat16: its bits are the top half of a
+    float32's), or None for a dtype compared bitwise only."""
+    if dtype == torch.float32:
+        return np.frombuffer(buf, np.float32)
+    if dtype == torch.float16:
+        return np.frombuffer(buf, np.float16).astype(np.float32)
+    if dtype == torch.bfloat16:
+        return (np.frombuffer(buf, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return None
+
+
+def compare_block(stored: bytes, computed: bytes, dtype: torch.dtype, tol: Tolerance) -> Comparison:
+    """Compare one block's bytes, stored and computed, holding ``dtype`` elements.
+
+    Plain bytes and numpy, not torch ops: on a busy host each torch op pays an OpenMP
+    fork/join (a bitwise ``torch.equal`` of a 384 KiB block measured 15 ms on 2 loaded
+    cores; ``bytes ==`` 35 us)."""
+    if stored == computed:
         return Comparison(True, True, 0.0)
     size = torch.empty((), dtype=dtype).element_size()
-    if stored.numel() != computed.numel() or stored.numel() % size or not dtype.is_floating_point:
+    if len(stored) != len(computed) or len(stored) % size:
         return Comparison(False, False, float("inf"))
-    s = stored.contiguous().view(dtype).float()
-    c = computed.contiguous().view(dtype).float()
-    diff = (s - c).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    if max_abs != max_abs:  # NaN somewhere
-        max_abs = float("inf")
-    if tol.exact:
-        return Comparison(False, False, max_abs)
-    within = bool((diff <= tol.atol + tol.rtol * c.abs()).all())
+    s, c = _as_float32(stored, dtype), _as_float32(computed, dtype)
+    if s is None or c is None:
+        return Comparison(False, False, float("inf"))
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(s - c)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        if max_abs != max_abs:  # NaN somewhere
+            max_abs = float("inf")
+        if tol.exact:
+            return Comparison(False, False, max_abs)
+        within = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(c)))
     return Comparison(False, within, max_abs)
+
+
+def host_rows(planes: tuple[torch.Tensor, ...], index: int) -> bytes:
+    """Row ``index`` of every host ``uint8`` plane, concatenated (memmove: see compare_block)."""
+    total = sum(p.shape[1] for p in planes)
+    out = bytearray(total)
+    base = (ctypes.c_char * total).from_buffer(out)
+    off = 0
+    for p in planes:
+        n = p.shape[1]
+        ctypes.memmove(ctypes.addressof(base) + off, p.data_ptr() + index * p.stride(0), n)
+        off += n
+    del base  # release the export of ``out``
+    return bytes(out)
 
 
 @dataclass
@@ -112,7 +146,7 @@ class _Check:
     pending: set[tuple[str, int]] = field(default_factory=set)
     unread: set[bytes] = field(default_factory=set)
     #: this rank's computed bytes of each block (None until captured)
-    computed: list[torch.Tensor] | None = None
+    computed: list[bytes] | None = None
 
 
 class BlockVerifier:
@@ -168,14 +202,17 @@ class BlockVerifier:
                 check.unread.update(job.keys)
             self._try_finish(job.verify_id)
 
-    def _engine_block(self, block: int) -> torch.Tensor:
+    def _engine_block(self, block: int) -> bytes:
         if not 0 <= block < self.layout.num_blocks:
             raise IndexError(f"block {block} out of range [0, {self.layout.num_blocks})")
-        return torch.cat([p[block] for p in self.layout.planes]).to("cpu")
+        if self.layout.device.type == "cpu":
+            return host_rows(self.layout.planes, block)
+        # on the compute stream, after the forward that wrote it: a synchronous copy
+        return torch.cat([p[block] for p in self.layout.planes]).cpu().numpy().tobytes()
 
-    def _stored_block(self, slot: int) -> torch.Tensor:
+    def _stored_block(self, slot: int) -> bytes:
         self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
-        return torch.cat([p[slot] for p in self.slots.pool.planes])
+        return host_rows(self.slots.pool.planes, slot)
 
     def _try_finish(self, vid: int) -> None:
         check = self._checks[vid]
