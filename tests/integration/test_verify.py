@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit import s3_server as s3srv
 from tests.conftest import (
     BLOCK_SIZE,
     close_llm,
@@ -20,6 +21,7 @@ from tests.conftest import (
     make_llm,
     rand_tokens,
 )
+from tests.integration.test_nvme_engine import run_process
 from vllm_kvtier.tiers.chunkfile import (
     FIXED_BYTES,
     block_crc,
@@ -32,6 +34,10 @@ from vllm_kvtier.tiers.chunkfile import (
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # tiny model, fp32 (as in test_nvme_engine)
 LOADABLE = (330 - 1) // BLOCK_SIZE  # 10 blocks of a 330-token prompt may come from a tier
 PROMPTS = [rand_tokens(random.Random(s), 330) for s in (11, 12)]
+
+# Fixtures from another module, bound to names in this one.
+s3_server = s3srv.s3_server
+s3_bucket = s3srv.s3_bucket
 
 
 @pytest.fixture(scope="module")
@@ -76,29 +82,36 @@ def test_honest_cpu_hits_verify_clean(tiny_model, baseline_of):
     assert after.get("verify_quarantines|cpu", 0) == 0
 
 
+def forge_block(data: bytearray, ns: str) -> bytes | None:
+    """Overwrite block 1 of the chunk ``data`` (in place) with other valid-looking floats
+    (each value negated and shifted), its CRC and the header's recomputed: only a
+    comparison with the recomputed KV can tell. The forged block's key, or None if the
+    chunk has fewer than 2 blocks or is not of namespace ``ns``."""
+    hbytes = bounded_header_bytes(data[:FIXED_BYTES], max_blocks=256, block_bytes=None)
+    try:
+        h = decode_header(bytes(data[:hbytes]), ns)
+    except ValueError:
+        return None
+    if h.nblocks < 2:
+        return None
+    off = h.block_offset(1)
+    n = h.block_bytes // 4
+    vals = struct.unpack_from(f"<{n}f", data, off)
+    struct.pack_into(f"<{n}f", data, off, *[-v + 0.5 for v in vals])
+    crcs = list(h.crcs)
+    crcs[1] = block_crc(bytes(data[off : off + h.block_bytes]))
+    encode_header(make_header(ns, list(h.keys), crcs, h.block_bytes), memoryview(data))
+    return h.keys[1]
+
+
 def plant_wrong_block(root: Path) -> bytes:
-    """Overwrite block 1 of one chunk file with other valid-looking floats (each value
-    negated and shifted), its CRC and the header's recomputed: only a comparison with the
-    recomputed KV can tell. Returns the planted block's key."""
+    """Forge block 1 of one NVMe chunk file under ``root``; returns its key."""
     for f in sorted(root.rglob("*.kvt")):
         data = bytearray(f.read_bytes())
-        hbytes = bounded_header_bytes(data[:FIXED_BYTES], max_blocks=256, block_bytes=None)
-        ns = f.parent.parent.name  # <root>/<namespace>/<rank>/<chunk>.kvt
-        try:
-            h = decode_header(bytes(data[:hbytes]), ns)
-        except ValueError:
-            continue
-        if h.nblocks < 2:
-            continue
-        off = h.block_offset(1)
-        n = h.block_bytes // 4
-        vals = struct.unpack_from(f"<{n}f", data, off)
-        struct.pack_into(f"<{n}f", data, off, *[-v + 0.5 for v in vals])
-        crcs = list(h.crcs)
-        crcs[1] = block_crc(bytes(data[off : off + h.block_bytes]))
-        encode_header(make_header(ns, list(h.keys), crcs, h.block_bytes), memoryview(data))
-        f.write_bytes(bytes(data))
-        return h.keys[1]
+        key = forge_block(data, f.parent.parent.name)  # <root>/<namespace>/<rank>/<chunk>.kvt
+        if key is not None:
+            f.write_bytes(bytes(data))
+            return key
     raise AssertionError(f"no chunk of 2+ blocks under {root}")
 
 
@@ -144,3 +157,58 @@ def test_nvme_verify_honest_then_planted_block_quarantines(tiny_model, baseline_
     assert delta(c2, c1, "verify_samples|nvme") == 0 and r2.loaded_nvme == 0
     assert delta(c2, c1, "verify_samples|cpu") >= 1
     assert c2.get("verify_mismatches|cpu", 0) == 0
+
+
+@pytest.mark.s3
+def test_s3_verify_honest_then_forged_object_quarantines(tiny_model, baseline_of, s3_server, s3_bucket,
+                                                         tmp_path):
+    """The same on a real S3 server (moto): instance A stores; B verifies every S3 block
+    clean; then someone with write access to the bucket forges one block of one object
+    (valid CRC, right key, wrong bytes) and removes the manifests (so readers take the
+    forged header): C catches it, quarantines S3, and serves the baseline's tokens."""
+    p, bucket, url = PROMPTS[1], s3_bucket, s3_server.url
+    verify = {"sample_rate": 1.0, "quarantine_s": 600}
+
+    def s3_kv(v: dict | None = None) -> dict:
+        extra = {"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
+                 "s3": {"bucket": bucket, "endpoint_url": url, "path_style": True, "chunk_blocks": 4,
+                        "deadline_s": 3.0, "backoff_max_s": 0.2, "rescan_interval_s": 0}}
+        if v is not None:
+            extra["verify"] = v
+        return kvtier_config(extra)
+
+    run_process(tiny_model, s3_kv(), [p], tmp_path)
+    llm = make_llm(tiny_model, s3_kv(verify))
+    try:
+        r = generate(llm, p)
+        c = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r.tokens == baseline_of(p)
+    assert c.get("verify_samples|s3", 0) == LOADABLE and c.get("verify_mismatches|s3", 0) == 0
+
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    forged = None
+    for key in sorted(k for k in keys if k.endswith(".kvt")):
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        forged = forge_block(data, key.split("/")[-4])  # <prefix><namespace>/r<rank>/<hh>/<id>.kvt
+        if forged is not None:
+            client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+            break
+    assert forged is not None, keys
+    for key in (k for k in keys if k.endswith(".kvm")):
+        client.delete_object(Bucket=bucket, Key=key)
+
+    llm = make_llm(tiny_model, s3_kv(verify))
+    try:
+        r1 = generate(llm, p)
+        c1 = kvtier_counters(llm)
+        r2 = generate(llm, p)
+        c2 = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r1.tokens == baseline_of(p) and r2.tokens == baseline_of(p)
+    assert c1.get("verify_samples|s3", 0) == LOADABLE
+    assert c1.get("verify_mismatches|s3", 0) == 1 and c1.get("verify_quarantines|s3", 0) == 1
+    assert delta(c2, c1, "verify_samples|s3") == 0 and c2.get("verify_quarantined|s3", 0) == 1
