@@ -54,10 +54,10 @@ def delta(after: dict, before: dict, key: str) -> float:
     return after.get(key, 0) - before.get(key, 0)
 
 
-def nvme_verify_config(path: Path, verify: dict | None = None) -> dict:
+def nvme_verify_config(path: Path, verify: dict | None = None, **nvme) -> dict:
     extra = {"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
              "nvme": {"path": str(path), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
-                      "chunk_blocks": 4, "mode": "write-through"}}
+                      "chunk_blocks": 4, "mode": "write-through", **nvme}}
     if verify is not None:
         extra["verify"] = verify
     return kvtier_config(extra)
@@ -157,6 +157,27 @@ def test_nvme_verify_honest_then_planted_block_quarantines(tiny_model, baseline_
     assert delta(c2, c1, "verify_samples|nvme") == 0 and r2.loaded_nvme == 0
     assert delta(c2, c1, "verify_samples|cpu") >= 1
     assert c2.get("verify_mismatches|cpu", 0) == 0
+
+
+def test_fp8_nvme_tier_verifies_clean_through_its_codec(tiny_model, baseline_of, tmp_path):
+    """An NVMe tier storing fp8 serves lossy blocks; verification compares them with the
+    recomputed KV passed through the same codec: every block sampled, none mismatched."""
+    p, root = PROMPTS[0], tmp_path / "nvme"
+    llm = make_llm(tiny_model, nvme_verify_config(root, storage_dtype="fp8"))
+    try:
+        generate(llm, p)
+    finally:
+        close_llm(llm)
+    llm = make_llm(tiny_model, nvme_verify_config(root, {"sample_rate": 1.0, "quarantine_s": 600},
+                                                  storage_dtype="fp8"))
+    try:
+        r = generate(llm, p)
+        c = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert r.tokens == baseline_of(p)
+    assert c.get("verify_samples|nvme", 0) == LOADABLE
+    assert c.get("verify_mismatches|nvme", 0) == 0 and c.get("verify_quarantines|nvme", 0) == 0
 
 
 @pytest.mark.s3

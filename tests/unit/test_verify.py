@@ -238,3 +238,25 @@ def test_host_rows_concatenates_one_row_of_every_plane():
               torch.randint(0, 256, (5, 16), generator=g, dtype=torch.uint8))
     for i in range(5):
         assert host_rows(planes, i) == torch.cat([planes[0][i], planes[1][i]]).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_fp8_tier_is_compared_through_its_codec(dtype):
+    """A tier storing fp8 gives back decode(encode(block)): compared with the computed
+    block through the same codec it is bitwise equal; compared raw it would not be; a
+    recompute one ulp off stays within the codec tolerance; a planted block does not."""
+    from vllm_kvtier.transfer.fp8 import FP8Codec
+    from vllm_kvtier.transfer.verify import codec_tolerance, through_codec
+
+    planes = (4096 * dtype.itemsize, 2048 * dtype.itemsize)
+    computed = kv_block(dtype, n=6144)
+    codec = FP8Codec(sum(planes), dtype)
+    stored = through_codec(as_bytes(computed), codec, planes)  # what the tier serves
+    tol = codec_tolerance(tolerance_for(AUTO, dtype))
+    assert compare_block(stored, through_codec(as_bytes(computed), codec, planes), dtype, tol).bitwise
+    assert not compare_block(stored, as_bytes(computed), dtype, tolerance_for(AUTO, dtype)).within
+    noisy = (computed.float() * (1 + torch.finfo(dtype).eps)).to(dtype)
+    assert compare_block(stored, through_codec(as_bytes(noisy), codec, planes), dtype, tol).within
+    planted = (-computed.float() + 0.5).to(dtype)
+    assert not compare_block(through_codec(as_bytes(planted), codec, planes),
+                             through_codec(as_bytes(computed), codec, planes), dtype, tol).within

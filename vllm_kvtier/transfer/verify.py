@@ -67,6 +67,29 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 #: Any other dtype (fp8 KV caches, integers): bitwise.
 _FALLBACK = Tolerance(exact=True)
 
+#: A tier storing a lossy encoding (``storage_dtype: fp8``): its block is compared with the
+#: computed block passed through the same codec (deterministic: equal KV gives equal bytes),
+#: with ``rtol`` at least two e4m3 steps (2^-4 relative each), for a recompute difference
+#: that moves an element across a rounding boundary.
+CODEC_RTOL = 0.125
+
+
+def codec_tolerance(tol: Tolerance) -> Tolerance:
+    """The tolerance for a tier with a lossy codec, from the dtype's."""
+    return tol if tol.exact else Tolerance(tol.atol, max(tol.rtol, CODEC_RTOL))
+
+
+def through_codec(computed: bytes, codec: Any, plane_bytes: tuple[int, ...]) -> bytes:
+    """What a tier storing with ``codec`` (a :class:`~vllm_kvtier.transfer.fp8.BlockCodec`)
+    gives back for the block ``computed``: encoded, then decoded, plane by plane."""
+    flat = torch.frombuffer(bytearray(computed), dtype=torch.uint8)
+    rows = list(torch.split(flat, list(plane_bytes)))
+    buf = bytearray(codec.stored_bytes)
+    codec.encode(rows, memoryview(buf))
+    out = [torch.empty(n, dtype=torch.uint8) for n in plane_bytes]
+    codec.decode(memoryview(buf), out)
+    return b"".join(r.numpy().tobytes() for r in out)
+
 
 def tolerance_for(cfg: VerifyConfig, dtype: torch.dtype) -> Tolerance:
     """The tolerance for blocks of ``dtype`` under ``cfg`` (dtype default, overrides)."""
@@ -145,6 +168,8 @@ class _Check:
     job: VerifyJob
     pending: set[tuple[str, int]] = field(default_factory=set)
     unread: set[bytes] = field(default_factory=set)
+    #: tier -> its codec, for tiers that store blocks encoded (fp8)
+    codecs: dict[str, Any] = field(default_factory=dict)
     #: this rank's computed bytes of each block (None until captured)
     computed: list[bytes] | None = None
 
@@ -167,6 +192,9 @@ class BlockVerifier:
         self._checks[job.verify_id] = check
         for read in job.reads:
             tier = lower.get(read.tier)
+            codec = getattr(tier, "codec", None)
+            if codec is not None:
+                check.codecs[read.tier] = codec
             # prefetch=True: counted as no request's load (nothing is loaded into vLLM)
             rid = tier.start_read(read, prefetch=True) if tier is not None else None
             if rid is None:
@@ -227,7 +255,11 @@ class BlockVerifier:
             if not self.slots.holds(slot, key):  # its read or save did not complete
                 rep.verify_unread.add((vid, key))
                 continue
-            res = compare_block(self._stored_block(slot), check.computed[i], self.layout.dtype, self.tolerance)
+            computed, tol = check.computed[i], self.tolerance
+            codec = check.codecs.get(tier)
+            if codec is not None:  # the tier stores a lossy encoding: compare like with like
+                computed, tol = through_codec(computed, codec, self.layout.plane_bytes), codec_tolerance(tol)
+            res = compare_block(self._stored_block(slot), computed, self.layout.dtype, tol)
             if res.within and not res.bitwise:
                 rep.verify_inexact.add((vid, key))
                 logger.debug("kvtier verify: %s block %s within tolerance, max |diff| %.3g",
@@ -239,7 +271,7 @@ class BlockVerifier:
                     "kvtier verify: MISMATCH in tier %s, namespace %s, rank %d: block %s of request %s "
                     "differs from its recomputed KV (max |diff| %.3g, tolerance atol=%g rtol=%g%s)",
                     tier, self.namespace, self.rank, key[:8].hex(), job.req_id, res.max_abs,
-                    self.tolerance.atol, self.tolerance.rtol, ", exact" if self.tolerance.exact else "")
+                    tol.atol, tol.rtol, ", exact" if tol.exact else "")
         rep.verified[vid] = 1
 
     def take_report(self, into: WorkerReport) -> None:
