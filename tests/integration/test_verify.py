@@ -63,9 +63,10 @@ def nvme_verify_config(path: Path, verify: dict | None = None, **nvme) -> dict:
     return kvtier_config(extra)
 
 
-def test_honest_cpu_hits_verify_clean(tiny_model, baseline_of):
+def test_honest_cpu_hits_verify_clean(tiny_model, baseline_of, engine_mode):
     """A repeated prompt at sample_rate 1.0: its CPU hit is recomputed and compared (all
-    10 blocks, 0 mismatches); nothing is loaded; tokens equal the baseline."""
+    10 blocks, 0 mismatches); nothing is loaded; tokens equal the baseline. Also with the
+    engine as ``vllm serve`` runs it (jobs and reports cross processes)."""
     p = PROMPTS[0]
     llm = make_llm(tiny_model, kvtier_config({"verify": {"sample_rate": 1.0}}))
     try:
