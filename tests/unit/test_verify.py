@@ -260,3 +260,36 @@ def test_an_fp8_tier_is_compared_through_its_codec(dtype):
     planted = (-computed.float() + 0.5).to(dtype)
     assert not compare_block(through_codec(as_bytes(planted), codec, planes),
                              through_codec(as_bytes(computed), codec, planes), dtype, tol).within
+
+
+def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quarantines_it():
+    """A prefix only on a lower tier ("nvme", a real ChunkPlanner over a found chunk): the
+    check reads it into promotion slots; a mismatch drops that chunk and quarantines the
+    tier; the blocks that matched stay in DRAM, and the tier's lookups answer miss."""
+    from vllm_kvtier.metrics import Counters
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.tiers.chunkfile import make_header
+
+    keys = [bytes([i]) * 8 for i in range(4)]
+    counters = Counters()
+    found = [{"c1": make_header("ns", keys, [0] * 4, 1024)}]
+    nvme = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 4, None), world_size=1, block_bytes_per_rank=1024,
+                        counters=counters, found=found)
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60))
+    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[nvme], counters=counters)
+    got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
+    assert got == (0, False) and not plan.loads
+    (job,) = plan.verifies
+    assert job.tiers == ("nvme",) * 4
+    (read,) = job.reads
+    assert (read.tier, read.file_id, read.positions, read.keys) == ("nvme", "c1", (0, 1, 2, 3), tuple(keys))
+    assert read.slots == job.slots
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
+                                                        verify_mismatched={(job.verify_id, keys[2])})))
+    assert counters.totals["verify_samples|nvme"] == 4 and counters.totals["verify_mismatches|nvme"] == 1
+    assert p.verify is not None and p.verify.quarantined("nvme") and not p.verify.quarantined("cpu")
+    assert nvme.locate(BlockKey(keys[0])) is None  # the chunk holding the wrong block is gone
+    assert BlockKey(keys[0]) in p.index and BlockKey(keys[2]) not in p.index
+    got, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
+    (job2,) = plan.verifies  # blocks 0-1 verified good, now in DRAM: sampled from there
+    assert job2.tiers == ("cpu", "cpu") and not job2.reads

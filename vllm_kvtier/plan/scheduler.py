@@ -123,7 +123,7 @@ class SchedulerPlanner:
         self.verify: VerifyPlanner | None = None
         if cfg.verify.sample_rate > 0:
             self.verify = VerifyPlanner(cfg.verify, self.index, self.promotions, self.counters,
-                                        world_size=world_size)
+                                        world_size=world_size, lower=self.lower)
 
     # ---- lookups ---------------------------------------------------------------
 

@@ -19,7 +19,8 @@ The life of a sampled hit:
    after the forward each rank compares its stored shard with the computed one.
 4. :meth:`~VerifyPlanner.on_worker_meta`: once every rank reported, the samples and
    mismatches are counted per tier; a mismatching block is dropped from its tier (never
-   served again) and, with ``verify.quarantine_s`` > 0, its tier is quarantined: its
+   served again; a wrong DRAM block from the lower tiers too, whose copies were written
+   from that slot) and, with ``verify.quarantine_s`` > 0, its tier is quarantined: its
    lookups answer miss for that long (saves to it continue, so it is warm again after; a
    tier still broken is caught again by the next sample). A block that matched stays in
    the CPU tier (it was promoted there and is now known good). Pins are released.
@@ -86,8 +87,11 @@ class _Held:
 
 class VerifyPlanner:
     def __init__(self, cfg: VerifyConfig, index: SlotIndex, promotions: Promotions, counters: Counters, *,
-                 world_size: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 world_size: int, lower: Sequence[ChunkPlanner] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``lower``: the tiers below CPU (a wrong DRAM block is dropped from them too)."""
         self.cfg = cfg
+        self.lower = lower
         self.index = index
         self.promotions = promotions
         self.counters = counters
@@ -250,6 +254,9 @@ class VerifyPlanner:
                 self.index.remove(key)  # never served again, from DRAM or (below) its tier
                 if source is not None:
                     source[0].drop_key(key)
+                else:  # wrong in DRAM: copies written from that slot may be wrong as well
+                    for planner in self.lower:
+                        planner.drop_key(key)
                 if tier not in bad_tiers:
                     bad_tiers.append(tier)
             elif key in held.inexact:
