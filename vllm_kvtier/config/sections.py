@@ -339,8 +339,9 @@ class VerifyConfig:
     sample_rate: float = 0.0
     #: Seed of the sampling draws (deterministic for a given request order).
     seed: int = 0
-    #: "auto": bitwise first, then within ``atol`` + ``rtol`` x |computed| per element,
-    #: defaults by KV dtype (docs/configuration.md); "exact": bitwise only.
+    #: "auto": bitwise first, then normwise per plane (one layer's rows of the block):
+    #: max |stored - computed| <= ``atol`` + ``rtol`` x max |computed|, defaults by KV
+    #: dtype (docs/configuration.md); "exact": bitwise only.
     tolerance: Literal["auto", "exact"] = "auto"
     #: Override the dtype default's absolute / relative tolerance (``tolerance: auto`` only).
     atol: float | None = None
