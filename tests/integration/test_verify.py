@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit import mooncake_server as mcsrv
 from testkit import s3_server as s3srv
 from tests.conftest import (
     BLOCK_SIZE,
@@ -38,6 +39,7 @@ PROMPTS = [rand_tokens(random.Random(s), 330) for s in (11, 12)]
 # Fixtures from another module, bound to names in this one.
 s3_server = s3srv.s3_server
 s3_bucket = s3srv.s3_bucket
+mooncake_master = mcsrv.mooncake_master
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +236,34 @@ def test_s3_verify_honest_then_forged_object_quarantines(tiny_model, baseline_of
     assert c1.get("verify_samples|s3", 0) == LOADABLE
     assert c1.get("verify_mismatches|s3", 0) == 1 and c1.get("verify_quarantines|s3", 0) == 1
     assert delta(c2, c1, "verify_samples|s3") == 0 and c2.get("verify_quarantined|s3", 0) == 1
+
+
+@pytest.mark.mooncake
+def test_pool_hits_verify_clean(tiny_model, baseline_of, mooncake_master, tmp_path):
+    """P/D through a real Mooncake pool: the decode instance, at sample_rate 1.0, verifies
+    the blocks the prefill instance put (all of them, 0 mismatches) instead of loading them."""
+    from tests.integration.test_pd_pool import (
+        HANDOFF,
+        decode,
+        pd_config,
+        start_prefill,
+        stop_prefill,
+        wait_prefilled,
+    )
+
+    p = PROMPTS[0]
+    prefill = start_prefill(tiny_model, mooncake_master.address, [p], tmp_path)
+    try:
+        wait_prefilled(prefill, tmp_path)
+        kv = pd_config(mooncake_master.address, "kv_consumer")
+        kv["kv_connector_extra_config"]["verify"] = {"sample_rate": 1.0, "quarantine_s": 600}
+        llm = make_llm(tiny_model, kv)
+        try:
+            tokens, c = decode(llm, p, HANDOFF)
+        finally:
+            close_llm(llm)
+    finally:
+        stop_prefill(prefill, tmp_path)
+    assert tokens == baseline_of(p)
+    assert c.get("verify_samples|mooncake", 0) == LOADABLE and c.get("blocks_loaded|mooncake", 0) == 0
+    assert c.get("verify_mismatches|mooncake", 0) == 0 and c.get("verify_unread|mooncake", 0) == 0
