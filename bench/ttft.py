@@ -31,6 +31,14 @@ in this process, on the locally built random-weight "bench" model (bf16):
                     warm/cold and the blocks B loaded per tier, whatever they are (0 when
                     the defaults leave nothing on disk at shutdown); ``--expect-warm-restart``
                     makes "every warm prompt loaded from NVMe" a checked failure;
+* ``kvtier-verify`` the same as ``kvtier`` with shadow verification on at
+                    ``--verify-rate`` (default 0.01; not in the default set): a sampled
+                    warm request is recomputed and its stored blocks compared. With a few
+                    prompts a 1% rate samples none, so run it also at ``--verify-rate 1``
+                    (every warm request sampled): the table then gives the cost of one
+                    sample (warm(verify@1) - warm(kvtier)), and the line below it the
+                    expected cost per request at 1% (0.01 x that). Asserted: each warm
+                    run loaded blocks or was verified, and no mismatch was counted;
 * ``example-restart`` the same two processes with ExampleConnector on one storage path:
                     A writes the files, B loads them.
 
@@ -93,7 +101,7 @@ from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
 
 WARM_COLD_TARGET = 0.2
 ALL_CONFIGS = ("none", "kvtier", "kvtier-async", "kvtier-layered", "kvtier-nvme", "example",
-               "kvtier-restart", "example-restart")
+               "kvtier-restart", "example-restart", "kvtier-verify")
 DEFAULT_CONFIGS = ("none", "kvtier", "kvtier-async", "kvtier-nvme", "example",
                    "kvtier-restart", "example-restart")
 #: the rows whose engines A and B are separate processes
@@ -242,6 +250,7 @@ def run_config(name: str, model_dir: Path, kv_transfer_config: dict | None, args
             rec["warm_s"], rec["warm_tokens"] = eng.gen(p, eng.sp1)
             rec["warm_cpu_s"] = eng.cpu_s
             rec["warm_loaded"] = delta(eng.counters(), mid, "blocks_loaded")
+            rec["warm_verified"] = delta(eng.counters(), mid, "verify_samples")
         runs.append(rec)
         print(f"  {name:15s} prompt {i}: cold {rec['cold_s']:.3f}s"
               + (f"  warm {rec['warm_s']:.3f}s  loaded {rec['warm_loaded']}" if with_warm else ""),
@@ -453,6 +462,31 @@ def restart_summary(results: dict[str, dict]) -> dict:
     return out
 
 
+def verify_summary(results: dict[str, dict], rate: float) -> dict:
+    """Shadow verification's cost: per sampled request (warm runs that were verified, over
+    kvtier's warm runs that loaded), and the expected cost per request at 1%."""
+    r = results["kvtier-verify"]
+    sampled = [x["warm_s"] for x in r["runs"] if sum(x["warm_verified"].values()) > 0]
+    samples = sum(v for k, v in r["counters"].items() if k.startswith("verify_samples|"))
+    out: dict = {"verify_rate": rate, "verify_sampled_runs": len(sampled), "verify_samples": samples,
+                 "verify_warm_median_s": r["warm_median_s"]}
+    line = f"kvtier-verify (sample_rate {rate}): {len(sampled)} of {len(r['runs'])} warm runs sampled, " \
+           f"{samples:.0f} blocks compared"
+    if sampled and "kvtier" in results:
+        per_sample = statistics.median(sampled) - results["kvtier"]["warm_median_s"]
+        out["verify_cost_per_sample_s"] = per_sample
+        out["verify_cost_per_request_at_1pct_s"] = 0.01 * per_sample
+        out["verify_cost_at_1pct_over_warm"] = 0.01 * per_sample / results["kvtier"]["warm_median_s"]
+        line += (f"; a sampled request costs {per_sample:.3f}s more than a served hit, so at 1% "
+                 f"{0.01 * per_sample * 1000:.1f} ms per request on average "
+                 f"({100 * out['verify_cost_at_1pct_over_warm']:.1f}% of kvtier warm TTFT)")
+    elif "kvtier" in results:
+        out["verify_warm_over_kvtier_warm"] = r["warm_median_s"] / results["kvtier"]["warm_median_s"]
+        line += f"; warm TTFT {out['verify_warm_over_kvtier_warm']:.3f}x kvtier's"
+    print(line)
+    return out
+
+
 def fs_type(path: Path) -> str:
     """The filesystem type of ``path`` (longest mount point prefix in /proc/mounts)."""
     best, kind = "", "?"
@@ -484,6 +518,8 @@ def main() -> int:
                     help="where the NVMe tier's (and ExampleConnector's) fresh temporary "
                          "directories go: a real disk, not tmpfs")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--verify-rate", type=float, default=0.01,
+                    help="verify.sample_rate of the kvtier-verify row (1.0: every warm request sampled)")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "ttft.json"))
     args = ap.parse_args()
     if args.child:
@@ -534,11 +570,14 @@ def main() -> int:
                       "nvme": {"path": str(restart_dir), "capacity_bytes": 2**30}}}
     layered_kv = kvtier("sync")
     layered_kv["kv_connector_extra_config"]["layer_pipelined_loads"] = "on"
+    verify_kv = kvtier("sync")
+    verify_kv["kv_connector_extra_config"]["verify"] = {"sample_rate": args.verify_rate}
     plan = {
         "none": (None, False),
         "kvtier": (kvtier("sync"), True),
         "kvtier-async": (kvtier("async"), True),
         "kvtier-layered": (layered_kv, True),
+        "kvtier-verify": (verify_kv, True),
         "kvtier-nvme": (nvme_kv, True),
         "example": ({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": storage}}, True),
@@ -582,6 +621,15 @@ def main() -> int:
         # kvtier-restart runs the shipped defaults: whether they come back warm is what it
         # measures, so a miss is reported in the table, and a failure only when asked.
         must_load = name.startswith("kvtier") and (name != "kvtier-restart" or args.expect_warm_restart)
+        if name == "kvtier-verify":
+            # a sampled warm run is recomputed (loads nothing) but must have been verified
+            must_load = False
+            for r in res["runs"]:
+                if not (sum(r["warm_loaded"].values()) > 0 or sum(r["warm_verified"].values()) > 0):
+                    failures.append(f"{name} prompt {r['prompt']}: warm run neither loaded nor was verified")
+            bad = {k: v for k, v in res["counters"].items() if k.startswith("verify_mismatches|") and v}
+            if bad:
+                failures.append(f"{name}: shadow verification counted mismatches on honest traffic: {bad}")
         for r in res["runs"]:
             if r["warm_tokens"] != ref["runs"][r["prompt"]]["cold_tokens"] or \
                     r["cold_tokens"] != ref["runs"][r["prompt"]]["cold_tokens"]:
@@ -678,6 +726,8 @@ def main() -> int:
                   f"{r['nvme_files']} chunk files, {r['nvme_bytes'] / 2**20:.0f} MiB)")
     if RESTART_CONFIGS[0] in results or RESTART_CONFIGS[1] in results:
         summary.update(restart_summary(results))
+    if "kvtier-verify" in results:
+        summary.update(verify_summary(results, args.verify_rate))
     print(f"greedy tokens warm == cold: {'yes' if not failures else 'NO'}  "
           f"(4-token reference {ref['check_tokens']})")
     for f in failures:

@@ -98,6 +98,23 @@ class PrefetchJob:
     reads: tuple[ChunkRead, ...]
 
 
+@dataclass(frozen=True)
+class VerifyJob:
+    """Shadow verification of one sampled hit (``verify.sample_rate``): the request
+    recomputed blocks ``block_ids[i]`` (vLLM was told 0 external tokens); CPU
+    ``slots[i]`` hold, or are filled by ``reads`` with, the stored block ``keys[i]`` of
+    tier ``tiers[i]``. After this step's forward the worker compares each slot with its
+    freshly computed engine block, and reports the outcome per key."""
+
+    verify_id: int
+    req_id: str
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    tiers: tuple[str, ...]
+    reads: tuple[ChunkRead, ...] = ()
+
+
 _P = TypeVar("_P", bound="StepPlan")
 _R = TypeVar("_R", bound="WorkerReport")
 
@@ -133,6 +150,8 @@ class StepPlan:
     prefetches: list[PrefetchJob] = field(default_factory=list)
     #: Step counter, to run each step's saves exactly once.
     step: int = 0
+    #: Shadow verification: compare stored blocks with this step's computed ones.
+    verifies: list[VerifyJob] = field(default_factory=list)
 
     @classmethod
     def from_plan(cls: type[_P], plan: StepPlan) -> _P:
@@ -161,6 +180,14 @@ class WorkerReport:
     #: (tier, chunk id) not written because the tier's write queue was full on some rank
     #: (back-pressure: not a failure of the tier, so it does not count toward its breaker).
     refused: set[tuple[str, str]] = field(default_factory=set)
+    #: Shadow verification: verify id -> number of ranks that finished it.
+    verified: dict[int, int] = field(default_factory=dict)
+    #: (verify id, key) whose stored block differed from the computed one on some rank.
+    verify_mismatched: set[tuple[int, bytes]] = field(default_factory=set)
+    #: (verify id, key) whose stored block could not be read on some rank (not compared).
+    verify_unread: set[tuple[int, bytes]] = field(default_factory=set)
+    #: (verify id, key) within the tolerance but not bitwise equal on some rank.
+    verify_inexact: set[tuple[int, bytes]] = field(default_factory=set)
 
     def aggregate(self: _R, other: Any) -> _R:
         """This report merged with another rank's (counts summed, sets united); of the
@@ -172,13 +199,18 @@ class WorkerReport:
         prefetched = dict(self.prefetched)
         for i, n in other.prefetched.items():
             prefetched[i] = prefetched.get(i, 0) + n
+        verified = dict(self.verified)
+        for i, n in other.verified.items():
+            verified[i] = verified.get(i, 0) + n
         return type(self)(written, self.failed | other.failed, self.bad | other.bad, prefetched,
                           self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
-                          self.peer_done | other.peer_done, self.refused | other.refused)
+                          self.peer_done | other.peer_done, self.refused | other.refused, verified,
+                          self.verify_mismatched | other.verify_mismatched,
+                          self.verify_unread | other.verify_unread, self.verify_inexact | other.verify_inexact)
 
     def is_empty(self) -> bool:
         return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
-                    or self.peer_info or self.peer_done or self.refused)
+                    or self.peer_info or self.peer_done or self.refused or self.verified)
 
     @classmethod
     def from_report(cls: type[_R], report: WorkerReport) -> _R:

@@ -57,6 +57,11 @@ COUNTERS: dict[str, str] = {
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
     "reclaimed_files": "Files of a tier deleted at start as debris: partial writes, chunks on only some TP ranks, misfits.",
     "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",
+    "verify_samples": "Shadow verification: stored blocks compared with their recomputed KV, by the tier they came from.",
+    "verify_mismatches": "Shadow verification: compared blocks outside the tolerance (the stored KV was wrong), by tier.",
+    "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
+    "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
+    "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
 }
 
 #: gauge metric -> help text
@@ -69,6 +74,7 @@ GAUGES: dict[str, str] = {
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
     "foreign_bytes": "NVMe: bytes under nvme.path in other namespaces' directories at start (after any collection).",
+    "verify_quarantined": "Shadow verification: 1 while a tier is quarantined (serves no hits) after a mismatch, else 0.",
 }
 
 

@@ -17,11 +17,12 @@ from vllm_kvtier.config.sections import (
     NVMeTierConfig,
     PrefetchConfig,
     S3TierConfig,
+    VerifyConfig,
 )
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 
 __all__ = [
     "PRESET_DIR", "AuthConfig", "CPUTierConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
     "LoadOrRecomputeConfig", "MooncakeConfig", "MooncakeTierConfig", "NVMeTierConfig", "NixlConfig",
-    "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "available_presets", "parse_config",
+    "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "VerifyConfig", "available_presets", "parse_config",
 ]

@@ -26,6 +26,9 @@ MAX_CHUNK_BLOCKS = 256
 #: ``namespace_salt`` is at most this many characters.
 MAX_SALT_CHARS = 256
 
+#: ``verify.quarantine_s`` at most (30 days: "until restart" for any real deployment).
+MAX_QUARANTINE_S = 30 * 86400.0
+
 
 def _positive(path: str, value: float) -> None:
     if not value > 0:
@@ -383,6 +386,41 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class VerifyConfig:
+    """Shadow verification: a sampled hit is recomputed instead of loaded, and the stored
+    blocks (read from their tier into CPU slots, as a load would) are compared with the
+    freshly computed ones; a mismatch is counted, logged and may quarantine the tier.
+    ``sample_rate: 0`` (default) takes no code path at all."""
+
+    #: Share of hits (requests that would load blocks from a tier) verified, in [0, 1];
+    #: 1.0 verifies every hit (and so serves none: each is recomputed).
+    sample_rate: float = 0.0
+    #: Seed of the sampling draws (deterministic for a given request order).
+    seed: int = 0
+    #: "auto": bitwise first, then normwise per plane (one layer's rows of the block):
+    #: max |stored - computed| <= ``atol`` + ``rtol`` x max |computed|, defaults by KV
+    #: dtype (docs/configuration.md); "exact": bitwise only.
+    tolerance: Literal["auto", "exact"] = "auto"
+    #: Override the dtype default's absolute / relative tolerance (``tolerance: auto`` only).
+    atol: float | None = None
+    rtol: float | None = None
+    #: After a mismatch, the tier serves no hits for this long (its lookups answer miss;
+    #: saves to it continue). 0: no quarantine (counted and logged only).
+    quarantine_s: float = 0.0
+
+
+    def __post_init__(self) -> None:
+        _in_range("verify.sample_rate", self.sample_rate, 0, 1)
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if value is not None:
+                _in_range(f"verify.{name}", value, 0, 1e6)
+                if self.tolerance == "exact":
+                    raise ConfigError(f"verify.{name}", "must not be set with tolerance: exact (bitwise)")
+        _in_range("verify.quarantine_s", self.quarantine_s, 0, MAX_QUARANTINE_S)
+
+
+@dataclass(frozen=True)
 class KVTierConfig:
     """Everything ``kv_connector_extra_config`` may hold."""
 
@@ -414,6 +452,7 @@ class KVTierConfig:
     #: Logged only as "set"/"unset" (not in the repr).
     namespace_salt: str = field(default="", repr=False)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)

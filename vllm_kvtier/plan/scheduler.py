@@ -61,6 +61,7 @@ from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.plan.req_state import ReqState
 from vllm_kvtier.plan.save_plan import SavePlanner
+from vllm_kvtier.plan.verify_plan import VerifyPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ class SchedulerPlanner:
                 max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
                 locate=self._locate,
             )
+        #: Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
+        self.verify: VerifyPlanner | None = None
+        if cfg.verify.sample_rate > 0:
+            self.verify = VerifyPlanner(cfg.verify, self.index, self.promotions, self.counters,
+                                        world_size=world_size, lower=self.lower)
 
     # ---- lookups ---------------------------------------------------------------
 
@@ -173,16 +179,21 @@ class SchedulerPlanner:
             tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
+        if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
+            return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
         tiers: list[str] = []
+        cpu_quarantined = self.verify is not None and self.verify.quarantined(TIER)
         for h in hashes[start:limit]:
             key = BlockKey(h)
             if key in self.promotions:
                 break  # its CPU copy is being read from a lower tier right now
             if key in self.index:
+                if cpu_quarantined:
+                    break  # shadow verification found a wrong block in DRAM: no hits for now
                 tiers.append(TIER)
                 continue
             loc = self._locate(key)
@@ -194,6 +205,8 @@ class SchedulerPlanner:
     def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
         """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
         for tier in self.lower:
+            if self.verify is not None and self.verify.quarantined(tier.tier):
+                continue  # shadow verification found a wrong block there: no hits for now
             loc = tier.locate(key)
             if loc is not None:
                 return tier, loc[0], loc[1]
@@ -225,6 +238,8 @@ class SchedulerPlanner:
             # Count the decision even when it was to load nothing (all recomputed).
             self.load_policy.commit(req_id)
         if num_external_tokens <= 0:
+            if self.verify is not None:
+                self.verify.begin(state, start, self._locate)  # a sampled hit: hold its stored blocks
             return
         plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
         if plan is not None:
@@ -417,9 +432,14 @@ class SchedulerPlanner:
             if not load.asynchronous:
                 for s in load.slots:
                     self.index.unpin(s)
+        verifies = []
+        if self.verify is not None:
+            verifies = self.verify.take_jobs(self._reqs, step.num_scheduled_tokens, self.block_size)
+            self.verify.publish()
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
             release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
+            verifies=verifies,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
         idle = not self._reqs  # nothing running: write back what DRAM holds (see chunk_plan)
@@ -457,6 +477,8 @@ class SchedulerPlanner:
 
     def _drop(self, req_id: str) -> None:
         self._match_start.pop(req_id, None)
+        if self.verify is not None:
+            self.verify.forget(req_id)
         state = self._reqs.pop(req_id, None)
         if state is not None:
             self._end_async_load(state)
@@ -482,6 +504,8 @@ class SchedulerPlanner:
         """
         self._match_start.pop(request.request_id, None)  # aborted before admission
         self.handoff.forget(request.request_id)
+        if self.verify is not None:
+            self.verify.forget(request.request_id)
         pool = self.lower_tier(TierName.MOONCAKE)
         params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
         if self.peer_plan is not None:
@@ -560,6 +584,8 @@ class SchedulerPlanner:
                 self.prefetcher.on_worker_meta(meta)
             if self.peer_plan is not None:
                 self.peer_plan.on_worker_meta(meta)
+            if self.verify is not None:
+                self.verify.on_worker_meta(meta)
         for req_id in out.finished_sending:
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
@@ -588,6 +614,7 @@ class SchedulerPlanner:
         pf = self.prefetcher
         return bool(self._final_saves or self._release or self._loads or self._releasing
                     or (pf is not None and pf.has_work())
+                    or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
                     # an abort afterwards finds them on the lower tier)
                     or (not self._reqs and any(t.has_flush_work() for t in self.lower))

@@ -45,6 +45,7 @@ from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.peer import PeerLink
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.verify import BlockVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class WorkerHalf:
         #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
         self._layer_loads: dict[str, list[tuple[Transfer, list[int]]]] = {}
         self._rng = random.Random(cfg.fault_injection.seed)
+        #: Shadow verification (``verify.sample_rate`` > 0 only); made with the pool.
+        self.verifier: BlockVerifier | None = None
 
     @property
     def _table(self) -> SlotTable:
@@ -145,6 +148,9 @@ class WorkerHalf:
                 self._peer_unavailable = str(e)
             else:
                 self.slots.stamp_with(self.peer)
+        if self.cfg.verify.sample_rate > 0:
+            self.verifier = BlockVerifier(self.cfg.verify, self.layout, self.slots, namespace=self.namespace,
+                                          rank=self.rank)
         if self._make_tiers is not None:
             self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
                                           slots=self.slots, counters=self.counters, kv_dtype=self.layout.dtype)
@@ -172,6 +178,9 @@ class WorkerHalf:
         self._run_saves(meta.saves)
         for pf in meta.prefetches:
             self._start_prefetch(pf)
+        if self.verifier is not None:
+            for vj in meta.verifies:
+                self.verifier.start(vj, self.lower)
         self._pending_release.update(meta.release)
 
     def end_step(self) -> None:
@@ -183,6 +192,8 @@ class WorkerHalf:
         self._step_ended = meta.step
         self._finish_layered_loads()
         self._run_saves(meta.saves_after)
+        if self.verifier is not None and meta.verifies:
+            self.verifier.capture(meta.verifies)  # the forward computed their blocks
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
                 tier.clean(job.slots)
@@ -379,6 +390,8 @@ class WorkerHalf:
                 if self.cfg.cpu.checksum:
                     self.slots.record_crc(s)
         ref = (read.tier, rid)
+        if self.verifier is not None and self.verifier.on_read(read.tier, rid, read, ok):
+            return
         pid = self._prefetch_reads.pop(ref, None)
         if pid is not None:
             state = self._prefetch_left[pid]
@@ -504,6 +517,8 @@ class WorkerHalf:
             meta.peer_done, self._peer_done = self._peer_done, set()
         for tier in self.lower.values():
             tier.take_meta(meta)
+        if self.verifier is not None:
+            self.verifier.take_report(meta)
         return None if meta.is_empty() else meta
 
     def take_load_errors(self) -> set[int]:
