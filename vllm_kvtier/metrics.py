@@ -52,6 +52,8 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
+    "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
 }
 
 #: gauge metric -> help text
@@ -63,6 +65,7 @@ GAUGES: dict[str, str] = {
     "estimated_bandwidth_bytes_per_s": "Load-or-recompute: estimated read bandwidth of a tier.",
     "estimated_latency_seconds": "Load-or-recompute: estimated per-load latency of a tier.",
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
+    "partial_chunks": "Chunks the last rescan listed on only some TP ranks (never indexed: a write in flight or a crashed one).",
 }
 
 
