@@ -77,8 +77,10 @@ class S3Config:
     #: The most entries this writer's manifest keeps (its most recent writes; about 300 B
     #: each compressed for 16-block chunks); older objects are found by their header.
     manifest_max_entries: int = 1 << 16
-    #: The most chunk headers a store keeps between rescans (LRU; about 2.5 KB each for
-    #: 16-block chunks), so a rescan GETs no header it already read.
+    #: The most chunk headers a store keeps between rescans (LRU; about 3 KB each for
+    #: 16-block chunks, so ~400 MB at most at the default; only listed objects are kept),
+    #: so a rescan GETs no header it already read. Below the bucket's object count, each
+    #: rescan GETs the headers of the rest again.
     header_cache_entries: int = 1 << 17
     #: A manifest not rewritten for this long (its writer is gone) is deleted by a rescan.
     manifest_max_age_s: float = 7 * 86400.0

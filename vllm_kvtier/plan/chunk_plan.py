@@ -145,12 +145,14 @@ class Rescanner:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                self._results.put(self.rescan_once())
+                self.rescan_once()
             except Exception:
                 logger.exception("kvtier: rescan failed")
 
     def rescan_once(self) -> RescanDelta:
-        """One listing and its delta (the rescan thread; a test may call it directly)."""
+        """One listing and its delta, queued for :meth:`take` (the rescan thread; blocks
+        for the listing; a test may call it from its own thread). Raises what ``scan``
+        raises, queueing nothing."""
         written: list[str] = []
         while True:
             try:
@@ -161,6 +163,7 @@ class Rescanner:
         delta = self.diff(found, written)
         if self._counts is not None:
             delta.counts.update(self._counts())
+        self._results.put(delta)
         return delta
 
     def diff(self, found: Found, written: Sequence[str] = ()) -> RescanDelta:

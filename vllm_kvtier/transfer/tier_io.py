@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_HEADERS", "ChunkStore", "ChunkWorker"]
 
-#: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 2.5 KB each
-#: for 16-block chunks, so at most ~330 MB; the S3 tier passes ``s3.header_cache_entries``.
+#: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 3 KB each
+#: for 16-block chunks, so at most ~400 MB; the S3 tier passes ``s3.header_cache_entries``.
 DEFAULT_MAX_HEADERS = 1 << 17
 
 
