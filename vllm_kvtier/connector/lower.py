@@ -24,7 +24,7 @@ from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, S3TierConfig
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir, scan_dir
@@ -203,6 +203,8 @@ def _s3_planner(
         return out
 
     found = scan()
+    # Chunks on only some ranks (a write in flight, a crashed one) are never indexed.
+    counters.set_gauge("partial_chunks", TierName.S3, len(set().union(*found) - set(common_chunks(found))))
     for st in stores:
         r = st.last_scan
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",

@@ -46,15 +46,20 @@ the bytes (as for NVMe), so instances sharing a bucket never read incompatible K
 Index: :meth:`S3Store.scan` lists the rank's prefix (one LIST request per 1,000 keys) and
 needs each object's header. Each writer keeps a manifest object
 (``.../r<rank>/manifest/<writer_id>.kvm``, :mod:`~vllm_kvtier.tiers.manifest`) holding the
-headers of the objects it wrote, rewritten every ``manifest_every_writes`` writes and at
-close, so a scan costs ``ceil(keys / 1000)`` LISTs + one GET per writer's manifest + one
-ranged GET (first 4 KiB) per object that no manifest covers (written since that writer's
-last manifest, or by a writer that crashed). The listing is the truth; a manifest entry is
-used only for an object the listing shows, so a stale or lost manifest costs requests,
-never correctness. Every size in a listed header or a manifest is bounded by what this
-engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it sizes
-anything. Writing manifests costs one PUT per ``manifest_every_writes`` chunk writes (1.6%
-more PUTs at the default 64).
+headers of its latest ``manifest_max_entries`` writes; the writer id is stable across
+restarts (a digest of host name, rank and namespace, or ``s3.writer_id``), so a restarted
+writer merges and replaces its predecessor's manifest instead of adding one. It is
+rewritten after ``manifest_every_writes`` writes, or an eighth of its entries once that is
+more (so the bytes uploaded per write stay bounded), and at close. A scan costs
+``ceil(keys / 1000)`` LISTs + one GET per manifest whose ETag changed since this store's
+last scan + one ranged GET (first 4 KiB) per object that neither a manifest nor the store's
+header cache of earlier scans (``header_cache_entries``, LRU, listed objects only) covers.
+The listing is the truth; a manifest entry is used only for an object the listing shows,
+so a stale or lost manifest costs requests, never correctness. A live instance's rescans
+(``collect``) delete other writers' manifests not rewritten for ``manifest_max_age_s`` or
+covering no listed object. Every size in a listed header or a manifest is bounded by what
+this engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it
+sizes anything.
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
 and connection errors, within the request's deadline; a per-store circuit breaker
