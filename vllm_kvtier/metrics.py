@@ -54,6 +54,7 @@ COUNTERS: dict[str, str] = {
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
     "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
     "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
+    "reclaimed_chunks": "Chunks deleted at start by their owner: left unusable by an earlier run (S3: on only some ranks).",
 }
 
 #: gauge metric -> help text

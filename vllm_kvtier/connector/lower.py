@@ -203,8 +203,12 @@ def _s3_planner(
         return out
 
     found = scan()
-    # Chunks on only some ranks (a write in flight, a crashed one) are never indexed.
-    counters.set_gauge("partial_chunks", TierName.S3, len(set().union(*found) - set(common_chunks(found))))
+    # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
+    # our own manifest names (this host, rank and namespace before the restart: no other
+    # live writer) are deleted.
+    partial = set().union(*found) - set(common_chunks(found))
+    counters.set_gauge("partial_chunks", TierName.S3, len(partial))
+    ours = sorted(partial & set().union(*(st.take_own_objects() for st in stores)))
     for st in stores:
         r = st.last_scan
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
@@ -217,8 +221,12 @@ def _s3_planner(
         for st in stores:
             st.close(timeout_s=1.0)
 
-    return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
-                        found=found, rescanner=rescanner, on_close=close)
+    planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
+                           found=found, rescanner=rescanner, on_close=close)
+    if ours:
+        logger.info("kvtier s3: deleting %d chunk(s) a previous run left on only some ranks", len(ours))
+        planner.reclaim(ours)
+    return planner
 
 
 def make_workers(

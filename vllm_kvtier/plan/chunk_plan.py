@@ -159,7 +159,12 @@ class Rescanner:
                 written.append(self._written.get_nowait())
             except queue.Empty:
                 break
-        found = self._scan()
+        try:
+            found = self._scan()
+        except BaseException:
+            for fid in written:  # still to be checked by the next listing
+                self._written.put(fid)
+            raise
         delta = self.diff(found, written)
         if self._counts is not None:
             delta.counts.update(self._counts())
@@ -297,6 +302,13 @@ class ChunkPlanner:
     def rescan_pending(self) -> int:
         """Chunks of finished rescans not applied yet (added or removed)."""
         return len(self._to_add) + len(self._to_remove)
+
+    def reclaim(self, file_ids: Sequence[str]) -> None:
+        """Delete these chunks (ours, left unusable, e.g. on only some ranks by a crashed
+        predecessor) with the next step's deletes; counted as ``reclaimed_chunks``."""
+        fids = [f for f in file_ids if f not in self.index]
+        self._deletes.extend(fids)
+        self.counters.add("reclaimed_chunks", self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> None:
         """Key-named tiers: ask the oracle about ``keys`` this index does not know, and

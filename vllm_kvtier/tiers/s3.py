@@ -441,6 +441,8 @@ class S3Store(StoreKernel):
         self._headers: OrderedDict[str, tuple[int, ChunkHeader]] = OrderedDict()
         #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
         self._manifest_etags: dict[str, str] = {}
+        #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
+        self._own_objects: frozenset[str] = frozenset()
         self._flush_lock = threading.Lock()
         self._closing = False
         super().__init__(medium, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
@@ -498,6 +500,14 @@ class S3Store(StoreKernel):
             flush = every > 0 and self._manifest_changes >= due and not self._closing
         if flush:
             self.flush_manifest(blocking=False)
+
+    def take_own_objects(self) -> frozenset[str]:
+        """The listed objects this writer id's manifest named at the last scan without
+        ``collect`` (the start-up scan; written by this host, rank and namespace before a
+        restart: ours to reclaim), once: the set is dropped (up to ``manifest_max_entries``
+        ids need not stay in memory)."""
+        out, self._own_objects = self._own_objects, frozenset()
+        return out
 
     def manifest_entries(self) -> int:
         """Entries this writer's manifest holds now (at most ``manifest_max_entries``)."""
@@ -602,7 +612,10 @@ class S3Store(StoreKernel):
         doomed: list[str] = []
         from_cache = 0
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-s3-scan") as pool:
-            fresh = [m for m, (etag, _) in listing.manifests.items() if self._manifest_etags.get(m) != etag]
+            # An unchanged manifest's entries are in the header cache, unless it overflowed.
+            full = len(self._headers) >= self.config.header_cache_entries
+            fresh = [m for m, (etag, _) in listing.manifests.items()
+                     if full or self._manifest_etags.get(m) != etag]
             covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed)
             todo = []
             for oid, (size, _, key) in objects.items():
@@ -672,6 +685,8 @@ class S3Store(StoreKernel):
                 continue
             self._manifest_etags[mkey] = listing.manifests[mkey][0]
             live = {oid: h for oid, h in got.items() if oid in listing.objects}
+            if mkey == own and not collect:  # the start-up scan only: see take_own_objects
+                self._own_objects = frozenset(live)
             if not live and collect and mkey != own:
                 doomed.append(mkey)
             covered.update(live)
