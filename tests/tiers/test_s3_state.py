@@ -264,33 +264,39 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
     for 1-block headers, ~3 KB for 16-block chunks, see s3.header_cache_entries);
     a rescan fetches nothing again; the writer's manifest table holds at most
     ``manifest_max_entries`` however many chunks it wrote."""
-    # Another writer (the scanning stores' own manifest is another test's subject).
-    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0, writer_id="w"), NS, 0, BLOCK)
-    headers = {f"{i:06d}": make_header(NS, [key(i)], [0], BLOCK) for i in range(N_OBJECTS)}
-    for oid, h in headers.items():
-        writer.on_written(oid, h)
+    # The writer's table (rank 5: its manifest is not in the way of the scans below).
+    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0), NS, 5, BLOCK)
+    for i in range(N_OBJECTS):
+        writer.on_written(f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK))
+        assert writer.manifest_entries() <= writer.config.manifest_max_entries
     assert writer.manifest_entries() == writer.config.manifest_max_entries < N_OBJECTS
-    # The manifest of all 100k, as a writer with a larger bound would leave it.
-    s3_server.client().put_object(Bucket=s3_bucket, Key=writer.manifest_key("big"),
-                                  Body=encode_manifest(NS, headers.items()))
     writer.close()
-    del headers
 
-    def pages(st: S3Store) -> Any:
-        real = st.medium.list_pages
+    def listed(rank: int, n: int) -> Any:
+        """Fake listing pages of ``n`` objects on ``rank`` plus the real manifests there,
+        and one real manifest covering the ``n`` objects, as another writer leaves it."""
+        st = S3Store(config(s3_server, s3_bucket), NS, rank, BLOCK)
+        s3_server.client().put_object(Bucket=s3_bucket, Key=st.manifest_key("other"), Body=encode_manifest(
+            NS, ((f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK)) for i in range(n))))
+        st.close()
         stamp = time.time()
 
-        def fake() -> Iterator[dict[str, Any]]:
-            manifests = [o for page in real() for o in page.get("Contents", []) if "/manifest/" in o["Key"]]
-            objs = [{"Key": st.key(f"{i:06d}"), "Size": 8192 + BLOCK, "LastModified": _Stamp(stamp + i)}
-                    for i in range(N_OBJECTS)]
-            for i in range(0, N_OBJECTS, 1000):
-                yield {"Contents": objs[i : i + 1000]}
-            yield {"Contents": manifests}
-        return fake
+        def install(st: S3Store) -> None:
+            real = st.medium.list_pages
 
+            def fake() -> Iterator[dict[str, Any]]:
+                manifests = [o for page in real() for o in page.get("Contents", []) if "/manifest/" in o["Key"]]
+                objs = [{"Key": st.key(f"{i:06d}"), "Size": 8192 + BLOCK, "LastModified": _Stamp(stamp + i)}
+                        for i in range(n)]
+                for i in range(0, n, 1000):
+                    yield {"Contents": objs[i : i + 1000]}
+                yield {"Contents": manifests}
+            monkeypatch.setattr(st.medium, "list_pages", fake)
+        return install
+
+    install = listed(0, N_OBJECTS)
     st = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)  # header_cache_entries: 131072
-    monkeypatch.setattr(st.medium, "list_pages", pages(st))
+    install(st)
     try:
         assert len(st.scan().found) == N_OBJECTS and st.last_scan.header_gets == 0
         assert st.header_cache_entries() == N_OBJECTS
@@ -299,15 +305,17 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
     finally:
         st.close()
 
-    # A smaller bound holds whatever the listing's size, in entries and in bytes.
-    cap = 10_000
-    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap), NS, 0, BLOCK)
-    monkeypatch.setattr(st.medium, "list_pages", pages(st))
+    # A smaller bound holds whatever the listing's size, in entries and in bytes (traced
+    # on a smaller listing: tracing makes every allocation ten times slower).
+    cap, n = 5_000, 20_000
+    install = listed(1, n)
+    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap), NS, 1, BLOCK)
+    install(st)
     try:
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
-            assert len(st.scan().found) == N_OBJECTS
+            assert len(st.scan().found) == n
             gc.collect()
             kept = tracemalloc.get_traced_memory()[0] - before
         finally:
