@@ -7,7 +7,7 @@ what a step pays: it builds the real :class:`ChunkPlanner` with the real ``Resca
 over a prepared listing (no S3: the listing's own cost is on the rescan thread either way),
 the index already holding ``--objects`` chunks from start-up; the rescan then lists them
 again with ``--churn`` of them replaced (expired, and as many new). Each
-``ChunkPlanner.refresh()`` (what one engine step calls) is timed until the rescan is fully
+``ChunkPlanner.take_jobs()`` (the planner's part of one engine step) is timed until the rescan is fully
 merged; the figure is the longest step and the sum of the steps.
 
 Self-contained and using only APIs that exist before and after the change, so the lead can
@@ -86,7 +86,7 @@ def run(objects: int, churn: float, blocks: int) -> dict[str, Any]:
     try:
         while time.monotonic() < deadline:
             t = time.perf_counter()
-            planner.refresh()
+            planner.take_jobs(set(), lambda k: None)  # one engine step: it merges what a rescan found
             dt = time.perf_counter() - t
             if served.is_set():
                 steps.append(dt)

@@ -54,6 +54,11 @@ def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Re
     return p, rescanner
 
 
+def step(p: ChunkPlanner) -> None:
+    """One engine step of the planner (it applies the next slice of a finished rescan)."""
+    p.take_jobs(set(), lambda k: None)
+
+
 def loadable(p: ChunkPlanner, first: int, n: int) -> bool:
     return all(p.locate(BlockKey(key(first + i))) is not None for i in range(n))
 
@@ -78,7 +83,7 @@ def test_object_deleted_out_of_band_leaves_the_index_a_pinned_one_at_unpin(
         for fid in ("c0", "c1"):
             client.delete_object(Bucket=store.config.bucket, Key=store.key(fid))
         rescanner.rescan_once()
-        p.refresh()
+        step(p)
         assert not loadable(p, 0, 2)  # gone at once
         assert not loadable(p, 10, 2)  # no new lookup finds it...
         assert "c1" in p.index  # ...but the load reading it keeps its entry
@@ -90,7 +95,7 @@ def test_object_deleted_out_of_band_leaves_the_index_a_pinned_one_at_unpin(
         # Written again (another instance) and listed: found again at the next rescan.
         write(store, "c0", 0, 2, job=9)
         rescanner.rescan_once()
-        p.refresh()
+        step(p)
         assert loadable(p, 0, 2)
     finally:
         p.close()
@@ -105,10 +110,10 @@ def test_pinned_chunk_listed_again_before_unpin_stays() -> None:
     p.index.pin("a")
     for _ in range(2):  # unchanged, then gone
         r.rescan_once()
-    p.refresh()
+    step(p)
     assert p.locate(BlockKey(key(1))) is None
     r.rescan_once()  # back before the load ended
-    p.refresh()
+    step(p)
     p.index.unpin("a")
     assert p.locate(BlockKey(key(1))) == ("a", 0)
     p.close()
@@ -125,6 +130,30 @@ def test_own_write_deleted_before_any_rescan_listed_it_is_removed() -> None:
     r.close()
 
 
+def test_a_failed_listing_removes_nothing() -> None:
+    """A listing that could not complete raises (connector/lower.py checks each store's
+    ``last_scan.complete``): nothing is queued, and our writes are still checked next time."""
+    h = make_header(NS, [key(1)], [0], BLOCK)
+    results: list[Any] = [RuntimeError("listing failed"), [{}]]
+
+    def scan() -> Found:
+        got = results.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got  # type: ignore[no-any-return]
+
+    r = Rescanner("s3", scan, 3600.0, initial=[{"a": h}])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=Counters(), found=[{"a": h}], rescanner=r)
+    r.note_written("b")
+    with pytest.raises(RuntimeError):
+        r.rescan_once()
+    step(p)
+    assert p.locate(BlockKey(key(1))) == ("a", 0)
+    assert r.rescan_once().removed == frozenset({"a", "b"})
+    p.close()
+
+
 def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
     n = 10_000
     found: Found = [{f"f{i}": make_header(NS, [key(i)], [0], BLOCK) for i in range(n)}]
@@ -134,8 +163,11 @@ def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
     r.rescan_once()
     sizes = []
     while True:
-        p.refresh()
+        p.refresh()  # a lookup: the step's slice
         sizes.append(len(p.index))
+        p.refresh()  # another lookup in the same step: nothing more
+        assert len(p.index) == sizes[-1]
+        step(p)
         if not p.rescan_pending():
             break
     assert sizes[-1] == n and len(sizes) >= 3
@@ -154,7 +186,7 @@ def test_chunks_on_only_some_ranks_are_never_indexed_and_counted(s3_server: Moto
         p, rescanner = planner([r0, r1], counters)
         assert loadable(p, 0, 2) and not loadable(p, 10, 2)
         rescanner.rescan_once()
-        p.refresh()
+        step(p)
         assert not loadable(p, 10, 2)
         assert (counters.drain() or {})["gauges"]["partial_chunks|s3"] == 1
         p.close()

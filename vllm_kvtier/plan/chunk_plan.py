@@ -233,6 +233,7 @@ class ChunkPlanner:
         #: rescan deltas not applied yet (applied :data:`_MERGE_SLICE` chunks per step)
         self._to_add: OrderedDict[str, tuple[tuple[BlockKey, ...], int, int]] = OrderedDict()
         self._to_remove: OrderedDict[str, None] = OrderedDict()
+        self._sliced = False  # a slice of them was applied in this step already
         self._on_close = on_close
         self._oracle = oracle
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
@@ -258,10 +259,11 @@ class ChunkPlanner:
         return n_blocks, n_files
 
     def refresh(self) -> None:
-        """Apply finished background rescans (a queue poll, then at most
-        :data:`_MERGE_SLICE` chunks added and as many removed; the rest next call). Called
-        before lookups, so a request sees what other instances stored, and no longer offers
-        what the tier lost (a pinned chunk goes at its unpin)."""
+        """Apply finished background rescans (a queue poll, then, once per step, at most
+        :data:`_MERGE_SLICE` chunks added and as many removed; the rest at the next steps).
+        Called before lookups, so a request sees what other instances stored, and no longer
+        offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
+        one goes at its unpin)."""
         if self._rescanner is None:
             return
         for d in self._rescanner.take():
@@ -274,7 +276,8 @@ class ChunkPlanner:
             self.counters.set_gauge("partial_chunks", self.tier, d.partial)
             for name, n in d.counts.items():
                 self.counters.add(name, self.tier, n)
-        if self._to_remove or self._to_add:
+        if (self._to_remove or self._to_add) and not self._sliced:
+            self._sliced = True
             self._apply_slice()
 
     def _apply_slice(self) -> None:
@@ -330,6 +333,8 @@ class ChunkPlanner:
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
         loc = self.index.locate(key)
+        if loc is not None and self._to_remove and loc[0] in self._to_remove:
+            return None  # gone from the tier; its removal is applied over the next steps
         if loc is not None and self._cooling:
             until = self._cooling.get(loc[0])
             if until is not None:
@@ -449,6 +454,7 @@ class ChunkPlanner:
         self.counters.add("evictions", self.tier, self.index.evicted_blocks - before)
         deletes = self._deletes
         self._demote, self._through, self._deletes = [], [], []
+        self._sliced = False  # the next step applies the next slice of a rescan
         self.counters.set_gauge("usage_bytes", self.tier, self.index.used_bytes * self.world_size)
         if self.index.capacity_bytes is not None:
             self.counters.set_gauge("capacity_bytes", self.tier, self.index.capacity_bytes * self.world_size)
