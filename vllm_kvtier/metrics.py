@@ -55,13 +55,16 @@ COUNTERS: dict[str, str] = {
     "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
                              "load from nor save to the tiers.",
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
-    "reclaimed_files": "Files of a tier deleted at start as debris: partial writes, chunks on only some TP ranks, misfits.",
+    "reclaimed_files": "Files or objects of a tier deleted at start by their owner as debris: partial writes, chunks "
+                       "on only some TP ranks, misfits.",
     "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",
     "verify_samples": "Shadow verification: stored blocks compared with their recomputed KV, by the tier they came from.",
     "verify_mismatches": "Shadow verification: compared blocks outside the tolerance (the stored KV was wrong), by tier.",
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
+    "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
+    "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
 }
 
 #: gauge metric -> help text
@@ -75,6 +78,7 @@ GAUGES: dict[str, str] = {
     "estimated_prefill_tokens_per_s": "Load-or-recompute: estimated prefill rate (tier label 'compute').",
     "foreign_bytes": "NVMe: bytes under nvme.path in other namespaces' directories at start (after any collection).",
     "verify_quarantined": "Shadow verification: 1 while a tier is quarantined (serves no hits) after a mismatch, else 0.",
+    "partial_chunks": "Chunks the last rescan listed on only some TP ranks (never indexed: a write in flight or a crashed one).",
 }
 
 

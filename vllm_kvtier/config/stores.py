@@ -83,8 +83,10 @@ class S3Config:
     multipart_part_bytes: int = 16 * MiB
     #: Rewrite this writer's manifest after this many chunk writes (0: only at close).
     manifest_every_writes: int = 64
-    #: Names this writer's manifest; "" = random per store. Set a stable one (pod name +
-    #: rank) so a restarted instance replaces its manifest instead of adding one.
+    #: Names this writer's manifest; "" = a stable digest of the host name (a pod's name in
+    #: Kubernetes), the rank and the namespace, so a restarted instance replaces its
+    #: manifest instead of adding one. Set one per instance when two instances of the same
+    #: model and rank share a host name.
     writer_id: str = ""
     #: What moves chunk objects' bytes (:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`).
     #: "boto3" (default): boto3 requests from the I/O threads. "nixl": NIXL's OBJ backend
@@ -94,10 +96,26 @@ class S3Config:
     #: then come from aws-sdk-cpp's own default chain (the same sources), so ``profile``
     #: cannot be combined with it (export AWS_PROFILE instead). Same objects either way.
     io_engine: IOEngineName = "boto3"
+    #: The most entries this writer's manifest keeps (its most recent writes; about 300 B
+    #: each compressed for 16-block chunks); older objects are found by their header.
+    manifest_max_entries: int = 1 << 16
+    #: The most chunk headers a store keeps between rescans (LRU; about 3 KB each for
+    #: 16-block chunks, so ~400 MB at most at the default; only listed objects are kept),
+    #: so a rescan GETs no header it already read. Below the bucket's object count, each
+    #: rescan GETs the headers of the rest again.
+    header_cache_entries: int = 1 << 17
+    #: A manifest not rewritten for this long (its writer is gone) is deleted by a rescan.
+    manifest_max_age_s: float = 7 * 86400.0
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> ConfigError:
             return ConfigError(f"s3.{name}", msg)
+
+        for name in ("manifest_max_entries", "header_cache_entries"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if not self.manifest_max_age_s > 0:
+            raise bad("manifest_max_age_s", "must be > 0")
 
         if not _BUCKET.match(self.bucket):
             raise bad("bucket", f"{self.bucket!r} is not a valid bucket name (3-63 of a-z 0-9 . _ -)")

@@ -25,7 +25,7 @@ from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig,
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
 from vllm_kvtier.tiers.auth import load_auth
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
@@ -232,20 +232,48 @@ def _s3_planner(
     def scan() -> Found:
         return [st.scan().found for st in stores]
 
+    def rescan_counts() -> dict[str, int]:
+        return {"manifests_collected": sum(st.last_scan.manifests_collected for st in stores)}
+
+    def rescan() -> Found:
+        """A live instance's rescan (the rescan thread): collects stale manifests, and
+        raises if a listing failed (a failed listing is not "everything was deleted")."""
+        out = []
+        for st in stores:
+            got = st.scan(collect=True).found
+            r = st.last_scan
+            if not r.complete:
+                raise RuntimeError(f"listing rank {st.rank} failed: {r.problems}")
+            if r.manifests_collected:
+                logger.info("kvtier s3: rank %d: deleted %d stale manifest(s)", st.rank, r.manifests_collected)
+            out.append(got)
+        return out
+
     found = scan()
+    # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
+    # our own manifest names (this host, rank and namespace before the restart: no other
+    # live writer) are deleted.
+    partial = set().union(*found) - set(common_chunks(found))
+    counters.set_gauge("partial_chunks", TierName.S3, len(partial))
+    ours = sorted(partial & set().union(*(st.take_own_objects() for st in stores)))
     for st in stores:
         r = st.last_scan
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
                     st.rank, r.objects, r.list_requests, r.manifest_gets, r.header_gets,
                     f"; problems {r.problems}" if r.problems else "")
-    rescanner = Rescanner(TierName.S3, scan, s3.rescan_interval_s) if s3.rescan_interval_s > 0 else None
+    rescanner = (Rescanner(TierName.S3, rescan, s3.rescan_interval_s, initial=found, counts=rescan_counts)
+                 if s3.rescan_interval_s > 0 else None)
 
     def close() -> None:
         for st in stores:
             st.close(timeout_s=1.0)
 
-    return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
-                        found=found, rescanner=rescanner, on_close=close)
+    planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
+                           found=found, rescanner=rescanner, on_close=close)
+    if ours:
+        logger.info("kvtier s3: deleting %d chunk(s) a previous run left on only some ranks", len(ours))
+        planner.reclaim(ours)
+    return planner
 
 
 def make_workers(
@@ -316,7 +344,7 @@ def make_workers(
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
-                                    buffers=buffers)
+                                    buffers=buffers, max_headers=s3.store.header_cache_entries)
     mc = cfg.mooncake
     if mc is not None:
         mc_store = None

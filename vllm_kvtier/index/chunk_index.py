@@ -7,6 +7,11 @@ against the capacity at once, so the tier never exceeds its size even with write
 flight) -> :meth:`confirm` (every TP rank reported it durable; its keys become loadable) or
 :meth:`cancel` (a write failed). Eviction is LRU over whole files, never a pinned one (a
 load is reading it) nor one still being written.
+
+A file the tier no longer holds (deleted out of band, expired by a bucket's lifecycle rule:
+an authoritative listing no longer shows it) is :meth:`retire`-d: forgotten at once, or, if
+a load is reading it (pinned), no longer offered to lookups and forgotten when its last
+pin goes (:meth:`unpin`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class _File:
     nbytes: int
     confirmed: bool = False
     pins: int = 0
+    #: gone from the tier: removed at its last unpin
+    retired: bool = False
 
 
 class ChunkIndex:
@@ -131,6 +138,35 @@ class ChunkIndex:
         f = self._files.get(file_id)
         if f is not None and f.pins > 0:
             f.pins -= 1
+            if f.pins == 0 and f.retired:
+                self.remove(file_id)
+
+    def retire(self, file_id: str) -> bool:
+        """The tier no longer holds ``file_id``: forget it now, or at its last unpin if a load
+        is reading it. A file still being written (reserved, not confirmed) is ours in
+        flight and is kept. True if it is forgotten (now, or at its last unpin)."""
+        f = self._files.get(file_id)
+        if f is None or not f.confirmed:
+            return False
+        if f.pins:  # no new lookup finds it; the loads reading it finish
+            f.retired = True
+            for pos, k in enumerate(f.keys):
+                if self._loc.get(k) == (file_id, pos):
+                    del self._loc[k]
+        else:
+            self.remove(file_id)
+        return True
+
+    def unretire(self, file_id: str) -> None:
+        """The tier holds ``file_id`` again (listed again before its last unpin)."""
+        f = self._files.get(file_id)
+        if f is not None and f.retired:
+            f.retired = False
+            for pos, k in enumerate(f.keys):
+                self._loc.setdefault(k, (file_id, pos))
+
+    def __contains__(self, file_id: object) -> bool:
+        return file_id in self._files
 
     def file_ids(self) -> list[str]:
         return list(self._files)

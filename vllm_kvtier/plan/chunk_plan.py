@@ -3,7 +3,11 @@ demotion, chunking, eviction, and what other instances stored (S3 rescans).
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
-shared bucket run on a background thread and are merged at the next step.
+shared bucket run on a background thread (:class:`Rescanner`), which also computes each
+listing's difference from the last one; the scheduler thread applies only that delta, in
+slices of :data:`_MERGE_SLICE` chunks per step. The listing is authoritative: a chunk it no
+longer shows (deleted out of band, expired by a lifecycle rule) leaves the index (a chunk
+a load is reading, at its unpin); one shown on only some ranks is never indexed.
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
   requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
@@ -36,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from vllm_kvtier.index.chunk_index import ChunkIndex
@@ -51,6 +55,9 @@ logger = logging.getLogger(__name__)
 _FLUSH_BLOCKS_PER_STEP = 4
 
 _SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at most)
+#: Chunks of a rescan's delta applied per step at most (each way): a listing that changed
+#: by 400k objects costs the scheduler thread ~3 ms a step instead of one long stall.
+_MERGE_SLICE = 4096
 #: Circuit breaker on writes: after this many write failures in a row, stop for a while.
 _BREAKER_FAILURES = 8
 _BREAKER_PAUSE_S = 30.0
@@ -85,36 +92,111 @@ class ChunkPolicy:
     exclusive: bool = False
 
 
+@dataclass(frozen=True)
+class RescanDelta:
+    """What changed between two listings of a tier, computed on the rescan thread: the
+    chunks present on every rank that the previous listing did not show (``added``: chunk
+    id -> (keys, bytes per rank, block bytes), oldest first) and the chunks the previous
+    listing (or this instance's own confirmed writes) showed that this one does not
+    (``removed``: deleted out of band, expired by a lifecycle rule)."""
+
+    added: dict[str, tuple[tuple[BlockKey, ...], int, int]]
+    removed: frozenset[str]
+    #: chunk ids listed on some ranks only (a write in flight, or a crashed writer's)
+    partial: int = 0
+    #: counter -> increment, from the scan's own report (e.g. ``manifests_collected``)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def common_chunks(found: Found) -> dict[str, ChunkHeader]:
+    """The chunks of ``found`` present on every rank, rank 0's headers, in rank 0's order."""
+    if not found:
+        return {}
+    rest = found[1:]
+    return {fid: h for fid, h in found[0].items() if all(fid in r for r in rest)}
+
+
 class Rescanner:
-    """Runs ``scan`` every ``interval_s`` on a daemon thread; results wait in a queue.
+    """Runs ``scan`` every ``interval_s`` on a daemon thread and turns each listing into a
+    :class:`RescanDelta` there, so the scheduler thread only applies deltas.
 
     ``scan`` may block for seconds (it lists a bucket); it never runs on the scheduler
-    thread. A failed scan is logged and skipped.
+    thread. A failed scan (it raises: a listing that could not complete must not read as
+    "everything was deleted") is logged and skipped. ``initial``: the start-up listing the
+    planner was built from (the first delta is against it). The thread keeps the set of
+    chunk ids of the last listing (about 100 B each), nothing else.
     """
 
-    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float) -> None:
+    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *,
+                 initial: Found | None = None, counts: Callable[[], dict[str, int]] | None = None) -> None:
+        """``counts``: called after each scan (same thread), counters to add for it."""
         self._scan = scan
+        self._counts = counts
         self._interval_s = interval_s
-        self._results: queue.SimpleQueue[Found] = queue.SimpleQueue()
+        self._listed: set[str] = set(common_chunks(initial or []))
+        #: chunk ids this instance wrote (all ranks durable) since the last listing began
+        self._written: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[RescanDelta] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
         self._thread.start()
 
+    def note_written(self, file_id: str) -> None:
+        """``file_id`` is durable on every rank (scheduler thread; a queue put): a listing
+        that starts after this and does not show it means it was deleted."""
+        self._written.put(file_id)
+
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                self._results.put(self._scan())
+                self.rescan_once()
             except Exception:
                 logger.exception("kvtier: rescan failed")
 
-    def take(self) -> Found | None:
-        """The newest finished scan, or None."""
-        found = None
+    def rescan_once(self) -> RescanDelta:
+        """One listing and its delta, queued for :meth:`take` (the rescan thread; blocks
+        for the listing; a test may call it from its own thread). Raises what ``scan``
+        raises, queueing nothing."""
+        written: list[str] = []
         while True:
             try:
-                found = self._results.get_nowait()
+                written.append(self._written.get_nowait())
             except queue.Empty:
-                return found
+                break
+        try:
+            found = self._scan()
+        except BaseException:
+            for fid in written:  # still to be checked by the next listing
+                self._written.put(fid)
+            raise
+        delta = self.diff(found, written)
+        if self._counts is not None:
+            delta.counts.update(self._counts())
+        self._results.put(delta)
+        return delta
+
+    def diff(self, found: Found, written: Sequence[str] = ()) -> RescanDelta:
+        """The delta of listing ``found`` against the previous one (and ``written``: our
+        writes confirmed before the listing began); ``found`` becomes the previous one."""
+        common = common_chunks(found)
+        listed = set(common)
+        before = self._listed
+        before.update(written)
+        removed = frozenset(before - listed)
+        added = {fid: (tuple(BlockKey(k) for k in h.keys), h.total_bytes, h.block_bytes)
+                 for fid, h in common.items() if fid not in before}
+        partial = len(set().union(*found) - listed) if found else 0
+        self._listed = listed
+        return RescanDelta(added, removed, partial)
+
+    def take(self) -> list[RescanDelta]:
+        """Every finished delta not taken yet, oldest first (a queue poll)."""
+        out: list[RescanDelta] = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
 
     def close(self) -> None:
         self._stop.set()
@@ -157,6 +239,10 @@ class ChunkPlanner:
         #: chunk id -> monotonic time until which lookups skip it (a read of it failed).
         self._cooling: dict[str, float] = {}
         self._rescanner = rescanner
+        #: rescan deltas not applied yet (applied :data:`_MERGE_SLICE` chunks per step)
+        self._to_add: OrderedDict[str, tuple[tuple[BlockKey, ...], int, int]] = OrderedDict()
+        self._to_remove: OrderedDict[str, None] = OrderedDict()
+        self._sliced = False  # a slice of them was applied in this step already
         self._on_close = on_close
         self._oracle = oracle
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
@@ -174,18 +260,18 @@ class ChunkPlanner:
         block size, by the ranks that hold them (counted as ``reclaimed_files``). After a
         rescan they are only ignored (another instance may be using or still writing them)."""
         reclaim = delete_unfit and self.policy.exclusive
-        common = set(found[0]).intersection(*found[1:]) if found else set()
-        known = set(self.index.file_ids())
+        common = common_chunks(found)
         n_blocks = n_files = 0
         if reclaim:
-            partial = {f for rank in found for f in rank if f not in common and f not in known}
+            partial = {f for rank in found for f in rank if f not in common and f not in self.index}
             if partial:
                 logger.info("kvtier %s: deleting %d chunk(s) present on only some TP ranks", self.tier, len(partial))
-                self._reclaim(sorted(partial))
-        for fid in [f for f in found[0] if f in common and f not in known]:  # oldest first
-            h = found[0][fid]
+                self.reclaim(sorted(partial))
+        for fid, h in common.items():  # oldest first
+            if fid in self.index:
+                continue
             if h.block_bytes != self.block_bytes and reclaim:
-                self._reclaim([fid])  # misfit: another block size (another layout)
+                self.reclaim([fid])  # misfit: another block size (another layout)
                 continue
             if h.block_bytes != self.block_bytes or fid in self._failed_files:
                 continue
@@ -196,18 +282,61 @@ class ChunkPlanner:
                 self._deletes.append(fid)
         return n_blocks, n_files
 
-    def _reclaim(self, file_ids: list[str]) -> None:
-        self._deletes.extend(file_ids)
-        self.counters.add("reclaimed_files", self.tier, len(file_ids))
-
     def refresh(self) -> None:
-        """Merge the newest background rescan, if one finished (cheap: a queue poll).
-        Called before lookups, so a request sees what other instances stored."""
-        found = self._rescanner.take() if self._rescanner is not None else None
-        if found is not None:
-            n_blocks, n_files = self._adopt(found, delete_unfit=False)
-            if n_files:
-                logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
+        """Apply finished background rescans (a queue poll, then, once per step, at most
+        :data:`_MERGE_SLICE` chunks added and as many removed; the rest at the next steps).
+        Called before lookups, so a request sees what other instances stored, and no longer
+        offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
+        one goes at its unpin)."""
+        if self._rescanner is None:
+            return
+        for d in self._rescanner.take():
+            for fid in d.removed:
+                self._to_add.pop(fid, None)
+                self._to_remove[fid] = None
+            for fid, entry in d.added.items():
+                self._to_remove.pop(fid, None)
+                self._to_add[fid] = entry
+            self.counters.set_gauge("partial_chunks", self.tier, d.partial)
+            for name, n in d.counts.items():
+                self.counters.add(name, self.tier, n)
+        if (self._to_remove or self._to_add) and not self._sliced:
+            self._sliced = True
+            self._apply_slice()
+
+    def _apply_slice(self) -> None:
+        removed = 0
+        for _ in range(min(_MERGE_SLICE, len(self._to_remove))):
+            fid, _ = self._to_remove.popitem(last=False)
+            if fid in self.index:
+                removed += self.index.retire(fid)
+        n_blocks = n_files = 0
+        for _ in range(min(_MERGE_SLICE, len(self._to_add))):
+            fid, (keys, nbytes, block_bytes) = self._to_add.popitem(last=False)
+            if fid in self.index:
+                self.index.unretire(fid)
+                continue
+            if block_bytes != self.block_bytes or fid in self._failed_files:
+                continue
+            if self.index.add_existing(fid, keys, nbytes):
+                n_blocks += len(keys)
+                n_files += 1
+        if removed:
+            self.counters.add("rescan_removed_chunks", self.tier, removed)
+        if n_files:
+            logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
+
+    def rescan_pending(self) -> int:
+        """Chunks of finished rescans not applied yet (added or removed)."""
+        return len(self._to_add) + len(self._to_remove)
+
+    def reclaim(self, file_ids: Sequence[str]) -> None:
+        """Delete these chunks (ours, left unusable: on only some ranks by a crashed
+        predecessor, of another block size) with the next step's deletes; counted as
+        ``reclaimed_files``. Indexed chunks are never reclaimed."""
+        fids = [f for f in file_ids if f not in self.index]
+        self._deletes.extend(fids)
+        self.counters.add("reclaimed_files", self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> None:
         """Key-named tiers: ask the oracle about ``keys`` this index does not know, and
@@ -229,6 +358,8 @@ class ChunkPlanner:
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
         loc = self.index.locate(key)
+        if loc is not None and self._to_remove and loc[0] in self._to_remove:
+            return None  # gone from the tier; its removal is applied over the next steps
         if loc is not None and self._cooling:
             until = self._cooling.get(loc[0])
             if until is not None:
@@ -349,6 +480,7 @@ class ChunkPlanner:
         self.counters.add("evictions", self.tier, self.index.evicted_blocks - before)
         deletes = self._deletes
         self._demote, self._through, self._deletes = [], [], []
+        self._sliced = False  # the next step applies the next slice of a rescan
         self.counters.set_gauge("usage_bytes", self.tier,
                                 (self.index.used_bytes + self.reserved_bytes) * self.world_size)
         if self.index.capacity_bytes is not None:
@@ -396,6 +528,8 @@ class ChunkPlanner:
             if self._acks[fid] >= self.world_size:
                 del self._acks[fid]
                 self.index.confirm(fid)
+                if self._rescanner is not None:
+                    self._rescanner.note_written(fid)
 
     def close(self) -> None:
         if self._rescanner is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +37,8 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions
 
 TIER = TierName.CPU
+#: Prefetched keys remembered until a hit counts them (~100 B each: ~6 MB at most).
+MAX_PREFETCHED_KEYS = 1 << 16
 
 
 @dataclass
@@ -59,9 +61,12 @@ class Prefetcher:
         self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promotions: Promotions, *,
         world_size: int, max_inflight_blocks: int, max_age_s: float,
         locate: Callable[[BlockKey], tuple[ChunkPlanner, str, int] | None],
+        max_prefetched_keys: int = MAX_PREFETCHED_KEYS,
     ) -> None:
         """``promotions``: the scheduler's, shared with its loads (slots being filled);
-        ``locate``: the fastest lower tier holding a key."""
+        ``locate``: the fastest lower tier holding a key; ``max_prefetched_keys``: the
+        bound of :attr:`prefetched`."""
+        self.max_prefetched_keys = max_prefetched_keys
         self.index = index
         self.lower = lower
         self.counters = counters
@@ -73,8 +78,10 @@ class Prefetcher:
         self._queue: deque[_Queued] = deque()
         self._inflight: dict[int, _InFlight] = {}
         self._ids = itertools.count(1)
-        #: Keys brought up by a prefetch and not used yet (to count useful prefetches).
-        self.prefetched: set[BlockKey] = set()
+        #: Keys brought up by a prefetch and not used yet (to count useful prefetches),
+        #: oldest first, at most :data:`MAX_PREFETCHED_KEYS` (the oldest unused is forgotten:
+        #: its slot was long since reused, a later hit on it is not the prefetch's).
+        self.prefetched: OrderedDict[BlockKey, None] = OrderedDict()
 
     def is_inflight(self, key: BlockKey) -> bool:
         """``key`` is being prefetched into DRAM right now (readable within a read's time)."""
@@ -94,7 +101,7 @@ class Prefetcher:
 
     def note_hit(self, key: BlockKey) -> None:
         if key in self.prefetched:
-            self.prefetched.discard(key)
+            del self.prefetched[key]
             self.counters.add("prefetch_used_blocks", TIER)
 
     def take_jobs(self) -> list[PrefetchJob]:
@@ -178,7 +185,9 @@ class Prefetcher:
             if f.acks >= self.world_size:
                 del self._inflight[pid]
                 self._finish(f)
-                self.prefetched.update(f.keys)
+                self.prefetched.update(dict.fromkeys(f.keys))
+                while len(self.prefetched) > self.max_prefetched_keys:
+                    self.prefetched.popitem(last=False)
                 for tier, count in f.tiers.items():
                     self.counters.add("prefetch_blocks", tier, count)
 

@@ -46,15 +46,20 @@ the bytes (as for NVMe), so instances sharing a bucket never read incompatible K
 Index: :meth:`S3Store.scan` lists the rank's prefix (one LIST request per 1,000 keys) and
 needs each object's header. Each writer keeps a manifest object
 (``.../r<rank>/manifest/<writer_id>.kvm``, :mod:`~vllm_kvtier.tiers.manifest`) holding the
-headers of the objects it wrote, rewritten every ``manifest_every_writes`` writes and at
-close, so a scan costs ``ceil(keys / 1000)`` LISTs + one GET per writer's manifest + one
-ranged GET (first 4 KiB) per object that no manifest covers (written since that writer's
-last manifest, or by a writer that crashed). The listing is the truth; a manifest entry is
-used only for an object the listing shows, so a stale or lost manifest costs requests,
-never correctness. Every size in a listed header or a manifest is bounded by what this
-engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it sizes
-anything. Writing manifests costs one PUT per ``manifest_every_writes`` chunk writes (1.6%
-more PUTs at the default 64).
+headers of its latest ``manifest_max_entries`` writes; the writer id is stable across
+restarts (a digest of host name, rank and namespace, or ``s3.writer_id``), so a restarted
+writer merges and replaces its predecessor's manifest instead of adding one. It is
+rewritten after ``manifest_every_writes`` writes, or an eighth of its entries once that is
+more (so the bytes uploaded per write stay bounded), and at close. A scan costs
+``ceil(keys / 1000)`` LISTs + one GET per manifest whose ETag changed since this store's
+last scan + one ranged GET (first 4 KiB) per object that neither a manifest nor the store's
+header cache of earlier scans (``header_cache_entries``, LRU, listed objects only) covers.
+The listing is the truth; a manifest entry is used only for an object the listing shows,
+so a stale or lost manifest costs requests, never correctness. A live instance's rescans
+(``collect``) delete other writers' manifests not rewritten for ``manifest_max_age_s`` or
+covering no listed object. Every size in a listed header or a manifest is bounded by what
+this engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it
+sizes anything.
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
 and connection errors, within the request's deadline; a per-store circuit breaker
@@ -73,11 +78,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import random
+import socket
 import threading
 import time
-import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -125,6 +132,7 @@ __all__ = [
     "S3Stats",
     "S3Store",
     "ScanReport",
+    "default_writer_id",
     "error_reason",
     "is_transient",
     "object_key",
@@ -141,6 +149,14 @@ S3Stats = RemoteStats
 #: memory is sized from it): a million entries of 16-block chunks compress to about 700 MB.
 #: The manifest's own fields are bounded by :func:`~vllm_kvtier.tiers.manifest.decode_manifest`.
 MAX_MANIFEST_BYTES = 1 << 30
+
+
+def default_writer_id(namespace: str, rank: int) -> str:
+    """A writer id stable across restarts: a digest of the host name (a pod's name in
+    Kubernetes), the rank and the namespace. Two instances of one model and rank on one
+    host name share it: they then overwrite each other's manifest (costing header GETs,
+    never correctness) unless ``s3.writer_id`` tells them apart."""
+    return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
 
 
 # ---- the medium ---------------------------------------------------------------------------
@@ -367,7 +383,8 @@ class S3Medium:
 class _Listing:
     #: object_id -> (size, LastModified as a timestamp, key)
     objects: dict[str, tuple[int, float, str]] = field(default_factory=dict)
-    manifests: list[str] = field(default_factory=list)
+    #: manifest key -> (ETag, LastModified as a timestamp)
+    manifests: dict[str, tuple[str, float]] = field(default_factory=dict)
     requests: int = 0
 
 
@@ -383,6 +400,14 @@ class ScanReport:
     from_manifests: int = 0
     #: problem -> count (unverifiable objects or manifests, a failed listing...)
     problems: dict[str, int] = field(default_factory=dict)
+    #: objects whose header came from this store's cache of earlier scans (no GET)
+    from_cache: int = 0
+    #: manifests not fetched because their ETag had not changed since the last scan
+    manifests_unchanged: int = 0
+    #: manifests deleted: not rewritten for ``manifest_max_age_s``, or covering no object
+    manifests_collected: int = 0
+    #: False when the listing failed: ``found`` is then not what the bucket holds
+    complete: bool = True
 
 
 class S3Store(StoreKernel):
@@ -403,11 +428,22 @@ class S3Store(StoreKernel):
         medium = S3Medium(config, namespace, rank)
         self.config = config
         self.rank = rank
-        self.writer_id = config.writer_id or uuid.uuid4().hex[:16]
+        self.writer_id = config.writer_id or default_writer_id(namespace, rank)
         self.last_scan = ScanReport()
         self._mlock = threading.Lock()
-        self._manifest: dict[str, ChunkHeader] = {}  # this writer's live objects
+        #: this writer's latest objects, oldest first (at most ``manifest_max_entries``)
+        self._manifest: OrderedDict[str, ChunkHeader] = OrderedDict()
         self._manifest_changes = 0
+        #: the predecessor's manifest (same writer id, before a restart) merged in yet?
+        self._adopted = False
+        self._deleted_before_adopt: set[str] = set()
+        #: scans: object id -> (listed size, verified header) of earlier scans, LRU
+        #: (at most ``header_cache_entries``; only objects the last listing showed)
+        self._headers: OrderedDict[str, tuple[int, ChunkHeader]] = OrderedDict()
+        #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
+        self._manifest_etags: dict[str, str] = {}
+        #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
+        self._own_objects: frozenset[str] = frozenset()
         self._flush_lock = threading.Lock()
         self._closing = False
         super().__init__(medium, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
@@ -443,18 +479,45 @@ class S3Store(StoreKernel):
         with self._mlock:
             if self._manifest.pop(chunk_id, None) is not None:
                 self._manifest_changes += 1
+            if not self._adopted and len(self._deleted_before_adopt) < self.config.manifest_max_entries:
+                self._deleted_before_adopt.add(chunk_id)
         super().submit_delete(chunk_id)
 
     def on_written(self, chunk_id: str, header: ChunkHeader) -> None:
-        """Into this writer's manifest; every ``manifest_every_writes`` changes it is
-        rewritten (here, on the write thread; skipped if a flush is running)."""
+        """Into this writer's manifest (its latest ``manifest_max_entries`` writes; the
+        oldest entry leaves). It is rewritten (here, on the write thread; skipped if a
+        flush is running) after ``manifest_every_writes`` changes, or after an eighth of
+        its entries once that is more: the bytes uploaded stay at most
+        ``max(entries / manifest_every_writes, 8)`` entries per write, whatever the
+        number of writes, instead of growing with it."""
         with self._mlock:
             self._manifest[chunk_id] = header
+            self._manifest.move_to_end(chunk_id)
+            while len(self._manifest) > self.config.manifest_max_entries:
+                self._manifest.popitem(last=False)
             self._manifest_changes += 1
             every = self.config.manifest_every_writes
-            flush = every > 0 and self._manifest_changes >= every and not self._closing
+            due = max(every, len(self._manifest) // 8)
+            flush = every > 0 and self._manifest_changes >= due and not self._closing
         if flush:
             self.flush_manifest(blocking=False)
+
+    def take_own_objects(self) -> frozenset[str]:
+        """The listed objects this writer id's manifest named at the last scan without
+        ``collect`` (the start-up scan; written by this host, rank and namespace before a
+        restart: ours to reclaim), once: the set is dropped (up to ``manifest_max_entries``
+        ids need not stay in memory)."""
+        out, self._own_objects = self._own_objects, frozenset()
+        return out
+
+    def manifest_entries(self) -> int:
+        """Entries this writer's manifest holds now (at most ``manifest_max_entries``)."""
+        with self._mlock:
+            return len(self._manifest)
+
+    def header_cache_entries(self) -> int:
+        """Headers kept from earlier scans (at most ``header_cache_entries``)."""
+        return len(self._headers)
 
     def stats(self) -> S3Stats:
         """Requests (every HTTP attempt), retries, failed jobs by reason, the breaker."""
@@ -479,6 +542,8 @@ class S3Store(StoreKernel):
         if not self._flush_lock.acquire(blocking=blocking):
             return False
         try:
+            if not self._adopted:
+                self._adopt_predecessor()
             with self._mlock:
                 entries = list(self._manifest.items())
                 changes = self._manifest_changes
@@ -492,17 +557,44 @@ class S3Store(StoreKernel):
         finally:
             self._flush_lock.release()
 
+    def _adopt_predecessor(self) -> None:
+        """Merge the manifest this writer id left before a restart (one GET, once), so the
+        next one still covers those objects; this process's writes stay the newest. A
+        failed GET is a lost cache, never an error."""
+        try:
+            data = self.medium.get_bounded(self.manifest_key(), MAX_MANIFEST_BYTES)
+            old = decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
+                                  block_bytes=self.block_bytes,
+                                  max_entries=max(self.config.manifest_max_entries, 1 << 20))
+        except Exception as e:
+            if error_reason(e) is not FailureReason.MISSING:
+                logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
+            old = {}
+        with self._mlock:
+            self._adopted = True
+            room = self.config.manifest_max_entries - len(self._manifest)
+            keep = [(oid, h) for oid, h in old.items()
+                    if oid not in self._manifest and oid not in self._deleted_before_adopt]
+            merged = OrderedDict(keep[max(0, len(keep) - room):] if room > 0 else [])
+            merged.update(self._manifest)
+            self._manifest = merged
+            self._deleted_before_adopt.clear()
+
     # ---- index rebuild (caller's thread; blocks) --------------------------------------------
 
-    def scan(self, *, cleanup: bool = False) -> ScanResult:
+    def scan(self, *, cleanup: bool = False, collect: bool = False) -> ScanResult:
         """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
-        LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest and one ranged
-        GET per object no manifest covers (see :attr:`last_scan`). Never raises for a failed
-        request: what could not be read is left out and counted in ``problems`` (a failed
-        listing finds nothing, ``list_<reason>``).
+        LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest changed since
+        the last scan (by its ETag) and one ranged GET per object neither a manifest nor
+        the header cache of earlier scans covers (see :attr:`last_scan`). Never raises for
+        a failed request: what could not be read is left out and counted in ``problems``
+        (a failed listing finds nothing, ``list_<reason>``, and ``last_scan.complete`` is
+        False).
 
-        With ``cleanup`` (the worker that owns the prefix), objects that fail to verify and
-        manifests that cover no existing object are deleted."""
+        With ``cleanup`` (the worker that owns the prefix), objects that fail to verify are
+        deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), manifests of
+        other writers not rewritten for ``manifest_max_age_s`` or covering no listed
+        object are deleted (``last_scan.manifests_collected``)."""
         problems: dict[str, int] = {}
 
         def problem(what: str) -> None:
@@ -514,18 +606,26 @@ class S3Store(StoreKernel):
         except Exception as e:
             problem(f"list_{error_reason(e)}")
             logger.warning("kvtier s3: listing %s failed: %s", self.medium.prefix, e)
-            self.last_scan = ScanReport(0, listing.requests, 0, 0, 0, problems)
+            self.last_scan = ScanReport(0, listing.requests, 0, 0, 0, problems, complete=False)
             return ScanResult({}, problems)
         objects = listing.objects
         found: dict[str, ChunkHeader] = {}
         doomed: list[str] = []
+        from_cache = 0
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-s3-scan") as pool:
-            covered = self._manifest_headers(pool, listing, cleanup, problem, doomed)
+            # An unchanged manifest's entries are in the header cache, unless it overflowed.
+            full = len(self._headers) >= self.config.header_cache_entries
+            fresh = [m for m, (etag, _) in listing.manifests.items()
+                     if full or self._manifest_etags.get(m) != etag]
+            covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed)
             todo = []
             for oid, (size, _, key) in objects.items():
-                h = covered.get(oid)
+                cached = self._headers.get(oid)
+                hit = cached is not None and cached[0] == size
+                h = cached[1] if cached is not None and hit else covered.get(oid)
                 if h is not None and h.block_bytes == self.block_bytes and size >= h.total_bytes:
                     found[oid] = h
+                    from_cache += hit
                 else:
                     todo.append((oid, size, key))
             for (oid, _, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
@@ -536,10 +636,26 @@ class S3Store(StoreKernel):
                 if cleanup and got.damaged and got is not FailureReason.MISSING:
                     doomed.append(key)
             list(pool.map(self._delete_quietly, doomed))
-        from_manifests = len(found) - sum(1 for oid, _, _ in todo if oid in found)
-        self.last_scan = ScanReport(len(found), listing.requests, len(listing.manifests), len(todo), from_manifests,
-                                    problems)
+        self._remember(found, objects, listing)
+        from_manifests = len(found) - from_cache - sum(1 for oid, _, _ in todo if oid in found)
+        self.last_scan = ScanReport(len(found), listing.requests, len(fresh), len(todo), from_manifests, problems,
+                                    from_cache=from_cache, manifests_unchanged=len(listing.manifests) - len(fresh),
+                                    manifests_collected=sum(1 for k in doomed if k.endswith(MANIFEST_SUFFIX)))
         return ScanResult({oid: found[oid] for oid in sorted(found, key=lambda oid: objects[oid][1])}, problems)
+
+    def _remember(self, found: dict[str, ChunkHeader], objects: dict[str, tuple[int, float, str]],
+                  listing: _Listing) -> None:
+        """Keep the headers of this scan for the next one (LRU, bounded), and the ETags of
+        the manifests it read; forget what the listing no longer shows."""
+        cache = self._headers
+        for oid in [o for o in cache if o not in objects]:
+            del cache[oid]
+        for oid, h in found.items():
+            cache[oid] = (objects[oid][0], h)
+            cache.move_to_end(oid)
+        while len(cache) > self.config.header_cache_entries:
+            cache.popitem(last=False)
+        self._manifest_etags = {m: e for m, e in self._manifest_etags.items() if m in listing.manifests}
 
     def _list_rank(self, out: _Listing, problem: Callable[[str], None]) -> None:
         """LIST the rank's prefix, sorting keys into chunks and manifests."""
@@ -550,28 +666,34 @@ class S3Store(StoreKernel):
                 key, rel = o["Key"], o["Key"][len(root) :]
                 oid = rel.rsplit("/", 1)[-1][: -len(SUFFIX)]
                 if rel.startswith("manifest/") and rel.endswith(MANIFEST_SUFFIX):
-                    out.manifests.append(key)
+                    out.manifests[key] = (str(o.get("ETag", "")), o["LastModified"].timestamp())
                 elif rel.endswith(SUFFIX) and key == self.key(oid):
                     out.objects[oid] = (o["Size"], o["LastModified"].timestamp(), key)
                 else:
                     problem("unknown_key")
 
-    def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, cleanup: bool,
+    def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, fresh: list[str], collect: bool,
                           problem: Callable[[str], None], doomed: list[str]) -> dict[str, ChunkHeader]:
-        """Headers from every manifest, for the objects the listing shows. Our own manifest
-        (same writer id, before a restart) is adopted, so our next one still covers them."""
+        """Headers from the manifests in ``fresh`` (changed since the last scan), for the
+        objects the listing shows; with ``collect``, other writers' manifests that are
+        stale (not rewritten for ``manifest_max_age_s``) or cover nothing go to ``doomed``."""
         covered: dict[str, ChunkHeader] = {}
-        for mkey, got in zip(listing.manifests, pool.map(self._scan_manifest, listing.manifests), strict=True):
+        own = self.manifest_key()
+        too_old = time.time() - self.config.manifest_max_age_s
+        for mkey, got in zip(fresh, pool.map(self._scan_manifest, fresh), strict=True):
             if isinstance(got, FailureReason):
                 problem(f"manifest_{got}")
                 continue
+            self._manifest_etags[mkey] = listing.manifests[mkey][0]
             live = {oid: h for oid, h in got.items() if oid in listing.objects}
-            if mkey == self.manifest_key():
-                with self._mlock:
-                    self._manifest.update(live)
-            elif not live and cleanup:
+            if mkey == own and not collect:  # the start-up scan only: see take_own_objects
+                self._own_objects = frozenset(live)
+            if not live and collect and mkey != own:
                 doomed.append(mkey)
             covered.update(live)
+        if collect:
+            doomed.extend(m for m, (_, modified) in listing.manifests.items()
+                          if modified < too_old and m != own and m not in doomed)
         return covered
 
     def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:

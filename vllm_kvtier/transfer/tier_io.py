@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -47,7 +48,11 @@ from vllm_kvtier.transfer.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkStore", "ChunkWorker"]
+__all__ = ["DEFAULT_MAX_HEADERS", "ChunkStore", "ChunkWorker"]
+
+#: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 3 KB each
+#: for 16-block chunks, so at most ~400 MB; the S3 tier passes ``s3.header_cache_entries``.
+DEFAULT_MAX_HEADERS = 1 << 17
 
 
 class ChunkWorker:
@@ -56,12 +61,15 @@ class ChunkWorker:
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
-        buffers: BufferPool | None = None,
+        buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
         ``slots``: the worker's slot table (the CPU pool and what each slot holds).
         ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
-        read a chunk whose header we do not have (S3: another instance wrote it).
+        read a chunk whose header we do not have (S3: another instance wrote it); the
+        headers kept are then a cache of at most ``max_headers`` (LRU: a header it no
+        longer has costs one more ranged GET at that chunk's next read), otherwise every
+        chunk's (the store cannot read without it).
         ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
         ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
         block size); None: the slot's bytes are stored as they are. ``buffers``: where write
@@ -76,8 +84,9 @@ class ChunkWorker:
         self.mode = mode
         self.chunk_blocks = chunk_blocks
         self.flush_on_shutdown_s = flush_on_shutdown_s
-        self.headers: dict[str, ChunkHeader] = headers or {}
+        self.headers: OrderedDict[str, ChunkHeader] = OrderedDict(headers or {})
         self.fetches_headers = fetches_headers
+        self.max_headers = max_headers
         self._ids = itertools.count(1)
         self._reads: dict[int, ChunkRead] = {}
         self._prefetch_reads: set[int] = set()
@@ -141,6 +150,13 @@ class ChunkWorker:
         self.store.submit_read(rid, read.file_id, header, list(read.positions), list(read.keys))
         return rid
 
+    def _keep_header(self, file_id: str, header: ChunkHeader) -> None:
+        self.headers[file_id] = header
+        if self.fetches_headers:
+            self.headers.move_to_end(file_id)
+            while len(self.headers) > self.max_headers:
+                self.headers.popitem(last=False)
+
     def poll(self) -> list[tuple[int, ChunkRead, bool]]:
         """Handle finished I/O: fill slots from completed reads. Returns (read id, read,
         ok) for every read that finished; the caller records the slots' new keys."""
@@ -167,7 +183,7 @@ class ChunkWorker:
                         ok, reason = False, FailureReason.FORMAT
                 if ok:
                     if res.header is not None:
-                        self.headers.setdefault(read.file_id, res.header)
+                        self._keep_header(read.file_id, res.header)
                     if not was_prefetch:
                         self.counters.add("reads", self.tier)
                         self.counters.add("blocks_loaded", self.tier, len(read.slots))
@@ -202,7 +218,7 @@ class ChunkWorker:
         ref = (self.tier, res.file_id)
         if res.ok:
             assert res.header is not None
-            self.headers[res.file_id] = res.header
+            self._keep_header(res.file_id, res.header)
             self._meta.written[ref] = self._meta.written.get(ref, 0) + 1
             self.counters.add("blocks_stored", self.tier, res.header.nblocks)
             self.counters.add("bytes_stored", self.tier, res.nbytes)
