@@ -52,6 +52,17 @@ COUNTERS: dict[str, str] = {
     "load_probes": "Loads let through to re-measure a tier the estimates had stopped using.",
     "load_wait_seconds": "Seconds the forward waited for layer-by-layer sync loads (the rest of the copy overlapped).",
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
+    "request_params_ignored": "Request kv_transfer_params ignored because config does not enable them or they are "
+                              "not allowed (the request is served, recomputing): tier cpu = kvtier_pin_ttl_s, "
+                              "peer = kvtier_peer, mooncake = kvtier_pool_blocks.",
+    "request_params_capped": "Request kv_transfer_params cut to a configured limit (tier cpu: a kvtier_pin_ttl_s "
+                             "above cpu.max_pin_ttl_s).",
+    "peer_unpromoted_blocks": "P/D decode side: blocks read from a peer not in nixl.trusted_peers, used by their "
+                              "request only (not kept in the CPU tier, not written below).",
+    "peers_removed": "P/D decode side: NIXL remote agents disconnected (idle for nixl.hold_s, or for a new one "
+                     "beyond nixl.max_peers).",
+    "peer_refusals": "P/D decode side: reads not posted because nixl.max_peers peers all had reads in flight, or "
+                     "the offer's agent is not allowed (recomputed).",
 }
 
 #: gauge metric -> help text

@@ -16,6 +16,13 @@ Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks w
 match the request's own block hashes (so a mismatched model or prompt is never loaded)
 are an async load: each gets a CPU slot, the worker reads slots and stamps over NIXL, and
 only blocks whose stamp is the expected key are used; the rest is recomputed.
+
+Trust (decode side): the offer comes in ``kv_transfer_params``, which vLLM's OpenAI server
+forwards from clients. It is read only if every rank's agent name matches
+``nixl.allowed_peers`` or ``nixl.trusted_peers`` (the worker checks again, and NIXL checks
+that the agent metadata names that agent); otherwise it is ignored and counted
+(:mod:`~vllm_kvtier.plan.request_params`). A plan from an agent that is allowed but not
+trusted is ``trusted=False``: the scheduler uses its blocks for that request only.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvtier.config import NixlTierConfig
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +56,19 @@ class PeerPlan:
     keys: tuple[BlockKey, ...]
     #: the prefill instance's request id, for the notification that frees its blocks
     notify: str = ""
+    #: every rank's agent is in ``nixl.trusted_peers``: its blocks may be kept and stored
+    trusted: bool = False
 
 
 class PeerPlanner:
-    def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, hold_s: float) -> None:
+    def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, cfg: NixlTierConfig,
+                 ignored: IgnoredParams | None = None) -> None:
         self.index = index
         self.counters = counters
         self.world_size = world_size
-        self.hold_s = hold_s
+        self.cfg = cfg
+        self.hold_s = cfg.hold_s
+        self.ignored = ignored if ignored is not None else IgnoredParams(counters)
         self._ranks: dict[int, dict] = {}
         #: prefill side: request -> (pinned slots, deadline)
         self._holds: dict[str, tuple[list[int], float]] = {}
@@ -128,16 +142,26 @@ class PeerPlanner:
     # ---- decode side --------------------------------------------------------------------
 
     def match(self, request: Any, start: int, limit: int) -> int | None:
-        """Blocks ``start``.. of the request a prefill instance offers (None: no offer)."""
+        """Blocks ``start``.. of the request a prefill instance offers (None: no offer, or
+        one that is ignored: counted once per request)."""
         params = getattr(request, "kv_transfer_params", None)
         offer = params.get(PARAM) if isinstance(params, dict) and params.get("do_remote_prefill") else None
-        if not isinstance(offer, dict) or request.request_id in self._attempted:
+        if offer is None or request.request_id in self._attempted:
             return None
         try:
+            if not isinstance(offer, dict):
+                raise TypeError("not a mapping")
             keys, slots = list(offer["keys"]), [int(s) for s in offer["slots"]]
             peer = {"ranks": dict(offer["ranks"])}
             notify = str(offer.get("request", request.request_id))
-        except (KeyError, TypeError, ValueError):
+            names = [str(d["agent"]["name"]) for d in peer["ranks"].values()]
+        except (KeyError, TypeError, ValueError) as e:
+            self._refuse(request.request_id, f"malformed offer ({type(e).__name__}: {e})")
+            return None
+        trust = peer_trust(names, self.cfg)
+        if trust is PeerTrust.REFUSED:
+            self._refuse(request.request_id, f"agent(s) {sorted(set(names))[:4]} not in nixl.allowed_peers"
+                         + ("" if self.cfg.allowed_peers or self.cfg.trusted_peers else " (empty)"))
             return None
         n = 0
         hashes = request.block_hashes
@@ -148,9 +172,14 @@ class PeerPlanner:
         if n:
             self._plans[request.request_id] = PeerPlan(
                 peer, tuple(slots[start : start + n]), tuple(BlockKey(hashes[i]) for i in range(start, start + n)),
-                notify,
+                notify, trusted=trust is PeerTrust.TRUSTED,
             )
         return n
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        """Ignore ``req_id``'s offer, for good (vLLM may ask again: counted once)."""
+        self._attempted.add(req_id)
+        self.ignored.ignore(PARAM, TIER, req_id, why)
 
     def take_plan(self, req_id: str) -> PeerPlan | None:
         plan = self._plans.pop(req_id, None)
