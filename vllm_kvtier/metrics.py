@@ -54,7 +54,8 @@ COUNTERS: dict[str, str] = {
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
     "request_params_ignored": "Request kv_transfer_params ignored because config does not enable them or they are "
                               "not allowed (the request is served, recomputing): tier cpu = kvtier_pin_ttl_s, "
-                              "peer = kvtier_peer, mooncake = kvtier_pool_blocks.",
+                              "peer = kvtier_peer (or a do_remote_decode offer past nixl.max_offered_fraction), "
+                              "mooncake = kvtier_pool_blocks.",
     "request_params_capped": "Request kv_transfer_params cut to a configured limit (tier cpu: a kvtier_pin_ttl_s "
                              "above cpu.max_pin_ttl_s).",
     "peer_unpromoted_blocks": "P/D decode side: blocks read from a peer not in nixl.trusted_peers, used by their "

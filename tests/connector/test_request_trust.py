@@ -185,3 +185,23 @@ def test_a_pool_handoff_is_ignored_unless_enabled(tiny_model):
     assert counter(sched, "request_params_ignored", "mooncake") == 1
     assert counter(sched, "handoff_timeouts", "all") == 0
     assert_scheduler_empty(sched, initial)
+
+
+def test_prefill_side_offers_hold_at_most_max_offered_fraction(tiny_model):
+    """Any request may ask a prefill instance for an offer (``do_remote_decode``), and each
+    pins its prompt's slots for ``hold_s``: past ``nixl.max_offered_fraction`` of the slots
+    the answer carries none (counted)."""
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"max_offered_fraction": 0.1}})  # 6 of 64
+    worker = FakeWorker()
+    reqs = [make_request(f"p{i}", prompt_tokens(4 * BS + 1, seed=10 + i), max_tokens=1,
+                         kv_transfer_params={"do_remote_decode": True}) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(20):
+        worker.step(sched)
+        if all(r.is_finished() for r in reqs):
+            break
+    assert all(r.is_finished() for r in reqs)
+    assert counter(sched, "peer_offered_blocks", "peer") == 4  # the first offer: 4 slots
+    assert counter(sched, "request_params_ignored", "peer") == 1  # the second would hold 8 > 6
+    assert sched_half(sched).peer_plan.holding() == 1

@@ -80,6 +80,7 @@ def test_config_file(tmp_path):
         ({"nixl": {"allowed_peers": ["p"] * 257}}, "nixl.allowed_peers", "at most 256"),
         ({"nixl": {"max_peers": 0}}, "nixl.max_peers", ">= 1"),
         ({"nixl": {"max_peers": 5000}}, "nixl.max_peers", "<= 1024"),
+        ({"nixl": {"max_offered_fraction": 0}}, "nixl.max_offered_fraction", "(0, 0.9]"),
         ({"mooncake": {}}, "mooncake.master", "is required"),
         ({"mooncake": {"master": "m:50051", "protocol": "ib"}}, "mooncake.protocol", "must be one of"),
         ({"mooncake": {"master": "m:50051", "handoff_wait_s": -1}}, "mooncake.handoff_wait_s", ">= 0"),

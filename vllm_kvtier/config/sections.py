@@ -300,10 +300,17 @@ class NixlTierConfig:
     #: ``hold_s`` (its offers have expired by then). A read needing a new peer while every
     #: one has a read in flight is recomputed.
     max_peers: int = 16
+    #: Prefill side: share of the CPU tier's slots that offers may hold pinned at once. Any
+    #: request with ``do_remote_decode`` (a client can send one) makes an offer held for
+    #: ``hold_s``; past this share the answer carries no offer (counted in
+    #: ``request_params_ignored{tier="peer"}``) and the decode side recomputes.
+    max_offered_fraction: float = 0.5
 
 
     def __post_init__(self) -> None:
         _positive("nixl.hold_s", self.hold_s)
+        if not 0.0 < self.max_offered_fraction <= 0.9:
+            raise ConfigError("nixl.max_offered_fraction", f"must be in (0, 0.9], got {self.max_offered_fraction}")
         if not _AGENT_NAME.match(self.agent_name):
             raise ConfigError("nixl.agent_name", f"1-64 letters, digits or _.-, got {self.agent_name!r}")
         for name in ("allowed_peers", "trusted_peers"):

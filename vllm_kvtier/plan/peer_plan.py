@@ -10,7 +10,8 @@ slots are pinned for ``hold_s`` and ``request_finished`` returns, as ``kv_transf
 where they are: every rank's NIXL description, the slots, the block keys. A decode
 instance's read notifies the prefill ranks and the slots are released; if no read comes
 (the decode instance died, the proxy gave up), the hold expires and the slots are
-reclaimed (``peer_hold_timeouts``).
+reclaimed (``peer_hold_timeouts``). Offers hold at most ``nixl.max_offered_fraction`` of
+the slots at once: any request may ask for one (``do_remote_decode``), clients included.
 
 Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks whose keys
 match the request's own block hashes (so a mismatched model or prompt is never loaded)
@@ -101,6 +102,12 @@ class PeerPlanner:
             slots.append(s)
             keys.append(h.hex())
         if not slots:
+            return None
+        held = sum(len(h[0]) for h in self._holds.values())
+        if held + len(slots) > self.cfg.max_offered_fraction * self.index.num_slots:
+            self.ignored.ignore("do_remote_decode", TIER, request.request_id,
+                                f"offers already hold {held} of {self.index.num_slots} CPU slots "
+                                f"(nixl.max_offered_fraction = {self.cfg.max_offered_fraction:g})")
             return None
         for s in slots:
             self.index.pin(s)
