@@ -205,3 +205,35 @@ def test_prefill_side_offers_hold_at_most_max_offered_fraction(tiny_model):
     assert counter(sched, "peer_offered_blocks", "peer") == 4  # the first offer: 4 slots
     assert counter(sched, "request_params_ignored", "peer") == 1  # the second would hold 8 > 6
     assert sched_half(sched).peer_plan.holding() == 1
+
+
+def _lower_tier_writes(metas) -> set[bytes]:
+    return {k for m in metas for job in (*m.demotes, *m.write_through) for k in job.keys}
+
+
+def test_an_untrusted_peer_s_blocks_never_reach_a_lower_tier(tiny_model, tmp_path):
+    """With an NVMe tier (write-back, every block admitted) and a CPU tier small enough that
+    later traffic evicts everything: a trusted peer's blocks are demoted to NVMe like our
+    own; an untrusted peer's never are (they left the CPU index without an eviction)."""
+    written = {}
+    for trust in ("allowed_peers", "trusted_peers"):
+        sched, initial = new_scheduler(tiny_model, {
+            "cpu": {"capacity_bytes": 8 * block_bytes(), "eviction": "lru"},  # oldest out first
+            "nvme": {"path": str(tmp_path / trust), "capacity_bytes": 1 << 30, "admit_min_seen": 1,
+                     "flush_interval_s": 0},
+            "nixl": {"deadline_s": 5.0, trust: ["prefill-*"]},
+        })
+        worker = FakeWorker()
+        prompt = prompt_tokens(4 * BS + 1)
+        _, req = _peer_read(sched, worker, prompt, "prefill-abc-r0")
+        peer_keys = set(req.block_hashes[:4])
+        for i in range(3):  # 12 blocks of our own through 8 slots: everything is evicted
+            run(sched, worker, f"o{i}", prompt_tokens(4 * BS + 1, seed=20 + i))
+        nvme = sched_half(sched).lower_tier("nvme")
+        assert nvme is not None
+        written[trust] = (_lower_tier_writes(worker.metas) & peer_keys,
+                          {k for k in peer_keys if nvme.index.knows(BlockKey(k))})
+        assert _lower_tier_writes(worker.metas)  # our own blocks were demoted: the test can see it
+        assert_scheduler_empty(sched, initial)
+    assert written["allowed_peers"] == (set(), set())
+    assert written["trusted_peers"] == (peer_keys, peer_keys)
