@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,24 +45,42 @@ PIN_PARAM = "kvtier_pin_ttl_s"
 WARN_INTERVAL_S = 60.0
 
 
+#: (parameter, request) pairs remembered so that one request counts once per parameter
+#: (vLLM may ask about a request again, or resume it after a preemption).
+_SEEN_PAIRS = 4096
+
+
 class IgnoredParams:
-    """Counts request parameters ignored or cut, and warns about them, rate limited."""
+    """Counts request parameters ignored or cut, once per request and parameter, and warns
+    about them, rate limited."""
 
     def __init__(self, counters: Counters, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.counters = counters
         self._clock = clock
         self._last_warned: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
+        self._seen: OrderedDict[tuple[str, str, str], None] = OrderedDict()
 
     def ignore(self, param: str, tier: str, request_id: str, why: str) -> None:
         """``request_id``'s ``param`` is not acted on (``why``, for the log)."""
-        self.counters.add("request_params_ignored", tier)
-        self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} ignored: {why}")
+        if self._first("ignored", param, request_id):
+            self.counters.add("request_params_ignored", tier)
+            self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} ignored: {why}")
 
     def cap(self, param: str, tier: str, request_id: str, why: str) -> None:
         """``request_id``'s ``param`` is acted on, cut to a configured limit."""
-        self.counters.add("request_params_capped", tier)
-        self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} {why}")
+        if self._first("capped", param, request_id):
+            self.counters.add("request_params_capped", tier)
+            self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} {why}")
+
+    def _first(self, what: str, param: str, request_id: str) -> bool:
+        key = (what, param, request_id)
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        while len(self._seen) > _SEEN_PAIRS:
+            self._seen.popitem(last=False)
+        return True
 
     def _warn(self, param: str, line: str) -> None:
         now = self._clock()
