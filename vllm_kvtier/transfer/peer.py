@@ -55,6 +55,10 @@ TIER = TierName.PEER
 STAMP = 16
 
 
+class _Refused(Exception):
+    """A read this worker does not post (an agent not allowed, or no room for a peer)."""
+
+
 @dataclass
 class PeerResult:
     read: PeerRead
@@ -135,12 +139,12 @@ class PeerLink:
             if [pb for _, pb in planes] != list(self.pool.plane_bytes):
                 raise ValueError(f"plane sizes {[pb for _, pb in planes]} != ours {list(self.pool.plane_bytes)}")
             if not self.cfg.allows_peer(info.name):
-                raise PermissionError(f"agent {info.name!r} is not in nixl.allowed_peers")
+                raise _Refused(f"agent {info.name!r} is not in nixl.allowed_peers")
             if not self._connect(info):
-                raise RuntimeError(f"nixl.max_peers = {self.cfg.max_peers} peers all have reads in flight")
+                raise _Refused(f"nixl.max_peers = {self.cfg.max_peers} peers all have reads in flight")
         except Exception as e:  # a malformed offer, or a peer that is gone (NIXL cannot connect)
             logger.warning("kvtier peer: cannot read from the prefill instance of %s: %s", read.req_id, e)
-            if isinstance(e, PermissionError | RuntimeError):
+            if isinstance(e, _Refused):
                 self.counters.add("peer_refusals", TIER)
             self.counters.add("load_failures", TIER, len(read.keys))
             return None
