@@ -237,3 +237,22 @@ def test_an_untrusted_peer_s_blocks_never_reach_a_lower_tier(tiny_model, tmp_pat
         assert_scheduler_empty(sched, initial)
     assert written["allowed_peers"] == (set(), set())
     assert written["trusted_peers"] == (peer_keys, peer_keys)
+
+
+def test_two_requests_reading_the_same_blocks_from_peers_at_once(tiny_model):
+    """The second request's blocks are still being read for the first (promotions): it
+    does not take them a second time (that used to raise in the scheduler), it recomputes
+    them; both are served."""
+    sched, initial = new_scheduler(tiny_model, nixl(trusted_peers=["prefill-*"]))
+    worker = FakeWorker(auto_recv=False)
+    prompt = prompt_tokens(4 * BS + 1)
+    reqs = [make_request(f"d{i}", prompt, max_tokens=2, kv_transfer_params=offer(prompt, "prefill-abc-r0", 4))
+            for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    worker.step(sched)
+    worker.step(sched)
+    worker.complete_recv("d0", "d1")
+    worker.run_until_idle(sched)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert_scheduler_empty(sched, initial)

@@ -154,6 +154,10 @@ class SchedulerPlanner:
             return 0, False
         if self.peer_plan is not None:
             n = self.peer_plan.match(request, start, limit)
+            if n:
+                # Blocks being filled for another request right now are not read twice.
+                n = next((i for i, h in enumerate(request.block_hashes[start : start + n])
+                          if BlockKey(h) in self.promotions), n)
             if n is not None and n >= self.cfg.min_load_blocks:
                 return n * self.block_size, True  # read from the prefill instance over NIXL
         keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
@@ -330,7 +334,7 @@ class SchedulerPlanner:
         slots = self._pin_dram_hits(keys)
         remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
-            if slots[i] is not None:
+            if slots[i] is not None or k in self.promotions:  # the latter: recomputed
                 continue
             s = self._promote(k)
             slots[i] = s
