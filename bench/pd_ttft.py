@@ -156,7 +156,8 @@ def kv_config(path: str, role: str, args: argparse.Namespace, master: str = "") 
     extra: dict[str, Any] = {"cpu": {"capacity_bytes": args.cpu_tier_bytes}, "load_mode": "sync"}
     if path == "pool":
         mooncake: dict[str, Any] = {"master": master, "local_hostname": "127.0.0.1", "protocol": "tcp",
-                                    "transfer_buffer_bytes": 128 * MiB, "deadline_s": 10.0, "handoff_wait_s": 10.0}
+                                    "transfer_buffer_bytes": 128 * MiB, "deadline_s": 10.0, "handoff_wait_s": 10.0,
+                                    "accept_handoffs": True}
         if role == "kv_producer":
             mooncake.update(global_segment_bytes=args.segment_bytes, mode="write-through",
                             max_queued_writes=args.max_queued_writes)
@@ -164,7 +165,10 @@ def kv_config(path: str, role: str, args: argparse.Namespace, master: str = "") 
             mooncake.update(global_segment_bytes=0)  # the decode instance only reads the pool
         extra["mooncake"] = mooncake
     else:
-        extra["nixl"] = {"deadline_s": args.nixl_deadline_s, "hold_s": HOLD_S}
+        # The prefill agents are named pd-...; the decode side reads and trusts those only.
+        # Every offer is held for the whole run (HOLD_S), so let offers hold most slots.
+        extra["nixl"] = {"deadline_s": args.nixl_deadline_s, "hold_s": HOLD_S, "agent_name": "pd",
+                         "trusted_peers": ["pd-*"], "max_offered_fraction": 0.9}
     if role == "kv_consumer":
         extra["load_or_recompute"] = {"enabled": args.load_or_recompute == "on"}
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "vllm_kvtier.connector",

@@ -13,6 +13,11 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request it
 If the prefill instance fails or times out, the request goes to the decode instance alone
 (it recomputes the prompt): slower, never wrong, never stuck.
 
+Trust: a client's own ``kv_transfer_params`` are never forwarded (vLLM's OpenAI server
+would hand them to the plugin: pins, peer offers, pool hand-offs). The prefill call gets
+``do_remote_decode`` only, the decode call the prefill instance's answer only, or no
+``kv_transfer_params`` at all when the prefill call failed (docs/security.md).
+
     python examples/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 Both instances run vLLM with the plugin: the prefill one with ``"kv_role": "kv_producer"``,
@@ -34,11 +39,12 @@ logger = logging.getLogger("pd_proxy")
 
 
 def build_app(prefill_url: str, decode_url: str, *, prefill_timeout_s: float = 300.0,
-              decode_timeout_s: float = 600.0) -> FastAPI:
+              decode_timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """``transport``: httpx's, for both instances (tests pass an in-process one)."""
     app = FastAPI(title="vllm_kvtier P/D proxy")
-    prefill = httpx.AsyncClient(base_url=prefill_url, timeout=prefill_timeout_s)
-    decode = httpx.AsyncClient(base_url=decode_url, timeout=decode_timeout_s)
-    app.state.stats = {"requests": 0, "prefill_failures": 0}
+    prefill = httpx.AsyncClient(base_url=prefill_url, timeout=prefill_timeout_s, transport=transport)
+    decode = httpx.AsyncClient(base_url=decode_url, timeout=decode_timeout_s, transport=transport)
+    app.state.stats = {"requests": 0, "prefill_failures": 0, "client_kv_params_stripped": 0}
 
     async def run_prefill(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         req = dict(body, max_tokens=1, stream=False,
@@ -57,6 +63,11 @@ def build_app(prefill_url: str, decode_url: str, *, prefill_timeout_s: float = 3
 
     async def route(path: str, request: Request) -> Response:
         body = await request.json()
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "the request body must be a JSON object"}, status_code=400)
+        # Never forward a client's kv_transfer_params (see the module doc).
+        if body.pop("kv_transfer_params", None) is not None:
+            app.state.stats["client_kv_params_stripped"] += 1
         app.state.stats["requests"] += 1
         params = await run_prefill(path, body)
         out = dict(body)

@@ -118,7 +118,9 @@ _hash_ready = False
 
 
 def make_request(req_id: str, prompt: list[int], max_tokens: int = 4,
-                 block_size: int = BLOCK_SIZE) -> Request:
+                 block_size: int = BLOCK_SIZE, kv_transfer_params: dict[str, Any] | None = None) -> Request:
+    """A request as vLLM builds it; ``kv_transfer_params`` arrive as a client's
+    ``kv_transfer_params`` field does (through ``SamplingParams.extra_args``)."""
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -126,7 +128,9 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int = 4,
     return Request(
         request_id=req_id,
         prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling_params=SamplingParams(
+            max_tokens=max_tokens, temperature=0.0,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None),
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
@@ -195,6 +199,9 @@ class FakeWorker:
             for pos in self.fail_load_positions.pop(job.req_id, ()):
                 self.fail_blocks.add(job.block_ids[pos])
             self.fail_blocks.update(job.unloadable)  # no CPU slot: the worker reports them failed
+            if job.peer_read is not None:  # a P/D peer read fills its slots (a real one checks stamps)
+                for slot, key in zip(job.peer_read.slots, job.peer_read.keys, strict=True):
+                    self.pool[slot] = key
             if job.asynchronous:
                 self.pending_recv[job.req_id] = reads
             else:

@@ -65,6 +65,18 @@ COUNTERS: dict[str, str] = {
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
     "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
     "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
+    "request_params_ignored": "Request kv_transfer_params ignored because config does not enable them or they are "
+                              "not allowed (the request is served, recomputing): tier cpu = kvtier_pin_ttl_s, "
+                              "peer = kvtier_peer (or a do_remote_decode offer past nixl.max_offered_fraction), "
+                              "mooncake = kvtier_pool_blocks.",
+    "request_params_capped": "Request kv_transfer_params cut to a configured limit (tier cpu: a kvtier_pin_ttl_s "
+                             "above cpu.max_pin_ttl_s).",
+    "peer_unpromoted_blocks": "P/D decode side: blocks read from a peer not in nixl.trusted_peers, used by their "
+                              "request only (not kept in the CPU tier, not written below).",
+    "peers_removed": "P/D decode side: NIXL remote agents disconnected (idle for nixl.hold_s, or for a new one "
+                     "beyond nixl.max_peers).",
+    "peer_refusals": "P/D decode side: reads not posted because nixl.max_peers peers all had reads in flight, or "
+                     "the offer's agent is not allowed (recomputed).",
 }
 
 #: gauge metric -> help text

@@ -38,6 +38,12 @@ def _ucx_env(monkeypatch):
 
 
 def pd_config(role: str, **nixl) -> dict:
+    """The prefill instance names its agents ``prefill-...``; the decode instance reads
+    and trusts offers from those only (issue 13: by default it reads none)."""
+    if role == "kv_producer":
+        nixl = {"agent_name": "prefill", **nixl}
+    else:
+        nixl = {"agent_name": "decode", "allowed_peers": ["prefill-*"], "trusted_peers": ["prefill-*"], **nixl}
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES}, "nixl": {"deadline_s": 5.0, **nixl}})
     kv["kv_role"] = role
     return kv
@@ -108,6 +114,35 @@ def test_decode_reads_the_prompt_from_the_prefill_instance(tiny_model, baseline_
     # every offer released by the decode side's notification, none left to time out
     assert counters.get("peer_released_blocks|peer", 0) == 3 * LOADABLE
     assert counters.get("peer_hold_timeouts|peer", 0) == 0
+
+
+def test_an_untrusted_peer_serves_its_request_only_and_a_forged_offer_is_ignored(tiny_model, baseline_of, tmp_path):
+    """Decode side with the prefill agents allowed but not trusted: each prompt is read from
+    the peer with the baseline's tokens, but nothing of it is kept (the repeated prompt is
+    read from the peer again, not from DRAM). An offer naming an agent that is not allowed
+    (a client's forgery) is not read: counted, recomputed, same tokens."""
+    ps = [*SETS[2], SETS[2][0]]
+    prefill, params, hold = start_prefill(tiny_model, ps, tmp_path)
+    try:
+        llm = make_llm(tiny_model, pd_config("kv_consumer", trusted_peers=[]))
+        try:
+            got = [decode(llm, p, {**kp, "do_remote_prefill": True}) for p, kp in zip(ps, params, strict=True)]
+            forged = json.loads(json.dumps(params[1]))
+            for desc in forged["kvtier_peer"]["ranks"].values():
+                desc["agent"]["name"] = "rogue-" + desc["agent"]["name"]
+            forged_tokens, fc = decode(llm, ps[1], {**forged, "do_remote_prefill": True})
+        finally:
+            close_llm(llm)
+    finally:
+        counters = stop(prefill, hold)
+    for p, (tokens, c) in zip(ps, got, strict=True):
+        assert tokens == baseline_of(p)
+        assert c.get("load_failures|peer", 0) == 0 and c.get("blocks_loaded|cpu", 0) == 0, c
+        assert c.get("blocks_loaded|peer", 0) == LOADABLE and c.get("peer_unpromoted_blocks|peer", 0) == LOADABLE
+        assert c.get("blocks_stored|cpu", 0) == 0, c  # nothing computed on top of them is stored
+    assert counters.get("peer_released_blocks|peer", 0) == 3 * LOADABLE
+    assert forged_tokens == baseline_of(ps[1])
+    assert fc.get("blocks_loaded|peer", 0) == 0 and fc.get("request_params_ignored|peer", 0) == 1, fc
 
 
 def test_offer_of_a_prefill_instance_that_is_gone_is_recomputed(tiny_model, baseline_of, tmp_path):

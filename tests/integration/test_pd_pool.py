@@ -41,7 +41,8 @@ def pd_config(master: str, role: str, *, cpu_blocks: int = 64, **mooncake) -> di
         # not tell a load from a recompute they did not cause.
         "load_or_recompute": {"enabled": False},
         "mooncake": {"master": master, "local_hostname": "127.0.0.1", "global_segment_bytes": 64 * 2**20,
-                     "transfer_buffer_bytes": 16 * 2**20, "deadline_s": 3.0, **mooncake},
+                     "transfer_buffer_bytes": 16 * 2**20, "deadline_s": 3.0, "accept_handoffs": True,
+                     **mooncake},
     })
     kv["kv_role"] = role
     return kv

@@ -45,6 +45,12 @@ GENEROUS = {
     "mooncake": {"handoff_wait_s": 120.0, "lookup_timeout_s": 2.0, "deadline_s": 60.0},
     "nixl": {"deadline_s": 120.0, "hold_s": 600.0},
 }
+#: What enables the hand-offs (issue 13: off by default, since clients can send
+#: kv_transfer_params): the pool's wait, and the agents whose offers the decode side reads.
+ENABLE = {
+    "mooncake": {"accept_handoffs": True},
+    "nixl": {"agent_name": "pd", "trusted_peers": ["pd-*"]},
+}
 baseline_of = nvme_engine.baseline_of
 mooncake_master = mcsrv.mooncake_master
 
@@ -122,11 +128,11 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
         master = request.getfixturevalue("mooncake_master")
         section = {"mooncake": {"master": master.address, "local_hostname": "127.0.0.1",
                                 "global_segment_bytes": 64 * 2**20, "transfer_buffer_bytes": 16 * 2**20,
-                                **GENEROUS["mooncake"]}}
+                                **GENEROUS["mooncake"], **ENABLE["mooncake"]}}
         tier = "mooncake"
     else:
         pytest.importorskip("nixl_cu12", reason="NIXL is not installed (tools/setup-remote.sh installs it)")
-        section = {"nixl": GENEROUS["nixl"]}
+        section = {"nixl": {**GENEROUS["nixl"], **ENABLE["nixl"]}}
         tier = "peer"
     kv = {role: {**kvtier_config({"cpu": {"capacity_bytes": 64 * 2**20}, **section}), "kv_role": role}
           for role in ("kv_producer", "kv_consumer")}
@@ -174,6 +180,29 @@ def test_prefill_decode_through_the_proxy(tiny_model, baseline_of, tmp_path, pat
                 time.sleep(0.1)
             assert _counter(p_url, "peer_released_blocks") == 2 * LOADABLE
             assert _counter(p_url, "peer_hold_timeouts") == 0
+        # Through vLLM's OpenAI server, a client's own kv_transfer_params reach the plugin:
+        # a pin (not enabled here) and a forged P/D offer are ignored and counted, and the
+        # request is served with the baseline's tokens.
+        p = SETS[3][0]
+        forged = {"kvtier_pin_ttl_s": 604800, "do_remote_prefill": True,
+                  "kvtier_peer": {"ranks": {"0": {"agent": {"name": "rogue-r0", "metadata": "AAAA",
+                                                             "regions": [[4096, 4096]]},
+                                                   "planes": [], "stamps": 1}},
+                                  "slots": list(range(10)), "keys": ["00" * 32] * 10}}
+        r = requests.post(f"{d_url}/v1/completions", timeout=600, json={
+            "model": str(tiny_model), "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "kv_transfer_params": forged})
+        r.raise_for_status()
+        assert r.json()["choices"][0]["token_ids"] == baseline_of(p)
+        for _ in range(50):
+            if _kvtier(d_url).get("request_params_ignored|cpu", 0) >= 1:
+                break
+            time.sleep(0.1)
+        counters = _kvtier(d_url)
+        assert counters.get("request_params_ignored|cpu", 0) == 1, counters
+        # the forged offer: not read (nixl: not an allowed agent; mooncake: no nixl section)
+        assert counters.get("request_params_ignored|peer", 0) == (1 if path == "nixl" else 0), counters
+        assert counters.get("blocks_loaded|peer", 0) == (2 * LOADABLE if path == "nixl" else 0), counters
     finally:
         for proc in reversed(procs):
             _stop(proc)

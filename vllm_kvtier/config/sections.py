@@ -9,6 +9,7 @@ builds them. Units are in the names (``_bytes``, ``_s``).
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ MAX_SALT_CHARS = 256
 
 #: ``verify.quarantine_s`` at most (30 days: "until restart" for any real deployment).
 MAX_QUARANTINE_S = 30 * 86400.0
+
+#: The longest key pin a request may ever ask for (``cpu.max_pin_ttl_s`` at most): a week.
+MAX_PIN_TTL_S = 7 * 86400.0
+#: NIXL peers a decode worker keeps connected at most (``nixl.max_peers`` at most).
+MAX_NIXL_PEERS = 1024
+#: Patterns in ``nixl.allowed_peers`` / ``nixl.trusted_peers`` at most.
+MAX_PEER_PATTERNS = 256
+_AGENT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_PEER_PATTERN = re.compile(r"^[A-Za-z0-9_.*?\[\]!-]{1,128}$")
 
 
 def _positive(path: str, value: float) -> None:
@@ -78,11 +88,22 @@ class CPUTierConfig:
     #: Share of the pool that explicit prefix pins with a TTL may hold; pins beyond it
     #: are refused (and counted), so pinned prefixes never starve ordinary traffic.
     max_pinned_fraction: float = 0.5
+    #: Honour ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` on requests. Off by default:
+    #: vLLM's OpenAI server forwards that field from the client's request body, so with it
+    #: on any client can pin prefixes. Turn it on only behind a proxy that strips client
+    #: ``kv_transfer_params`` (docs/security.md). Ignored pins are counted
+    #: (``request_params_ignored{tier="cpu"}``).
+    request_pins: bool = False
+    #: The longest pin a request may ask for; a longer TTL is cut to this (counted in
+    #: ``request_params_capped``). At most a week.
+    max_pin_ttl_s: float = 3600.0
 
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None:
             _positive("cpu.capacity_bytes", self.capacity_bytes)
+        _positive("cpu.max_pin_ttl_s", self.max_pin_ttl_s)
+        _at_most("cpu.max_pin_ttl_s", self.max_pin_ttl_s, MAX_PIN_TTL_S)
         if not 0.0 < self.capacity_fraction <= 0.9:
             raise ConfigError("cpu.capacity_fraction",
                               f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {self.capacity_fraction}")
@@ -249,6 +270,13 @@ class MooncakeTierConfig:
     #: recomputing instead (``handoff_timeouts`` and a warning per lost hand-off). On a
     #: loaded 2-core host they appeared within 63 ms (puts 20-120 ms).
     handoff_wait_s: float = 5.0
+    #: P/D hand-offs through the pool (``kvtier_pool_blocks`` in ``kv_transfer_params``):
+    #: the prefill side announces what it stored, the decode side waits for it. Off by
+    #: default: the decode side's wait is asked for by the request (a client can send the
+    #: field through vLLM's OpenAI server). Without it the pool is still read (hits are
+    #: hits), the decode side just does not wait; an ignored hand-off is counted
+    #: (``request_params_ignored{tier="mooncake"}``).
+    accept_handoffs: bool = False
 
 
     def __post_init__(self) -> None:
@@ -270,11 +298,59 @@ class NixlTierConfig:
     #: Prefill side: how long a finished request's blocks stay pinned for the decode side
     #: to read them; reclaimed then if no read came (a decode instance that died).
     hold_s: float = 60.0
+    #: This instance's NIXL agents are named ``<agent_name>-<random>-r<rank>``: what a
+    #: decode instance's ``allowed_peers`` matches (e.g. ``prefill`` here, ``prefill-*``
+    #: there). Letters, digits, ``_.-``.
+    agent_name: str = "kvtier"
+    #: Decode side: the agents whose offers (``kvtier_peer`` in ``kv_transfer_params``,
+    #: which a client can also send) are read, as shell-style patterns over the agent name
+    #: (``prefill-*``) that NIXL itself reads from the offer's agent metadata. Empty (the
+    #: default): no offer is read (the request recomputes; counted in
+    #: ``request_params_ignored{tier="peer"}``). UCX addresses are opaque, so hosts cannot be
+    #: matched: pair this with a network where only your prefill hosts reach the decode ones.
+    allowed_peers: tuple[str, ...] = ()
+    #: Decode side: agents (patterns, as above) whose blocks are also kept in this
+    #: instance's CPU tier and written to its lower tiers like its own. Blocks from any other
+    #: allowed peer serve their request only (``peer_unpromoted_blocks``), and nothing that
+    #: request computes is stored. A trusted agent is also allowed.
+    trusted_peers: tuple[str, ...] = ()
+    #: Decode side: remote agents kept connected at most; the least recently used idle one
+    #: is removed for a new one (``peers_removed``), and any is removed once idle for
+    #: ``hold_s`` (its offers have expired by then). A read needing a new peer while every
+    #: one has a read in flight is recomputed.
+    max_peers: int = 16
+    #: Prefill side: share of the CPU tier's slots that offers may hold pinned at once. Any
+    #: request with ``do_remote_decode`` (a client can send one) makes an offer held for
+    #: ``hold_s``; past this share the answer carries no offer (counted in
+    #: ``request_params_ignored{tier="peer"}``) and the decode side recomputes.
+    max_offered_fraction: float = 0.5
 
 
     def __post_init__(self) -> None:
         _positive("nixl.hold_s", self.hold_s)
         check_bounds("nixl", self, durations=("hold_s",))
+        if not 0.0 < self.max_offered_fraction <= 0.9:
+            raise ConfigError("nixl.max_offered_fraction", f"must be in (0, 0.9], got {self.max_offered_fraction}")
+        if not _AGENT_NAME.match(self.agent_name):
+            raise ConfigError("nixl.agent_name", f"1-64 letters, digits or _.-, got {self.agent_name!r}")
+        for name in ("allowed_peers", "trusted_peers"):
+            patterns = getattr(self, name)
+            if len(patterns) > MAX_PEER_PATTERNS:
+                raise ConfigError(f"nixl.{name}", f"at most {MAX_PEER_PATTERNS} patterns, got {len(patterns)}")
+            for i, p in enumerate(patterns):
+                if not isinstance(p, str) or not _PEER_PATTERN.match(p):
+                    raise ConfigError(f"nixl.{name}[{i}]",
+                                      f"an agent-name pattern (letters, digits, _.- and * ? [ ] !), got {p!r}")
+        _at_least("nixl.max_peers", self.max_peers, 1)
+        _at_most("nixl.max_peers", self.max_peers, MAX_NIXL_PEERS)
+
+    def trusts_peer(self, agent_name: str) -> bool:
+        """Whether blocks read from ``agent_name`` may be kept and stored (``trusted_peers``)."""
+        return any(fnmatch.fnmatchcase(agent_name, p) for p in self.trusted_peers)
+
+    def allows_peer(self, agent_name: str) -> bool:
+        """Whether offers of ``agent_name`` are read at all (``allowed_peers`` or trusted)."""
+        return self.trusts_peer(agent_name) or any(fnmatch.fnmatchcase(agent_name, p) for p in self.allowed_peers)
 
 
 @dataclass(frozen=True)

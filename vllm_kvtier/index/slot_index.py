@@ -145,6 +145,11 @@ class SlotIndex:
         self._key_pins.expire(self._clock())
         return key in self._key_pins
 
+    def pin_deadline(self, key: BlockKey) -> float | None:
+        """When ``key``'s key pin lapses (the index's clock), or None if it holds none."""
+        self._key_pins.expire(self._clock())
+        return self._key_pins.deadline(key)
+
     @property
     def pinned_keys(self) -> int:
         """Keys holding an unexpired key pin."""

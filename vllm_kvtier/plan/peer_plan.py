@@ -10,12 +10,20 @@ slots are pinned for ``hold_s`` and ``request_finished`` returns, as ``kv_transf
 where they are: every rank's NIXL description, the slots, the block keys. A decode
 instance's read notifies the prefill ranks and the slots are released; if no read comes
 (the decode instance died, the proxy gave up), the hold expires and the slots are
-reclaimed (``peer_hold_timeouts``).
+reclaimed (``peer_hold_timeouts``). Offers hold at most ``nixl.max_offered_fraction`` of
+the slots at once: any request may ask for one (``do_remote_decode``), clients included.
 
 Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks whose keys
 match the request's own block hashes (so a mismatched model or prompt is never loaded)
 are an async load: each gets a CPU slot, the worker reads slots and stamps over NIXL, and
 only blocks whose stamp is the expected key are used; the rest is recomputed.
+
+Trust (decode side): the offer comes in ``kv_transfer_params``, which vLLM's OpenAI server
+forwards from clients. It is read only if every rank's agent name matches
+``nixl.allowed_peers`` or ``nixl.trusted_peers`` (the worker checks again, and NIXL checks
+that the agent metadata names that agent); otherwise it is ignored and counted
+(:mod:`~vllm_kvtier.plan.request_params`). A plan from an agent that is allowed but not
+trusted is ``trusted=False``: the scheduler uses its blocks for that request only.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvtier.config import NixlTierConfig
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +57,19 @@ class PeerPlan:
     keys: tuple[BlockKey, ...]
     #: the prefill instance's request id, for the notification that frees its blocks
     notify: str = ""
+    #: every rank's agent is in ``nixl.trusted_peers``: its blocks may be kept and stored
+    trusted: bool = False
 
 
 class PeerPlanner:
-    def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, hold_s: float) -> None:
+    def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, cfg: NixlTierConfig,
+                 ignored: IgnoredParams | None = None) -> None:
         self.index = index
         self.counters = counters
         self.world_size = world_size
-        self.hold_s = hold_s
+        self.cfg = cfg
+        self.hold_s = cfg.hold_s
+        self.ignored = ignored if ignored is not None else IgnoredParams(counters)
         self._ranks: dict[int, dict] = {}
         #: prefill side: request -> (pinned slots, deadline)
         self._holds: dict[str, tuple[list[int], float]] = {}
@@ -87,6 +102,12 @@ class PeerPlanner:
             slots.append(s)
             keys.append(h.hex())
         if not slots:
+            return None
+        held = sum(len(h[0]) for h in self._holds.values())
+        if held + len(slots) > self.cfg.max_offered_fraction * self.index.num_slots:
+            self.ignored.ignore("do_remote_decode", TIER, request.request_id,
+                                f"offers already hold {held} of {self.index.num_slots} CPU slots "
+                                f"(nixl.max_offered_fraction = {self.cfg.max_offered_fraction:g})")
             return None
         for s in slots:
             self.index.pin(s)
@@ -128,16 +149,26 @@ class PeerPlanner:
     # ---- decode side --------------------------------------------------------------------
 
     def match(self, request: Any, start: int, limit: int) -> int | None:
-        """Blocks ``start``.. of the request a prefill instance offers (None: no offer)."""
+        """Blocks ``start``.. of the request a prefill instance offers (None: no offer, or
+        one that is ignored: counted once per request)."""
         params = getattr(request, "kv_transfer_params", None)
         offer = params.get(PARAM) if isinstance(params, dict) and params.get("do_remote_prefill") else None
-        if not isinstance(offer, dict) or request.request_id in self._attempted:
+        if offer is None or request.request_id in self._attempted:
             return None
         try:
+            if not isinstance(offer, dict):
+                raise TypeError("not a mapping")
             keys, slots = list(offer["keys"]), [int(s) for s in offer["slots"]]
             peer = {"ranks": dict(offer["ranks"])}
             notify = str(offer.get("request", request.request_id))
-        except (KeyError, TypeError, ValueError):
+            names = [str(d["agent"]["name"]) for d in peer["ranks"].values()]
+        except (KeyError, TypeError, ValueError) as e:
+            self._refuse(request.request_id, f"malformed offer ({type(e).__name__}: {e})")
+            return None
+        trust = peer_trust(names, self.cfg)
+        if trust is PeerTrust.REFUSED:
+            self._refuse(request.request_id, f"agent(s) {sorted(set(names))[:4]} not in nixl.allowed_peers"
+                         + ("" if self.cfg.allowed_peers or self.cfg.trusted_peers else " (empty)"))
             return None
         n = 0
         hashes = request.block_hashes
@@ -148,9 +179,14 @@ class PeerPlanner:
         if n:
             self._plans[request.request_id] = PeerPlan(
                 peer, tuple(slots[start : start + n]), tuple(BlockKey(hashes[i]) for i in range(start, start + n)),
-                notify,
+                notify, trusted=trust is PeerTrust.TRUSTED,
             )
         return n
+
+    def _refuse(self, req_id: str, why: str) -> None:
+        """Ignore ``req_id``'s offer, for good (vLLM may ask again: counted once)."""
+        self._attempted.add(req_id)
+        self.ignored.ignore(PARAM, TIER, req_id, why)
 
     def take_plan(self, req_id: str) -> PeerPlan | None:
         plan = self._plans.pop(req_id, None)

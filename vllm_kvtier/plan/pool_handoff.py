@@ -13,6 +13,11 @@ puts may land after its answer reached the proxy, so ``should_wait`` asks vLLM t
 (``get_num_new_matched_tokens`` returns None) until those blocks are all visible, for at
 most ``mooncake.handoff_wait_s``; then the request goes on with what is there (the rest is
 recomputed, counted in ``handoff_timeouts``).
+
+Both sides act only with ``mooncake.accept_handoffs`` on: the decode side's wait is asked
+for by the request, and vLLM's OpenAI server forwards ``kv_transfer_params`` from clients.
+Off, the prefill side announces nothing and the decode side ignores (and counts, see
+:mod:`~vllm_kvtier.plan.request_params`) ``kvtier_pool_blocks``; pool hits are still hits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.request_params import IgnoredParams
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +36,12 @@ PARAM = "kvtier_pool_blocks"
 
 
 class PoolHandoff:
-    def __init__(self, counters: Counters, *, wait_s: float, block_size: int) -> None:
+    def __init__(self, counters: Counters, *, wait_s: float, block_size: int, enabled: bool = False,
+                 ignored: IgnoredParams | None = None) -> None:
         self.counters = counters
         self.wait_s = wait_s
+        self.enabled = enabled
+        self.ignored = ignored if ignored is not None else IgnoredParams(counters)
         self.block_size = block_size
         #: decode side: request -> when it started waiting for its prefilled blocks
         self._since: dict[str, float] = {}
@@ -45,7 +54,7 @@ class PoolHandoff:
         """Prefill side, at ``request_finished``: the parameters for the decode instance
         (None if this is not a hand-off, or this instance does not write the pool)."""
         params = getattr(request, "kv_transfer_params", None)
-        if not isinstance(params, dict) or not params.get("do_remote_decode") or not writes_pool:
+        if not isinstance(params, dict) or not params.get("do_remote_decode") or not writes_pool or not self.enabled:
             return None
         return {PARAM: request.num_prompt_tokens // self.block_size}
 
@@ -55,8 +64,13 @@ class PoolHandoff:
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return False
+        if PARAM not in params or request.request_id in self._settled:
+            return False
         expected = params.get(PARAM)
-        if not isinstance(expected, int) or isinstance(expected, bool) or request.request_id in self._settled:
+        if not self.enabled or not isinstance(expected, int) or isinstance(expected, bool):
+            self._settled.add(request.request_id)  # counted once per request
+            self.ignored.ignore(PARAM, TierName.MOONCAKE, request.request_id,
+                                "mooncake.accept_handoffs is off" if not self.enabled else f"not a count: {expected!r}")
             return False
         if found >= min(expected, limit) - start:
             self._since.pop(request.request_id, None)

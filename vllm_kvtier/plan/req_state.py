@@ -46,3 +46,12 @@ class ReqState:
     load_tier: str = TierName.CPU
     #: blocks of that async load read from a tier below CPU (for the load-time estimate)
     load_lower_blocks: int = 0
+    #: The key-pin TTL its prompt blocks get once stored (``kvtier_pin_ttl_s``, as
+    #: :func:`~vllm_kvtier.plan.request_params.request_pin_ttl_s` allowed it), or None.
+    pin_ttl_s: float | None = None
+    #: Its KV depends on blocks read from a peer not in ``nixl.trusted_peers``: nothing of
+    #: it is stored (not its prompt's blocks, not what it computes on top of them).
+    private: bool = False
+    #: Keys read from such a peer into CPU slots for this request only: dropped from the
+    #: CPU index once its load ended.
+    private_keys: list[BlockKey] = field(default_factory=list)

@@ -9,7 +9,10 @@ A block already stored is touched, not stored again; a block with no free slot (
 pinned) is skipped and counted (``store_skipped``). Each lower tier hears of every slot
 taken (``on_cpu_save``) and every key evicted for it (``on_cpu_evict``), to write through
 or demote. A request may key-pin its prompt blocks with ``kv_transfer_params:
-{"kvtier_pin_ttl_s": N}`` (at most a week; bounded by ``cpu.max_pinned_fraction``).
+{"kvtier_pin_ttl_s": N}`` when ``cpu.request_pins`` is on (its TTL at most
+``cpu.max_pin_ttl_s``, the pins bounded by ``cpu.max_pinned_fraction``; decided once per
+request, :mod:`~vllm_kvtier.plan.request_params`). A request whose KV depends on blocks
+from an untrusted peer (``ReqState.private``) stores nothing.
 """
 
 from __future__ import annotations
@@ -25,16 +28,6 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.req_state import ReqState
 
 TIER = TierName.CPU
-MAX_PIN_TTL_S = 7 * 86400.0
-
-
-def pin_ttl_s(request: Any) -> float | None:
-    """``kvtier_pin_ttl_s`` from the request's ``kv_transfer_params``, if valid."""
-    params = getattr(request, "kv_transfer_params", None)
-    ttl = params.get("kvtier_pin_ttl_s") if isinstance(params, dict) else None
-    if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl <= MAX_PIN_TTL_S:
-        return float(ttl)
-    return None
 
 
 class SavePlanner:
@@ -63,6 +56,9 @@ class SavePlanner:
     def plan(self, state: ReqState, upto: int) -> SaveJob | None:
         """The save of ``state``'s blocks [next_save, upto) not stored yet (None if none);
         advances ``next_save``."""
+        if state.private:
+            state.next_save = max(state.next_save, upto)
+            return None
         blocks, slots, keys = [], [], []
         hashes = state.request.block_hashes
         first = state.next_save
@@ -90,9 +86,8 @@ class SavePlanner:
             state.saved[i] = key
         for s in slots:
             self.index.unpin(s)
-        ttl = pin_ttl_s(state.request)
-        if ttl is not None:
-            self._pin_prompt(state, ttl, first, upto)
+        if state.pin_ttl_s is not None:
+            self._pin_prompt(state, state.pin_ttl_s, first, upto)
         state.next_save = max(state.next_save, upto)
         if not blocks:
             return None

@@ -26,8 +26,10 @@ What it decides each step (``plan_step``):
 * **eviction**: S3-FIFO (default; scan-resistant: one-off documents do not push out a
   reused system prompt) or LRU, among unpinned slots
   (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
-  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` (bounded by
-  ``cpu.max_pinned_fraction``).
+  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` if
+  ``cpu.request_pins`` is on (TTL at most ``cpu.max_pin_ttl_s``, pins bounded by
+  ``cpu.max_pinned_fraction``). Every request-level parameter is checked against the
+  config once per request (:mod:`vllm_kvtier.plan.request_params`): clients can send them.
 * **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.plan.chunk_plan`): a
   prefix may continue into blocks stored below the CPU tier (each key is looked up in
   CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
@@ -60,6 +62,7 @@ from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.plan.req_state import ReqState
+from vllm_kvtier.plan.request_params import IgnoredParams, request_pin_ttl_s
 from vllm_kvtier.plan.save_plan import SavePlanner
 from vllm_kvtier.plan.verify_plan import VerifyPlanner
 
@@ -84,11 +87,16 @@ class SchedulerPlanner:
         self.lower = list(lower or [])
         self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
                                  save_decode_blocks=cfg.save_decode_blocks)
+        #: request-level kv_transfer_params not acted on (counted, rate-limited warnings)
+        self.ignored = IgnoredParams(self.counters)
+        mc = cfg.mooncake
         self.handoff = PoolHandoff(self.counters, block_size=block_size,
-                                   wait_s=cfg.mooncake.handoff_wait_s if cfg.mooncake is not None else 0.0)
+                                   wait_s=mc.handoff_wait_s if mc is not None else 0.0,
+                                   enabled=mc is not None and mc.accept_handoffs, ignored=self.ignored)
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
-            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, hold_s=cfg.nixl.hold_s)
+            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
+                                         ignored=self.ignored)
         #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self.promotions = Promotions(self.index, self.lower)
         self._reqs: dict[str, ReqState] = {}
@@ -161,6 +169,10 @@ class SchedulerPlanner:
             return 0, False
         if self.peer_plan is not None:
             n = self.peer_plan.match(request, start, limit)
+            if n:
+                # Blocks being filled for another request right now are not read twice.
+                n = next((i for i, h in enumerate(request.block_hashes[start : start + n])
+                          if BlockKey(h) in self.promotions), n)
             if n is not None and n >= self.cfg.min_load_blocks:
                 return n * self.block_size, True  # read from the prefill instance over NIXL
         keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
@@ -226,6 +238,7 @@ class SchedulerPlanner:
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
             state = ReqState(request, list(block_ids))
+            state.pin_ttl_s = request_pin_ttl_s(request, self.cfg.cpu, self.ignored)
             self._reqs[req_id] = state
             self._fresh.add(req_id)
         else:
@@ -347,7 +360,7 @@ class SchedulerPlanner:
         slots = self._pin_dram_hits(keys)
         remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
-            if slots[i] is not None:
+            if slots[i] is not None or k in self.promotions:  # the latter: recomputed
                 continue
             s = self._promote(k)
             slots[i] = s
@@ -357,6 +370,13 @@ class SchedulerPlanner:
                 wanted.append(k)
                 state.promoting.append(k)
         self.counters.add("hit_blocks", TierName.PEER, len(wanted))
+        if not plan.trusted and wanted:
+            # An untrusted peer's blocks serve this request only: dropped from the CPU
+            # index when the load ends (lookups skip them meanwhile: they are promotions),
+            # and nothing this request computes on top of them is stored.
+            state.private = True
+            state.private_keys.extend(wanted)
+            self.counters.add("peer_unpromoted_blocks", TierName.PEER, len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
         # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
         # that it frees the offer now rather than after hold_s.
@@ -493,6 +513,9 @@ class SchedulerPlanner:
         state.pinned_files = []
         self.promotions.end(state.promoting)
         state.promoting = []
+        for key in state.private_keys:
+            self.index.remove(key)  # an untrusted peer's block: used by this request only
+        state.private_keys = []
 
     def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Save what is left and hold the blocks while the worker copies them (vLLM's

@@ -15,14 +15,28 @@ slot that was reused after its hold expired: either is a miss (recompute), never
 
 What a prefill rank publishes (``describe``, carried to the scheduler in worker meta and
 to the decode instance in ``kv_transfer_params``): NIXL agent metadata and regions, each
-plane's base address and row size, the stamp array's address.
+plane's base address and row size, the stamp array's address. Its agent is named
+``<nixl.agent_name>-<random>-r<rank>``.
+
+Peers (decode side): a description reaches us through a request's ``kv_transfer_params``,
+which a client can write, so an agent not allowed by ``nixl.allowed_peers`` /
+``trusted_peers`` is never added (the scheduler refused it already; this is the second
+check, on the name NIXL itself reads from the metadata). At most ``nixl.max_peers`` remote
+agents stay connected: a peer idle (no read in flight) for ``nixl.hold_s`` is removed (its
+offers have expired by then), and so is the least recently used idle one when a new one
+would exceed the cap; if every one has a read in flight, the new read is refused
+(recomputed, ``peer_refusals``). Removals are counted in ``peers_removed``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,10 +46,17 @@ from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 
+if TYPE_CHECKING:
+    from vllm_kvtier.tiers.nixl_agent import PeerInfo
+
 logger = logging.getLogger(__name__)
 
 TIER = TierName.PEER
 STAMP = 16
+
+
+class _Refused(Exception):
+    """A read this worker does not post (an agent not allowed, or no room for a peer)."""
 
 
 @dataclass
@@ -46,13 +67,17 @@ class PeerResult:
 
 
 class PeerLink:
-    def __init__(self, cfg: NixlTierConfig, pool: CPUPool, *, rank: int, counters: Counters) -> None:
+    def __init__(self, cfg: NixlTierConfig, pool: CPUPool, *, rank: int, counters: Counters,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: monotonic seconds, for peers' idle times (tests pass their own)."""
         from vllm_kvtier.tiers.nixl_agent import NixlAgent
 
+        self.cfg = cfg
         self.pool = pool
         self.rank = rank
         self.counters = counters
-        self.agent = NixlAgent(f"kvtier-{uuid.uuid4().hex[:12]}-r{rank}", cfg.store)
+        self._clock = clock
+        self.agent = NixlAgent(f"{cfg.agent_name}-{uuid.uuid4().hex[:12]}-r{rank}", cfg.store)
         self.stamps = np.zeros((pool.num_slots, STAMP), dtype=np.uint8)
         self.agent.register(pool.buffer)
         self.agent.register(self.stamps)
@@ -60,7 +85,12 @@ class PeerLink:
         self._stamp_addr = int(self.stamps.ctypes.data)
         self._reads: dict[int, PeerRead] = {}
         self._ids = 0
-        self._peers: set[str] = set()
+        #: read id -> the remote agent it reads from
+        self._read_peer: dict[int, str] = {}
+        #: remote agents added, least recently used first -> when their last read ended
+        self._peers: OrderedDict[str, float] = OrderedDict()
+        #: remote agent -> reads in flight from it
+        self._busy: dict[str, int] = {}
 
     # ---- both sides: stamps -------------------------------------------------------------
 
@@ -108,11 +138,14 @@ class PeerLink:
             stamps = int(desc["stamps"])
             if [pb for _, pb in planes] != list(self.pool.plane_bytes):
                 raise ValueError(f"plane sizes {[pb for _, pb in planes]} != ours {list(self.pool.plane_bytes)}")
-            if info.name not in self._peers:
-                self.agent.add_peer(info)
-                self._peers.add(info.name)
+            if not self.cfg.allows_peer(info.name):
+                raise _Refused(f"agent {info.name!r} is not in nixl.allowed_peers")
+            if not self._connect(info):
+                raise _Refused(f"nixl.max_peers = {self.cfg.max_peers} peers all have reads in flight")
         except Exception as e:  # a malformed offer, or a peer that is gone (NIXL cannot connect)
             logger.warning("kvtier peer: cannot read from the prefill instance of %s: %s", read.req_id, e)
+            if isinstance(e, _Refused):
+                self.counters.add("peer_refusals", TIER)
             self.counters.add("load_failures", TIER, len(read.keys))
             return None
         notif = (read.notify or read.req_id).encode()
@@ -127,8 +160,47 @@ class PeerLink:
             spans.append((self._stamp_addr + ls * STAMP, stamps + rs * STAMP, STAMP))
         self._ids += 1
         self._reads[self._ids] = read
+        self._busy[info.name] = self._busy.get(info.name, 0) + 1
+        self._read_peer[self._ids] = info.name
         self.agent.submit_read(self._ids, info.name, spans, notif=notif)
         return self._ids
+
+    def _connect(self, info: PeerInfo) -> bool:
+        """Have ``info``'s agent added (it may already be); False if that would exceed
+        ``nixl.max_peers`` with every peer busy. Raises what NIXL raises on bad metadata."""
+        name = info.name
+        if name in self._peers:
+            self._peers[name] = self._clock()
+            self._peers.move_to_end(name)
+            return True
+        self.expire_peers()
+        if len(self._peers) >= self.cfg.max_peers:
+            idle = next((n for n in self._peers if not self._busy.get(n)), None)
+            if idle is None:
+                return False
+            self._remove_peer(idle)
+        self.agent.add_peer(info)
+        self._peers[name] = self._clock()
+        return True
+
+    def _remove_peer(self, name: str) -> None:
+        self._peers.pop(name, None)
+        self._busy.pop(name, None)
+        self.agent.remove_peer(name)
+        self.counters.add("peers_removed", TIER)
+
+    def expire_peers(self) -> list[str]:
+        """Remove peers with no read in flight whose last read ended ``nixl.hold_s`` ago
+        (each worker step); the names removed."""
+        due = self._clock() - self.cfg.hold_s
+        gone = [n for n, t in self._peers.items() if t <= due and not self._busy.get(n)]
+        for name in gone:
+            self._remove_peer(name)
+        return gone
+
+    def peers(self) -> list[str]:
+        """Remote agents connected now, least recently used first."""
+        return list(self._peers)
 
     def poll(self) -> list[tuple[int, PeerResult]]:
         out = []
@@ -136,6 +208,11 @@ class PeerLink:
             read = self._reads.pop(res.job_id, None)
             if read is None:
                 continue
+            name = self._read_peer.pop(res.job_id, "")
+            if name in self._peers:
+                self._busy[name] = self._busy.get(name, 1) - 1
+                self._peers[name] = self._clock()
+                self._peers.move_to_end(name)
             good: set[bytes] = set()
             if res.ok:
                 for ls, key in zip(read.slots, read.keys, strict=True):
@@ -152,6 +229,7 @@ class PeerLink:
                                bad, len(read.keys), read.req_id, res.reason or "not ready or reused")
                 self.counters.add("load_failures", TIER, bad)
             out.append((res.job_id, PeerResult(read, good)))
+        self.expire_peers()
         return out
 
     def pending(self) -> int:

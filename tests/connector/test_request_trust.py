@@ -1,0 +1,258 @@
+"""The trust boundary on a request's ``kv_transfer_params`` (issue 13), with vLLM's real
+``Scheduler`` and our connector in the SCHEDULER role (``sched_helpers``): the parameters
+arrive as a client's do (``SamplingParams.extra_args``), each feature is ignored and
+counted unless the config enables it, and limited when it does; an untrusted peer's blocks
+serve their request only."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm.v1.request import RequestStatus
+
+from tests.sched_helpers import (
+    BLOCK_SIZE,
+    FakeWorker,
+    all_loads,
+    all_saves,
+    assert_scheduler_empty,
+    block_bytes,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    prompt_tokens,
+    sched_half,
+)
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.plan.inputs import WorkerOutput
+
+BS = BLOCK_SIZE
+CPU = {"capacity_bytes": 64 * block_bytes()}
+
+
+def new_scheduler(model_dir, extra):
+    sched = make_scheduler(make_vllm_config(model_dir, extra), num_blocks=128)
+    if "nixl" in extra:  # the worker's first report: where its CPU tier is (unused here)
+        sched_half(sched).on_worker_output(WorkerOutput(report=WorkerReport(peer_info={0: {"planes": []}})))
+    return sched, free_blocks(sched)
+
+
+def counter(sched, name: str, tier: str) -> float:
+    return sched_half(sched).counters.totals.get(f"{name}|{tier}", 0)
+
+
+def run(sched, worker, req_id, prompt, params=None, max_tokens=1):
+    req = make_request(req_id, prompt, max_tokens=max_tokens, kv_transfer_params=params)
+    sched.add_request(req)
+    worker.run_until_idle(sched)
+    return req
+
+
+# ---- pins -----------------------------------------------------------------------------------
+
+
+def test_a_client_pin_is_ignored_and_counted_unless_enabled(tiny_model, caplog):
+    sched, initial = new_scheduler(tiny_model, {"cpu": CPU})
+    half, worker = sched_half(sched), FakeWorker()
+    prompt = prompt_tokens(4 * BS + 1)
+    with caplog.at_level(logging.WARNING, logger="vllm_kvtier"):
+        run(sched, worker, "a", prompt, {"kvtier_pin_ttl_s": 604800})
+        run(sched, worker, "b", prompt_tokens(4 * BS + 1, seed=1), {"kvtier_pin_ttl_s": 604800})
+    assert half.index.pinned_keys == 0
+    assert all(not half.index.key_pinned(BlockKey(h)) for h in make_request("p", prompt).block_hashes)
+    assert counter(sched, "request_params_ignored", "cpu") == 2
+    warned = [r for r in caplog.records if "kvtier_pin_ttl_s ignored" in r.getMessage()]
+    assert len(warned) == 1 and "cpu.request_pins is off" in warned[0].getMessage()  # once a minute
+    assert all_saves(worker.metas, "a")  # the request itself is served and stored as usual
+    assert_scheduler_empty(sched, initial)
+
+
+def test_an_enabled_pin_is_capped_at_max_pin_ttl_s(tiny_model):
+    sched, initial = new_scheduler(tiny_model, {"cpu": {**CPU, "request_pins": True, "max_pin_ttl_s": 60}})
+    half, worker = sched_half(sched), FakeWorker()
+    prompt = prompt_tokens(4 * BS + 1)
+    run(sched, worker, "a", prompt, {"kvtier_pin_ttl_s": 604800})
+    keys = [BlockKey(h) for h in make_request("p", prompt).block_hashes[:4]]
+    assert all(half.index.key_pinned(k) for k in keys) and half.index.pinned_keys == 4
+    assert counter(sched, "request_params_capped", "cpu") == 1
+    assert counter(sched, "request_params_ignored", "cpu") == 0
+    # Capped, not kept for a week: each pin lapses within max_pin_ttl_s.
+    now = time.monotonic()
+    assert all(now < half.index.pin_deadline(k) <= now + 60 for k in keys)
+    run(sched, worker, "b", prompt_tokens(4 * BS + 1, seed=2), {"kvtier_pin_ttl_s": "forever"})
+    assert counter(sched, "request_params_ignored", "cpu") == 1  # malformed: ignored
+    assert_scheduler_empty(sched, initial)
+
+
+# ---- NIXL peer offers -----------------------------------------------------------------------
+
+
+def offer(prompt, agent: str, n: int) -> dict:
+    """What a prefill instance whose agent is ``agent`` would answer for ``prompt``: its
+    first ``n`` blocks in its slots 10.. (shape of ``kvtier_peer``)."""
+    hashes = make_request("p", prompt).block_hashes[:n]
+    desc = {"agent": {"name": agent, "metadata": "AAAA", "regions": [[4096, 1 << 20]]},
+            "planes": [[8192, 4096]], "stamps": 65536}
+    return {"do_remote_prefill": True,
+            "kvtier_peer": {"ranks": {"0": desc}, "slots": list(range(10, 10 + n)),
+                            "keys": [h.hex() for h in hashes], "request": "prefill-req"}}
+
+
+def nixl(**kw) -> dict:
+    return {"cpu": CPU, "nixl": {"deadline_s": 5.0, **kw}}
+
+
+def test_an_offer_from_an_agent_not_allowed_is_ignored_and_counted(tiny_model):
+    prompt = prompt_tokens(4 * BS + 1)
+    for cfg in (nixl(), nixl(allowed_peers=["prefill-*"])):  # default: no agent is allowed
+        sched, initial = new_scheduler(tiny_model, cfg)
+        worker = FakeWorker()
+        req = run(sched, worker, "d", prompt, offer(prompt, "attacker-1234-r0", 4), max_tokens=2)
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert not [j for j in all_loads(worker.metas) if j.peer_read is not None]  # never read
+        assert counter(sched, "request_params_ignored", "peer") == 1  # counted once, asked many times
+        assert counter(sched, "hit_blocks", "peer") == 0
+        assert all_saves(worker.metas, "d")  # recomputed, and its own KV stored as usual
+        assert_scheduler_empty(sched, initial)
+
+
+def test_a_malformed_offer_is_ignored_and_counted(tiny_model):
+    sched, initial = new_scheduler(tiny_model, nixl(allowed_peers=["*"]))
+    worker = FakeWorker()
+    run(sched, worker, "d", prompt_tokens(4 * BS + 1),
+        {"do_remote_prefill": True, "kvtier_peer": {"ranks": "x", "slots": [1], "keys": ["00"]}})
+    assert counter(sched, "request_params_ignored", "peer") == 1
+    assert_scheduler_empty(sched, initial)
+
+
+def _peer_read(sched, worker, prompt, agent):
+    """Decode ``prompt`` with an offer from ``agent``; (its peer load, the request)."""
+    req = make_request("d", prompt, max_tokens=2, kv_transfer_params=offer(prompt, agent, 4))
+    sched.add_request(req)
+    worker.run_until_idle(sched)
+    (load,) = [j for j in all_loads(worker.metas, "d") if j.peer_read is not None]
+    return load, req
+
+
+def test_an_allowed_untrusted_peer_serves_its_request_only(tiny_model):
+    sched, initial = new_scheduler(tiny_model, nixl(allowed_peers=["prefill-*"]))
+    half, worker = sched_half(sched), FakeWorker()
+    prompt = prompt_tokens(4 * BS + 1)
+    load, req = _peer_read(sched, worker, prompt, "prefill-abc-r0")
+    keys = [BlockKey(h) for h in req.block_hashes[:4]]
+    assert load.peer_read.keys == tuple(keys) and load.peer_read.remote_slots == (10, 11, 12, 13)
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    first = next(o for o in worker.outputs if "d" in o.num_scheduled_tokens)
+    assert first.num_scheduled_tokens["d"] == 1  # the 4 loaded blocks were not recomputed
+    assert counter(sched, "hit_blocks", "peer") == 4 and counter(sched, "peer_unpromoted_blocks", "peer") == 4
+    # Not promoted: the CPU index has none of its keys afterwards, and nothing the request
+    # computed on top of them was stored (so nothing reaches a lower tier either).
+    assert not any(k in half.index for k in keys)
+    assert all_saves(worker.metas, "d") == []
+    assert len(half.index) == 0
+    # The next request with that prompt and no offer finds nothing in our tiers.
+    assert sched.connector.get_num_new_matched_tokens(make_request("probe", prompt), 0) == (0, False)
+    assert counter(sched, "request_params_ignored", "peer") == 0
+    assert_scheduler_empty(sched, initial)
+
+
+def test_a_trusted_peer_s_blocks_are_kept_like_our_own(tiny_model):
+    sched, initial = new_scheduler(tiny_model, nixl(trusted_peers=["prefill-*"]))
+    half, worker = sched_half(sched), FakeWorker()
+    prompt = prompt_tokens(4 * BS + 1)
+    load, req = _peer_read(sched, worker, prompt, "prefill-abc-r0")
+    keys = [BlockKey(h) for h in req.block_hashes[:4]]
+    assert all(k in half.index for k in keys)
+    assert counter(sched, "peer_unpromoted_blocks", "peer") == 0
+    assert sched.connector.get_num_new_matched_tokens(make_request("probe", prompt), 0)[0] == 4 * BS
+    assert_scheduler_empty(sched, initial)
+
+
+# ---- pool hand-offs -------------------------------------------------------------------------
+
+
+def test_a_pool_handoff_is_ignored_unless_enabled(tiny_model):
+    """No mooncake section (or one without accept_handoffs): ``kvtier_pool_blocks`` does
+    not make the request wait; it is served at once and the field counted."""
+    sched, initial = new_scheduler(tiny_model, {"cpu": CPU})
+    worker = FakeWorker()
+    req = run(sched, worker, "d", prompt_tokens(4 * BS + 1), {"do_remote_prefill": True, "kvtier_pool_blocks": 4})
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert len(worker.metas) <= 3  # not kept waiting (handoff_wait_s would be 5 s of steps)
+    assert counter(sched, "request_params_ignored", "mooncake") == 1
+    assert counter(sched, "handoff_timeouts", "all") == 0
+    assert_scheduler_empty(sched, initial)
+
+
+def test_prefill_side_offers_hold_at_most_max_offered_fraction(tiny_model):
+    """Any request may ask a prefill instance for an offer (``do_remote_decode``), and each
+    pins its prompt's slots for ``hold_s``: past ``nixl.max_offered_fraction`` of the slots
+    the answer carries none (counted)."""
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"max_offered_fraction": 0.1}})  # 6 of 64
+    worker = FakeWorker()
+    reqs = [make_request(f"p{i}", prompt_tokens(4 * BS + 1, seed=10 + i), max_tokens=1,
+                         kv_transfer_params={"do_remote_decode": True}) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(20):
+        worker.step(sched)
+        if all(r.is_finished() for r in reqs):
+            break
+    assert all(r.is_finished() for r in reqs)
+    assert counter(sched, "peer_offered_blocks", "peer") == 4  # the first offer: 4 slots
+    assert counter(sched, "request_params_ignored", "peer") == 1  # the second would hold 8 > 6
+    assert sched_half(sched).peer_plan.holding() == 1
+
+
+def _lower_tier_writes(metas) -> set[bytes]:
+    return {k for m in metas for job in (*m.demotes, *m.write_through) for k in job.keys}
+
+
+def test_an_untrusted_peer_s_blocks_never_reach_a_lower_tier(tiny_model, tmp_path):
+    """With an NVMe tier (write-back, every block admitted) and a CPU tier small enough that
+    later traffic evicts everything: a trusted peer's blocks are demoted to NVMe like our
+    own; an untrusted peer's never are (they left the CPU index without an eviction)."""
+    written = {}
+    for trust in ("allowed_peers", "trusted_peers"):
+        sched, initial = new_scheduler(tiny_model, {
+            "cpu": {"capacity_bytes": 8 * block_bytes(), "eviction": "lru"},  # oldest out first
+            "nvme": {"path": str(tmp_path / trust), "capacity_bytes": 1 << 30, "admit_min_seen": 1,
+                     "flush_interval_s": 0},
+            "nixl": {"deadline_s": 5.0, trust: ["prefill-*"]},
+        })
+        worker = FakeWorker()
+        prompt = prompt_tokens(4 * BS + 1)
+        _, req = _peer_read(sched, worker, prompt, "prefill-abc-r0")
+        peer_keys = set(req.block_hashes[:4])
+        for i in range(3):  # 12 blocks of our own through 8 slots: everything is evicted
+            run(sched, worker, f"o{i}", prompt_tokens(4 * BS + 1, seed=20 + i))
+        nvme = sched_half(sched).lower_tier("nvme")
+        assert nvme is not None
+        written[trust] = (_lower_tier_writes(worker.metas) & peer_keys,
+                          {k for k in peer_keys if nvme.index.knows(BlockKey(k))})
+        assert _lower_tier_writes(worker.metas)  # our own blocks were demoted: the test can see it
+        assert_scheduler_empty(sched, initial)
+    assert written["allowed_peers"] == (set(), set())
+    assert written["trusted_peers"] == (peer_keys, peer_keys)
+
+
+def test_two_requests_reading_the_same_blocks_from_peers_at_once(tiny_model):
+    """The second request's blocks are still being read for the first (promotions): it
+    does not take them a second time (that used to raise in the scheduler), it recomputes
+    them; both are served."""
+    sched, initial = new_scheduler(tiny_model, nixl(trusted_peers=["prefill-*"]))
+    worker = FakeWorker(auto_recv=False)
+    prompt = prompt_tokens(4 * BS + 1)
+    reqs = [make_request(f"d{i}", prompt, max_tokens=2, kv_transfer_params=offer(prompt, "prefill-abc-r0", 4))
+            for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    worker.step(sched)
+    worker.step(sched)
+    worker.complete_recv("d0", "d1")
+    worker.run_until_idle(sched)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
+    assert_scheduler_empty(sched, initial)
