@@ -12,6 +12,7 @@ import pytest
 from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
 from tests.tiers.contract import BLOCK, NS, FileMediumContract, StoreContract
 from vllm_kvtier.tiers.nvme import NVMeStore
+from vllm_kvtier.tiers.nvme_dir import DirectoryLocked
 
 nixl_env = nixl_env  # fixtures: the UCX/NIXL environment of the nixl binding
 nixl_engine_env = nixl_engine_env
@@ -21,7 +22,17 @@ class NVMeBinding(FileMediumContract, StoreContract):
     io_engine = "posix"
 
     def make_store(self, tmp_path: Path, **kw: Any) -> NVMeStore:
-        return or_skip(lambda: NVMeStore(tmp_path / "nvme", NS, 0, BLOCK, io_engine=self.io_engine, **kw))
+        """A store on ``tmp_path/nvme``; when a store of this test still holds that
+        directory's lock (a second store: another key, a reader without one), on the next
+        free ``nvme-<n>`` (one engine per directory: the lock refuses a second one). A store
+        reopened after the first closed gets the first directory back."""
+        for n in range(8):
+            path = tmp_path / ("nvme" if n == 0 else f"nvme-{n}")
+            try:
+                return or_skip(lambda p=path: NVMeStore(p, NS, 0, BLOCK, io_engine=self.io_engine, **kw))
+            except DirectoryLocked:
+                continue
+        raise AssertionError("8 stores of one test hold their directories")
 
     def path_of(self, store: NVMeStore, chunk_id: str) -> Path:  # type: ignore[override]
         return store.path(chunk_id)

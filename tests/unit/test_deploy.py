@@ -725,3 +725,24 @@ def test_vllm_drains_on_sigterm_long_enough_for_the_shutdown_flush(helm):
         grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         flush = kv_transfer_config(d)["kv_connector_extra_config"]["nvme"].get("flush_on_shutdown_s", 10)
         assert flush <= drain < grace, (flush, drain, grace)
+
+
+def test_the_mac_key_comes_from_a_secret_and_auth_is_required(helm):
+    """kvtier.auth names a Secret: the pods read the key as KVTIER_AUTH_KEY through a
+    secretKeyRef, the plugin gets auth.required (it refuses to start without the key), and
+    the values have no place for the key itself."""
+    docs = render(helm, REPO / "docker/helm/examples/values-offline-batch.yaml",
+                  "kvtier.auth.existingSecret=kvtier-auth")
+    (d,) = of_kind(docs, "Deployment")
+    env = {e["name"]: e for e in container(d)["env"]}
+    assert "value" not in env["KVTIER_AUTH_KEY"]
+    assert env["KVTIER_AUTH_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kvtier-auth", "key": "KVTIER_AUTH_KEY"}
+    extra = kv_transfer_config(d)["kv_connector_extra_config"]
+    assert extra["auth"] == {"required": True, "local_tiers": False}
+    assert check_kv_transfer_config(kv_transfer_config(d)).auth.required
+    # Without a Secret: no key, no auth section (the shared tiers run unauthenticated).
+    (plain,) = of_kind(render(helm, REPO / "docker/helm/examples/values-offline-batch.yaml"), "Deployment")
+    assert "KVTIER_AUTH_KEY" not in {e["name"] for e in container(plain)["env"]}
+    assert "auth" not in kv_transfer_config(plain)["kv_connector_extra_config"]
+    proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.auth.key_value=x")
+    assert proc.returncode != 0 and "key_value" in proc.stderr

@@ -116,6 +116,9 @@ Fails with the value to fix when the tier settings cannot work.
 {{- $_ := required "kvtier.s3.bucket is required when kvtier.s3.enabled" $s3.bucket -}}
 {{- $_ := set $extra "s3" $s3 -}}
 {{- end -}}
+{{- with $kv.auth -}}{{- if .existingSecret -}}
+{{- $_ := set $extra "auth" (dict "required" .required "local_tiers" .local_tiers) -}}
+{{- end -}}{{- end -}}
 {{- $extra = mergeOverwrite $extra (deepCopy (default dict $kv.extraConfig)) (deepCopy .component.extraConfig) -}}
 {{- toJson $extra -}}
 {{- end -}}
