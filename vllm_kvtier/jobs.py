@@ -141,6 +141,9 @@ class StepPlan:
     write_through: list[ChunkWriteJob] = field(default_factory=list)
     #: (tier, chunk id) evicted from a lower tier: delete them.
     deletes: list[tuple[str, str]] = field(default_factory=list)
+    #: (tier, chunk id) a rescan no longer lists (gone out of band): forget them (a
+    #: writer's manifest drops them; nothing is sent to the tier).
+    forgets: list[tuple[str, str]] = field(default_factory=list)
     #: tier -> slots whose block may be flushed to it at shutdown (write-back, admitted).
     persist_slots: dict[str, list[int]] = field(default_factory=dict)
     #: Requests preempted this step: their blocks may be rewritten by this step's forward,

@@ -399,3 +399,35 @@ def test_partial_rank_chunks_of_our_crashed_predecessor_are_deleted_at_start(
         assert (counters.drain() or {})["gauges"]["partial_chunks|s3"] == 2
     finally:
         p.close()
+
+
+def test_writer_manifest_forgets_objects_a_rescan_no_longer_lists(
+        store: S3Store, s3_server: MotoServer) -> None:
+    """Manifests are pruned of entries whose objects are gone: the planner hands the
+    chunks a rescan dropped to the step's metadata once (``take_forgets``), the writer's
+    store drops them from its manifest (no request sent), and the rewritten manifest
+    object names only what the bucket still holds."""
+    for i in range(4):
+        write(store, f"c{i}", 10 * i, 2, job=i + 1)
+    store.flush_manifest(blocking=True)
+    counters = Counters()
+    p, rescanner = planner([store], counters)
+    try:
+        assert store.manifest_entries() == 4
+        client = s3_server.client()
+        for fid in ("c0", "c2"):  # lifecycle expiry, as far as the instance can tell
+            client.delete_object(Bucket=store.config.bucket, Key=store.key(fid))
+        rescanner.rescan_once()
+        step(p)
+        gone = p.take_forgets()
+        assert sorted(gone) == ["c0", "c2"]
+        assert p.take_forgets() == []  # handed out once
+        requests = store.stats().requests
+        store.forget(gone + ["another-writers-chunk"])
+        assert store.stats().requests == requests  # nothing sent
+        assert store.manifest_entries() == 2
+        store.flush_manifest(blocking=True)
+        body = client.get_object(Bucket=store.config.bucket, Key=store.manifest_key())["Body"].read()
+        assert sorted(decode_manifest(body, NS)) == ["c1", "c3"]
+    finally:
+        p.close()

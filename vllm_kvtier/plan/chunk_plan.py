@@ -243,6 +243,8 @@ class ChunkPlanner:
         self._to_add: OrderedDict[str, tuple[tuple[BlockKey, ...], int, int]] = OrderedDict()
         self._to_remove: OrderedDict[str, None] = OrderedDict()
         self._sliced = False  # a slice of them was applied in this step already
+        #: chunks a rescan no longer lists, for the writers' manifests (:meth:`take_forgets`)
+        self._forgets: list[str] = []
         self._on_close = on_close
         self._oracle = oracle
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
@@ -308,6 +310,7 @@ class ChunkPlanner:
         removed = 0
         for _ in range(min(_MERGE_SLICE, len(self._to_remove))):
             fid, _ = self._to_remove.popitem(last=False)
+            self._forgets.append(fid)
             if fid in self.index:
                 removed += self.index.retire(fid)
         n_blocks = n_files = 0
@@ -325,6 +328,14 @@ class ChunkPlanner:
             self.counters.add("rescan_removed_chunks", self.tier, removed)
         if n_files:
             logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
+
+    def take_forgets(self) -> list[str]:
+        """Chunks the rescans applied since the last call no longer list (deleted or expired
+        out of band), for this step's metadata: each rank's store drops them from its
+        writer's manifest (no request is sent; a chunk of another writer is not in it).
+        At most :data:`_MERGE_SLICE` a step, as the slices that found them."""
+        out, self._forgets = self._forgets, []
+        return out
 
     def rescan_pending(self) -> int:
         """Chunks of finished rescans not applied yet (added or removed)."""

@@ -468,6 +468,7 @@ class SchedulerPlanner:
             meta.demotes += demotes
             meta.write_through += through
             meta.deletes += [(tier.tier, fid) for fid in deletes]
+            meta.forgets += [(tier.tier, fid) for fid in tier.take_forgets()]
             if tier.policy.mode == "write-back":
                 # At a clean shutdown the worker flushes every block still only in DRAM,
                 # whatever its admission count: the next process starts warm.

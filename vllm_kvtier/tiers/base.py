@@ -228,6 +228,15 @@ class Scannable(Protocol):
 
 
 @runtime_checkable
+class Forgets(Protocol):
+    """A store that keeps its own record of what it wrote (S3's writer manifest) and
+    drops chunks from it that the tier no longer lists (deleted or expired out of band).
+    Called by the worker's thread with chunk ids of any writer; sends nothing."""
+
+    def forget(self, chunk_ids: list[str]) -> None: ...
+
+
+@runtime_checkable
 class Probeable(Protocol):
     """A medium that can say whether chunks exist without reading them (Mooncake's
     master). Blocks for one request; an error reads as False (a miss)."""

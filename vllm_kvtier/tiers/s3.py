@@ -474,6 +474,17 @@ class S3Store(StoreKernel):
 
     # ---- the contract, where S3 adds to the kernel ------------------------------------------
 
+    def forget(self, chunk_ids: list[str]) -> None:
+        """Chunks a rescan no longer lists (lifecycle expiry, an out-of-band delete) leave
+        this writer's manifest (:class:`~vllm_kvtier.tiers.base.Forgets`): it holds only
+        objects that were still there at the last listing, not ghosts until the entry cap
+        pushes them out. Ids of other writers' chunks are not in it. No request is sent;
+        the next manifest rewrite carries the change."""
+        with self._mlock:
+            for chunk_id in chunk_ids:
+                if self._manifest.pop(chunk_id, None) is not None:
+                    self._manifest_changes += 1
+
     def submit_delete(self, chunk_id: str) -> None:
         """The kernel's, and the chunk leaves this writer's manifest."""
         with self._mlock:

@@ -40,7 +40,7 @@ from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.base import ChunkStore, IOResult
+from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for
 from vllm_kvtier.transfer.fp8 import BlockCodec
@@ -133,6 +133,14 @@ class ChunkWorker:
             self.headers.pop(fid, None)
             if self.store is not None:
                 self.store.submit_delete(fid)
+
+    def forget(self, file_ids: list[str]) -> None:
+        """Chunks a rescan no longer lists: their cached headers go, and a store that keeps
+        a writer's manifest (S3) prunes them from it. No request is sent."""
+        for fid in file_ids:
+            self.headers.pop(fid, None)
+        if file_ids and isinstance(self.store, Forgets):
+            self.store.forget(file_ids)
 
     # ---- reads --------------------------------------------------------------------
 

@@ -175,6 +175,7 @@ class WorkerHalf:
         for name, tier in self.lower.items():
             tier.write([j for j in meta.demotes if j.tier == name])
             tier.delete([fid for t, fid in meta.deletes if t == name])
+            tier.forget([fid for t, fid in meta.forgets if t == name])
         self._run_saves(meta.saves)
         for pf in meta.prefetches:
             self._start_prefetch(pf)
