@@ -56,6 +56,19 @@ def delta(after: dict, before: dict, key: str) -> float:
     return after.get(key, 0) - before.get(key, 0)
 
 
+def twice(model, kv: dict, prompt) -> tuple:
+    """One engine serves ``prompt`` twice: (result, counters) after each."""
+    llm = make_llm(model, kv)
+    try:
+        r1 = generate(llm, prompt)
+        c1 = kvtier_counters(llm)
+        r2 = generate(llm, prompt)
+        c2 = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    return r1, c1, r2, c2
+
+
 def nvme_verify_config(path: Path, verify: dict | None = None, **nvme) -> dict:
     extra = {"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
              "nvme": {"path": str(path), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
@@ -142,14 +155,7 @@ def test_nvme_verify_honest_then_planted_block_quarantines(tiny_model, baseline_
     assert c.get("verify_mismatches|nvme", 0) == 0 and c.get("verify_quarantines|nvme", 0) == 0
 
     plant_wrong_block(root)
-    llm = make_llm(tiny_model, nvme_verify_config(root, verify))
-    try:
-        r1 = generate(llm, p)
-        c1 = kvtier_counters(llm)
-        r2 = generate(llm, p)
-        c2 = kvtier_counters(llm)
-    finally:
-        close_llm(llm)
+    r1, c1, r2, c2 = twice(tiny_model, nvme_verify_config(root, verify), p)
     assert r1.tokens == baseline_of(p) and r2.tokens == baseline_of(p)
     assert c1.get("verify_samples|nvme", 0) == LOADABLE
     assert c1.get("verify_mismatches|nvme", 0) == 1
@@ -224,14 +230,7 @@ def test_s3_verify_honest_then_forged_object_quarantines(tiny_model, baseline_of
     for key in (k for k in keys if k.endswith(".kvm")):
         client.delete_object(Bucket=bucket, Key=key)
 
-    llm = make_llm(tiny_model, s3_kv(verify))
-    try:
-        r1 = generate(llm, p)
-        c1 = kvtier_counters(llm)
-        r2 = generate(llm, p)
-        c2 = kvtier_counters(llm)
-    finally:
-        close_llm(llm)
+    r1, c1, r2, c2 = twice(tiny_model, s3_kv(verify), p)
     assert r1.tokens == baseline_of(p) and r2.tokens == baseline_of(p)
     assert c1.get("verify_samples|s3", 0) == LOADABLE
     assert c1.get("verify_mismatches|s3", 0) == 1 and c1.get("verify_quarantines|s3", 0) == 1
