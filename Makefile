@@ -1,5 +1,5 @@
 # Targets named in the README. Everything sets itself up (tools/setup-venv.sh).
-.PHONY: venv test test-fast demo bench lint clean
+.PHONY: venv test test-fast demo bench bench-serving lint clean
 
 venv:
 	@tools/setup-venv.sh
@@ -17,10 +17,14 @@ bench: venv   ## CPU, NVMe, S3 tiers and TTFT; a table of ratios and bench/resul
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python -m vllm_kvtier.cli bench \
 		cpu_tier_throughput nvme_throughput s3_throughput ttft
 
+bench-serving: venv   ## vLLM's API server with and without the plugin, vLLM's bench serve + AIPerf multi-turn (~20 min)
+	@tools/setup-client-venv.sh
+	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/serving.py
+
 lint: venv
 	@.venv/bin/pip install -q --no-deps -r requirements/dev.txt >/dev/null 2>&1
 	@.venv/bin/python -m ruff check vllm_kvtier
 	@.venv/bin/python -m mypy vllm_kvtier
 
 clean:
-	rm -rf .venv .venv-setup.log bench/results
+	rm -rf .venv .venv-client .venv-setup.log bench/results

