@@ -102,6 +102,8 @@ class Server:
                "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--enforce-eager",
                "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
                "--max-num-seqs", str(args.max_num_seqs)]
+        if not getattr(args, "prefix_caching", True):
+            cmd.append("--no-enable-prefix-caching")
         template = log.with_suffix(".jinja")
         template.write_text(CHAT_TEMPLATE)
         cmd += ["--chat-template", str(template)]
