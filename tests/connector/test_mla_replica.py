@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from testkit import mooncake_server as mcsrv
 from testkit import s3_server as s3srv
+from testkit.mooncake_server import MooncakeMaster
 from testkit.s3_server import MotoServer
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
@@ -35,6 +37,7 @@ from vllm_kvtier.transfer.tier_io import ChunkWorker
 
 s3_server = s3srv.s3_server  # fixtures: a moto server for this module, a fresh bucket per test
 s3_bucket = s3srv.s3_bucket
+mooncake_master = mcsrv.mooncake_master  # fixture: one real mooncake_master for this module
 
 NS = "00112233445566ee"
 TP = 2
@@ -239,6 +242,28 @@ def test_s3_stores_one_object_and_both_ranks_load_it(s3_server: MotoServer, s3_b
         assert eng.load(jobs[0], [5, 6]) == [[latent(0), latent(1)]] * TP
         assert [c.totals["blocks_loaded|s3"] for c in eng.rank_counters] == [2, 2]
     finally:
+        eng.close()
+
+
+@pytest.mark.mooncake
+def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: MooncakeMaster) -> None:
+    from vllm_kvtier.tiers.mooncake import MooncakeStore
+
+    pool = {"master": mooncake_master.address, "local_hostname": "127.0.0.1", "global_segment_bytes": 16 * 2**20,
+            "local_buffer_bytes": 4 * 2**20, "transfer_buffer_bytes": 4 * 2**20, "lookup_timeout_s": 2.0}
+    eng = Ranks({"mooncake": pool}, "mooncake", replicated=True)
+    probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0), NS, r, SLOT) for r in range(TP)]
+    try:
+        jobs = eng.save([0, 1])
+        assert [j.file_id for j in jobs] == [key(0).hex(), key(1).hex()]  # one object per block, by its key
+        ids = [j.file_id for j in jobs]
+        assert probe[0].exists(ids) == [True, True]  # rank 0's keys
+        assert probe[1].exists(ids) == [False, False]  # no second copy under rank 1
+        assert eng.load(jobs[1], [5]) == [[latent(1)]] * TP
+        assert [c.totals["blocks_loaded|mooncake"] for c in eng.rank_counters] == [1, 1]
+    finally:
+        for st in probe:
+            st.close(timeout_s=5.0)
         eng.close()
 
 
