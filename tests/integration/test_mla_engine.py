@@ -21,6 +21,7 @@ nothing is compared with an engine without any connector.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -64,19 +65,23 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_mla_model(tmp_path_factory.mktemp("models") / "mla")
 
 
-def mla_llm(model: Path, kv: dict[str, Any] | None) -> Any:
-    return make_llm(model, kv, block_size=MLA_BLOCK, max_model_len=1024, attention_config={"backend": "CPU_MLA"})
+def mla_llm(model: Path, kv: dict[str, Any] | None, **kw: Any) -> Any:
+    return make_llm(model, kv, block_size=MLA_BLOCK, max_model_len=1024, attention_config={"backend": "CPU_MLA"},
+                    **kw)
 
 
-def run(model: Path, kv: dict[str, Any] | None, n: int) -> tuple[list[Result], dict[str, float], Any]:
+def run(model: Path, kv: dict[str, Any] | None, n: int, **kw: Any) -> tuple[list[Result], dict[str, float], Any]:
     """``PROMPT`` ``n`` times on a fresh engine: results, the plugin's counters, and the
-    first attention layer (backend and KV cache tensor), read before the engine closes."""
-    llm = mla_llm(model, kv)
+    first attention layer (backend and KV cache tensor), read before the engine closes
+    (None when the model runs in other processes)."""
+    llm = mla_llm(model, kv, **kw)
     try:
         ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-        layer = ctx[sorted(ctx)[0]]
-        cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
-        seen = (layer.attn_backend.get_name(), tuple(cache.shape))
+        seen = None
+        if ctx:
+            layer = ctx[sorted(ctx)[0]]
+            cache = layer.kv_cache[0] if isinstance(layer.kv_cache, list) else layer.kv_cache
+            seen = (layer.attn_backend.get_name(), tuple(cache.shape))
         out = [generate(llm, PROMPT) for _ in range(n)]
         return out, kvtier_counters(llm), seen
     finally:
@@ -111,7 +116,7 @@ def test_mla_blocks_round_trip_through_cpu_and_nvme(mla_model: Path, references:
     kv = kvtier_config({"nvme": nvme})
     (first, repeat), c1, seen = run(mla_model, kv, 2)
     # vLLM ran it with its MLA backend: one latent vector per token, [blocks, block_size, 512 + 64]
-    assert seen[0] == "CPU_MLA"
+    assert seen is not None and seen[0] == "CPU_MLA"
     assert seen[1][1:] == (MLA_BLOCK, KV_LORA_RANK + ROPE)
 
     same(first, references["plain"])  # nothing to load: as without the plugin
@@ -139,6 +144,36 @@ def test_mla_blocks_round_trip_through_cpu_and_nvme(mla_model: Path, references:
     assert again.loaded_nvme == LOADABLE and again.loaded == 0
     assert c2["bytes_loaded|nvme"] == c1["bytes_stored|nvme"]  # its 3 chunk files, read whole
     same(again, references["loaded"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 on CPU binds one core to each worker")
+def test_tp2_engine_stores_the_latent_once_and_both_ranks_load_it(
+        mla_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real TP-2 engine (two worker processes): the NVMe tier holds one copy of the latent
+    cache (rank 0's directory, rank 0's writes, one copy in the usage gauge); after a restart
+    both ranks load every block from it (rank 1 through the read-only replica of rank 0's
+    directory) and the tokens are those of the first engine's load from its CPU tier."""
+    from vllm_kvtier.tiers.chunkfile import ALIGN
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's CPU TP needs its process executor
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
+    nvme = {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
+            "mode": "write-through", "chunk_blocks": 4}
+    kv = kvtier_config({"nvme": nvme})
+    (_, repeat), c1, _ = run(mla_model, kv, 2, tensor_parallel_size=2)
+    assert repeat.loaded == 2 * LOADABLE  # the plugin's counters add up both ranks
+    assert c1["blocks_stored|cpu"] == 2 * c1["blocks_stored|nvme"]  # DRAM: a copy per rank; NVMe: one
+    ranks = sorted(d.name for d in (tmp_path / "nvme").glob("*/r*"))
+    assert ranks == ["r0"]
+    files = list((tmp_path / "nvme").glob("*/r0/*.kvt"))
+    assert c1["bytes_stored|nvme"] == sum(f.stat().st_size for f in files)
+    assert c1["usage_bytes|nvme"] == c1["bytes_stored|nvme"] + ALIGN  # one copy and its lock file
+
+    (again,), c2, _ = run(mla_model, kv, 1, tensor_parallel_size=2)
+    assert again.loaded_nvme == 2 * LOADABLE and again.loaded == 0
+    assert c2["bytes_loaded|nvme"] == 2 * c1["bytes_stored|nvme"]  # each rank read the one copy
+    assert again.tokens == repeat.tokens
 
 
 def test_engine_marks_mla_caches_replicated_across_tp_ranks() -> None:
