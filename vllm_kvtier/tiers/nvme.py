@@ -12,7 +12,9 @@ Directory layout: ``<path>/<namespace>/r<rank>/<file_id>.kvt`` where ``namespace
 everything that changes the bytes (model, dtype, geometry, TP size, format), so two
 engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
 checked and locked before use (one engine per rank directory): see
-:mod:`~vllm_kvtier.tiers.nvme_dir`.
+:mod:`~vllm_kvtier.tiers.nvme_dir`. An MLA model's TP ranks share one directory, their TP
+group's first rank's: it writes and locks it, the others read it through a ``replica`` store
+(no lock, no writes).
 
 Crash safety: a chunk is written to ``.tmp-*`` in the same directory, fdatasync'ed, then
 renamed into place: a file with the final name is always complete, because its data was
