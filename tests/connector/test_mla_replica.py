@@ -267,6 +267,24 @@ def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: 
         eng.close()
 
 
+def test_mla_cache_tensors_are_one_plane_per_layer() -> None:
+    """vLLM's MLA cache per layer, ``[num_blocks, block_size, kv_lora_rank + rope]`` (CPU MLA and
+    FlashMLA alike): a block is one contiguous row per layer, the pool's slot is the latent
+    block of every layer, and a block copied out and back is exact."""
+    import torch
+
+    from vllm_kvtier.transfer.layout import build_layout
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(10, BLOCK_TOKENS, 576).to(torch.bfloat16)
+              for i in range(2)}
+    layout = build_layout(caches, 10)
+    assert layout.plane_bytes == PLANES and layout.block_bytes == SLOT
+    assert layout.plane_layers == tuple(sorted(caches))
+    for name, t in caches.items():
+        row = layout.planes[layout.plane_layers.index(name)][3]
+        assert torch.equal(row.view(torch.bfloat16).view(BLOCK_TOKENS, 576), t[3])
+
+
 def test_one_copy_is_what_kvtier_plan_counts() -> None:
     """The bytes a tier holds per block (one copy) are ``kvtier plan``'s MLA figure for the
     block's tokens: layers x (kv_lora_rank + qk_rope_head_dim) x tokens x dtype bytes."""
