@@ -124,6 +124,7 @@ def test_mla_deepseek_v3_caches_the_latent_only(tmp_path):
     assert kv_bytes_per_token(m, "bf16") == 61 * (512 + 64) * 2 == 70_272
     assert kv_bytes_per_token(m, "fp8") == 35_136
     assert request_kv(m, "bf16", K128).model_bytes == 70_272 * K128 == 9_210_691_584
+    assert any("store it once" in n and "once per TP rank" in n for n in m.notes)  # what the tiers do with TP
 
 
 def test_mistral_uniform_sliding_window(tmp_path):

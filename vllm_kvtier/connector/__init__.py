@@ -66,7 +66,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._sched = wiring.scheduler_half(self.cfg, vllm_config, kv_cache_config, self.namespace)
             self._exporter = wiring.start_exporter(self.cfg, self.namespace)
         else:
-            self._worker = wiring.worker_half(self.cfg, kv_cache_config, self.namespace)
+            self._worker = wiring.worker_half(self.cfg, kv_cache_config, self.namespace, vllm_config)
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
     @property

@@ -7,6 +7,15 @@ Both may block at start-up (a directory scan; a bucket listing bounded by its de
 A tier that cannot start is logged and disabled (every write and read a miss); serving
 goes on.
 
+TP ranks (:class:`RankRole`): each rank stores its own shard of every chunk under its own
+rank (directory ``r<rank>``, object prefix or key ``r<rank>``), except when the KV cache is
+the same on every rank of a TP group (MLA: the latent cache is replicated, not sharded).
+Then the group stores one copy: its first rank writes it under the group's index (the
+pipeline stage, 0 without PP: rank 0's names, as a TP-1 engine uses), the other ranks read
+that copy, and the scheduler's planners count ``copies`` shards instead of ``world_size``
+(existence on every copy, acknowledgements, capacity and usage): what ``kvtier plan``
+assumes. Models whose KV is sharded keep their names and counts exactly as before.
+
 Storage format (``storage_dtype``): both sides derive it, the stored block size and the
 tier's namespace from the same facts (the config, the engine's block bytes per rank and
 KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
@@ -44,6 +53,36 @@ from vllm_kvtier.transfer.tier_io import ChunkWorker
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RankRole:
+    """Which chunks of the lower tiers hold one worker's blocks, and whether it writes them.
+
+    ``store_rank``: the rank the chunks are named by (directory ``r<store_rank>``, object
+    prefix); ``writes``: this worker writes (and deletes) them. False: a *replica reader*,
+    whose TP group's first rank writes the bytes it would write (see the module doc)."""
+
+    store_rank: int
+    writes: bool = True
+
+
+def rank_role(rank: int, *, tp_size: int, replicated: bool) -> RankRole:
+    """The role of world rank ``rank``. ``replicated``: every rank of a TP group holds the
+    same KV (MLA). vLLM numbers world ranks with TP innermost (``rank = group * tp_size +
+    tp_rank``; PP stages and context-parallel shards are the groups), as LMCache's MLA
+    handling also assumes."""
+    if not replicated or tp_size <= 1:
+        return RankRole(rank)
+    return RankRole(rank // tp_size, writes=rank % tp_size == 0)
+
+
+def stored_copies(world_size: int, *, tp_size: int, replicated: bool) -> int:
+    """How many distinct shards of each block the lower tiers store: one per rank, or one
+    per TP group when the KV is replicated across it (the planners' ``world_size``)."""
+    if not replicated or tp_size <= 1:
+        return world_size
+    return max(1, world_size // tp_size)
+
+
 def tier_namespace(namespace: str, fmt: StorageFormat) -> str:
     """The namespace a tier stores under: the engine's for native blocks (what earlier
     versions stored stays readable), else a 16-hex-digit digest of it and the format, so
@@ -79,7 +118,9 @@ def make_planners(
     cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters,
     kv_dtype: torch.dtype | None = None, read_only_pool: bool = False,
 ) -> list[ChunkPlanner]:
-    """Planners of the configured lower tiers, fastest first. ``kv_dtype``: the KV
+    """Planners of the configured lower tiers, fastest first. ``world_size``: the shards
+    stored of each block (:func:`stored_copies`: the ranks, or one per TP group for a
+    replicated KV cache), named ``r0`` .. ``r<world_size - 1>``. ``kv_dtype``: the KV
     cache's element type (None: unknown, then every tier stores native blocks).
     ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``).
     Raises ConfigError when ``auth.required`` and no key is found (the scheduler only lists
@@ -278,11 +319,12 @@ def _s3_planner(
 
 def make_workers(
     cfg: KVTierConfig, *, namespace: str, rank: int, slots: SlotTable, counters: Counters,
-    kv_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None, role: RankRole | None = None,
 ) -> dict[str, ChunkWorker]:
     """This rank's data path of each configured lower tier, by tier name. ``slots``: the
     worker's slot table (its pool's slot size is the block size stored); ``kv_dtype``: the
-    KV cache's (None: unknown, native storage).
+    KV cache's (None: unknown, native storage). ``role``: whose chunks this rank's blocks
+    are and whether it writes them (None: its own, written by it; see :class:`RankRole`).
 
     One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process)
     is handed to every store and chunk driver built here: their transfer buffers share one
@@ -292,6 +334,7 @@ def make_workers(
     verify every chunk, and nvme too when ``auth.local_tiers``; ConfigError when
     ``auth.required`` and there is none."""
     auth = load_auth(cfg.auth)
+    role = role or RankRole(rank)
     workers: dict[str, ChunkWorker] = {}
     block_bytes = slots.pool.slot_bytes
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
@@ -301,16 +344,16 @@ def make_workers(
         nvme_store: NVMeStore | None = None
         headers: dict[str, ChunkHeader] = {}
         try:
-            nvme_store = NVMeStore(n.path, f.namespace, rank, f.block_bytes, direct_io=n.direct_io,
+            nvme_store = NVMeStore(n.path, f.namespace, role.store_rank, f.block_bytes, direct_io=n.direct_io,
                                    io_threads=n.io_threads, max_queued_writes=n.max_queued_writes,
                                    io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers,
-                                   auth=auth if cfg.auth.local_tiers else None)
+                                   auth=auth if cfg.auth.local_tiers else None, replica=not role.writes)
         except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
             # Serving goes on without the tier: every NVMe write and read is a miss. An
             # unsafe or locked directory (another engine's) is left exactly as it is.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
             counters.add("store_failures", TierName.NVME)
-        if nvme_store is not None:
+        if nvme_store is not None and role.writes:  # a replica reader fetches headers as it reads
             scanned = nvme_store.scan(cleanup=True)  # only now: the directory's lock is held
             headers = scanned.found
             for reason, count in scanned.problems.items():
@@ -323,7 +366,7 @@ def make_workers(
         workers[TierName.NVME] = ChunkWorker(TierName.NVME, nvme_store, slots=slots, counters=counters, mode=n.mode,
                                       chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
                                       headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),
-                                      buffers=buffers)
+                                      buffers=buffers, writes=role.writes)
     s3 = cfg.s3
     if s3 is not None:
         f = tier_format(TierName.S3, s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
@@ -331,7 +374,7 @@ def make_workers(
         try:
             from vllm_kvtier.tiers.s3 import S3Store
 
-            s3_store = S3Store(s3.store, f.namespace, rank, f.block_bytes, buffers=buffers,
+            s3_store = S3Store(s3.store, f.namespace, role.store_rank, f.block_bytes, buffers=buffers,
                                max_chunk_blocks=s3.chunk_blocks, auth=auth)
         except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
             raise
@@ -344,14 +387,14 @@ def make_workers(
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
-                                    buffers=buffers, max_headers=s3.store.header_cache_entries)
+                                    buffers=buffers, max_headers=s3.store.header_cache_entries, writes=role.writes)
     mc = cfg.mooncake
     if mc is not None:
         mc_store = None
         try:
             from vllm_kvtier.tiers.mooncake import MooncakeStore
 
-            mc_store = MooncakeStore(mc.store, namespace, rank, block_bytes, max_chunk_blocks=1, buffers=buffers,
+            mc_store = MooncakeStore(mc.store, namespace, role.store_rank, block_bytes, max_chunk_blocks=1, buffers=buffers,
                                      auth=auth)
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
@@ -359,5 +402,5 @@ def make_workers(
         workers[TierName.MOONCAKE] = ChunkWorker(TierName.MOONCAKE, mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
                                           flush_on_shutdown_s=0.0, fetches_headers=True,
                                           remote_stats=mc_store.stats if mc_store is not None else None,
-                                          buffers=buffers)
+                                          buffers=buffers, writes=role.writes)
     return workers

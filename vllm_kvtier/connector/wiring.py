@@ -8,6 +8,7 @@ Who calls it: vLLM (:func:`register`) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.config import KVTierConfig, parse_config
-from vllm_kvtier.connector.lower import make_planners, make_workers
+from vllm_kvtier.connector.lower import make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import metric_tiers
 from vllm_kvtier.errors import ConfigError
@@ -144,6 +145,22 @@ def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
     for group in kv_cache_config.kv_cache_groups:
         total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
     return total
+
+
+def kv_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether every rank of a TP group holds the same KV cache: an MLA model (vLLM's
+    ``MLAAttentionSpec`` in every KV cache group: one latent vector per token, not split by
+    heads) with TP > 1 and no decode context parallelism (DCP splits the latent cache's
+    tokens across the TP ranks: then each rank's shard is stored, as for other models)."""
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size <= 1 or int(getattr(par, "decode_context_parallel_size", 1) or 1) > 1:
+        return False
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    except ImportError:  # pragma: no cover - every supported vLLM has it
+        return False
+    groups = kv_cache_config.kv_cache_groups
+    return bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
 
 
 def worker_rank() -> int:
@@ -315,7 +332,14 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     block_bytes = rank_block_bytes(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     counters = Counters()
-    lower = make_planners(cfg, namespace=ns, world_size=world, block_bytes_per_rank=block_bytes,
+    # The lower tiers store one copy per TP group of a replicated (MLA) cache; the CPU tier
+    # is one pool per worker process, so it holds one copy per rank (and is sized so).
+    replicated = kv_replicated(vllm_config, kv_cache_config)
+    copies = stored_copies(world, tp_size=par.tensor_parallel_size, replicated=replicated)
+    if replicated:
+        logger.info("kvtier: MLA latent cache replicated over %d TP ranks: the lower tiers store %d copy(ies) of "
+                    "each block, the CPU tier one per rank", par.tensor_parallel_size, copies)
+    lower = make_planners(cfg, namespace=ns, world_size=copies, block_bytes_per_rank=block_bytes,
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
     return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
@@ -323,8 +347,14 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                          world_size=world, lower=lower, counters=counters)
 
 
-def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str) -> WorkerHalf:
+def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
+                vllm_config: VllmConfig | None = None) -> WorkerHalf:
     """The worker role's half of this rank; its pool and lower tiers are built on its first
-    step (the scheduler sends the pool size)."""
-    return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=worker_rank(),
-                      make_tiers=make_workers)
+    step (the scheduler sends the pool size). ``vllm_config``: to tell a replicated (MLA)
+    cache, whose lower-tier copy only the TP group's first rank writes (None: not replicated)."""
+    rank = worker_rank()
+    replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
+    tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
+    role = rank_role(rank, tp_size=tp, replicated=replicated)
+    return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
+                      make_tiers=functools.partial(make_workers, role=role))

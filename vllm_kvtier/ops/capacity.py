@@ -230,7 +230,10 @@ def _mla(cfg: Mapping[str, Any], name: str, layers: int, where: str) -> KVModel:
     rope = _positive_int(cfg, "qk_rope_head_dim", where)
     shape = f"{layers} layers x (kv_lora_rank {rank} + qk_rope_head_dim {rope}) latent values"
     note = "MLA: one latent vector per token per layer (no separate K and V), as vLLM caches it"
-    return KVModel(name, "MLA", shape, layers, rank + rope, notes=(note,))
+    tp = ("MLA with tensor parallelism: every TP rank caches the whole latent; NVMe, S3 and the Mooncake pool "
+          "store it once (the figures here), the CPU tier once per TP rank (a pool per worker process): "
+          "divide its fits by the TP size")
+    return KVModel(name, "MLA", shape, layers, rank + rope, notes=(note, tp))
 
 
 def _heads(cfg: Mapping[str, Any], where: str) -> tuple[int, int, int, list[str]]:

@@ -123,7 +123,7 @@ class SchedulerPlanner:
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
             self.prefetcher = Prefetcher(
-                self.index, self.lower, self.counters, self.promotions, world_size=self.lower[0].world_size,
+                self.index, self.lower, self.counters, self.promotions, world_size=world_size,
                 max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
                 locate=self._locate,
             )

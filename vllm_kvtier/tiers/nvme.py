@@ -12,7 +12,9 @@ Directory layout: ``<path>/<namespace>/r<rank>/<file_id>.kvt`` where ``namespace
 everything that changes the bytes (model, dtype, geometry, TP size, format), so two
 engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
 checked and locked before use (one engine per rank directory): see
-:mod:`~vllm_kvtier.tiers.nvme_dir`.
+:mod:`~vllm_kvtier.tiers.nvme_dir`. An MLA model's TP ranks share one directory, their TP
+group's first rank's: it writes and locks it, the others read it through a ``replica`` store
+(no lock, no writes).
 
 Crash safety: a chunk is written to ``.tmp-*`` in the same directory, fdatasync'ed, then
 renamed into place: a file with the final name is always complete, because its data was
@@ -67,7 +69,7 @@ from vllm_kvtier.tiers.chunkfile import (
 )
 from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir
+from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir
 
 __all__ = ["NVMeMedium", "NVMeStore", "classify", "other_bytes", "probe_direct_io", "rank_dir", "read_header",
            "scan_dir"]
@@ -314,6 +316,7 @@ class NVMeStore(StoreKernel):
         direct_io: Literal["auto", "on", "off"] = "auto", io_threads: int = 2, max_queued_writes: int = 64,
         io_engine: str = "posix", max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
         read_deadline_s: float = DEFAULT_READ_DEADLINE_S, auth: ChunkAuth | None = None,
+        replica: bool = False,
     ) -> None:
         """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
         (:mod:`~vllm_kvtier.tiers.nvme_dir`: an OSError, ``UnsafeDirectory`` or
@@ -321,30 +324,48 @@ class NVMeStore(StoreKernel):
         (``io_engine``: a name of :data:`~vllm_kvtier.tiers.file_io.FILE_IO_ENGINES`;
         ConfigError naming ``nvme.io_engine`` if it cannot run here), starts the threads.
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``buffers``: the worker's pool (None: the process default)."""
+        count); ``buffers``: the worker's pool (None: the process default).
+
+        ``replica``: this store only reads ``rank``'s directory, which another worker owns
+        (an MLA model's TP rank reading its group's one copy, see
+        :func:`~vllm_kvtier.tiers.nvme_dir.open_replica_dir`): no lock is taken and nothing
+        is written there by this store's owner (its driver never submits writes or deletes);
+        reads are buffered (no O_DIRECT probe file in a directory another process cleans)
+        unless ``direct_io`` is "on"."""
         io = make_file_io(io_engine)
         self.io_engine = io_engine
+        self.replica = replica
         # Created 0700 or checked (owner, mode, no symlink), then locked: nothing in the
         # directory is touched (not even the O_DIRECT probe) before the lock is held.
+        lock: RankDirLock | None = None
         try:
-            self.dir, lock = open_rank_dir(root, namespace, rank)
+            if replica:
+                self.dir = open_replica_dir(root, namespace, rank)
+            else:
+                self.dir, lock = open_rank_dir(root, namespace, rank)
         except BaseException:
             io.close()
             raise
         try:
             if direct_io == "off":
                 direct, why = False, "disabled by nvme.direct_io"
+            elif replica and direct_io == "auto":
+                direct, why = False, "a replica reader of another rank's directory"
             else:
                 direct, why = probe_direct_io(self.dir)
                 if not direct and direct_io == "on":
                     raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {self.dir}: {why}")
         except BaseException:
-            lock.release()
+            if lock is not None:
+                lock.release()
             io.close()
             raise
         self.direct = direct
         if direct:
             logger.info("kvtier nvme: %s, O_DIRECT, io_engine %s", self.dir, io_engine)
+        elif replica:
+            logger.info("kvtier nvme: %s, read-only replica, buffered reads (%s), io_engine %s", self.dir, why,
+                        io_engine)
         else:
             logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s), io_engine %s",
                            self.dir, why, io_engine)

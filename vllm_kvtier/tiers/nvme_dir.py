@@ -47,7 +47,7 @@ from pathlib import Path
 
 __all__ = [
     "LOCK_NAME", "DirectoryLocked", "ForeignNamespace", "RankDirLock", "UnsafeDirectory", "collect_namespace",
-    "foreign_namespaces", "lock_holder", "open_rank_dir", "unsafe_reason",
+    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "unsafe_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,6 +200,22 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     if base != Path(os.path.abspath(root)):
         logger.info("kvtier nvme: nvme.path %s resolves to %s", root, base)
     return rank_dir, RankDirLock(rank_dir, fd)
+
+
+def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
+    """Create (0700) or check ``<root>/<namespace>/r<rank>`` for a worker that only READS it:
+    a TP rank of an MLA model, whose latent cache is identical on every rank of its TP group
+    and is written once, by the group's first rank (``rank`` here is that writer's store
+    rank). Same checks as :func:`open_rank_dir` (its directories are never tightened here:
+    the writer does that), but no lock: the writer holds it, and a second engine on the
+    directory is refused by that lock. Raises :class:`UnsafeDirectory` or another OSError."""
+    base = _make_base(Path(root))
+    ns_dir = base / namespace
+    rank_dir = ns_dir / f"r{rank}"
+    for d in (ns_dir, rank_dir):
+        if not _mkdir_private(d):
+            _check_ours(d, tighten=False)
+    return rank_dir
 
 
 def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:

@@ -61,7 +61,7 @@ class ChunkWorker:
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
-        buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS,
+        buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS, writes: bool = True,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
         ``slots``: the worker's slot table (the CPU pool and what each slot holds).
@@ -74,7 +74,16 @@ class ChunkWorker:
         ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
         block size); None: the slot's bytes are stored as they are. ``buffers``: where write
         buffers come from (the worker's pool, shared with its stores; None: the process
-        default)."""
+        default).
+
+        ``writes`` False: a *replica reader*. Another rank stores the bytes this rank would
+        store (an MLA model's latent cache is the same on every TP rank: its TP group's
+        first rank writes the one copy, see :class:`~vllm_kvtier.connector.lower.RankRole`),
+        and ``store`` reads that rank's chunks. Writes, shutdown flushes, deletes and
+        manifest changes are then the writer's: here they only drop cached headers, and
+        report nothing (the scheduler counts the writer's acknowledgement alone). Reads
+        fetch the header of a chunk they have not seen (``fetches_headers`` is forced on:
+        this rank never wrote it)."""
         self.buffers = buffers
         self.slots = slots
         self.codec = codec
@@ -85,7 +94,8 @@ class ChunkWorker:
         self.chunk_blocks = chunk_blocks
         self.flush_on_shutdown_s = flush_on_shutdown_s
         self.headers: OrderedDict[str, ChunkHeader] = OrderedDict(headers or {})
-        self.fetches_headers = fetches_headers
+        self.writes = writes
+        self.fetches_headers = fetches_headers or not writes
         self.max_headers = max_headers
         self._ids = itertools.count(1)
         self._reads: dict[int, ChunkRead] = {}
@@ -101,7 +111,8 @@ class ChunkWorker:
 
     def mark_dirty(self, slots: Iterable[int]) -> None:
         """These slots' blocks are only in DRAM: flush them at shutdown (write-back)."""
-        self._dirty.update(slots)
+        if self.writes:
+            self._dirty.update(slots)
 
     def clean(self, slots: Iterable[int]) -> None:
         """These slots no longer hold what was marked (saved over, or written)."""
@@ -109,7 +120,10 @@ class ChunkWorker:
 
     def write(self, jobs: list[ChunkWriteJob]) -> None:
         """Copy each job's slots out now, then queue the chunk write. A job whose slots do
-        not all hold their keys (a save into them failed) is not written."""
+        not all hold their keys (a save into them failed) is not written. A replica reader
+        (``writes`` False) writes nothing: the writer rank writes these chunks."""
+        if not self.writes:
+            return
         for job in jobs:
             ref = (self.tier, job.file_id)
             if not all(self.slots.holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
@@ -131,7 +145,7 @@ class ChunkWorker:
     def delete(self, file_ids: list[str]) -> None:
         for fid in file_ids:
             self.headers.pop(fid, None)
-            if self.store is not None:
+            if self.store is not None and self.writes:  # the writer's file: it deletes it
                 self.store.submit_delete(fid)
 
     def forget(self, file_ids: list[str]) -> None:
@@ -139,7 +153,7 @@ class ChunkWorker:
         a writer's manifest (S3) prunes them from it. No request is sent."""
         for fid in file_ids:
             self.headers.pop(fid, None)
-        if file_ids and isinstance(self.store, Forgets):
+        if file_ids and self.writes and isinstance(self.store, Forgets):
             self.store.forget(file_ids)
 
     # ---- reads --------------------------------------------------------------------
