@@ -17,9 +17,10 @@ bench: venv   ## CPU, NVMe, S3 tiers and TTFT; a table of ratios and bench/resul
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python -m vllm_kvtier.cli bench \
 		cpu_tier_throughput nvme_throughput s3_throughput ttft
 
-bench-serving: venv   ## vLLM's API server with and without the plugin, vLLM's bench serve + AIPerf multi-turn (~20 min)
+bench-serving: venv   ## vLLM's API server with and without the plugin: bench/serving.py (vLLM's bench serve, AIPerf multi-turn), then bench/serving_soak.py (exactness at concurrency 4, a 20-minute soak)
 	@tools/setup-client-venv.sh
 	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/serving.py
+	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/serving_soak.py
 
 lint: venv
 	@.venv/bin/pip install -q --no-deps -r requirements/dev.txt >/dev/null 2>&1

@@ -99,7 +99,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--enforce-eager",
+               "--dtype", getattr(args, "dtype", "bfloat16"), "--max-model-len", str(args.max_model_len), "--enforce-eager",
                "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
                "--max-num-seqs", str(args.max_num_seqs)]
         if not getattr(args, "prefix_caching", True):
