@@ -199,3 +199,17 @@ def test_vllm_types_round_trip_through_msgpack():
     assert s3.token_ids == [] and s3.block_size == 0  # vLLM's placeholder form: hash only
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [ext[key(7)], ext[key(9)]]
     assert (removed.medium, removed.ownership, removed.locality) == ("STORAGE", "nvme", "LOCAL")
+
+
+def test_built_only_when_vllms_kv_events_are_on():
+    from types import SimpleNamespace
+
+    from vllm_kvtier.connector.events import event_log
+
+    cfg = parse_config({}).events
+    on = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True),
+                         cache_config=SimpleNamespace(block_size=BS))
+    off = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=False), cache_config=on.cache_config)
+    assert event_log(cfg, on, Counters()) is not None
+    assert event_log(cfg, off, Counters()) is None
+    assert event_log(cfg, SimpleNamespace(kv_events_config=None, cache_config=on.cache_config), Counters()) is None
