@@ -213,3 +213,39 @@ def test_built_only_when_vllms_kv_events_are_on():
     assert event_log(cfg, on, Counters()) is not None
     assert event_log(cfg, off, Counters()) is None
     assert event_log(cfg, SimpleNamespace(kv_events_config=None, cache_config=on.cache_config), Counters()) is None
+
+
+def test_a_lora_block_is_published_under_vllms_hash_not_our_adapter_bound_key():
+    from types import SimpleNamespace
+
+    from vllm_kvtier.connector.events import describe
+    from vllm_kvtier.connector.scheduler import AdapterRequest
+
+    live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
+                           lora_request=SimpleNamespace(name="sql", adapter_id=5))
+    view = AdapterRequest(live, b"adapter-content-digest")
+    assert view.block_hashes[1] != key(1)  # our key is bound to the adapter's content
+    info = describe(BS)(view, 1)
+    assert info is not None and info.block_hash == key(1) and info.parent_hash == key(0)
+    assert (info.lora_name, info.lora_id, info.token_ids.tolist()) == ("sql", 5, [4, 5, 6, 7])
+    ev = log()
+    ev.register(BlockKey(view.block_hashes[1]), info)
+    (removed,) = to_vllm([TierEvent(False, "cpu", "LOCAL", ((BlockKey(view.block_hashes[1]), info),))])
+    assert removed.block_hashes == [maybe_convert_block_hash(BlockHash(key(1)))]
+
+
+def test_register_feeds_group_idx_for_derived_keys():
+    """The hybrid hook: a derived key registered with its group is published as vLLM's
+    hash of that block with that group_idx, and removals are split per group."""
+    ev = log()
+    derived = key(900)
+    ev.register(derived, BlockInfo(block_hash=key(9), parent_hash=None, token_ids=array("i", [1, 2, 3, 4]),
+                                   group_idx=1))
+    ev.record("cpu", [derived, key(5)], True)
+    ev.record("cpu", [derived, key(5)], True)
+    stored = to_vllm(ev.take())
+    assert [(e.block_hashes, e.group_idx) for e in stored] == [
+        ([maybe_convert_block_hash(BlockHash(key(9)))], 1), ([maybe_convert_block_hash(BlockHash(key(5)))], 0)]
+    ev.record("cpu", [derived, key(5)], False)
+    removed = to_vllm(ev.take())
+    assert sorted((e.group_idx, len(e.block_hashes)) for e in removed) == [(0, 1), (1, 1)]
