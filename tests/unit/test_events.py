@@ -249,3 +249,23 @@ def test_register_feeds_group_idx_for_derived_keys():
     ev.record("cpu", [derived, key(5)], False)
     removed = to_vllm(ev.take())
     assert sorted((e.group_idx, len(e.block_hashes)) for e in removed) == [(0, 1), (1, 1)]
+
+
+def test_a_pool_lookup_finds_another_instances_block_remote_and_our_write_local():
+    """Mooncake (key-named, no listing): a block a lookup finds in the pool was put by
+    another instance (REMOTE); one we wrote is LOCAL once every rank acknowledged it."""
+    present = {key(1).hex()}
+    p = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), world_size=1,
+                     block_bytes_per_rank=64, counters=Counters(), found=[{}],
+                     oracle=lambda ids: [i in present for i in ids])
+    ev = log()
+    p.attach_events(ev)
+    p.discover([key(1), key(2)])
+    assert flat(ev.take()) == [(True, "mooncake", "REMOTE", key(1))]
+    p.note_request([key(2)])
+    p.on_cpu_save(0, key(2))
+    (job,) = p.take_jobs(set(), lambda k: 0)[1]
+    p.on_worker_meta(WorkerReport(written={("mooncake", job.file_id): 1}))
+    assert flat(ev.take()) == [(True, "mooncake", "LOCAL", key(2))]
+    p.on_worker_meta(WorkerReport(bad={("mooncake", key(1).hex())}))  # unreadable: dropped
+    assert flat(ev.take()) == [(False, "mooncake", "REMOTE", key(1))]

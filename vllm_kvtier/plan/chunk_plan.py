@@ -324,11 +324,17 @@ class ChunkPlanner:
         self._events.record(self.tier, keys, loadable, self._locality(fid))
 
     def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
-        """The chunks indexed when events were attached, each as it is when reached."""
-        for fid in self.index.file_ids():  # a snapshot of the ids, ~100 B each
-            keys = self.index.loadable_keys(fid)
-            if keys:
-                yield keys, self._locality(fid)
+        """The chunks indexed now (a snapshot of their ids, ~100 B each; what is indexed
+        later is reported by the watch), each as it is when the iterator reaches it."""
+        fids = self.index.file_ids()
+
+        def walk() -> Iterator[tuple[Sequence[BlockKey], Locality]]:
+            for fid in fids:
+                keys = self.index.loadable_keys(fid)
+                if keys:
+                    yield keys, self._locality(fid)
+
+        return walk()
 
     def refresh(self) -> None:
         """Apply finished background rescans (a queue poll, then, once per step, at most
