@@ -152,6 +152,29 @@ def test_cpu_and_nvme_events_carry_vllms_hashes_and_cpu_eviction_removes(tiny_mo
         close_llm(llm)
 
 
+def test_a_restart_announces_what_its_nvme_tier_found(tiny_model, tmp_path):
+    """A (another process) stores a prompt in its NVMe tier and exits; B, restarted on the
+    same directory with KV events on, announces the blocks its start-up scan found
+    (STORAGE / nvme / LOCAL: its own directory) at its first steps, under vLLM's hashes."""
+    p = SETS[2][0]
+    kv = nvme_config(tmp_path / "nvme", cpu_blocks=16, mode="write-through")
+    run_process(tiny_model, kv, [p], tmp_path)
+    port = free_port()
+    llm = make_llm(tiny_model, kv, kv_events_config=events_config(port), enable_prefix_caching=True)
+    sub = Subscriber(port)
+    try:
+        time.sleep(0.5)
+        generate(llm, p, 1)  # its first steps: the start-up backlog goes out
+        sub.wait_for(lambda: None not in prompt_hashes(sub, p), step=llm.llm_engine.step)
+        h = prompt_hashes(sub, p)
+        assert None not in h and len(h) == len(p) // BLOCK_SIZE
+        found = sub.stored("STORAGE", ownership="nvme")
+        assert set(h) <= hashes(found) and {e.locality for e in found} == {"LOCAL"}
+    finally:
+        sub.close()
+        close_llm(llm)
+
+
 @pytest.mark.s3
 def test_second_instance_publishes_what_its_rescan_found_as_remote(tiny_model, s3_server, s3_bucket, tmp_path):
     """B (this process, KV events on) starts on an empty bucket with a background rescan;
