@@ -373,6 +373,8 @@ class SchedulerPlanner:
         keys are pinned and used as they are, the others get a pinned slot to read into."""
         keys = list(plan.keys[:n])
         slots = self._pin_dram_hits(keys)
+        if self.events is not None:  # read into CPU slots: what a router sees of them
+            self.events.note(state.request, range(start, start + len(keys)), keys)
         remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
             if slots[i] is not None or k in self.promotions:  # the latter: recomputed
