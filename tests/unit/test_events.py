@@ -269,3 +269,12 @@ def test_a_pool_lookup_finds_another_instances_block_remote_and_our_write_local(
     assert flat(ev.take()) == [(True, "mooncake", "LOCAL", key(2))]
     p.on_worker_meta(WorkerReport(bad={("mooncake", key(1).hex())}))  # unreadable: dropped
     assert flat(ev.take()) == [(False, "mooncake", "REMOTE", key(1))]
+
+
+def test_note_with_a_group_publishes_vllms_hash_under_that_group():
+    ev = log()
+    req = Req("r", [key(0), key(1)], 2 * BS, all_token_ids=list(range(2 * BS)))
+    derived = [key(700), key(701)]  # what the hybrid path stores group 1's blocks under
+    ev.note(req, [0, 1], derived, group_idx=1)
+    info = ev.info(key(701))
+    assert info is not None and (info.block_hash, info.parent_hash, info.group_idx) == (key(1), key(0), 1)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from vllm_kvtier.config import EventsConfig
@@ -118,12 +118,15 @@ class EventLog:
         while len(info_map) > self.cfg.max_block_info:
             info_map.popitem(last=False)
 
-    def note(self, request: Any, positions: Sequence[int], keys: Sequence[BlockKey]) -> None:
-        """Blocks ``positions`` of a live ``request`` are stored (or loaded) under ``keys``."""
+    def note(self, request: Any, positions: Sequence[int], keys: Sequence[BlockKey], *,
+             group_idx: int = 0) -> None:
+        """Blocks ``positions`` of a live ``request`` are stored (or loaded) under ``keys``
+        (``group_idx``: vLLM's KV cache group they belong to; a hybrid model's group >= 1
+        keys are derived, and published as vLLM's hash of the block with this group)."""
         for i, key in zip(positions, keys, strict=True):
             info = self._describe(request, i)
             if info is not None:
-                self.register(key, info)
+                self.register(key, info if group_idx == 0 else replace(info, group_idx=group_idx))
 
     def info(self, key: BlockKey) -> BlockInfo | None:
         return self._info.get(key)
