@@ -93,7 +93,8 @@ class TierEvent:
 
 
 class EventLog:
-    """The queue of tier events between two :meth:`take` calls (see the module doc)."""
+    """The queue of tier events between two :meth:`take` calls (see the module doc). Not
+    thread-safe: the scheduler thread only; nothing here blocks or raises on a full queue."""
 
     def __init__(self, cfg: EventsConfig, counters: Counters, *,
                  describe: Callable[[Any, int], BlockInfo | None]) -> None:
@@ -104,7 +105,7 @@ class EventLog:
         #: (tier, key) -> (stored, locality), in arrival order: this step's net changes
         self._pending: OrderedDict[tuple[str, BlockKey], tuple[bool, Locality]] = OrderedDict()
         self._info: OrderedDict[BlockKey, BlockInfo] = OrderedDict()
-        #: start-up announcements not made yet: (tier, locality, source of key lists)
+        #: start-up announcements not made yet: (tier, source of (keys, locality))
         self._backlog: list[tuple[str, Iterator[tuple[Sequence[BlockKey], Locality]]]] = []
 
     # ---- what a router sees of a block ---------------------------------------------
