@@ -77,6 +77,8 @@ COUNTERS: dict[str, str] = {
                      "beyond nixl.max_peers).",
     "peer_refusals": "P/D decode side: reads not posted because nixl.max_peers peers all had reads in flight, or "
                      "the offer's agent is not allowed (recomputed).",
+    "events_dropped": "KV events (one block stored in or removed from a tier) dropped because events.max_queued_blocks "
+                      "were queued since the last take_events, by tier.",
 }
 
 #: gauge metric -> help text

@@ -30,6 +30,7 @@ RELIED_ON = {
     "update_connector_output": ["connector_output"],
     "request_finished": ["request", "block_ids"],
     "has_pending_push_work": [],
+    "take_events": [],
     "build_kv_connector_stats": ["data"],
     "build_prom_metrics": ["vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"],
 }

@@ -126,6 +126,9 @@ def test_config_file(tmp_path):
         ({"prefetch": {"max_age_s": 1e6}}, "prefetch.max_age_s", "one day"),
         ({"prefetch": {"max_inflight_blocks": 10**9}}, "prefetch.max_inflight_blocks", "<= 1048576"),
         ({"load_or_recompute": {"probe_interval_s": 1e6}}, "load_or_recompute.probe_interval_s", "one day"),
+        ({"events": {"max_queued_blocks": 0}}, "events.max_queued_blocks", "in [1,"),
+        ({"events": {"max_block_info": -1}}, "events.max_block_info", "in [0,"),
+        ({"events": {"max_queued": 10}}, "events.max_queued", "unknown"),
     ],
 )
 def test_bad_input_names_the_field(extra, field, words):

@@ -7,6 +7,7 @@ from vllm_kvtier.config.parse import PRESET_DIR, available_presets, parse_config
 from vllm_kvtier.config.sections import (
     AuthConfig,
     CPUTierConfig,
+    EventsConfig,
     ExporterConfig,
     FaultInjectionConfig,
     KVTierConfig,
@@ -22,7 +23,7 @@ from vllm_kvtier.config.sections import (
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 
 __all__ = [
-    "PRESET_DIR", "AuthConfig", "CPUTierConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
+    "PRESET_DIR", "AuthConfig", "CPUTierConfig", "EventsConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
     "LoadOrRecomputeConfig", "MooncakeConfig", "MooncakeTierConfig", "NVMeTierConfig", "NixlConfig",
     "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "VerifyConfig", "available_presets", "parse_config",
 ]

@@ -497,6 +497,25 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """Bounds of the KV events the connector publishes (``take_events``) when vLLM's
+    ``--kv-events-config`` turns KV cache events on; with them off nothing is built."""
+
+    #: Block entries (one block stored in or removed from one tier) queued between two
+    #: ``take_events`` calls at most; beyond it new ones are dropped and counted
+    #: (``events_dropped``). Also the most start-up scan results announced per step.
+    max_queued_blocks: int = 65536
+    #: Blocks whose vLLM hash, parent and token ids are remembered (LRU) after their request
+    #: ended, for events of lower-tier writes that land later (a demotion); beyond it such
+    #: a block is announced by hash only.
+    max_block_info: int = 65536
+
+    def __post_init__(self) -> None:
+        _in_range("events.max_queued_blocks", self.max_queued_blocks, 1, 1 << 24)
+        _in_range("events.max_block_info", self.max_block_info, 0, 1 << 24)
+
+
+@dataclass(frozen=True)
 class KVTierConfig:
     """Everything ``kv_connector_extra_config`` may hold."""
 
@@ -529,6 +548,7 @@ class KVTierConfig:
     namespace_salt: str = field(default="", repr=False)
     auth: AuthConfig = field(default_factory=AuthConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)

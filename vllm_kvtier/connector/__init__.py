@@ -16,6 +16,7 @@ Turn it on with ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_ro
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector import wiring
+from vllm_kvtier.connector.events import to_vllm
 from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
@@ -35,6 +37,7 @@ from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -184,6 +187,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        # vLLM's KV events for our tiers (BlockStored / BlockRemoved, medium CPU or STORAGE):
+        # nothing unless vLLM's kv_events_config turned them on (connector/events.py).
+        if self._sched is None or self._sched.events is None:
+            return ()
+        return to_vllm(self._sched.take_events())
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

@@ -296,7 +296,8 @@ def _s3_planner(
     # live writer) are deleted.
     partial = set().union(*found) - set(common_chunks(found))
     counters.set_gauge("partial_chunks", TierName.S3, len(partial))
-    ours = sorted(partial & set().union(*(st.take_own_objects() for st in stores)))
+    own: set[str] = set().union(*(st.take_own_objects() for st in stores))
+    ours = sorted(partial & own)
     for st in stores:
         r = st.last_scan
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
@@ -310,7 +311,8 @@ def _s3_planner(
             st.close(timeout_s=1.0)
 
     planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
-                           found=found, rescanner=rescanner, on_close=close)
+                           found=found, rescanner=rescanner, on_close=close,
+                           local_chunks=frozenset(own))  # KV events: the rest is REMOTE
     if ours:
         logger.info("kvtier s3: deleting %d chunk(s) a previous run left on only some ranks", len(ours))
         planner.reclaim(ours)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.connector.events import event_log
 from vllm_kvtier.connector.lower import make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import metric_tiers
@@ -326,7 +327,8 @@ def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
 def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                    ns: str) -> SchedulerHalf:
     """The scheduler role's half: the CPU tier sized from the config, the planners of the
-    tiers below it (their start-up scans run here)."""
+    tiers below it (their start-up scans run here), and the KV event log if vLLM's KV events
+    are on."""
     par = vllm_config.parallel_config
     world = par.tensor_parallel_size * par.pipeline_parallel_size
     block_bytes = rank_block_bytes(kv_cache_config)
@@ -344,7 +346,8 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
     return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
-                         world_size=world, lower=lower, counters=counters)
+                         world_size=world, lower=lower, counters=counters,
+                         events=event_log(cfg.events, vllm_config, counters))
 
 
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,

@@ -12,12 +12,17 @@ A file the tier no longer holds (deleted out of band, expired by a bucket's life
 an authoritative listing no longer shows it) is :meth:`retire`-d: forgotten at once, or, if
 a load is reading it (pinned), no longer offered to lookups and forgotten when its last
 pin goes (:meth:`unpin`).
+
+**Watching** (KV events): :attr:`ChunkIndex.watch`, when set, is called as ``watch(file_id,
+keys, True)`` when keys become loadable from a file (confirmed, found, listed again) and
+``watch(file_id, keys, False)`` when they stop being loadable (evicted, removed, retired),
+synchronously, on the caller's thread; None (the default) costs nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_kvtier.index.keys import BlockKey
@@ -42,6 +47,8 @@ class ChunkIndex:
         self._loc: dict[BlockKey, tuple[str, int]] = {}  # confirmed keys only
         self._pending: set[BlockKey] = set()
         self.evicted_blocks = 0
+        #: Called with (file id, keys, loadable) as keys become loadable or stop being so.
+        self.watch: Callable[[str, Sequence[BlockKey], bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._loc)
@@ -91,8 +98,25 @@ class ChunkIndex:
             return
         f.confirmed = True
         self._pending.difference_update(f.keys)
+        self._locate_keys(file_id, f)
+
+    def _locate_keys(self, file_id: str, f: _File) -> None:
+        new = []
         for pos, k in enumerate(f.keys):
-            self._loc.setdefault(k, (file_id, pos))
+            if k not in self._loc:
+                self._loc[k] = (file_id, pos)
+                new.append(k)
+        if new and self.watch is not None:
+            self.watch(file_id, new, True)
+
+    def _unlocate_keys(self, file_id: str, f: _File) -> None:
+        gone = []
+        for pos, k in enumerate(f.keys):
+            if self._loc.get(k) == (file_id, pos):
+                del self._loc[k]
+                gone.append(k)
+        if gone and self.watch is not None:
+            self.watch(file_id, gone, False)
 
     def add_existing(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> bool:
         """A file found on disk at start-up. False if it does not fit (caller deletes it)."""
@@ -113,9 +137,7 @@ class ChunkIndex:
             return ()
         self.used_bytes -= f.nbytes
         self._pending.difference_update(f.keys)
-        for pos, k in enumerate(f.keys):
-            if self._loc.get(k) == (file_id, pos):
-                del self._loc[k]
+        self._unlocate_keys(file_id, f)
         return f.keys
 
     def file_holding(self, key: BlockKey) -> str | None:
@@ -150,9 +172,7 @@ class ChunkIndex:
             return False
         if f.pins:  # no new lookup finds it; the loads reading it finish
             f.retired = True
-            for pos, k in enumerate(f.keys):
-                if self._loc.get(k) == (file_id, pos):
-                    del self._loc[k]
+            self._unlocate_keys(file_id, f)
         else:
             self.remove(file_id)
         return True
@@ -162,11 +182,17 @@ class ChunkIndex:
         f = self._files.get(file_id)
         if f is not None and f.retired:
             f.retired = False
-            for pos, k in enumerate(f.keys):
-                self._loc.setdefault(k, (file_id, pos))
+            self._locate_keys(file_id, f)
 
     def __contains__(self, file_id: object) -> bool:
         return file_id in self._files
 
     def file_ids(self) -> list[str]:
         return list(self._files)
+
+    def loadable_keys(self, file_id: str) -> list[BlockKey]:
+        """The keys lookups find in ``file_id`` now (none while it is written or retired)."""
+        f = self._files.get(file_id)
+        if f is None:
+            return []
+        return [k for pos, k in enumerate(f.keys) if self._loc.get(k) == (file_id, pos)]

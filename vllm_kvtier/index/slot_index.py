@@ -20,6 +20,10 @@ key-pinned. Two kinds of pin, kept apart:
   counted (``pin_refusals``). Deadlines are read from ``clock`` (monotonic seconds) and
   checked lazily, when a victim is needed or pins are queried.
 
+**Watching** (KV events): :attr:`SlotIndex.watch`, when set, is called as ``watch(key,
+True)`` when a key enters the index and ``watch(key, False)`` when it leaves (evicted,
+removed), synchronously, on the caller's thread; None (the default) costs nothing.
+
 Every method is atomic with respect to the index (one thread); none raises on a full or
 pinned pool: :meth:`SlotIndex.allocate` returns None, :meth:`SlotIndex.pin_key` returns
 an outcome.
@@ -74,6 +78,8 @@ class SlotIndex:
         self._key_pins: KeyPins[BlockKey] = KeyPins(int(max_pinned_fraction * num_slots))
         self._clock = clock
         self.evictions = 0
+        #: Called with (key, present) as keys enter and leave the index (KV events); None: off.
+        self.watch: Callable[[BlockKey, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -192,6 +198,10 @@ class SlotIndex:
             self.evictions += 1
         self._slot_of[key] = slot
         self.policy.insert(key)
+        if self.watch is not None:
+            if evicted is not None:
+                self.watch(evicted, False)
+            self.watch(key, True)
         return Allocation(slot, evicted)
 
     def remove(self, key: BlockKey) -> bool:
@@ -202,6 +212,8 @@ class SlotIndex:
             return False
         self.policy.discard(key)
         self._key_pins.unpin(key)
+        if self.watch is not None:
+            self.watch(key, False)
         if slot in self._pins:
             self._orphans.add(slot)
         else:

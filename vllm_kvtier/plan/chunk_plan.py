@@ -30,6 +30,10 @@ a load is reading, at its unpin); one shown on only some ranks is never indexed.
 * **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
   deleted by the worker) to make room. A key becomes loadable only when every TP rank
   reported its chunk durable.
+* **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
+  index reports every key that becomes loadable or stops being so; a chunk is ``REMOTE``
+  when another writer stored it (found by a rescan or a pool lookup, or at start-up in a
+  shared tier and not in our own manifest), else ``LOCAL``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +51,7 @@ from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.events import EventLog, Locality
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
 
 logger = logging.getLogger(__name__)
@@ -208,13 +213,15 @@ class ChunkPlanner:
         found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
         oracle: Callable[[list[str]], list[bool] | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        reserved_bytes_per_rank: int = 0,
+        reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
     ) -> None:
         """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
         listed), or None when it could not tell in time; it must not block for long.
         ``reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an NVMe
         rank directory's lock file and anything else found in it), taken off the
-        capacity so that it bounds every byte on the medium."""
+        capacity so that it bounds every byte on the medium. ``local_chunks``: the chunks of
+        ``found`` this instance wrote (a shared tier's own manifest); None: all of them on an
+        exclusive tier, none on a shared one (KV events' locality)."""
         self.policy = policy
         self.tier = policy.tier
         self._clock = clock  # the background flush's ages (a test passes its own)
@@ -247,6 +254,11 @@ class ChunkPlanner:
         self._forgets: list[str] = []
         self._on_close = on_close
         self._oracle = oracle
+        #: indexed chunks another writer stored (KV events say REMOTE); a set of ids, no
+        #: per-block state
+        self._remote: set[str] = set()
+        self._local_chunks = local_chunks
+        self._events: EventLog | None = None
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
@@ -277,12 +289,52 @@ class ChunkPlanner:
                 continue
             if h.block_bytes != self.block_bytes or fid in self._failed_files:
                 continue
-            if self.index.add_existing(fid, [BlockKey(k) for k in h.keys], h.total_bytes):
+            ours = self.policy.exclusive if self._local_chunks is None else fid in self._local_chunks
+            if self._add_found(fid, [BlockKey(k) for k in h.keys], h.total_bytes, remote=not ours):
                 n_blocks += h.nblocks
                 n_files += 1
             elif delete_unfit:
                 self._deletes.append(fid)
+        self._local_chunks = None  # only the start-up listing's
         return n_blocks, n_files
+
+    def _add_found(self, fid: str, keys: Sequence[BlockKey], nbytes: int, *, remote: bool) -> bool:
+        """Index a chunk a scan or lookup found (``remote``: another writer's)."""
+        if remote:
+            self._remote.add(fid)  # before: indexing it reports its keys
+        if self.index.add_existing(fid, keys, nbytes):
+            return True
+        self._remote.discard(fid)
+        return False
+
+    # ---- KV events -------------------------------------------------------------------
+
+    def attach_events(self, log: EventLog) -> None:
+        """Report to ``log`` every key that becomes loadable from this tier or stops being so
+        from now on, and announce (over the next steps) what it holds already."""
+        self._events = log
+        self.index.watch = self._watched
+        log.announce(self.tier, self._holdings())
+
+    def _locality(self, fid: str) -> Locality:
+        return "REMOTE" if fid in self._remote else "LOCAL"
+
+    def _watched(self, fid: str, keys: Sequence[BlockKey], loadable: bool) -> None:
+        assert self._events is not None
+        self._events.record(self.tier, keys, loadable, self._locality(fid))
+
+    def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
+        """The chunks indexed now (a snapshot of their ids, ~100 B each; what is indexed
+        later is reported by the watch), each as it is when the iterator reaches it."""
+        fids = self.index.file_ids()
+
+        def walk() -> Iterator[tuple[Sequence[BlockKey], Locality]]:
+            for fid in fids:
+                keys = self.index.loadable_keys(fid)
+                if keys:
+                    yield keys, self._locality(fid)
+
+        return walk()
 
     def refresh(self) -> None:
         """Apply finished background rescans (a queue poll, then, once per step, at most
@@ -321,9 +373,11 @@ class ChunkPlanner:
                 continue
             if block_bytes != self.block_bytes or fid in self._failed_files:
                 continue
-            if self.index.add_existing(fid, keys, nbytes):
+            if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
+        if len(self._remote) > 2 * len(self.index) + 1024:  # (keys, so at least the chunks)
+            self._remote &= set(self.index.file_ids())  # forget removed ones, now and then
         if removed:
             self.counters.add("rescan_removed_chunks", self.tier, removed)
         if n_files:
@@ -364,7 +418,7 @@ class ChunkPlanner:
         for k, present in zip(unknown, got, strict=True):
             if present:
                 self._failed_files.pop(k.hex(), None)  # it is there again (rewritten)
-                self.index.add_existing(k.hex(), [k], nbytes)
+                self._add_found(k.hex(), [k], nbytes, remote=True)
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
@@ -538,6 +592,7 @@ class ChunkPlanner:
             self._acks[fid] = self._acks.get(fid, 0) + n
             if self._acks[fid] >= self.world_size:
                 del self._acks[fid]
+                self._remote.discard(fid)  # ours now (a key-named chunk we rewrote)
                 self.index.confirm(fid)
                 if self._rescanner is not None:
                     self._rescanner.note_written(fid)

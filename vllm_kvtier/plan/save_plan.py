@@ -25,6 +25,7 @@ from vllm_kvtier.jobs import SaveJob
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.events import EventLog
 from vllm_kvtier.plan.req_state import ReqState
 
 TIER = TierName.CPU
@@ -32,12 +33,14 @@ TIER = TierName.CPU
 
 class SavePlanner:
     def __init__(self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, *, block_size: int,
-                 save_decode_blocks: bool) -> None:
+                 save_decode_blocks: bool, events: EventLog | None = None) -> None:
         self.index = index
         self.lower = lower
         self.counters = counters
         self.block_size = block_size
         self.save_decode_blocks = save_decode_blocks
+        #: KV events on: what a router sees of each block saved is noted while its request lives
+        self.events = events
 
     def saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
         """Blocks [0, n) of ``request`` complete once ``num_computed_tokens`` are computed
@@ -59,7 +62,7 @@ class SavePlanner:
         if state.private:
             state.next_save = max(state.next_save, upto)
             return None
-        blocks, slots, keys = [], [], []
+        blocks, slots, keys, positions = [], [], [], []
         hashes = state.request.block_hashes
         first = state.next_save
         for i in range(state.next_save, upto):
@@ -83,6 +86,7 @@ class SavePlanner:
             blocks.append(state.block_ids[i])
             slots.append(alloc.slot)
             keys.append(key)
+            positions.append(i)
             state.saved[i] = key
         for s in slots:
             self.index.unpin(s)
@@ -91,5 +95,7 @@ class SavePlanner:
         state.next_save = max(state.next_save, upto)
         if not blocks:
             return None
+        if self.events is not None:
+            self.events.note(state.request, positions, keys)
         state.saves_issued = True
         return SaveJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys))

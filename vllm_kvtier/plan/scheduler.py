@@ -38,6 +38,11 @@ What it decides each step (``plan_step``):
 
 A key is readable as soon as its save is issued: the worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
+
+**KV events** (``events``, only when vLLM's KV cache events are on): the CPU index and each
+lower tier's index report what becomes loadable and what stops being so to one
+:class:`~vllm_kvtier.plan.events.EventLog`; :meth:`SchedulerPlanner.take_events` hands a
+step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_policy import LoadPolicy
 from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
@@ -75,9 +81,11 @@ class SchedulerPlanner:
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
         lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
+        events: EventLog | None = None,
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
-        ``lower``: the tiers below CPU, fastest first (NVMe, then S3)."""
+        ``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where KV
+        events go (None: vLLM's KV events are off, and no event work is done)."""
         self.cfg = cfg
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
@@ -85,8 +93,13 @@ class SchedulerPlanner:
         self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
         self.lower = list(lower or [])
+        self.events = events
+        if events is not None:
+            self.index.watch = lambda key, present: events.record(TIER, (key,), present)
+            for tier in self.lower:
+                tier.attach_events(events)
         self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
-                                 save_decode_blocks=cfg.save_decode_blocks)
+                                 save_decode_blocks=cfg.save_decode_blocks, events=events)
         #: request-level kv_transfer_params not acted on (counted, rate-limited warnings)
         self.ignored = IgnoredParams(self.counters)
         mc = cfg.mooncake
@@ -294,6 +307,8 @@ class SchedulerPlanner:
             state.pinned_files.append((tier, fid))
         job = self._load_job(req_id, blocks, slots, keys, asynchronous, reads=chunk_reads)
         self._loads.append(job)
+        if self.events is not None and reads:  # promoted into CPU slots: what a router sees of them
+            self.events.note(request, range(start, start + n), keys)
         state.loaded.update(zip(blocks, keys, strict=True))
         state.async_loading = asynchronous
         if asynchronous:
@@ -358,6 +373,8 @@ class SchedulerPlanner:
         keys are pinned and used as they are, the others get a pinned slot to read into."""
         keys = list(plan.keys[:n])
         slots = self._pin_dram_hits(keys)
+        if self.events is not None:  # read into CPU slots: what a router sees of them
+            self.events.note(state.request, range(start, start + len(keys)), keys)
         remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
             if slots[i] is not None or k in self.promotions:  # the latter: recomputed
@@ -651,6 +668,11 @@ class SchedulerPlanner:
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()
+
+    def take_events(self) -> list[TierEvent]:
+        """The tier events since the last call (vLLM's ``take_events``, once a step); none
+        when vLLM's KV events are off."""
+        return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
         """Shutdown: stop background rescans of the lower tiers."""
