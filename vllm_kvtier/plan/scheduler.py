@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
@@ -69,6 +69,8 @@ from vllm_kvtier.plan.verify_plan import VerifyPlanner
 logger = logging.getLogger(__name__)
 
 TIER = TierName.CPU
+#: vLLM's null block: held by sliding-window groups outside the window; never loaded or saved.
+NULL_BLOCK = 0
 
 
 class SchedulerPlanner:
@@ -112,6 +114,9 @@ class SchedulerPlanner:
         self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
+        #: Every load is async (hybrid models: a failed load is reported per request, which
+        #: vLLM supports for async loads only). Set by the connector.
+        self.always_async = False
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -186,7 +191,7 @@ class SchedulerPlanner:
             return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        asynchronous = self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
+        asynchronous = self.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
         if not asynchronous:
             tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
@@ -194,6 +199,23 @@ class SchedulerPlanner:
         if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
             return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
+
+    def present(self, request: Request, lo: int, hi: int) -> list[bool]:
+        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
+        (in DRAM, or in a lower tier after its refresh/discovery), for a hit that needs
+        keys at scattered positions (a sliding-window group's window)."""
+        hashes = request.block_hashes
+        hi = min(hi, len(hashes))
+        keys = [BlockKey(h) for h in hashes[lo:hi]]
+        for tier in self.lower:
+            tier.refresh()
+            tier.discover([k for k in keys if k not in self.index])
+        return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
+
+    def note_match_start(self, request: Request, num_computed_tokens: int) -> None:
+        """What :meth:`lookup` records for :meth:`on_alloc`, for a request whose hit was
+        decided elsewhere (a group view of a hybrid model)."""
+        self._match_start[request.request_id] = num_computed_tokens // self.block_size
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -260,7 +282,10 @@ class SchedulerPlanner:
             return
         bs = self.block_size
         n = num_external_tokens // bs
-        keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
+        # A sliding-window group holds the null block outside the window: nothing to load there.
+        positions = [p for p in range(start, min(start + n, len(state.block_ids)))
+                     if state.block_ids[p] != NULL_BLOCK]
+        keys = [BlockKey(request.block_hashes[p]) for p in positions]
         # (planner, chunk) -> [(position, slot, key)]
         reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
         # Pin every key already in DRAM first: promoting the lower-tier ones below
@@ -280,9 +305,9 @@ class SchedulerPlanner:
                 state.promoting.append(k)
                 state.sources[k] = (tier, fid)
             self.counters.add("hit_blocks", tier.tier)
-        blocks = state.block_ids[start : start + n]
+        blocks = [state.block_ids[p] for p in positions]
         unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
-        asynchronous = self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
+        asynchronous = self.always_async or self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
         chunk_reads = tuple(
             ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
                       tuple(k for _, _, k in items))
@@ -576,28 +601,13 @@ class SchedulerPlanner:
         bad = out.invalid_block_ids
         if bad:
             for state in list(self._reqs.values()) + list(self._held.values()):
-                for b in bad & state.loaded.keys():
-                    key = state.loaded.pop(b)
-                    self.promotions.end((key,))
-                    src = state.sources.pop(key, None)
-                    if src is not None:
-                        # Not offered again for a while: the request is rescheduled at
-                        # once, and a tier that just failed would fail it again (a loop).
-                        src[0].cool_down(src[1])
-                    if self.index.remove(key):
-                        logger.warning("kvtier: dropped a block that failed to load")
-                    if b not in state.block_ids:
-                        continue
-                    pos = state.block_ids.index(b)
-                    # Blocks this request computed (and saved) after the bad one attended
-                    # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
-                    # saved again once complete.
-                    for p in [p for p in state.saved if p > pos]:
-                        poisoned = state.saved.pop(p)
-                        self.index.remove(poisoned)
-                        for tier in self.lower:
-                            tier.drop_key(poisoned)
-                    state.next_save = min(state.next_save, pos)
+                self._undo_loads(state, bad & state.loaded.keys())
+        for req_id in out.failed_loads:
+            # A request-level failure (hybrid models): every block it loaded is suspect,
+            # and vLLM recomputes the whole request.
+            state = self._reqs.get(req_id) or self._held.get(req_id)
+            if state is not None:
+                self._undo_loads(state, set(state.loaded))
         if self.load_policy is not None and out.stats is not None:
             self.load_policy.observe_stats(out.stats)
         meta = out.report
@@ -613,6 +623,36 @@ class SchedulerPlanner:
         for req_id in out.finished_sending:
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
+
+    def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
+        """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
+        their source chunks down), and undo the saves computed on top of them."""
+        for b in bad:
+            key = state.loaded.pop(b)
+            self.promotions.end((key,))
+            src = state.sources.pop(key, None)
+            if src is not None:
+                # Not offered again for a while: the request is rescheduled at
+                # once, and a tier that just failed would fail it again (a loop).
+                src[0].cool_down(src[1])
+            if self.index.remove(key):
+                logger.warning("kvtier: dropped a block that failed to load")
+            if b not in state.block_ids:
+                continue
+            pos = state.block_ids.index(b)
+            # Blocks this request computed (and saved) after the bad one attended
+            # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
+            # saved again once complete.
+            for p in [p for p in state.saved if p > pos]:
+                self.drop_stored(state.saved.pop(p))
+            state.next_save = min(state.next_save, pos)
+
+    def drop_stored(self, key: BlockKey) -> None:
+        """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
+        later request can use)."""
+        self.index.remove(key)
+        for tier in self.lower:
+            tier.drop_key(key)
 
     # ---- introspection (tests, `kvtier inspect`) --------------------------------------
 
