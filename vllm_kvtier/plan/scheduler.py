@@ -627,6 +627,7 @@ class SchedulerPlanner:
     def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
         """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
         their source chunks down), and undo the saves computed on top of them."""
+        dropped = 0
         for b in bad:
             key = state.loaded.pop(b)
             self.promotions.end((key,))
@@ -635,8 +636,7 @@ class SchedulerPlanner:
                 # Not offered again for a while: the request is rescheduled at
                 # once, and a tier that just failed would fail it again (a loop).
                 src[0].cool_down(src[1])
-            if self.index.remove(key):
-                logger.warning("kvtier: dropped a block that failed to load")
+            dropped += bool(self.index.remove(key))
             if b not in state.block_ids:
                 continue
             pos = state.block_ids.index(b)
@@ -646,6 +646,8 @@ class SchedulerPlanner:
             for p in [p for p in state.saved if p > pos]:
                 self.drop_stored(state.saved.pop(p))
             state.next_save = min(state.next_save, pos)
+        if dropped:
+            logger.warning("kvtier: dropped %d block(s) that failed to load", dropped)
 
     def drop_stored(self, key: BlockKey) -> None:
         """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
