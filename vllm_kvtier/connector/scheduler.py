@@ -203,6 +203,13 @@ class SchedulerHalf(SchedulerPlanner):
             GroupView(base, g, self.key_origins) for g in range(len(self.layout.groups)))
         return views
 
+    def stored_units_per_group(self) -> list[int]:
+        """Units in the CPU tier per KV cache group (introspection: tests, ``kvtier inspect``)."""
+        counts = [0] * len(self.layout.groups)
+        for key, _ in self.index.items():
+            counts[self.key_origins.origin(key)[1]] += 1
+        return counts
+
     def request_state(self, req_id: str) -> Any:
         """The planner's state of a request (or group view) it follows, else None."""
         return self._reqs.get(req_id) or self._held.get(req_id)
