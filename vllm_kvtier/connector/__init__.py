@@ -77,6 +77,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = wiring.worker_half(self.cfg, kv_cache_config, self.namespace)
             # vLLM refuses block-level load errors with more than one group.
             self._worker.request_level_failures = self.groups.hybrid
+            # vLLM frees a sliding group's blocks as its window passes, not waiting for saves.
+            self._worker.wait_saves = self.groups.hybrid
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
     @property

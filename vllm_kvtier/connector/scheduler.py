@@ -164,6 +164,7 @@ class SchedulerHalf(SchedulerPlanner):
         self.hybrid = self.layout.hybrid
         #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
         self.always_async = self.hybrid
+        self.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
         self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
         #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
         self.key_origins = KeyOrigins()

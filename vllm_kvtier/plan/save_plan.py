@@ -42,6 +42,8 @@ class SavePlanner:
         self.counters = counters
         self.block_size = block_size
         self.save_decode_blocks = save_decode_blocks
+        #: Skip positions holding vLLM's null block (hybrid models; set by the connector).
+        self.skip_null_blocks = False
 
     def saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
         """Blocks [0, n) of ``request`` complete once ``num_computed_tokens`` are computed
@@ -69,7 +71,8 @@ class SavePlanner:
         for i in range(state.next_save, upto):
             if i >= len(state.block_ids):
                 break
-            if state.block_ids[i] == NULL_BLOCK or (state.keep is not None and not state.keep(i)):
+            if (self.skip_null_blocks and state.block_ids[i] == NULL_BLOCK) or \
+                    (state.keep is not None and not state.keep(i)):
                 continue  # outside a sliding window: no block, or no later request reads it
             key = BlockKey(hashes[i])
             if key in self.index:

@@ -117,6 +117,9 @@ class SchedulerPlanner:
         #: Every load is async (hybrid models: a failed load is reported per request, which
         #: vLLM supports for async loads only). Set by the connector.
         self.always_async = False
+        #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
+        #: window: never loaded or saved (hybrid models; set by the connector).
+        self.skip_null_blocks = False
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -284,7 +287,7 @@ class SchedulerPlanner:
         n = num_external_tokens // bs
         # A sliding-window group holds the null block outside the window: nothing to load there.
         positions = [p for p in range(start, min(start + n, len(state.block_ids)))
-                     if state.block_ids[p] != NULL_BLOCK]
+                     if not (self.skip_null_blocks and state.block_ids[p] == NULL_BLOCK)]
         keys = [BlockKey(request.block_hashes[p]) for p in positions]
         # (planner, chunk) -> [(position, slot, key)]
         reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}

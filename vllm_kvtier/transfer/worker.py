@@ -95,6 +95,9 @@ class WorkerHalf:
         #: Report a failed async load per request (``take_failed_loads``), never by block:
         #: vLLM refuses block-level errors for a model with more than one KV cache group.
         self.request_level_failures = False
+        #: Wait for each save's copy before the step ends (hybrid models: vLLM frees a
+        #: sliding-window group's blocks as the window passes, without waiting for us).
+        self.wait_saves = False
         self._failed_loads: set[str] = set()
         #: P/D peer to peer over NIXL (a ``nixl`` section): this rank's agent and stamps.
         self.peer: PeerLink | None = None
@@ -212,6 +215,8 @@ class WorkerHalf:
         for job in jobs:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
+                if self.wait_saves:
+                    t.wait()
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
