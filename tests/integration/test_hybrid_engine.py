@@ -75,7 +75,10 @@ def test_reuse_scenario_with_the_hybrid_manager_on(hybrid_model, hybrid_baseline
     # Repeat: 9 full blocks + the window [7, 9); shared prefix: the same; turn 2: 11 + [9, 11).
     assert [got[n].loaded for n in ("first", "repeat", "shared_prefix", "unrelated", "turn2")] == [0, 11, 11, 0, 13]
     assert loaded_per_group == [6, 29]  # sliding, full: units of both groups were loaded
-    assert counters["blocks_loaded|cpu"] == 35
+    assert counters["blocks_loaded|cpu"] == counters["hit_blocks|cpu"] == 35
+    # Lookups count the units a whole hit would load (a sliding group: its window), so a
+    # repeat reads as a 100% hit: 9 + 2, 9 + 2, 10 + 2, 2 + 2, 12 + 2.
+    assert counters["lookup_blocks|cpu"] == 11 + 11 + 12 + 4 + 14
     # The sliding group stores the windows before the boundaries only: the first prompt's
     # [7, 10) and its answer's [9, 11), the shared prefix's block 9, the unrelated
     # prompt's [0, 2), turn 2's block 11: 8 units; the full group every block: 15.

@@ -219,8 +219,11 @@ class SchedulerHalf(SchedulerPlanner):
         if not self.hybrid:
             super().record_lookup(self._view(request))
             return
-        for v in self.group_views(request):
-            super().record_lookup(v)
+        # The units a whole hit would load: every group's blocks up to the hit's cap (a
+        # sliding group: its window there), so a full hit still reads as 100%.
+        m = max(0, (request.num_prompt_tokens - 1) // self.block_size)
+        n = sum(m - spec.window_start(m) for spec in self.layout.groups)
+        self.counters.add("lookup_blocks", TierName.CPU, n)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.hybrid:
