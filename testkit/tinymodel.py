@@ -79,3 +79,24 @@ def _save_tokenizer(out: Path) -> None:
 def words(ids: list[int]) -> str:
     """The text that the WordLevel tokenizer turns into exactly ``ids``."""
     return " ".join(f"w{i}" for i in ids)
+
+
+def build_mamba_model(out_dir: str | Path) -> Path:
+    """A 2-layer random-weight Mamba (state-space layers only: the KV connector refuses it
+    at start) with the same tokenizer; skipped if present."""
+    out = Path(out_dir)
+    marker = out / "kvtier-model.json"
+    spec = {"size": "mamba-tiny"}
+    if marker.is_file() and json.loads(marker.read_text()) == spec:
+        return out
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+                      conv_kernel=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    out.mkdir(parents=True, exist_ok=True)
+    MambaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(out)
+    marker.write_text(json.dumps(spec))
+    return out

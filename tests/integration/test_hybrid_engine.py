@@ -6,7 +6,12 @@ after a restart, and a failed load is recomputed per request."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from tests.conftest import (
     reuse_scenario,
     run_scenario,
 )
-from tests.integration.test_nvme_engine import results, run_process
+from tests.integration.test_nvme_engine import ROOT, results, run_process
 
 WINDOW = 64  # tokens: a hit of m blocks needs the sliding group's blocks [m-2, m)
 LAYERS = 4  # sliding, full, sliding, full: two groups of two layers sharing two tensors
@@ -107,3 +112,18 @@ def test_failed_loads_are_recomputed_per_request(hybrid_model, hybrid_baseline):
         close_llm(llm)
     assert_same_tokens(hybrid_baseline[0], got)
     assert counters["load_failures|cpu"] > 0
+
+
+def test_a_state_space_model_is_refused_at_start(tmp_path_factory):
+    """Mamba layers keep a recurrent state, not KV rows: the engine does not start, and
+    the error names the layer type, a layer and what to do. (In a process of its own: an
+    engine that failed half-way through its start is not left in this one.)"""
+    from testkit.tinymodel import build_mamba_model
+
+    model = build_mamba_model(tmp_path_factory.mktemp("models") / "mamba")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-m", "tests.engine_run", str(model), json.dumps(kvtier_config())],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert re.search(r"layer backbone\.layers\.\d+\.mixer keeps MambaSpec state .*OffloadingConnector",
+                     proc.stderr), proc.stderr[-3000:]
