@@ -133,3 +133,29 @@ def test_a_failed_load_is_reported_and_recomputed_per_request(model_dir):
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert stored_positions(sched, prompt, FULL, 11) == set(range(10))  # stored again
     assert not sched_half(sched).tracked_requests() and not sched_half(sched).held_requests()
+
+
+def test_preemption_with_two_groups_keeps_jobs_on_owned_blocks_and_resumes_with_a_load(model_dir):
+    """Two requests that outgrow the pool: one is preempted (both its views dropped),
+    no job touches a block its request lost (the fake worker checks every group's), and
+    the resumed request loads its own stored units of both groups."""
+    sched = hybrid_scheduler(model_dir, num_blocks=12)
+    initial = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    half = sched_half(sched)
+    worker = FakeWorker()
+    reqs = [make_request(f"r{i}", prompt_tokens(2 * BS + 1, seed=i), max_tokens=4 * BS) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    preempted = set()
+    for _ in range(600):
+        if not sched.has_requests():
+            break
+        out = worker.step(sched)
+        preempted |= set(out.preempted_req_ids)
+    assert preempted
+    assert all(r.num_output_tokens == 4 * BS for r in reqs)
+    for rid in preempted:
+        # Its prompt's 2 full blocks, in both groups (the window [0, 2) of the sliding one).
+        assert [len(j.block_ids) for m in worker.metas for j in m.loads if j.req_id == rid][-1] == 4
+    assert not half.tracked_requests() and not half.held_requests()
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == initial
