@@ -155,3 +155,48 @@ def test_hybrid_refuses_block_id_features(extra, field):
 def test_hybrid_refuses_mixed_block_sizes():
     with pytest.raises(ConfigError, match="different block sizes"):
         group_layout(parse_config({}), _config(_spec(SlidingWindowSpec, sliding_window=64, block_size=16), _spec()))
+
+
+class _Live:
+    request_id = "r1"
+    num_prompt_tokens = 70
+    kv_transfer_params = {"x": 1}
+
+    def __init__(self):
+        self.block_hashes = [bytes([i]) * 32 for i in range(2)]
+
+
+def test_group_views_compose_with_the_live_request():
+    from vllm_kvtier.connector.scheduler import GroupView, real_id, view_id
+
+    live = _Live()
+    v0, v1 = GroupView(live, 0), GroupView(live, 1)
+    assert (v0.request_id, v1.request_id) == (view_id("r1", 0), view_id("r1", 1))
+    assert real_id(v1.request_id) == "r1" and real_id("plain") == "plain"
+    assert list(v0.block_hashes) == live.block_hashes  # group 0: the request's own keys
+    assert list(v1.block_hashes) == [group_key(h, 1) for h in live.block_hashes]
+    assert v1.num_prompt_tokens == 70 and v1.kv_transfer_params == {"x": 1}  # the rest is the live request's
+    live.num_prompt_tokens = 71
+    assert v1.num_prompt_tokens == 71
+
+
+def test_a_plan_for_group_views_goes_to_the_workers_with_vllms_ids():
+    from vllm_kvtier.connector.scheduler import to_real_ids, view_id
+    from vllm_kvtier.jobs import ChunkRead, LoadJob, SaveJob, StepPlan
+
+    a0, a1, b1 = view_id("a", 0), view_id("a", 1), view_id("b", 1)
+    read = ChunkRead("nvme", "f1", (0,), (7,), (b"k7",))
+    plan = StepPlan(
+        num_slots=8,
+        loads=[LoadJob(a0, (3,), (1,), (b"k1",), True), LoadJob(a1, (5, 6), (2, 7), (b"k2", b"k7"), True,
+                                                                reads=(read,), unloadable=(9,))],
+        saves_after=[SaveJob(b1, (4,), (3,), (b"k3",))],
+        release=[a0, a1, b1], preempted=[b1],
+    )
+    out = to_real_ids(plan)
+    assert len(out.loads) == 1
+    job = out.loads[0]
+    assert (job.req_id, job.block_ids, job.slots, job.keys) == ("a", (3, 5, 6), (1, 2, 7), (b"k1", b"k2", b"k7"))
+    assert job.asynchronous and job.reads == (read,) and job.unloadable == (9,)
+    assert [j.req_id for j in out.saves_after] == ["b"]
+    assert out.release == ["a", "b"] and out.preempted == ["b"]

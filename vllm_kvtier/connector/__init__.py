@@ -23,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 
 from vllm_kvtier.config import parse_config
@@ -31,7 +30,7 @@ from vllm_kvtier.connector import wiring
 from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
-from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, register
+from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:

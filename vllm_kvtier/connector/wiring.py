@@ -44,6 +44,13 @@ try:  # vLLM >= 0.32
 except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
+try:  # the hybrid KV cache manager's connector interface (request_finished_all_groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - a vLLM without it never turns the manager on for us
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in: vLLM without ``SupportsHMA`` calls ``request_finished`` only."""
+
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover
