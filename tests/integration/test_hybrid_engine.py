@@ -129,3 +129,18 @@ def test_a_state_space_model_is_refused_at_start(tmp_path_factory):
     assert proc.returncode != 0
     assert re.search(r"layer backbone\.layers\.\d+\.mixer keeps MambaSpec state .*OffloadingConnector",
                      proc.stderr), proc.stderr[-3000:]
+
+
+def test_loads_continue_after_vllms_own_prefix_cache_hit(hybrid_model, hybrid_baseline):
+    """vLLM's prefix cache on, in a KV cache small enough that it loses blocks between
+    requests: a load starts where its own hit ends (in every group), twice round."""
+    llm = make_llm(hybrid_model, kvtier_config(), enable_prefix_caching=True, kv_cache_memory_bytes=10 * 2**20)
+    try:
+        first = run_scenario(llm, reuse_scenario())
+        again = run_scenario(llm, reuse_scenario())
+        counters = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert_same_tokens(hybrid_baseline[0], first)
+    assert_same_tokens(hybrid_baseline[0], again)
+    assert counters["blocks_loaded|cpu"] > 0
