@@ -20,6 +20,7 @@ from tests.sched_helpers import (
     prompt_tokens,
     sched_half,
 )
+from vllm_kvtier.connector.scheduler import view_id
 from vllm_kvtier.index.groups import group_key
 from vllm_kvtier.index.keys import BlockKey
 
@@ -159,3 +160,35 @@ def test_preemption_with_two_groups_keeps_jobs_on_owned_blocks_and_resumes_with_
         assert [len(j.block_ids) for m in worker.metas for j in m.loads if j.req_id == rid][-1] == 4
     assert not half.tracked_requests() and not half.held_requests()
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == initial
+
+
+def test_a_merged_load_is_observed_once_per_request():
+    """The per-request load histograms count a vLLM request once, not once per group."""
+    import time
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tests.connector.test_scheduler_nvme import FakeRequest, _Out, key
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.connector.scheduler import SchedulerHalf
+    from vllm_kvtier.index.groups import GroupLayout, GroupSpec
+
+    layout = GroupLayout((GroupSpec("sliding", BS, WINDOW), GroupSpec("full", BS)))
+    half = SchedulerHalf(parse_config({}), block_size=BS, num_slots=32, slot_bytes_total=4096, layout=layout)
+    hashes = [key(i) for i in range(5)]
+    for i in range(4):
+        half.index.allocate(BlockKey(group_key(hashes[i], FULL)))
+    for i in (2, 3):  # the sliding window before block 4
+        half.index.allocate(BlockKey(hashes[i]))
+    half.stats()
+    req = FakeRequest("r", hashes, num_prompt_tokens=4 * BS + 1)
+    assert half.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    half.update_state_after_alloc_groups(req, ([0, 0, 12, 13, 14], [20, 21, 22, 23, 24]), 4 * BS)
+    meta = half.build_connector_meta(_Out({}))
+    assert [(j.req_id, sorted(j.block_ids)) for j in meta.loads] == [("r", [12, 13, 20, 21, 22, 23])]
+    assert (half.stats() or {}).get("histograms") == {"request_loaded_blocks|cpu": [6]}
+    time.sleep(0.02)
+    half.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
+    (wait,) = (half.stats() or {})["histograms"]["request_load_wait_seconds|cpu"]
+    assert 0.02 <= wait < 5
+    assert half.tracked_requests() == {view_id("r", 0), view_id("r", 1)}

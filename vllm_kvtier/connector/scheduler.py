@@ -165,6 +165,8 @@ class SchedulerHalf(SchedulerPlanner):
         #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
         self.always_async = self.hybrid
         self.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
+        self.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
+        self.views_per_request = len(self.layout.groups)
         self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
         #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
         self.key_origins = KeyOrigins()
@@ -289,7 +291,26 @@ class SchedulerHalf(SchedulerPlanner):
         for job in plan.loads:
             g = int(job.req_id.rpartition(GROUP_SEP)[2] or 0)
             self.group_loaded_blocks[g] += len(job.block_ids)
-        return KVTierMetadata.from_plan(to_real_ids(plan))
+        plan = to_real_ids(plan)
+        for job in plan.loads:  # one observation per vLLM request, as for one group
+            for tier, count in self._tier_counts(job).items():
+                if count > 0:
+                    self.counters.observe("request_loaded_blocks", tier, count)
+        return KVTierMetadata.from_plan(plan)
+
+    def _merge_load_timing(self, req_id: str) -> None:
+        """The async load of ``req_id`` ended: its views' waits are one wait, observed once
+        (by the first view: the slowest tier, every view's lower-tier blocks)."""
+        states = [st for g in range(len(self.layout.groups))
+                  if (st := self.request_state(view_id(req_id, g))) is not None and st.load_issued_s is not None]
+        if len(states) < 2:
+            return
+        first = states[0]
+        first.load_issued_s = min(st.load_issued_s for st in states)
+        first.load_tier = self._slowest([st.load_tier for st in states])
+        first.load_lower_blocks = sum(st.load_lower_blocks for st in states)
+        for st in states[1:]:
+            st.load_issued_s = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         view = self._view(request)
@@ -330,6 +351,8 @@ class SchedulerHalf(SchedulerPlanner):
             def fan(ids: frozenset[str]) -> frozenset[str]:
                 return frozenset(view_id(r, g) for r in ids for g in n)
 
+            for rid in out.finished_recving:
+                self._merge_load_timing(rid)
             out = dataclasses.replace(out, finished_recving=fan(out.finished_recving),
                                       finished_sending=fan(out.finished_sending),
                                       failed_loads=fan(out.failed_loads))

@@ -120,6 +120,11 @@ class SchedulerPlanner:
         #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
         #: window: never loaded or saved (hybrid models; set by the connector).
         self.skip_null_blocks = False
+        #: Observe the per-request load histogram per load job (off: the connector observes
+        #: merged jobs, hybrid models). Requests per vLLM request (hybrid: one per group),
+        #: to count each prefill token once for load-or-recompute.
+        self.observe_loads = True
+        self.views_per_request = 1
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -342,21 +347,30 @@ class SchedulerPlanner:
         """Per-request load histograms: blocks copied from each tier now; the wait is 0
         for a sync load (it runs in the step that computes on it), and for an async one
         runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier: dict[str, int] = {TIER: len(job.slots)}
-        for read in job.reads:
-            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
-            per_tier[TIER] -= len(read.slots)
-        for tier, n in per_tier.items():
-            if n > 0:
-                self.counters.observe("request_loaded_blocks", tier, n)
-        order = [TIER] + [t.tier for t in self.lower]  # fastest first
-        touched = [t for t, n in per_tier.items() if n > 0] or [TIER]
-        slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
+        per_tier = self._tier_counts(job)
+        if self.observe_loads:
+            for tier, n in per_tier.items():
+                if n > 0:
+                    self.counters.observe("request_loaded_blocks", tier, n)
+        slowest = self._slowest([t for t, n in per_tier.items() if n > 0])
         if job.asynchronous:
             state.load_issued_s, state.load_tier = time.monotonic(), slowest
             state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
         else:
             self.counters.observe("request_load_wait_seconds", slowest, 0.0)
+
+    @staticmethod
+    def _tier_counts(job: LoadJob) -> dict[str, int]:
+        """Blocks of ``job`` copied from each tier (lower-tier ones are read into CPU first)."""
+        per_tier: dict[str, int] = {TIER: len(job.slots)}
+        for read in job.reads:
+            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
+            per_tier[TIER] -= len(read.slots)
+        return per_tier
+
+    def _slowest(self, tiers: list[str]) -> str:
+        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
     def _observe_load_done(self, state: ReqState) -> None:
         if state.load_issued_s is not None:
@@ -456,7 +470,7 @@ class SchedulerPlanner:
                 n for req_id, n in step.num_scheduled_tokens.items()
                 if (st := self._reqs.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
-            ))
+            ) // self.views_per_request)
         saves = list(self._final_saves)
         saves_after: list[SaveJob] = []
         loads = self._loads
