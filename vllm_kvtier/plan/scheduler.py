@@ -36,6 +36,14 @@ What it decides each step (``plan_step``):
   CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
   from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
+* **Hybrid models** (several KV cache groups): the connector presents each group of a
+  request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
+  and decides the hit every group can serve; here, positions holding vLLM's null block
+  are neither loaded nor saved (``skip_null_blocks``), every load is async
+  (``always_async``), a request's ``keep`` filter limits what a sliding-window group
+  saves, and a load failed as a whole (``WorkerOutput.failed_loads``) drops every block
+  that request loaded.
+
 A key is readable as soon as its save is issued: the worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
 """
