@@ -144,6 +144,7 @@ def test_state_space_layers_are_refused_naming_the_layer_type():
 @pytest.mark.parametrize(("extra", "field"), [
     ({"nixl": {}}, "nixl"),
     ({"verify": {"sample_rate": 0.01}}, "verify.sample_rate"),
+    ({"mooncake": {"master": "m:50051", "accept_handoffs": True}}, "mooncake.accept_handoffs"),
 ])
 def test_hybrid_refuses_block_id_features(extra, field):
     with pytest.raises(ConfigError) as e:
