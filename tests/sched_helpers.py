@@ -30,7 +30,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -92,17 +92,23 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(vllm_config: VllmConfig, num_blocks: int = 128) -> Scheduler:
+def make_scheduler(vllm_config: VllmConfig, num_blocks: int = 128, sliding_window: int | None = None) -> Scheduler:
     """The real scheduler with one full-attention group for the model's layers; it
-    builds our connector in the SCHEDULER role itself."""
+    builds our connector in the SCHEDULER role itself. ``sliding_window``: a hybrid
+    model instead: group 0 is layer 0 with that sliding window, group 1 layer 1 (full)."""
     block_size = vllm_config.cache_config.block_size
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                              head_size=HEAD_SIZE, dtype=DTYPE)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    groups = [KVCacheGroupSpec(layers, spec)]
+    if sliding_window is not None:
+        swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                                dtype=DTYPE, sliding_window=sliding_window)
+        groups = [KVCacheGroupSpec(layers[:1], swa), KVCacheGroupSpec(layers[1:2], spec)]
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        kv_cache_groups=groups,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
@@ -185,12 +191,15 @@ class FakeWorker:
 
     #: Per request: load positions (indexes into LoadJob.block_ids) to report as failed.
     fail_load_positions: dict[str, list[int]] = field(default_factory=dict)
+    #: Requests whose async load fails as a whole (``failed_recving``, hybrid models).
+    fail_requests: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
 
     def _apply(self, scheduler: Scheduler, meta: KVTierMetadata) -> tuple[set[str], set[str]]:
         for job in meta.saves + meta.loads + meta.saves_after:
             # Every job touches only blocks its request still owns in this step (a save
             # from freed or reassigned blocks would copy another request's KV).
-            owned = set(scheduler.kv_cache_manager.get_block_ids(job.req_id)[0])
+            owned = set().union(*scheduler.kv_cache_manager.get_block_ids(job.req_id))  # every group's
             assert set(job.block_ids) <= owned, f"{job} uses blocks {job.req_id} does not own"
         self._apply_saves(meta, meta.saves)  # before the forward, like the real worker
         for job in meta.loads:
@@ -202,6 +211,10 @@ class FakeWorker:
             if job.peer_read is not None:  # a P/D peer read fills its slots (a real one checks stamps)
                 for slot, key in zip(job.peer_read.slots, job.peer_read.keys, strict=True):
                     self.pool[slot] = key
+            if job.req_id in self.fail_requests:
+                self.fail_requests.discard(job.req_id)
+                self.failed_recving.add(job.req_id)
+                reads = []  # nothing is read: reported failed with finished_recving
             if job.asynchronous:
                 self.pending_recv[job.req_id] = reads
             else:
@@ -246,6 +259,8 @@ class FakeWorker:
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([SAMPLED_TOKEN] if done else [])
         invalid, self.fail_blocks = self.fail_blocks, set()
+        failed = self.failed_recving & recving
+        self.failed_recving -= failed
         mro = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -254,6 +269,7 @@ class FakeWorker:
                 finished_sending=sending or None,
                 finished_recving=recving or None,
                 invalid_block_ids=invalid,
+                failed_recving=failed,
             ),
         )
         scheduler.update_from_output(out, mro)

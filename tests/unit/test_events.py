@@ -278,3 +278,26 @@ def test_note_with_a_group_publishes_vllms_hash_under_that_group():
     ev.note(req, [0, 1], derived, group_idx=1)
     info = ev.info(key(701))
     assert info is not None and (info.block_hash, info.parent_hash, info.group_idx) == (key(1), key(0), 1)
+
+
+def test_a_hybrid_group_view_is_published_under_vllms_hash_with_its_group():
+    """A hybrid model's group-1 view stores under a derived key; its event carries vLLM's
+    hash of the block, the parent's hash and tokens as vLLM publishes them, and group_idx 1."""
+    from types import SimpleNamespace
+
+    from vllm_kvtier.connector.events import describe
+    from vllm_kvtier.connector.scheduler import GroupView
+
+    live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
+                           lora_request=None)
+    view = GroupView(live, 1)
+    assert view.block_hashes[1] != key(1)  # the group's own key
+    info = describe(BS)(view, 1)
+    assert info is not None and (info.block_hash, info.parent_hash, info.group_idx) == (key(1), key(0), 1)
+    assert info.token_ids.tolist() == [4, 5, 6, 7]
+    ev = log()
+    ev.register(BlockKey(view.block_hashes[1]), info)
+    ev.record("cpu", [BlockKey(view.block_hashes[1])], True)
+    (stored,) = to_vllm(ev.take())
+    assert (stored.block_hashes, stored.group_idx) == ([maybe_convert_block_hash(BlockHash(key(1)))], 1)
+    assert describe(BS)(GroupView(live, 0), 1).group_idx == 0

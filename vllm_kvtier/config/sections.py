@@ -549,9 +549,15 @@ class KVTierConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    #: Hybrid models: a sliding-window group stores, besides the windows at the ends of
+    #: each request's prompt and answer, the window before every multiple of this many
+    #: tokens of a prompt (rounded down to whole blocks), so a prompt sharing a long
+    #: prefix finds one. 0: only the request's own ends.
+    swa_checkpoint_tokens: int = 1024
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)
+        _at_least("swa_checkpoint_tokens", self.swa_checkpoint_tokens, 0)
         if len(self.namespace_salt) > MAX_SALT_CHARS:
             raise ConfigError("namespace_salt",
                               f"must be at most {MAX_SALT_CHARS} characters, got {len(self.namespace_salt)}")

@@ -32,7 +32,7 @@ from vllm_kvtier.connector.events import to_vllm
 from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
-from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, register
+from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -47,8 +47,13 @@ logger = logging.getLogger("vllm_kvtier")
 __all__ = ["KVTierConnector", "register"]
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """vLLM KV connector that keeps KV blocks in tiers beyond GPU memory."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector that keeps KV blocks in tiers beyond GPU memory.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for models mixing full and
+    sliding-window attention; blocks of every KV cache group are stored with their group
+    (:mod:`vllm_kvtier.index.groups`). Models with state-space (Mamba, linear attention)
+    layers are refused at start (:func:`~vllm_kvtier.connector.wiring.group_layout`)."""
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
@@ -59,17 +64,23 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
+        self.groups = wiring.group_layout(self.cfg, kv_cache_config)
         self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config, salt=self.cfg.namespace_salt,
-                                                 log=role == KVConnectorRole.SCHEDULER)
+                                                 log=role == KVConnectorRole.SCHEDULER, groups=self.groups)
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = wiring.scheduler_half(self.cfg, vllm_config, kv_cache_config, self.namespace)
+            self._sched = wiring.scheduler_half(self.cfg, vllm_config, kv_cache_config, self.namespace,
+                                                groups=self.groups)
             self._exporter = wiring.start_exporter(self.cfg, self.namespace)
         else:
             self._worker = wiring.worker_half(self.cfg, kv_cache_config, self.namespace, vllm_config)
+            # vLLM refuses block-level load errors with more than one group.
+            self._worker.request_level_failures = self.groups.hybrid
+            # vLLM frees a sliding group's blocks as its window passes, not waiting for saves.
+            self._worker.wait_saves = self.groups.hybrid
         logger.info("kvtier: %s role, namespace %s, config %s", role.name, self.namespace, self.cfg)
 
     @property
@@ -134,7 +145,8 @@ class KVTierConnector(KVConnectorBase_V1):
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             assert self._worker is not None
             sending, recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
-            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                              failed_recving=self._worker.take_failed_loads())
 
     def build_connector_worker_meta(self) -> Any:
         assert self._worker is not None
@@ -171,7 +183,7 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._sched is not None
         if request.num_computed_tokens == 0 or num_external_tokens > 0:
             self._sched.record_lookup(request)
-        self._sched.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._sched.update_state_after_alloc_groups(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -194,6 +206,10 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._sched is None or self._sched.events is None:
             return ()
         return to_vllm(self._sched.take_events())
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished_all_groups(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

@@ -23,6 +23,7 @@ router will not recognise (so it ignores it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +31,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
 from vllm_kvtier.config import EventsConfig
-from vllm_kvtier.connector.scheduler import AdapterRequest
+from vllm_kvtier.connector.scheduler import AdapterRequest, GroupView
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block
@@ -47,10 +48,18 @@ def events_enabled(vllm_config: Any) -> bool:
 
 def describe(block_size: int):  # type: ignore[no-untyped-def]
     """``describe(request, i)`` for :class:`~vllm_kvtier.plan.events.EventLog`: block ``i``
-    as vLLM's own events show it (for a LoRA request, the live request's hash, not ours)."""
+    as vLLM's own events show it: for a LoRA request, the live request's hash, not ours; for
+    a hybrid model's group view, vLLM's hash of the block with the view's ``group_idx`` (the
+    keys of groups >= 1 are derived from it)."""
 
     def info(request: Any, i: int) -> BlockInfo | None:
-        return describe_block(request.live if isinstance(request, AdapterRequest) else request, i, block_size)
+        group = 0
+        if isinstance(request, GroupView):
+            group, request = request.group, request.live
+        if isinstance(request, AdapterRequest):
+            request = request.live
+        found = describe_block(request, i, block_size)
+        return found if found is None or group == 0 else dataclasses.replace(found, group_idx=group)
 
     return info
 

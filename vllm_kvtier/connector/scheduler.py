@@ -7,17 +7,27 @@ reads vLLM's ``SchedulerOutput`` and ``KVConnectorOutput`` into the planner's pl
 (:mod:`vllm_kvtier.plan.inputs`) and wraps its :class:`~vllm_kvtier.jobs.StepPlan` as the
 connector metadata vLLM carries to the workers. A vLLM ``Request`` is passed as it is: it
 has the attributes of :class:`~vllm_kvtier.plan.inputs.Request`.
+
+Hybrid models (more than one KV cache group, vLLM's hybrid KV cache manager on): each
+vLLM request reaches the planner as one :class:`GroupView` per group (id
+``<request id>\x1fg<group>``, the group's keys, :mod:`vllm_kvtier.index.groups`), so the
+planner stores and loads units of every group with no notion of groups itself. This
+class fans vLLM's inputs out to the views and maps the plan back to vLLM's ids: the
+loads of one request become one async job, saves and releases carry the real id, and a
+failed load is reported (and recomputed) per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.index.groups import GroupKeys, GroupLayout, GroupSpec, KeyOrigins, SaveFilter, sliding_hit
 from vllm_kvtier.index.identity import AdapterFingerprints, AdapterKeys
-from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.jobs import LoadJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
@@ -28,15 +38,16 @@ logger = logging.getLogger("vllm_kvtier")
 MAX_VIEWS = 65536
 
 
-def step_input(scheduler_output: Any) -> StepInput:
+def step_input(scheduler_output: Any, group: int = 0) -> StepInput:
     """The planner's view of a ``SchedulerOutput``: tokens scheduled per request, the
-    preempted ones, and the block tables (whole from vLLM's ``kv_connector_block_state``
-    when it has one, else the deltas of ``scheduled_cached_reqs``)."""
+    preempted ones, and the block tables of KV cache group ``group`` (whole from vLLM's
+    ``kv_connector_block_state`` when it has one, else the deltas of
+    ``scheduled_cached_reqs``)."""
     scheduled = dict(scheduler_output.num_scheduled_tokens)
     preempted = tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
     if block_state is not None:
-        whole = {r: list(ids[0]) for r in scheduled if (ids := block_state.get_block_ids(r)) is not None}
+        whole = {r: list(ids[group]) for r in scheduled if (ids := block_state.get_block_ids(r)) is not None}
         return StepInput(scheduled, preempted, block_ids=whole)
     cached = scheduler_output.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", ())
@@ -44,7 +55,7 @@ def step_input(scheduler_output: Any) -> StepInput:
     append: dict[str, list[int]] = {}
     for req_id, new in zip(cached.req_ids, cached.new_block_ids, strict=False):
         if new is not None:
-            (replace if req_id in resumed else append)[req_id] = list(new[0])
+            (replace if req_id in resumed else append)[req_id] = list(new[group])
     return StepInput(scheduled, preempted, block_ids=replace, new_block_ids=append)
 
 
@@ -56,6 +67,7 @@ def worker_output(connector_output: Any) -> WorkerOutput:
         finished_recving=frozenset(connector_output.finished_recving or ()),
         finished_sending=frozenset(connector_output.finished_sending or ()),
         invalid_block_ids=frozenset(connector_output.invalid_block_ids or ()),
+        failed_loads=frozenset(getattr(connector_output, "failed_recving", None) or ()),
         stats=getattr(stats, "data", None),
         report=report if isinstance(report, WorkerReport) else None,
     )
@@ -81,15 +93,86 @@ class AdapterRequest:
         return getattr(self.live, name)
 
 
+#: Separates a request id from its group in a :class:`GroupView`'s id.
+GROUP_SEP = "\x1fg"
+
+
+def view_id(req_id: str, group: int) -> str:
+    return f"{req_id}{GROUP_SEP}{group}"
+
+
+def real_id(req_id: str) -> str:
+    """vLLM's request id of a group view's id (an id without a group: itself)."""
+    return req_id.rpartition(GROUP_SEP)[0] or req_id
+
+
+class GroupView:
+    """One KV cache group of a live request as the planners see it: its own id and the
+    group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`; group 0: the request's
+    own), everything else the live request's (``base``: vLLM's request or a LoRA view)."""
+
+    def __init__(self, base: Any, group: int, origins: KeyOrigins | None = None) -> None:
+        self.live = base
+        self.group = group
+        self.request_id = view_id(base.request_id, group)
+        self._keys: Sequence[bytes] | None = GroupKeys(base, group, origins) if group else None
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        return self._keys if self._keys is not None else self.live.block_hashes
+
+    def __getattr__(self, name: str) -> Any:  # everything else: the live request's
+        return getattr(self.live, name)
+
+
+def merge_loads(jobs: list[LoadJob], req_id: str) -> LoadJob:
+    """The loads of one request's group views as one async job of vLLM's request."""
+    return LoadJob(
+        req_id,
+        tuple(b for j in jobs for b in j.block_ids), tuple(s for j in jobs for s in j.slots),
+        tuple(k for j in jobs for k in j.keys), True,
+        reads=tuple(r for j in jobs for r in j.reads),
+        unloadable=tuple(b for j in jobs for b in j.unloadable),
+    )
+
+
+def to_real_ids(plan: StepPlan) -> StepPlan:
+    """A plan made for group views, with vLLM's request ids (what the workers know)."""
+    loads: dict[str, list[LoadJob]] = {}
+    for job in plan.loads:
+        loads.setdefault(real_id(job.req_id), []).append(job)
+    plan.loads = [merge_loads(jobs, rid) for rid, jobs in loads.items()]
+    plan.saves = [dataclasses.replace(j, req_id=real_id(j.req_id)) for j in plan.saves]
+    plan.saves_after = [dataclasses.replace(j, req_id=real_id(j.req_id)) for j in plan.saves_after]
+    plan.release = list(dict.fromkeys(real_id(r) for r in plan.release))
+    plan.preempted = list(dict.fromkeys(real_id(r) for r in plan.preempted))
+    return plan
+
+
 class SchedulerHalf(SchedulerPlanner):
     """The planner under vLLM's hook names and types (its introspection is the planner's).
     A request with a LoRA adapter reaches the planner as an :class:`AdapterRequest`, the
     same object on every hook until it finishes."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, layout: GroupLayout | None = None, swa_checkpoint_tokens: int = 0,
+                 **kwargs: Any) -> None:
+        """``layout``: the engine's KV cache groups (None: one full-attention group)."""
         super().__init__(*args, **kwargs)
         self._adapters = AdapterFingerprints()
         self._views: dict[str, AdapterRequest] = {}
+        self.layout = layout if layout is not None else GroupLayout((GroupSpec("full", self.block_size),))
+        self.hybrid = self.layout.hybrid
+        #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
+        self.always_async = self.hybrid
+        self.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
+        self.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
+        self.views_per_request = len(self.layout.groups)
+        self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
+        #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
+        self.key_origins = KeyOrigins()
+        self._groups: dict[str, tuple[GroupView, ...]] = {}
+        #: blocks put in load jobs, per group (introspection: tests, ``kvtier inspect``)
+        self.group_loaded_blocks = [0] * len(self.layout.groups)
 
     def _view(self, request: Any) -> Any:
         lora = getattr(request, "lora_request", None)
@@ -111,22 +194,166 @@ class SchedulerHalf(SchedulerPlanner):
         view = self._views[request.request_id] = AdapterRequest(request, adapter)
         return view
 
+    def group_views(self, request: Any) -> tuple[GroupView, ...]:
+        """The views of ``request``, one per group, the same objects until it finishes."""
+        base = self._view(request)
+        views = self._groups.get(request.request_id)
+        if views is not None and views[0].live is base:
+            return views
+        if len(self._groups) >= MAX_VIEWS:
+            self._groups.pop(next(iter(self._groups)))
+        views = self._groups[request.request_id] = tuple(
+            GroupView(base, g, self.key_origins) for g in range(len(self.layout.groups)))
+        return views
+
+    def stored_units_per_group(self) -> list[int]:
+        """Units in the CPU tier per KV cache group (introspection: tests, ``kvtier inspect``)."""
+        counts = [0] * len(self.layout.groups)
+        for key, _ in self.index.items():
+            counts[self.key_origins.origin(key)[1]] += 1
+        return counts
+
+    def request_state(self, req_id: str) -> Any:
+        """The planner's state of a request (or group view) it follows, else None."""
+        return self._reqs.get(req_id) or self._held.get(req_id)
+
     def record_lookup(self, request: Request) -> None:
-        super().record_lookup(self._view(request))
+        if not self.hybrid:
+            super().record_lookup(self._view(request))
+            return
+        # The units a whole hit would load: every group's blocks up to the hit's cap (a
+        # sliding group: its window there), so a full hit still reads as 100%.
+        m = max(0, (request.num_prompt_tokens - 1) // self.block_size)
+        n = sum(m - spec.window_start(m) for spec in self.layout.groups)
+        self.counters.add("lookup_blocks", TierName.CPU, n)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.lookup(self._view(request), num_computed_tokens)
+        if not self.hybrid:
+            return self.lookup(self._view(request), num_computed_tokens)
+        return self._hybrid_lookup(request, num_computed_tokens)
+
+    def _hybrid_lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The hit every group can serve: the shortest full-attention group hit, then, per
+        sliding-window group, the longest prefix within it whose window is stored; never
+        the block of the last prompt token (vLLM then computes from exactly the hit)."""
+        views = self.group_views(request)
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        hit = min(max(0, (request.num_prompt_tokens - 1) // bs), len(request.block_hashes))
+        for g in self.layout.full_groups:
+            n, _ = self.lookup(views[g], num_computed_tokens)
+            if n is None:
+                return None, False
+            hit = min(hit, start + n // bs)
+        for g in self.layout.sliding_groups:
+            if hit <= start:
+                break
+            spec = self.layout.groups[g]
+            lo = spec.window_start(start + 1)
+            present = [True] * lo + self.present(views[g], lo, hit)
+            present += [False] * (hit - len(present))
+            hit = sliding_hit(present, hit, spec, floor=start)
+        for v in views:
+            self.note_match_start(v, num_computed_tokens)
+        if hit - start < max(1, self.cfg.min_load_blocks):
+            return 0, False
+        return (hit - start) * bs, True
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         self.on_alloc(self._view(request), block_ids, num_external_tokens)
 
+    def update_state_after_alloc_groups(self, request: Request, block_ids: Sequence[Sequence[int]],
+                                        num_external_tokens: int) -> None:
+        """``block_ids``: one list per KV cache group (vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+        if not self.hybrid:
+            self.update_state_after_alloc(request, list(block_ids[0]), num_external_tokens)
+            return
+        for g, v in enumerate(self.group_views(request)):
+            self.on_alloc(v, list(block_ids[g]), num_external_tokens)
+            spec = self.layout.groups[g]
+            state = self._reqs.get(v.request_id)
+            if spec.kind == "sliding" and state is not None and state.keep is None:
+                state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        return KVTierMetadata.from_plan(self.plan_step(step_input(scheduler_output)))
+        if not self.hybrid:
+            return KVTierMetadata.from_plan(self.plan_step(step_input(scheduler_output)))
+        per_group = [step_input(scheduler_output, g) for g in range(len(self.layout.groups))]
+        first = per_group[0]
+        n = range(len(per_group))
+        step = StepInput(
+            {view_id(r, g): t for r, t in first.num_scheduled_tokens.items() for g in n},
+            tuple(view_id(r, g) for r in first.preempted for g in n),
+            block_ids={view_id(r, g): ids for g in n for r, ids in per_group[g].block_ids.items()},
+            new_block_ids={view_id(r, g): ids for g in n for r, ids in per_group[g].new_block_ids.items()},
+        )
+        plan = self.plan_step(step)
+        for job in plan.loads:
+            g = int(job.req_id.rpartition(GROUP_SEP)[2] or 0)
+            self.group_loaded_blocks[g] += len(job.block_ids)
+        plan = to_real_ids(plan)
+        for job in plan.loads:  # one observation per vLLM request, as for one group
+            for tier, count in self._tier_counts(job).items():
+                if count > 0:
+                    self.counters.observe("request_loaded_blocks", tier, count)
+        return KVTierMetadata.from_plan(plan)
+
+    def _merge_load_timing(self, req_id: str) -> None:
+        """The async load of ``req_id`` ended: its views' waits are one wait, observed once
+        (by the first view: the slowest tier, every view's lower-tier blocks)."""
+        states = [st for g in range(len(self.layout.groups))
+                  if (st := self.request_state(view_id(req_id, g))) is not None and st.load_issued_s is not None]
+        if len(states) < 2:
+            return
+        first = states[0]
+        first.load_issued_s = min(st.load_issued_s for st in states)
+        first.load_tier = self._slowest([st.load_tier for st in states])
+        first.load_lower_blocks = sum(st.load_lower_blocks for st in states)
+        for st in states[1:]:
+            st.load_issued_s = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         view = self._view(request)
         self._views.pop(request.request_id, None)
         return self.on_finished(view, block_ids)
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict | None]:
+        """Every group's view finished; held if any view is held. A sliding group's blocks
+        stored while it decoded and outside every window a later request can use
+        (:class:`~vllm_kvtier.index.groups.SaveFilter`) are dropped again."""
+        if not self.hybrid:
+            return self.request_finished(request, list(block_ids[0]))
+        views = self.group_views(request)
+        self._groups.pop(request.request_id, None)
+        self._views.pop(request.request_id, None)
+        hold, params = False, None
+        for g, v in enumerate(views):
+            state = self._reqs.get(v.request_id)
+            stale: list[int] = []
+            if state is not None and isinstance(state.keep, SaveFilter):
+                state.keep.with_final(self.saves.saveable_blocks(v, request.num_computed_tokens))
+                stale = [p for p in state.saved if not state.keep(p)]
+            h, p = self.on_finished(v, list(block_ids[g]))
+            if state is not None:
+                for pos in stale:
+                    self.drop_stored(state.saved.pop(pos))
+            hold = hold or h
+            if p:
+                params = {**(params or {}), **p}
+        return hold, params
+
     def update_connector_output(self, connector_output: Any) -> None:
-        self.on_worker_output(worker_output(connector_output))
+        out = worker_output(connector_output)
+        if self.hybrid:
+            n = range(len(self.layout.groups))
+
+            def fan(ids: frozenset[str]) -> frozenset[str]:
+                return frozenset(view_id(r, g) for r in ids for g in n)
+
+            for rid in out.finished_recving:
+                self._merge_load_timing(rid)
+            out = dataclasses.replace(out, finished_recving=fan(out.finished_recving),
+                                      finished_sending=fan(out.finished_sending),
+                                      failed_loads=fan(out.failed_loads))
+        self.on_worker_output(out)

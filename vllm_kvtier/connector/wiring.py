@@ -22,6 +22,7 @@ from vllm_kvtier.connector.lower import make_planners, make_workers, rank_role, 
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import metric_tiers
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.index.groups import GroupLayout, GroupSpec
 from vllm_kvtier.index.identity import (
     ModelIdentity,
     WeightsFingerprint,
@@ -44,6 +45,13 @@ try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:  # the hybrid KV cache manager's connector interface (request_finished_all_groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - a vLLM without it never turns the manager on for us
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in: vLLM without ``SupportsHMA`` calls ``request_finished`` only."""
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -141,9 +149,16 @@ def register() -> None:
 
 
 def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block of this rank's KV cache, over all its layers (a CPU slot's)."""
+    """Bytes of one block of this rank's KV cache, over all its layers (a CPU slot's).
+    With more than one KV cache group the groups alias one memory region (each
+    ``KVCacheTensor`` spans it, several layers share a tensor): a block is that region
+    divided by ``num_blocks``, as the worker's deduplicated layout sees it."""
+    groups = kv_cache_config.kv_cache_groups
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
+    if len(groups) > 1 and tensors and kv_cache_config.num_blocks:
+        return max(int(t.size) for t in tensors) // int(kv_cache_config.num_blocks)
     total = 0
-    for group in kv_cache_config.kv_cache_groups:
+    for group in groups:
         total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
     return total
 
@@ -162,6 +177,70 @@ def kv_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bo
         return False
     groups = kv_cache_config.kv_cache_groups
     return bool(groups) and all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
+_HYBRID_HINT = "or start vLLM with --disable-hybrid-kv-cache-manager"
+
+
+def _spec_kind(spec: Any) -> tuple[str, int] | None:
+    """("full" | "sliding", window) of an attention spec; None for any other kind."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    specs = [spec]
+    uniform: Any = getattr(kvi, "UniformTypeKVCacheSpecs", None)
+    if uniform is not None and isinstance(spec, uniform):
+        specs = list(spec.kv_cache_specs.values())
+    kinds = set()
+    for s in specs:
+        if isinstance(s, kvi.SlidingWindowSpec):
+            kinds.add(("sliding", int(s.sliding_window)))
+        elif isinstance(s, kvi.FullAttentionSpec) and not getattr(s, "sliding_window", None) \
+                and not getattr(s, "attention_chunk_size", None):
+            kinds.add(("full", 0))
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def group_layout(cfg: KVTierConfig, kv_cache_config: KVCacheConfig) -> GroupLayout:
+    """The engine's KV cache groups, refusing at start what the tiers cannot store:
+    state-space layers (Mamba, linear attention: their state is not a per-block KV row),
+    and, with more than one group, other attention kinds, mixed block sizes, and the
+    features that move blocks by block id (P/D over NIXL, pool hand-offs, shadow
+    verification). A ConfigError names the field or layer and what to do."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    attention = (kvi.AttentionSpec, *[c for c in [getattr(kvi, "UniformTypeKVCacheSpecs", None)] if c])
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, kvi.MambaSpec) or not isinstance(spec, attention):
+            layer = g.layer_names[0] if g.layer_names else "?"
+            raise ConfigError(
+                "kv_connector", f"layer {layer} keeps {type(spec).__name__} state (state-space / linear attention): "
+                "KVTierConnector stores attention KV blocks only; serve this model without it (or with vLLM's "
+                "native OffloadingConnector)")
+    if len(groups) <= 1:
+        bs = int(groups[0].kv_cache_spec.block_size) if groups else 1
+        return GroupLayout((GroupSpec("full", bs, 0, len(groups[0].layer_names) if groups else 0),))
+    specs = []
+    for g in groups:
+        kind = _spec_kind(g.kv_cache_spec)
+        if kind is None:
+            raise ConfigError("kv_connector", f"layer {g.layer_names[0]} uses {type(g.kv_cache_spec).__name__}: "
+                              f"hybrid models are supported with full and sliding-window attention only; "
+                              f"{_HYBRID_HINT}")
+        specs.append(GroupSpec(kind[0], int(g.kv_cache_spec.block_size), kind[1], len(g.layer_names)))  # type: ignore[arg-type]
+    if len({s.block_size for s in specs}) > 1:
+        raise ConfigError("kv_connector", f"KV cache groups with different block sizes "
+                          f"({sorted({s.block_size for s in specs})}) are not supported; {_HYBRID_HINT}")
+    refused = [("nixl", cfg.nixl is not None, "remove the nixl section (P/D peer transfers)"),
+               ("mooncake.accept_handoffs", cfg.mooncake is not None and cfg.mooncake.accept_handoffs,
+                "set it to false"),
+               ("verify.sample_rate", cfg.verify.sample_rate > 0, "set it to 0")]
+    for name, on, what in refused:
+        if on:
+            raise ConfigError(name, f"not supported with a hybrid model ({len(groups)} KV cache groups): {what}, "
+                              f"{_HYBRID_HINT}")
+    return GroupLayout(tuple(specs))
 
 
 def worker_rank() -> int:
@@ -272,7 +351,7 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
 
 
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
-                     log: bool = False) -> str:
+                     log: bool = False, groups: GroupLayout | None = None) -> str:
     """The digest naming what this engine stores (the model's identity: weights, dtype,
     quantization, overrides, salt; KV dtype and shape, TP size, layout, hash): blocks of
     another namespace are never read back. ``log``: its inputs at INFO (once per engine:
@@ -293,6 +372,7 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
         tp_rank=0,
         layout="vllm-block-planes",
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
+        groups=groups.describe() if groups is not None else "",
     )
     ns = namespace(fields)
     if log:
@@ -325,7 +405,7 @@ def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
 
 
 def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                   ns: str) -> SchedulerHalf:
+                   ns: str, groups: GroupLayout | None = None) -> SchedulerHalf:
     """The scheduler role's half: the CPU tier sized from the config, the planners of the
     tiers below it (their start-up scans run here), and the KV event log if vLLM's KV events
     are on."""
@@ -346,7 +426,8 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
     return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
-                         world_size=world, lower=lower, counters=counters,
+                         world_size=world, lower=lower, counters=counters, layout=groups,
+                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens,
                          events=event_log(cfg.events, vllm_config, counters))
 
 

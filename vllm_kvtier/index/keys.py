@@ -35,9 +35,15 @@ class NamespaceFields:
     layout: str
     hash_algo: str
     format_version: int = FORMAT_VERSION
+    #: the KV cache groups of a hybrid model (:meth:`~vllm_kvtier.index.groups.GroupLayout.describe`);
+    #: empty for one group, and then not part of the digest (namespaces of 0.1 unchanged)
+    groups: str = ""
 
 
 def namespace(fields: NamespaceFields) -> str:
     """A short stable digest of ``fields`` (hex, 16 characters)."""
-    blob = json.dumps(asdict(fields), sort_keys=True).encode()
+    d = asdict(fields)
+    if not d["groups"]:
+        del d["groups"]
+    blob = json.dumps(d, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -62,6 +62,8 @@ class WorkerOutput:
     finished_sending: frozenset[str] = frozenset()
     #: engine blocks whose load failed (vLLM recomputes them)
     invalid_block_ids: frozenset[int] = frozenset()
+    #: requests whose async load failed as a whole (hybrid models: vLLM recomputes them)
+    failed_loads: frozenset[str] = frozenset()
     #: the workers' counters of the step (``KVTierStats.data``), if any came
     stats: Mapping[str, Any] | None = None
     report: WorkerReport | None = None

@@ -7,6 +7,7 @@ Who uses it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,3 +56,6 @@ class ReqState:
     #: Keys read from such a peer into CPU slots for this request only: dropped from the
     #: CPU index once its load ended.
     private_keys: list[BlockKey] = field(default_factory=list)
+    #: Which block positions are worth saving (a sliding-window group's view:
+    #: :class:`~vllm_kvtier.index.groups.SaveFilter`); None: every one.
+    keep: Callable[[int], bool] | None = None

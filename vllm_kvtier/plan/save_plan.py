@@ -12,7 +12,9 @@ or demote. A request may key-pin its prompt blocks with ``kv_transfer_params:
 {"kvtier_pin_ttl_s": N}`` when ``cpu.request_pins`` is on (its TTL at most
 ``cpu.max_pin_ttl_s``, the pins bounded by ``cpu.max_pinned_fraction``; decided once per
 request, :mod:`~vllm_kvtier.plan.request_params`). A request whose KV depends on blocks
-from an untrusted peer (``ReqState.private``) stores nothing.
+from an untrusted peer (``ReqState.private``) stores nothing. Positions holding vLLM's
+null block, or refused by the request's ``keep`` filter (a sliding-window group:
+:class:`~vllm_kvtier.index.groups.SaveFilter`), are not stored.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from vllm_kvtier.plan.events import EventLog
 from vllm_kvtier.plan.req_state import ReqState
 
 TIER = TierName.CPU
+#: vLLM's null block (a sliding-window group's position outside the window)
+NULL_BLOCK = 0
 
 
 class SavePlanner:
@@ -41,6 +45,8 @@ class SavePlanner:
         self.save_decode_blocks = save_decode_blocks
         #: KV events on: what a router sees of each block saved is noted while its request lives
         self.events = events
+        #: Skip positions holding vLLM's null block (hybrid models; set by the connector).
+        self.skip_null_blocks = False
 
     def saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
         """Blocks [0, n) of ``request`` complete once ``num_computed_tokens`` are computed
@@ -68,6 +74,9 @@ class SavePlanner:
         for i in range(state.next_save, upto):
             if i >= len(state.block_ids):
                 break
+            if (self.skip_null_blocks and state.block_ids[i] == NULL_BLOCK) or \
+                    (state.keep is not None and not state.keep(i)):
+                continue  # outside a sliding window: no block, or no later request reads it
             key = BlockKey(hashes[i])
             if key in self.index:
                 self.index.touch(key)

@@ -36,6 +36,14 @@ What it decides each step (``plan_step``):
   CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
   from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
+* **Hybrid models** (several KV cache groups): the connector presents each group of a
+  request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
+  and decides the hit every group can serve; here, positions holding vLLM's null block
+  are neither loaded nor saved (``skip_null_blocks``), every load is async
+  (``always_async``), a request's ``keep`` filter limits what a sliding-window group
+  saves, and a load failed as a whole (``WorkerOutput.failed_loads``) drops every block
+  that request loaded.
+
 A key is readable as soon as its save is issued: the worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
 
@@ -49,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
@@ -75,6 +83,8 @@ from vllm_kvtier.plan.verify_plan import VerifyPlanner
 logger = logging.getLogger(__name__)
 
 TIER = TierName.CPU
+#: vLLM's null block: held by sliding-window groups outside the window; never loaded or saved.
+NULL_BLOCK = 0
 
 
 class SchedulerPlanner:
@@ -125,6 +135,17 @@ class SchedulerPlanner:
         self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
+        #: Every load is async (hybrid models: a failed load is reported per request, which
+        #: vLLM supports for async loads only). Set by the connector.
+        self.always_async = False
+        #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
+        #: window: never loaded or saved (hybrid models; set by the connector).
+        self.skip_null_blocks = False
+        #: Observe the per-request load histogram per load job (off: the connector observes
+        #: merged jobs, hybrid models). Requests per vLLM request (hybrid: one per group),
+        #: to count each prefill token once for load-or-recompute.
+        self.observe_loads = True
+        self.views_per_request = 1
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -199,7 +220,7 @@ class SchedulerPlanner:
             return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        asynchronous = self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
+        asynchronous = self.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
         if not asynchronous:
             tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
@@ -207,6 +228,23 @@ class SchedulerPlanner:
         if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
             return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
+
+    def present(self, request: Request, lo: int, hi: int) -> list[bool]:
+        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
+        (in DRAM, or in a lower tier after its refresh/discovery), for a hit that needs
+        keys at scattered positions (a sliding-window group's window)."""
+        hashes = request.block_hashes
+        hi = min(hi, len(hashes))
+        keys = [BlockKey(h) for h in hashes[lo:hi]]
+        for tier in self.lower:
+            tier.refresh()
+            tier.discover([k for k in keys if k not in self.index])
+        return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
+
+    def note_match_start(self, request: Request, num_computed_tokens: int) -> None:
+        """What :meth:`lookup` records for :meth:`on_alloc`, for a request whose hit was
+        decided elsewhere (a group view of a hybrid model)."""
+        self._match_start[request.request_id] = num_computed_tokens // self.block_size
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
@@ -273,7 +311,10 @@ class SchedulerPlanner:
             return
         bs = self.block_size
         n = num_external_tokens // bs
-        keys = [BlockKey(h) for h in request.block_hashes[start : start + n]]
+        # A sliding-window group holds the null block outside the window: nothing to load there.
+        positions = [p for p in range(start, min(start + n, len(state.block_ids)))
+                     if not (self.skip_null_blocks and state.block_ids[p] == NULL_BLOCK)]
+        keys = [BlockKey(request.block_hashes[p]) for p in positions]
         # (planner, chunk) -> [(position, slot, key)]
         reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
         # Pin every key already in DRAM first: promoting the lower-tier ones below
@@ -293,9 +334,9 @@ class SchedulerPlanner:
                 state.promoting.append(k)
                 state.sources[k] = (tier, fid)
             self.counters.add("hit_blocks", tier.tier)
-        blocks = state.block_ids[start : start + n]
+        blocks = [state.block_ids[p] for p in positions]
         unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
-        asynchronous = self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
+        asynchronous = self.always_async or self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
         chunk_reads = tuple(
             ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
                       tuple(k for _, _, k in items))
@@ -329,21 +370,30 @@ class SchedulerPlanner:
         """Per-request load histograms: blocks copied from each tier now; the wait is 0
         for a sync load (it runs in the step that computes on it), and for an async one
         runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier: dict[str, int] = {TIER: len(job.slots)}
-        for read in job.reads:
-            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
-            per_tier[TIER] -= len(read.slots)
-        for tier, n in per_tier.items():
-            if n > 0:
-                self.counters.observe("request_loaded_blocks", tier, n)
-        order = [TIER] + [t.tier for t in self.lower]  # fastest first
-        touched = [t for t, n in per_tier.items() if n > 0] or [TIER]
-        slowest = max(touched, key=lambda t: order.index(t) if t in order else len(order))
+        per_tier = self._tier_counts(job)
+        if self.observe_loads:
+            for tier, n in per_tier.items():
+                if n > 0:
+                    self.counters.observe("request_loaded_blocks", tier, n)
+        slowest = self._slowest([t for t, n in per_tier.items() if n > 0])
         if job.asynchronous:
             state.load_issued_s, state.load_tier = time.monotonic(), slowest
             state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
         else:
             self.counters.observe("request_load_wait_seconds", slowest, 0.0)
+
+    @staticmethod
+    def _tier_counts(job: LoadJob) -> dict[str, int]:
+        """Blocks of ``job`` copied from each tier (lower-tier ones are read into CPU first)."""
+        per_tier: dict[str, int] = {TIER: len(job.slots)}
+        for read in job.reads:
+            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
+            per_tier[TIER] -= len(read.slots)
+        return per_tier
+
+    def _slowest(self, tiers: list[str]) -> str:
+        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
     def _observe_load_done(self, state: ReqState) -> None:
         if state.load_issued_s is not None:
@@ -445,7 +495,7 @@ class SchedulerPlanner:
                 n for req_id, n in step.num_scheduled_tokens.items()
                 if (st := self._reqs.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
-            ))
+            ) // self.views_per_request)
         saves = list(self._final_saves)
         saves_after: list[SaveJob] = []
         loads = self._loads
@@ -593,28 +643,13 @@ class SchedulerPlanner:
         bad = out.invalid_block_ids
         if bad:
             for state in list(self._reqs.values()) + list(self._held.values()):
-                for b in bad & state.loaded.keys():
-                    key = state.loaded.pop(b)
-                    self.promotions.end((key,))
-                    src = state.sources.pop(key, None)
-                    if src is not None:
-                        # Not offered again for a while: the request is rescheduled at
-                        # once, and a tier that just failed would fail it again (a loop).
-                        src[0].cool_down(src[1])
-                    if self.index.remove(key):
-                        logger.warning("kvtier: dropped a block that failed to load")
-                    if b not in state.block_ids:
-                        continue
-                    pos = state.block_ids.index(b)
-                    # Blocks this request computed (and saved) after the bad one attended
-                    # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
-                    # saved again once complete.
-                    for p in [p for p in state.saved if p > pos]:
-                        poisoned = state.saved.pop(p)
-                        self.index.remove(poisoned)
-                        for tier in self.lower:
-                            tier.drop_key(poisoned)
-                    state.next_save = min(state.next_save, pos)
+                self._undo_loads(state, bad & state.loaded.keys())
+        for req_id in out.failed_loads:
+            # A request-level failure (hybrid models): every block it loaded is suspect,
+            # and vLLM recomputes the whole request.
+            state = self._reqs.get(req_id) or self._held.get(req_id)
+            if state is not None:
+                self._undo_loads(state, set(state.loaded))
         if self.load_policy is not None and out.stats is not None:
             self.load_policy.observe_stats(out.stats)
         meta = out.report
@@ -630,6 +665,38 @@ class SchedulerPlanner:
         for req_id in out.finished_sending:
             self._held.pop(req_id, None)
             self._releasing.discard(req_id)
+
+    def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
+        """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
+        their source chunks down), and undo the saves computed on top of them."""
+        dropped = 0
+        for b in bad:
+            key = state.loaded.pop(b)
+            self.promotions.end((key,))
+            src = state.sources.pop(key, None)
+            if src is not None:
+                # Not offered again for a while: the request is rescheduled at
+                # once, and a tier that just failed would fail it again (a loop).
+                src[0].cool_down(src[1])
+            dropped += bool(self.index.remove(key))
+            if b not in state.block_ids:
+                continue
+            pos = state.block_ids.index(b)
+            # Blocks this request computed (and saved) after the bad one attended
+            # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
+            # saved again once complete.
+            for p in [p for p in state.saved if p > pos]:
+                self.drop_stored(state.saved.pop(p))
+            state.next_save = min(state.next_save, pos)
+        if dropped:
+            logger.warning("kvtier: dropped %d block(s) that failed to load", dropped)
+
+    def drop_stored(self, key: BlockKey) -> None:
+        """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
+        later request can use)."""
+        self.index.remove(key)
+        for tier in self.lower:
+            tier.drop_key(key)
 
     # ---- introspection (tests, `kvtier inspect`) --------------------------------------
 

@@ -13,6 +13,12 @@ in which each block's row is contiguous; a layer yields one plane per index of t
 dimensions outside the block dimension. A stored block is the concatenation of its rows in
 every plane, in a fixed order; the copy engines move whole rows, merging runs of
 consecutive blocks into one copy.
+
+Hybrid models (vLLM's hybrid KV cache manager): the KV cache groups alias one memory
+region, so several layer names map to the same tensor (one layer of each group). Such a
+tensor yields its planes once (:func:`build_layout` dedupes by storage, offset, shape and
+strides): a unit of any group is then the rows of every plane at that group's block id,
+and a block id's rows hold whichever group's KV vLLM put there.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class KVLayout:
     description: str  # e.g. "2 layers x 1 plane [N,H,B,2D] bfloat16", for logs
     #: the layer (vLLM's layer name) each plane belongs to, in plane order
     plane_layers: tuple[str, ...] = ()
+    #: some layers share their tensor with another layer (kept once, under the first name)
+    shared: bool = False
 
     def layer_planes(self) -> dict[str, list[int]]:
         """Layer name -> indices of its planes, in forward order (for layer-by-layer loads)."""
@@ -69,8 +77,13 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
     dtypes = set()
     devices = set()
     shapes = set()
+    seen: set[tuple] = set()
     for name in sorted(kv_caches, key=_layer_order):
         t = kv_caches[name]
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if ident in seen:
+            continue  # the same memory as a layer already laid out (hybrid KV cache groups)
+        seen.add(ident)
         dtypes.add(t.dtype)
         devices.add(t.device)
         shapes.add(tuple(t.shape))
@@ -92,9 +105,11 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"KV tensors must share one dtype and device, got {dtypes} {devices}")
     dtype = dtypes.pop()
+    distinct = len(seen)
     desc = (
-        f"{len(kv_caches)} layers x {len(planes) // len(kv_caches)} plane(s), "
+        f"{distinct} layers x {len(planes) // distinct} plane(s), "
         f"layer shape {sorted(shapes)[0]}, {dtype}"
+        + (f" ({len(kv_caches)} layer names share them)" if distinct < len(kv_caches) else "")
     )
     return KVLayout(
         planes=tuple(planes),
@@ -104,6 +119,7 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
         dtype=dtype,
         description=desc,
         plane_layers=tuple(plane_layers),
+        shared=distinct < len(kv_caches),
     )
 
 

@@ -92,6 +92,13 @@ class WorkerHalf:
         self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
         self._load_errors: set[int] = set()
+        #: Report a failed async load per request (``take_failed_loads``), never by block:
+        #: vLLM refuses block-level errors for a model with more than one KV cache group.
+        self.request_level_failures = False
+        #: Wait for each save's copy before the step ends (hybrid models: vLLM frees a
+        #: sliding-window group's blocks as the window passes, without waiting for us).
+        self.wait_saves = False
+        self._failed_loads: set[str] = set()
         #: P/D peer to peer over NIXL (a ``nixl`` section): this rank's agent and stamps.
         self.peer: PeerLink | None = None
         self._peer_published = False
@@ -123,6 +130,8 @@ class WorkerHalf:
         self.layout = build_layout(kv_caches, self.num_blocks)
         logger.info("kvtier: KV layout %s, %d B per block", self.layout.description,
                     self.layout.block_bytes)
+        if self.layout.shared and self.cfg.layer_pipelined_loads != "off":
+            logger.info("kvtier: layers share KV tensors (hybrid KV cache groups): layer-by-layer loads off")
 
     def _ensure_pool(self, num_slots: int) -> None:
         if self.pool is not None:
@@ -137,7 +146,7 @@ class WorkerHalf:
         self.pool = CPUPool(num_slots, self.layout.plane_bytes, pin=pin, prefault=self.cfg.cpu.prefault)
         self.engine = make_copy_engine(self.layout, self.pool)
         mode = self.cfg.layer_pipelined_loads
-        self.layered = mode == "on" or (mode == "auto" and self.layout.device.type == "cuda")
+        self.layered = not self.layout.shared and (mode == "on" or (mode == "auto" and self.layout.device.type == "cuda"))
         self.slots = SlotTable(self.pool)
         if self.cfg.nixl is not None:
             try:
@@ -206,6 +215,8 @@ class WorkerHalf:
         for job in jobs:
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
+                if self.wait_saves:
+                    t.wait()
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
@@ -464,7 +475,10 @@ class WorkerHalf:
                     logger.exception("kvtier: async load for %s failed", a.req_id)
                     self.counters.add("load_failures", TIER, len(a.loading_blocks))
                     a.failed_blocks.update(a.loading_blocks)  # every block is suspect
-            self._load_errors.update(a.failed_blocks)
+            if self.request_level_failures and a.failed_blocks:
+                self._failed_loads.add(a.req_id)
+            else:
+                self._load_errors.update(a.failed_blocks)
             recving.add(a.req_id)
         self._async_loads = still
 
@@ -521,6 +535,12 @@ class WorkerHalf:
         if self.verifier is not None:
             self.verifier.take_report(meta)
         return None if meta.is_empty() else meta
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose async load failed (``request_level_failures`` only); each is also
+        reported in ``finished_recving``, in this pass or an earlier one."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
