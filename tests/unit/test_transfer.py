@@ -87,3 +87,40 @@ def test_runs_merge_consecutive_pairs_only():
 def test_unsupported_layout_is_a_clear_error():
     with pytest.raises(ValueError, match="num_blocks"):
         build_layout({"l0": torch.zeros(7, 3)}, NUM_BLOCKS)
+
+
+def _big_kv(layers: int = 2) -> dict[str, torch.Tensor]:
+    """vLLM's KV tensors are inference tensors; 128 KiB per block and plane, so a run of 8
+    blocks (1 MiB) takes torch's copy path, not memmove."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        return {f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 8, 64, 128), generator=g)
+                .to(torch.bfloat16) for i in range(layers)}
+
+
+@pytest.mark.parametrize("run", [3, 10])  # memmove, then torch's copy
+def test_background_save_of_inference_tensors_is_exact_after_drain(run):
+    kv = _big_kv()
+    lay = build_layout(kv, NUM_BLOCKS)
+    pool = CPUPool(16, lay.plane_bytes, pin=False, prefault=False)
+    eng = HostCopyEngine(lay, pool)
+    src, slots, dst = list(range(2, 2 + run)), list(range(run)), list(range(25, 25 + run))
+    want = {n: t[src].clone() for n, t in kv.items()}
+    t = eng.submit("save", src, slots, background=True)
+    # A sync load after it waits for the copy thread's queue (submission order).
+    eng.submit("load", dst, slots, background=False)
+    assert t.done() and getattr(t, "error", "no error attribute") is None
+    for n, tensor in kv.items():
+        assert torch.equal(tensor[dst], want[n])
+    eng.shutdown()
+
+
+def test_background_save_failure_is_reported_not_raised():
+    lay = build_layout(_kv("cpu"), NUM_BLOCKS)
+    pool = CPUPool(4, lay.plane_bytes, pin=False, prefault=False)
+    eng = HostCopyEngine(lay, pool)
+    t = eng.submit("save", [1], [4], background=True)  # slot out of range: fails on the copy thread
+    eng.drain()
+    t.wait()  # does not raise
+    assert t.done() and isinstance(getattr(t, "error", None), IndexError)
+    eng.shutdown()

@@ -5,8 +5,11 @@ once with a :class:`Transfer` (submit), whose completion is polled (``done``); o
 shutdown and sync loads on CPU wait.
 
 Ordering contract (what the scheduler relies on): transfers run in submission order with
-respect to the pool. On CPU, saves and sync loads run inline in the caller's thread and
-async loads on one background thread that only reads pinned slots. On CUDA, every copy
+respect to the pool. On CPU, saves submitted with ``background=True`` (the saves after a
+forward) run on one copy thread, in order; sync loads run inline in the caller's thread once
+that thread has no save left (``drain``), and layer-by-layer loads on the same thread, after
+the saves. The worker drains before the next forward (``WorkerHalf.begin_step``): a save
+overlaps sampling and scheduling, never a forward that could reuse its blocks. On CUDA, every copy
 goes on one dedicated stream, so a load issued after a save of the same slot sees its
 bytes; the stream waits for the compute stream before a save (the model must have written
 the block) and the compute stream waits for a sync load before attention reads it.
@@ -14,12 +17,13 @@ the block) and the compute stream waits for a sync load before attention reads i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -66,6 +70,27 @@ class _FutureTransfer:
 
     def wait(self) -> None:
         self._fut.result()
+
+
+class _HostSave:
+    """A save run on the copy thread. ``done`` and ``wait`` never raise: a failed copy is
+    ``error`` (the worker invalidates the slots: a failed save is a future miss)."""
+
+    def __init__(self, fut: Future[int], nbytes: int, started_s: float) -> None:
+        self._fut = fut
+        self.nbytes = nbytes
+        self.started_s = started_s
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._fut.result()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._fut.exception() if self._fut.done() else None
 
 
 class _EventTransfer:
@@ -199,6 +224,13 @@ def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | 
         f.result()
 
 
+def _copy_rows_on_thread(*args: object) -> int:
+    """:func:`_copy_rows` on the copy thread: vLLM's KV tensors are inference tensors, which
+    torch updates in place only under inference mode (a thread-local switch)."""
+    with torch.inference_mode():
+        return _copy_rows(*args)  # type: ignore[arg-type]
+
+
 def _memmove_seq(copies: list[tuple[int, int, int]]) -> None:
     memmove = ctypes.memmove
     for d, s, n in copies:
@@ -221,6 +253,8 @@ class HostCopyEngine:
         # async warm TTFT 0.60 s threaded vs 0.10 s sync for the same 63 blocks). The
         # request still waits for `finished_recving` as vLLM's async protocol requires.
         self.threaded_async = False
+        #: The last job given to the copy thread (saves, layer loads): ``drain`` waits for it.
+        self._last: Future[Any] | None = None
         self._helpers = (
             ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtier-memmove") if n > 1 else None
         )
@@ -228,15 +262,28 @@ class HostCopyEngine:
     def submit(
         self, direction: Direction, blocks: list[int], slots: list[int], *, background: bool
     ) -> Transfer:
+        """``background`` save: on the copy thread (the caller's step goes on: its token is
+        sampled and sent while the rows are copied); ``background`` load: on the copy thread
+        only if ``threaded_async``. Anything else runs here, after the copy thread's queue."""
         t0 = time.perf_counter()
         nbytes = self.layout.block_bytes * len(blocks)
-        if background and self.threaded_async:
+        if background and (direction == "save" or self.threaded_async):
             fut = self._bg.submit(
-                _copy_rows, self.layout, self.pool, direction, blocks, slots, False, self._helpers
+                _copy_rows_on_thread, self.layout, self.pool, direction, blocks, slots, False, self._helpers
             )
-            return _FutureTransfer(fut, nbytes, t0)
+            self._last = fut
+            return _HostSave(fut, nbytes, t0) if direction == "save" else _FutureTransfer(fut, nbytes, t0)
+        self.drain()
         _copy_rows(self.layout, self.pool, direction, blocks, slots, False, self._helpers)
         return _Done(nbytes, t0)
+
+    def drain(self) -> None:
+        """Wait until the copy thread has run everything submitted to it (errors are the
+        transfers' own)."""
+        last, self._last = self._last, None
+        if last is not None:
+            with contextlib.suppress(BaseException):
+                last.result()
 
     def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
         """Load slots into blocks layer by layer on the copy thread, in forward order; one
@@ -253,12 +300,12 @@ class HostCopyEngine:
             for name, idx in per_layer.items():
                 try:
                     # One thread: the compute threads are busy with the forward.
-                    _copy_rows(self.layout, self.pool, "load", blocks, slots, False, None, idx)
+                    _copy_rows_on_thread(self.layout, self.pool, "load", blocks, slots, False, None, idx)
                     out[name].set()
                 except BaseException as e:  # reported to the waiter, who recomputes
                     out[name].set(e)
 
-        self._bg.submit(run)
+        self._last = self._bg.submit(run)
         return dict(out)
 
     def order_before_compute(self, transfer: Transfer) -> None:
@@ -267,6 +314,7 @@ class HostCopyEngine:
 
     def shutdown(self) -> None:
         self._bg.shutdown(wait=True)
+        self._last = None
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
 
@@ -315,6 +363,10 @@ class CudaCopyEngine:
     def order_before_compute(self, transfer: Transfer) -> None:
         assert isinstance(transfer, _CudaTransfer)
         torch.cuda.current_stream(self.layout.device).wait_event(transfer.event)
+
+    def drain(self) -> None:
+        """Nothing to wait for on the host: the stream orders the copies, and the compute
+        stream waits on events where it must (``order_before_compute``)."""
 
     def shutdown(self) -> None:
         self.stream.synchronize()

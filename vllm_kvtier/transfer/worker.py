@@ -9,9 +9,15 @@ the ``make_tiers`` the connector hands in (its wiring, ``connector/lower.py``).
 Per step, in vLLM's order:
 
 1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): allocate the pool on first use, then issue this
-   step's **saves**. Saves come first so a load in the same step can read a block saved in
-   it, and before the forward so no block is overwritten before it is copied.
+   at the latest from ``start_load_kv``): allocate the pool on first use, wait for the
+   previous step's host saves and queue their lower-tier writes, then issue this step's
+   **saves**. Saves come first so a load in the same step can read a block saved in it,
+   and before the forward so no block is overwritten before it is copied.
+   ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the forward
+   completed. On a host KV cache those copies run on the copy thread while the step samples
+   its tokens and vLLM schedules the next one (a request's first token does not wait for
+   them); the next ``begin_step`` waits for them before its forward, so no forward ever
+   overlaps a save (vLLM may reuse a block it freed while scheduling).
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
@@ -36,11 +42,11 @@ from typing import Any
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
+from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.transfer.copier import CopyEngine, Transfer, make_copy_engine
+from vllm_kvtier.transfer.copier import CopyEngine, Transfer, _HostSave, make_copy_engine
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.peer import PeerLink
 from vllm_kvtier.transfer.slots import SlotTable
@@ -105,6 +111,12 @@ class WorkerHalf:
         #: why this rank has no PeerLink (published instead of a description)
         self._peer_unavailable = ""
         self._peer_done: set[str] = set()
+        #: Host saves on the copy thread, with their jobs: settled (a failed one's slots
+        #: invalidated) in transfer_results and before the next forward.
+        self._host_saves: list[tuple[Transfer, SaveJob]] = []
+        #: Lower-tier writes of the slots those saves fill: (tier, jobs), queued once the
+        #: saves are done (they copy the slots' bytes out).
+        self._deferred_writes: list[tuple[str, list[ChunkWriteJob]]] = []
         #: CUDA saves whose slots get their stamp once the copy is done: (transfer, slots, keys)
         self._unstamped: list[tuple[Transfer, tuple[int, ...], tuple[bytes, ...]]] = []
         #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
@@ -175,6 +187,7 @@ class WorkerHalf:
         self._finish_layered_loads()
         self._ensure_pool(meta.num_slots)
         assert self.engine is not None and self.pool is not None
+        self._settle_host_saves(wait=True)  # before this step's forward can reuse a block
         for req_id in meta.preempted:
             # Its blocks go back to vLLM's pool now; the forward must not overwrite them
             # before our copies out of them complete.
@@ -201,22 +214,56 @@ class WorkerHalf:
             return
         self._step_ended = meta.step
         self._finish_layered_loads()
-        self._run_saves(meta.saves_after)
+        self._run_saves(meta.saves_after, background=True)
         if self.verifier is not None and meta.verifies:
             self.verifier.capture(meta.verifies)  # the forward computed their blocks
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
                 tier.clean(job.slots)
             tier.mark_dirty(meta.persist_slots.get(name, ()))
-            tier.write([j for j in meta.write_through if j.tier == name])
+            jobs = [j for j in meta.write_through if j.tier == name]
+            if self._host_saves:  # they copy slots still being filled: once those are done
+                self._deferred_writes.append((name, jobs))
+            else:
+                tier.write(jobs)
 
-    def _run_saves(self, jobs: list[SaveJob]) -> None:
+    def _settle_host_saves(self, *, wait: bool) -> None:
+        """Account the host saves that finished (all of them if ``wait``): a failed one's
+        slots hold nothing (a future miss). Then queue the lower-tier writes that waited for
+        them."""
+        if self._host_saves:
+            if wait:
+                assert self.engine is not None
+                self.engine.drain()
+            left = []
+            for t, job in self._host_saves:
+                if not t.done():
+                    left.append((t, job))
+                    continue
+                error = getattr(t, "error", None)
+                if error is not None:
+                    logger.error("kvtier: save of %d blocks failed: %r", len(job.block_ids), error)
+                    self.counters.add("store_failures", TIER, len(job.block_ids))
+                    for s in job.slots:
+                        assert self.slots is not None
+                        self.slots.set_key(s, None)
+            self._host_saves = left
+        if self._deferred_writes and not self._host_saves:
+            writes, self._deferred_writes = self._deferred_writes, []
+            for name, jobs in writes:
+                self.lower[name].write(jobs)
+
+    def _run_saves(self, jobs: list[SaveJob], *, background: bool = False) -> None:
+        """``background``: the copy may run on the engine's copy thread (host KV cache); its
+        slots are busy until :meth:`_settle_host_saves` has seen it done."""
         assert self.engine is not None and self.slots is not None
         for job in jobs:
             try:
-                t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=False)
+                t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=background)
                 if self.wait_saves:
                     t.wait()
+                if isinstance(t, _HostSave):
+                    self._host_saves.append((t, job))
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
@@ -450,6 +497,7 @@ class WorkerHalf:
         busy loop does not starve the I/O threads of the GIL."""
         recving: set[str] = set()
         if self.pool is not None:
+            self._settle_host_saves(wait=False)
             for tier in self.lower.values():
                 if idle_step and tier.pending_reads():
                     tier.wait_for_reads(0.002)
@@ -501,6 +549,8 @@ class WorkerHalf:
             left = []
             for t, slots, keys in self._unstamped:
                 if t.done():
+                    if getattr(t, "error", None) is not None:
+                        continue  # settled as failed: its slots hold nothing
                     for s, k in zip(slots, keys, strict=True):
                         if self.slots is not None and self.slots.holds(s, k):
                             self.slots.stamp(s)
@@ -551,7 +601,8 @@ class WorkerHalf:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # the copy thread's saves finish first
+            self._settle_host_saves(wait=True)  # then the lower-tier writes they held back
         for tier in self.lower.values():
             tier.close()
         self.lower = {}
