@@ -31,6 +31,10 @@ COUNTERS: dict[str, str] = {
     "evictions": "Blocks evicted from a tier to make room.",
     "store_skipped": "Blocks not stored because every slot was in use by transfers.",
     "flushed_blocks": "Write-back blocks written in the background while still in DRAM (aged or the engine idle).",
+    "step_seconds": "Seconds the worker's connector calls held up the engine's steps (saves issued, loads started "
+                    "and waited for, the wait for saves before a forward, polling), tier cpu: the plugin's own cost "
+                    "on the request path, summed over steps and TP ranks. step_calls counts the steps.",
+    "step_calls": "Engine steps whose connector calls step_seconds timed (tier cpu).",
     "load_seconds": "Seconds spent in load transfers (sum).",
     "store_seconds": "Seconds spent in store transfers (sum).",
     "requests": "Requests sent to a remote tier's endpoint (S3: every HTTP attempt).",

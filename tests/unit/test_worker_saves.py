@@ -92,3 +92,18 @@ def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
     w.shutdown()
+
+
+def test_the_time_of_a_step_with_a_forward_is_counted_and_an_idle_one_is_not():
+    w, _, _ = _worker()
+    save = SaveJob("r1", block_ids=(3,), slots=(0,), keys=(_key(3),))
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
+    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[save])
+    w.end_step()
+    w.transfer_results(set())  # a step that ran a forward
+    assert w.counters.totals[sample_key("step_calls", "cpu")] == 1
+    assert w.counters.totals[sample_key("step_seconds", "cpu")] > 0
+    w.begin_step(StepPlan(num_slots=SLOTS, step=2))
+    w.transfer_results(set(), idle_step=True)  # no forward: delays no token
+    assert w.counters.totals[sample_key("step_calls", "cpu")] == 1
+    w.shutdown()

@@ -128,6 +128,8 @@ class WorkerHalf:
         #: layer name -> (transfer of that layer, its blocks), waited for in wait_for_layer
         self._layer_loads: dict[str, list[tuple[Transfer, list[int]]]] = {}
         self._rng = random.Random(cfg.fault_injection.seed)
+        #: this step's time in our calls so far (counted by transfer_results)
+        self._step_time = 0.0
         #: Shadow verification (``verify.sample_rate`` > 0 only); made with the pool.
         self.verifier: BlockVerifier | None = None
 
@@ -180,6 +182,13 @@ class WorkerHalf:
 
     def begin_step(self, meta: StepPlan) -> None:
         """Issue this step's saves. Idempotent per step (vLLM may call us twice)."""
+        t0 = time.perf_counter()
+        try:
+            self._begin_step(meta)
+        finally:
+            self._step_time += time.perf_counter() - t0
+
+    def _begin_step(self, meta: StepPlan) -> None:
         self._meta = meta
         if meta.step == self._step_begun:
             return
@@ -209,6 +218,13 @@ class WorkerHalf:
     def end_step(self) -> None:
         """After the forward (from ``wait_for_save``): save the blocks this step completed,
         then write-through to the lower tiers. Idempotent per step."""
+        t0 = time.perf_counter()
+        try:
+            self._end_step()
+        finally:
+            self._step_time += time.perf_counter() - t0
+
+    def _end_step(self) -> None:
         meta = self._meta
         if meta is None or meta.step == self._step_ended or self.pool is None:
             return
@@ -285,6 +301,13 @@ class WorkerHalf:
                     self.slots.record_crc(s)
 
     def start_loads(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._start_loads()
+        finally:
+            self._step_time += time.perf_counter() - t0
+
+    def _start_loads(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads:
             return
@@ -383,6 +406,7 @@ class WorkerHalf:
                 self.counters.add("load_failures", TIER, len(blocks))
                 self._load_errors.update(blocks)
         self.counters.add("load_wait_seconds", TIER, time.perf_counter() - t0)
+        self._step_time += time.perf_counter() - t0
         if not self._layer_loads:
             self.counters.add("load_seconds", TIER, max(time.perf_counter() - t.started_s for t, _ in pending))
 
@@ -494,7 +518,20 @@ class WorkerHalf:
 
         ``idle_step``: this step ran no forward (vLLM only waits for transfers); then we
         wait up to 2 ms for lower-tier reads instead of returning at once, so the engine's
-        busy loop does not starve the I/O threads of the GIL."""
+        busy loop does not starve the I/O threads of the GIL.
+
+        The step's last connector call: the time this rank's calls took in a step that ran
+        a forward is counted (``step_seconds``, ``step_calls``); idle steps delay no token."""
+        t0 = time.perf_counter()
+        try:
+            return self._transfer_results(idle_step)
+        finally:
+            if not idle_step:
+                self.counters.add("step_seconds", TIER, self._step_time + time.perf_counter() - t0)
+                self.counters.add("step_calls", TIER, 1)
+            self._step_time = 0.0
+
+    def _transfer_results(self, idle_step: bool) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
         if self.pool is not None:
             self._settle_host_saves(wait=False)
