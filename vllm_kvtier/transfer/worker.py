@@ -32,12 +32,13 @@ when fault injection says so. No failure raises into vLLM.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -70,6 +71,21 @@ class _AsyncLoad:
     pending_reads: set[tuple[str, int]] | None = None
     #: Blocks of this load that came from lower tiers (counted there, not under "cpu").
     lower_blocks: int = 0
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _step_timed(fn: _F) -> _F:
+    """Count the call's time into the step's total (``step_seconds``, see transfer_results)."""
+    @functools.wraps(fn)
+    def timed(self: WorkerHalf, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._step_time += time.perf_counter() - t0
+    return cast(_F, timed)
 
 
 class WorkerHalf:
@@ -180,15 +196,9 @@ class WorkerHalf:
 
     # ---- per step ----------------------------------------------------------------
 
+    @_step_timed
     def begin_step(self, meta: StepPlan) -> None:
         """Issue this step's saves. Idempotent per step (vLLM may call us twice)."""
-        t0 = time.perf_counter()
-        try:
-            self._begin_step(meta)
-        finally:
-            self._step_time += time.perf_counter() - t0
-
-    def _begin_step(self, meta: StepPlan) -> None:
         self._meta = meta
         if meta.step == self._step_begun:
             return
@@ -215,16 +225,10 @@ class WorkerHalf:
                 self.verifier.start(vj, self.lower)
         self._pending_release.update(meta.release)
 
+    @_step_timed
     def end_step(self) -> None:
         """After the forward (from ``wait_for_save``): save the blocks this step completed,
         then write-through to the lower tiers. Idempotent per step."""
-        t0 = time.perf_counter()
-        try:
-            self._end_step()
-        finally:
-            self._step_time += time.perf_counter() - t0
-
-    def _end_step(self) -> None:
         meta = self._meta
         if meta is None or meta.step == self._step_ended or self.pool is None:
             return
@@ -300,14 +304,8 @@ class WorkerHalf:
                 for s in job.slots:
                     self.slots.record_crc(s)
 
+    @_step_timed
     def start_loads(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._start_loads()
-        finally:
-            self._step_time += time.perf_counter() - t0
-
-    def _start_loads(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads:
             return
