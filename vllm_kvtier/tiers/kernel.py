@@ -81,6 +81,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from vllm_kvtier import cpus
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.keys import SAFE_ID
 from vllm_kvtier.tiers.auth import ChunkAuth
@@ -494,6 +495,7 @@ class StoreKernel:
     # ---- I/O threads ----------------------------------------------------------------------
 
     def _run(self, q: queue.PriorityQueue[tuple[int, int, Any]]) -> None:
+        cpus.enter_background()
         while True:
             prio, seq, item = q.get()
             if item is None:

@@ -38,19 +38,18 @@ deployment setting (leave it unset on RDMA hosts), so this module does not set i
 from __future__ import annotations
 
 import base64
-import contextlib
 import importlib
 import logging
-import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
+from vllm_kvtier import cpus
 from vllm_kvtier.config.stores import NixlConfig
 
 __all__ = ["AGENT_CREATION", "INSTALL_HINT", "NixlAgent", "NixlConfig", "PeerInfo", "Region", "XferResult", "nixl_api"]
@@ -150,30 +149,6 @@ def nixl_api() -> Any:
 AGENT_CREATION = threading.Lock()
 
 
-@contextlib.contextmanager
-def unpinned_thread() -> Iterator[None]:
-    """Let threads started inside the block run on every CPU this process may use.
-
-    Why: vLLM's CPU worker binds its main thread (OMP) to one or a few cores, and a thread
-    inherits its creator's affinity. NIXL's progress thread, which serves the peers' reads
-    of this process's memory, then shares a core with the step loop, which spins between
-    steps: on a small host the peer's reads missed their deadline. The kernel intersects
-    the mask with the cgroup's cpuset; the caller's own affinity is restored afterwards."""
-    get = getattr(os, "sched_getaffinity", None)
-    if get is None:  # not Linux
-        yield
-        return
-    before = get(0)
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError as e:
-        logger.debug("could not widen CPU affinity for NIXL threads: %s", e)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def _nixl_api() -> tuple[Any, Any]:
     api = nixl_api()
     return api.nixl_agent, api.nixl_agent_config
@@ -198,7 +173,7 @@ class NixlAgent:
         conf = nixl_agent_config(enable_prog_thread=self.config.progress_thread,
                                  backends=list(self.config.backends), num_threads=self.config.num_threads)
         try:
-            with AGENT_CREATION, unpinned_thread():  # its progress and backend threads start here
+            with AGENT_CREATION, cpus.background_threads(fallback_all=True):  # its threads start here
                 self._agent = nixl_agent(name, conf)
         except Exception as e:
             raise RuntimeError(f"NIXL agent {name!r} with backends {self.config.backends} failed: {e}") from e

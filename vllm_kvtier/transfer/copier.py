@@ -27,6 +27,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from vllm_kvtier import cpus
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.layout import KVLayout, runs
 
@@ -243,7 +244,8 @@ class HostCopyEngine:
     def __init__(self, layout: KVLayout, pool: CPUPool, copy_threads: int | None = None) -> None:
         self.layout = layout
         self.pool = pool
-        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy")
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-copy",
+                                      initializer=cpus.enter_background)
         # Helpers for large copies: as many threads as torch uses for compute (vLLM's CPU
         # worker sets it to its cores), minus the calling thread.
         n = copy_threads if copy_threads is not None else torch.get_num_threads()
