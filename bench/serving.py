@@ -12,10 +12,14 @@ in its own process:
 * ``prefix_repetition``: a few long prefixes, each shared by many requests (the field's standard
   prefix-reuse load), at saturation (all requests at once) and at a low request rate, well below
   saturation (the point where vLLM's native offload lost 12%: the plugin must cost nothing).
-  The low-load rows are paired (:func:`run_low_load`): ``--low-rounds`` rounds, each with a
+  The low-load rows are paired (:func:`run_paired`): ``--low-rounds`` rounds, each with a
   fresh server per configuration in a rotating order and the same requests for each, because
-  one server instance differs from the next by more than the bound being checked;
+  one server instance differs from the next by more than the bound being checked
+  (``--rounds`` N pairs the saturation rows of vLLM's client the same way);
 * ``random`` with a shared prefix (``--random-prefix-len``): one system prompt for every request;
+* ``noop`` (a configuration, not a load): a connector whose every method returns at once
+  (``bench/noop_connector.py``), to tell what vLLM's connector plumbing costs by itself from
+  what the plugin costs (the ratios over it are printed too);
 * ``multi-turn``: chat conversations of 5-10 turns from several clients at once, each turn
   sending the previous turns and answers plus a new message, more conversations than vLLM's own
   KV cache holds, driven by NVIDIA AIPerf (pinned in ``requirements/bench-client.txt``) from its
@@ -68,6 +72,12 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "long-context": {"preset": "long-context"},
     "shared-prompt": {"preset": "shared-prompt"},
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
+    # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
+    "noop": {"__noop__": True},
+    # the plugin's threads left on the compute core (the default moves them off it)
+    "interactive-inherit": {"preset": "interactive", "background_cpus": "inherit"},
+    "cpu-nvme-inherit": {"preset": "interactive", "background_cpus": "inherit",
+                         "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
 }
 DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
 #: figures of vLLM's result JSON compared, and whether lower is better
@@ -87,6 +97,9 @@ def free_port() -> int:
 
 
 def kv_config(extra: dict[str, Any], nvme_dir: Path) -> dict[str, Any]:
+    if extra.get("__noop__"):
+        return {"kv_connector": "NoopConnector", "kv_connector_module_path": "bench.noop_connector",
+                "kv_role": "kv_both"}
     text = json.dumps(extra).replace("{nvme}", str(nvme_dir))
     extra = json.loads(text)
     # Adaptive load-or-recompute measures this machine's speed: left at its default here (a
@@ -302,7 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nvme = work / f"nvme-{cfg_name}"
             kv = None if extra is None else kv_config(extra, nvme)
             for load in [ld for ld in loads(args) if ld["name"] in args.loads.split(",")
-                         and ld["name"] != "low-load"]:
+                         and not paired(ld, args)]:
                 # A fresh server per (config, load): every load starts with empty tiers.
                 shutil.rmtree(nvme, ignore_errors=True)
                 name = f"{cfg_name}.{load['name']}"
@@ -330,9 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     **{k: res[k] for k in ("ttft_by_turn_ms", "mean_ttft_later_turns_ms",
                                            "prompt_blocks_later_turns") if k in res},
                 }
-        if "low-load" in args.loads.split(","):
-            low = next(ld for ld in loads(args) if ld["name"] == "low-load")
-            results.update(run_low_load(low, model, args, work))
+        for load in [ld for ld in loads(args) if ld["name"] in args.loads.split(",") and paired(ld, args)]:
+            rounds = args.low_rounds if load["name"] == "low-load" else args.rounds
+            results.update(run_paired(load, rounds, model, args, work))
     finally:
         if args.keep_logs:
             print(f"logs kept in {work}")
@@ -352,12 +365,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             blocks = r["prompt_blocks_later_turns"] or 1
             r["loaded_share_by_tier"] = {k.split("|")[1]: v / blocks for k, v in r["counters"].items()
                                          if k.startswith("hit_blocks|") and not k.endswith("|all")}
+    over_noop = {}
+    for name, r in results.items():
+        ref = results.get(f"noop.{r['load']['name']}")
+        if r["config"] in ("none", "noop") or ref is None:
+            continue
+        over_noop[name] = {f: (r[f] / ref[f]) if r.get(f) and ref.get(f) else None for f, _ in FIGURES}
     summary = {
-        "binding": {k: os.environ.get(k) for k in BINDING_ENV},
+        "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
         "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
-        "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for v in ratios.values()),
+        # the plugin's rows only (the no-op connector is a reference, not the plugin)
+        "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for k, v in ratios.items()
+                                    if not k.startswith("noop.")),
         "low_load_ok": all((v["request_throughput"] or 0) >= 0.98 and (v["mean_ttft_ms"] or 9) <= 1.02
-                           for k, v in ratios.items() if k.endswith(".low-load")),
+                           for k, v in ratios.items() if k.endswith(".low-load") and not k.startswith("noop.")),
     }
     print_table(summary)
     save_json(args.json, summary)
@@ -365,14 +386,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-def run_low_load(load: dict[str, Any], model: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The low-load rows, in paired rounds: each of ``--low-rounds`` rounds starts a fresh
+def paired(load: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Whether a load runs in paired rounds: low load always (``--low-rounds``), the other
+    loads of vLLM's client with ``--rounds`` > 1 (multi-turn: one run per configuration)."""
+    return load["name"] == "low-load" or (args.rounds > 1 and load["dataset"] != "multi-turn")
+
+
+def run_paired(load: dict[str, Any], rounds: int, model: Path, args: argparse.Namespace,
+               work: Path) -> dict[str, Any]:
+    """A load's rows in paired rounds: each of ``rounds`` rounds starts a fresh
     server per configuration, one after the other in an order that rotates from round to
     round, and sends each the same requests (one seed per round). Why: on this kind of VM
     the same configuration restarted serves the same requests up to ~10% faster or slower
     (the instance, not the configuration: the placement of the server's memory), and a
     drift of the machine's speed falls on whichever server runs at that time; both are
-    larger than the bound checked here (1.02). Rounds average instances and drift out
+    larger than the bounds checked here (1.02, 1.0). Rounds average instances and drift out
     alike, and each round's ratios are kept (``rounds``) to show the spread. Figures are
     over all requests of all rounds (vLLM's client with ``--save-detailed``)."""
     names = args.configs.split(",")
@@ -381,15 +409,15 @@ def run_low_load(load: dict[str, Any], model: Path, args: argparse.Namespace, wo
     counters: dict[str, dict[str, float]] = {n: {} for n in names}
     rss: dict[str, int] = {}
     rounds: list[dict[str, float]] = []
-    for r in range(args.low_rounds):
+    for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         means: dict[str, float] = {}
         for n in order:
             extra = CONFIGS[n]
-            nvme = work / f"nvme-{n}.low-load"
+            nvme = work / f"nvme-{n}.{load['name']}"
             shutil.rmtree(nvme, ignore_errors=True)
             kv = None if extra is None else kv_config(extra, nvme)
-            name = f"{n}.low-load.r{r}"
+            name = f"{n}.{load['name']}.r{r}"
             print(f"== {name}", flush=True)
             server = Server(model, kv, args, work / f"{name}.server.log")
             try:
@@ -432,8 +460,8 @@ def run_low_load(load: dict[str, Any], model: Path, args: argparse.Namespace, wo
     out: dict[str, Any] = {}
     for n in names:
         st, p = stats[n], per[n]
-        out[f"{n}.low-load"] = {
-            "config": n, "load": {**load, "rounds": args.low_rounds, "paired": True}, "wall_s": st["duration"],
+        out[f"{n}.{load['name']}"] = {
+            "config": n, "load": {**load, "rounds": rounds, "paired": True}, "wall_s": st["duration"],
             "rss_bytes": rss.get(n), "completed": st["completed"], "failed": st["failed"],
             "request_throughput": st["completed"] / st["duration"] if st["duration"] else None,
             "mean_ttft_ms": sum(p["ttft"]) / len(p["ttft"]) if p["ttft"] else None,
@@ -453,6 +481,11 @@ def print_table(summary: dict[str, Any]) -> None:
     for name, r in summary["ratios"].items():
         cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
         print(f"{name:36} {cells}")
+    if summary.get("ratios_over_noop"):
+        print("\nover the no-op connector (what the plugin adds to vLLM's connector plumbing):")
+        for name, r in summary["ratios_over_noop"].items():
+            cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
+            print(f"{name:36} {cells}")
     print("\nplugin counters per run (blocks):")
     for name, r in summary["results"].items():
         c = {k: int(v) for k, v in sorted(r["counters"].items()) if v and not k.startswith("step_")}
@@ -515,6 +548,8 @@ def main() -> int:
     ap.add_argument("--num-prefixes", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--low-rate", type=float, default=0.2, help="requests/s of the low-load run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="prefix-repetition and shared-system-prompt in paired rounds too (as low load)")
     ap.add_argument("--low-rounds", type=int, default=3,
                     help="low load: rounds, each starting a fresh server per configuration and sending "
                          "each the same requests")
