@@ -374,6 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
         "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
+        "figures": [f for f, _ in FIGURES],
         # the plugin's rows only (the no-op connector is a reference, not the plugin)
         "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for k, v in ratios.items()
                                     if not k.startswith("noop.")),
@@ -382,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print_table(summary)
     save_json(args.json, summary)
-    chart(summary, out_dir / "serving.png")
+    if summary["ratios"]:
+        chart(args.json, out_dir / "serving.png")
     return summary
 
 
@@ -392,9 +394,9 @@ def paired(load: dict[str, Any], args: argparse.Namespace) -> bool:
     return load["name"] == "low-load" or (args.rounds > 1 and load["dataset"] != "multi-turn")
 
 
-def run_paired(load: dict[str, Any], rounds: int, model: Path, args: argparse.Namespace,
+def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.Namespace,
                work: Path) -> dict[str, Any]:
-    """A load's rows in paired rounds: each of ``rounds`` rounds starts a fresh
+    """A load's rows in paired rounds: each of ``n_rounds`` rounds starts a fresh
     server per configuration, one after the other in an order that rotates from round to
     round, and sends each the same requests (one seed per round). Why: on this kind of VM
     the same configuration restarted serves the same requests up to ~10% faster or slower
@@ -409,7 +411,7 @@ def run_paired(load: dict[str, Any], rounds: int, model: Path, args: argparse.Na
     counters: dict[str, dict[str, float]] = {n: {} for n in names}
     rss: dict[str, int] = {}
     rounds: list[dict[str, float]] = []
-    for r in range(rounds):
+    for r in range(n_rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         means: dict[str, float] = {}
         for n in order:
@@ -461,7 +463,7 @@ def run_paired(load: dict[str, Any], rounds: int, model: Path, args: argparse.Na
     for n in names:
         st, p = stats[n], per[n]
         out[f"{n}.{load['name']}"] = {
-            "config": n, "load": {**load, "rounds": rounds, "paired": True}, "wall_s": st["duration"],
+            "config": n, "load": {**load, "rounds": n_rounds, "paired": True}, "wall_s": st["duration"],
             "rss_bytes": rss.get(n), "completed": st["completed"], "failed": st["failed"],
             "request_throughput": st["completed"] / st["duration"] if st["duration"] else None,
             "mean_ttft_ms": sum(p["ttft"]) / len(p["ttft"]) if p["ttft"] else None,
@@ -507,30 +509,38 @@ def print_table(summary: dict[str, Any]) -> None:
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
 
 
-def chart(summary: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
+_PLOT = """
+import json, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+d = json.load(open(sys.argv[1]))
+figures = d["figures"]
+names = list(d["ratios"])
+fig, ax = plt.subplots(figsize=(10, 4))
+width = 0.8 / len(figures)
+for i, f in enumerate(figures):
+    ax.bar([j + i * width for j in range(len(names))], [d["ratios"][n][f] or 0 for n in names], width,
+           label=f.removesuffix("_ms"))
+ax.axhline(1.0, color="k", lw=0.8)
+ax.set_xticks([j + 0.4 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+ax.set_ylabel("plugin / baseline")
+ax.legend(fontsize=7, ncol=3)
+fig.tight_layout()
+fig.savefig(sys.argv[2], dpi=110)
+"""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no chart")
+
+def chart(json_path: str, path: Path) -> None:
+    """The ratios as a bar chart, drawn by the client environment's matplotlib (the engine's
+    venv has none: it is not the engine's dependency)."""
+    client_py = ROOT / ".venv-client" / "bin" / "python"
+    if not client_py.exists():
+        print(f"no {client_py} (tools/setup-client-venv.sh): no chart")
         return
-    names = list(summary["ratios"])
-    if not names:
-        return
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(FIGURES)
-    for i, (f, _) in enumerate(FIGURES):
-        ax.bar([j + i * width for j in range(len(names))],
-               [summary["ratios"][n][f] or 0 for n in names], width, label=f.removesuffix("_ms"))
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("plugin / baseline")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    done = subprocess.run([str(client_py), "-c", _PLOT, json_path, str(path)], check=False)
+    if done.returncode == 0:
+        print(f"wrote {path}")
 
 
 def main() -> int:
