@@ -8,9 +8,11 @@ reserves for the connector when one is configured (``VLLM_CPU_NUM_OF_RESERVED_CP
 idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
 ``auto`` (default): the CPUs this process was started with (its parent's mask: a
-``taskset`` or a cgroup cpuset is honoured) minus those the worker's main thread and this
-host's other ranks compute on; nothing is changed when that leaves none. ``inherit``: leave every thread where Linux
-puts it. A CPU list (``"2,3,8-11"``): exactly those.
+``taskset`` or a cgroup cpuset is honoured) minus those the worker's main thread computes
+on and their SMT siblings (vLLM binds one logical CPU per physical core and leaves the
+sibling idle on purpose); nothing is changed when that leaves none, or when other ranks of
+the engine share this host (their cores are not known here). ``inherit``: leave every
+thread where Linux puts it. A CPU list (``"2,3,8-11"``): exactly those.
 
 The worker's main thread calls :func:`configure` once, before any tier starts a thread;
 each background thread calls :func:`enter_background` as it starts (threads a library
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,22 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 
 def spare_cpus(started_with: set[int] | frozenset[int], compute: set[int] | frozenset[int],
-               others: set[int] | frozenset[int] = frozenset()) -> frozenset[int]:
-    """The CPUs of ``started_with`` that neither this rank's compute nor the ``others``
-    (this host's other ranks' compute) is bound to (empty: none spare)."""
-    return frozenset(started_with) - frozenset(compute) - frozenset(others)
+               siblings: set[int] | frozenset[int] = frozenset()) -> frozenset[int]:
+    """The CPUs of ``started_with`` that are neither compute nor a compute core's SMT
+    sibling (empty: none spare)."""
+    return frozenset(started_with) - frozenset(compute) - frozenset(siblings)
+
+
+def smt_siblings(cpus: frozenset[int], sysfs: str = "/sys/devices/system/cpu") -> frozenset[int]:
+    """The hyperthread siblings of ``cpus`` (from sysfs ``thread_siblings_list``; none
+    where it cannot be read)."""
+    out: set[int] = set()
+    for c in cpus:
+        try:
+            out |= parse_cpu_list(Path(f"{sysfs}/cpu{c}/topology/thread_siblings_list").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return frozenset(out)
 
 
 def _mask(pid: int) -> frozenset[int] | None:
@@ -60,10 +75,10 @@ def _mask(pid: int) -> frozenset[int] | None:
         return None
 
 
-def configure(setting: str, others: frozenset[int] | None = frozenset()) -> frozenset[int] | None:
+def configure(setting: str, *, shared_host: bool = False) -> frozenset[int] | None:
     """Decide the background CPUs, on the thread that computes (the worker's main thread).
-    ``others``: the CPUs this host's other ranks compute on (None: unknown, and ``auto``
-    then leaves every thread where it is rather than risk another rank's cores).
+    ``shared_host``: other ranks of the engine run on this host (``auto`` then leaves every
+    thread where it is).
 
     Returns the set chosen, or None when threads keep the mask they inherit."""
     global _background
@@ -73,10 +88,10 @@ def configure(setting: str, others: frozenset[int] | None = frozenset()) -> froz
         chosen = None
     elif setting == "auto":
         started_with = _mask(os.getppid())
-        if started_with is None or others is None:
+        if started_with is None or shared_host:
             chosen = None
         else:
-            chosen = spare_cpus(started_with, compute, others) or None
+            chosen = spare_cpus(started_with, compute, smt_siblings(compute)) or None
     else:
         chosen = parse_cpu_list(setting)
     _background = chosen

@@ -39,8 +39,16 @@ def test_cpu_lists_parse_and_bad_ones_name_the_field():
 def test_spare_cpus_are_the_started_set_minus_compute():
     assert cpus.spare_cpus({0, 1, 2, 3}, {0, 1}) == {2, 3}
     assert cpus.spare_cpus({0}, {0}) == frozenset()  # nothing spare: threads stay put
-    # two ranks on one host: never the other rank's compute cores
-    assert cpus.spare_cpus({0, 1, 2, 3, 4, 5}, {0, 1}, {2, 3}) == {4, 5}
+    # never a compute core's hyperthread sibling
+    assert cpus.spare_cpus({0, 1, 2, 3, 4, 5}, {0, 1}, {0, 1, 3}) == {2, 4, 5}
+
+
+def test_smt_siblings_come_from_sysfs(tmp_path):
+    for cpu, sib in ((0, "0,4"), (1, "1-1"), (2, "garbage")):
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(sib + "\n")
+    assert cpus.smt_siblings(frozenset({0, 1, 2, 3}), str(tmp_path)) == {0, 1, 4}
 
 
 @pytest.fixture
@@ -89,7 +97,7 @@ def test_background_threads_leave_the_compute_core(bound_main, tmp_path):
 @needs_two_cpus
 def test_auto_takes_the_started_set_minus_compute_and_inherit_stays(bound_main):
     parent = os.sched_getaffinity(os.getppid())
-    want = set(parent) - {bound_main}
+    want = set(parent) - {bound_main} - cpus.smt_siblings(frozenset({bound_main}))
     chosen = cpus.configure("auto")
     eng = _engine()
     try:
@@ -101,7 +109,7 @@ def test_auto_takes_the_started_set_minus_compute_and_inherit_stays(bound_main):
             assert _copy_thread_mask(eng) == {bound_main}
     finally:
         eng.shutdown()
-    assert cpus.configure("auto", None) is None  # the other ranks' cores unknown: stay
+    assert cpus.configure("auto", shared_host=True) is None  # other ranks' cores unknown: stay
     assert cpus.configure("inherit") is None
     eng = _engine()
     try:

@@ -432,23 +432,15 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                          events=event_log(cfg.events, vllm_config, counters))
 
 
-def other_ranks_compute_cpus(vllm_config: VllmConfig | None) -> frozenset[int] | None:
-    """The CPUs vLLM's CPU backend binds this host's other ranks to (several ranks on one
-    host); empty for a single rank or a GPU worker (not bound); None when it cannot tell."""
-    if vllm_config is None or vllm_config.parallel_config.local_world_size <= 1:
-        return frozenset()
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return frozenset()
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-        lists = OMPProcessManager(vllm_config).cpu_lists  # what the executor bound them to
-    except Exception as e:  # vLLM's internals moved: keep threads where they are
-        logger.debug("kvtier: cannot tell the other ranks' CPUs: %s", e)
-        return None
-    return frozenset(c for cpu_list in lists for c in cpu_list)
+def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
+    """Whether other ranks of this engine (TP/PP, or data-parallel ranks it started) run on
+    this host: their compute cores are not known in this process (vLLM computes them from
+    the executor's CPU mask, which this worker no longer has), so ``background_cpus: auto``
+    leaves the threads where they are rather than risk another rank's cores."""
+    if vllm_config is None:
+        return False
+    par = vllm_config.parallel_config
+    return par.local_world_size > 1 or par.data_parallel_size_local > 1
 
 
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
@@ -461,6 +453,6 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
     role = rank_role(rank, tp_size=tp, replicated=replicated)
     # here, on the compute thread, before any tier starts a thread
-    cpus.configure(cfg.background_cpus, other_ranks_compute_cpus(vllm_config))
+    cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
                       make_tiers=functools.partial(make_workers, role=role))
