@@ -7,12 +7,13 @@ take their time from the forward they were meant to overlap, while the core vllm
 reserves for the connector when one is configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``) sits
 idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
-``auto`` (default): the CPUs this process was started with (its parent's mask: a
+``inherit`` (the default, until ``auto`` is proven on more than one machine: on the 2 vCPU
+CI VM the test suite ran 40 instead of 27 minutes with ``auto``, not yet explained): leave
+every thread where Linux puts it. ``auto``: the CPUs this process was started with (its parent's mask: a
 ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main thread computes
 on and their SMT siblings (vLLM binds one logical CPU per physical core and leaves the
 sibling idle on purpose); nothing is changed when that leaves none, or when other ranks of
-the engine share this host (their cores are not known here). ``inherit``: leave every
-thread where Linux puts it. A CPU list (``"2,3,8-11"``): exactly those.
+the engine share this host (their cores are not known here). A CPU list (``"2,3,8-11"``): exactly those.
 
 The worker's main thread calls :func:`configure` once, before any tier starts a thread;
 each background thread calls :func:`enter_background` as it starts (threads a library

@@ -33,7 +33,7 @@ def test_cpu_lists_parse_and_bad_ones_name_the_field():
     with pytest.raises(ConfigError, match="background_cpus"):
         parse_config({"background_cpus": "1-x"})
     assert parse_config({"background_cpus": "0-1"}).background_cpus == "0-1"
-    assert parse_config({}).background_cpus == "auto"
+    assert parse_config({}).background_cpus == "inherit"
 
 
 def test_spare_cpus_are_the_started_set_minus_compute():

