@@ -74,11 +74,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
-    # the plugin's threads left on the compute core (the default moves them off it)
-    "interactive-inherit": {"preset": "interactive", "background_cpus": "inherit"},
-    "cpu-nvme-inherit": {"preset": "interactive", "background_cpus": "inherit",
-                         "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
 }
+# the plugin's threads moved off the compute core (the default leaves them there)
+CONFIGS.update({f"{n}-auto": {**CONFIGS[n], "background_cpus": "auto"} for n in ("interactive", "cpu-nvme")})
 DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
 #: figures of vLLM's result JSON compared, and whether lower is better
 FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("median_ttft_ms", True),
@@ -356,7 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = results.get(f"none.{r['load']['name']}")
         if r["config"] == "none" or base is None:
             continue
-        ratios[name] = {f: (r[f] / base[f]) if r.get(f) and base.get(f) else None for f, _ in FIGURES}
+        ratios[name] = figure_ratios(r, base)
         if "ttft_by_turn_ms" in r:
             r["ttft_by_turn_ratio"] = {t: v / base["ttft_by_turn_ms"][t] for t, v in r["ttft_by_turn_ms"].items()
                                        if base["ttft_by_turn_ms"].get(t)}
@@ -370,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref = results.get(f"noop.{r['load']['name']}")
         if r["config"] in ("none", "noop") or ref is None:
             continue
-        over_noop[name] = {f: (r[f] / ref[f]) if r.get(f) and ref.get(f) else None for f, _ in FIGURES}
+        over_noop[name] = figure_ratios(r, ref)
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
         "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
@@ -386,6 +384,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if summary["ratios"]:
         chart(args.json, out_dir / "serving.png")
     return summary
+
+
+def figure_ratios(r: dict[str, Any], ref: dict[str, Any]) -> dict[str, float | None]:
+    """Each figure of a result over that of a reference run (None where either is missing)."""
+    return {f: (r[f] / ref[f]) if r.get(f) and ref.get(f) else None for f, _ in FIGURES}
 
 
 def paired(load: dict[str, Any], args: argparse.Namespace) -> bool:
@@ -480,12 +483,14 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"\nthread binding on every server: {summary['binding']}")
     head = f"{'config.load':36} " + " ".join(f"{f.removesuffix('_ms'):>18}" for f, _ in FIGURES)
     print(head)
-    for name, r in summary["ratios"].items():
-        cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
-        print(f"{name:36} {cells}")
+    tables = [("", summary["ratios"])]
     if summary.get("ratios_over_noop"):
-        print("\nover the no-op connector (what the plugin adds to vLLM's connector plumbing):")
-        for name, r in summary["ratios_over_noop"].items():
+        tables.append(("\nover the no-op connector (what the plugin adds to vLLM's connector plumbing):",
+                       summary["ratios_over_noop"]))
+    for title, rows in tables:
+        if title:
+            print(title)
+        for name, r in rows.items():
             cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
             print(f"{name:36} {cells}")
     print("\nplugin counters per run (blocks):")

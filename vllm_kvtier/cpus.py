@@ -9,11 +9,12 @@ idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
 ``inherit`` (the default, until ``auto`` is proven on more than one machine: on the 2 vCPU
 CI VM the test suite ran 40 instead of 27 minutes with ``auto``, not yet explained): leave
-every thread where Linux puts it. ``auto``: the CPUs this process was started with (its parent's mask: a
-``taskset`` or a cgroup cpuset is honoured) minus those the worker's main thread computes
-on and their SMT siblings (vLLM binds one logical CPU per physical core and leaves the
-sibling idle on purpose); nothing is changed when that leaves none, or when other ranks of
-the engine share this host (their cores are not known here). A CPU list (``"2,3,8-11"``): exactly those.
+every thread where Linux puts it. ``auto``: the CPUs this process was started with (its
+parent's mask: a ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main
+thread computes on and their SMT siblings (vLLM binds one logical CPU per physical core and
+leaves the sibling idle on purpose); nothing is changed when that leaves none, or when
+other ranks of the engine share this host (their cores are not known here). A CPU list
+(``"2,3,8-11"``): exactly those.
 
 The worker's main thread calls :func:`configure` once, before any tier starts a thread;
 each background thread calls :func:`enter_background` as it starts (threads a library
@@ -100,11 +101,6 @@ def configure(setting: str, *, shared_host: bool = False) -> frozenset[int] | No
         logger.info("kvtier: background threads (copies, tier I/O) on CPUs %s; compute on %s",
                     _fmt(chosen), _fmt(compute or frozenset()))
     return chosen
-
-
-def background_cpus() -> frozenset[int] | None:
-    """The CPUs chosen by :func:`configure` (None: not configured, or none spare)."""
-    return _background
 
 
 def enter_background() -> None:
