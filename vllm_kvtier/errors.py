@@ -9,6 +9,7 @@ This module is at the bottom of the house: it imports nothing of the package.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from enum import StrEnum
 
 
@@ -99,3 +100,17 @@ DAMAGED: frozenset[FailureReason] = frozenset({
 
 #: The reasons counted in ``kvtier_auth_failures_total``: a chunk refused by its MAC.
 AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, FailureReason.UNAUTHENTICATED})
+
+
+def run_all(steps: Iterable[Callable[[], object]]) -> None:
+    """Call every step in order even when some raise (a shutdown: a part that cannot close
+    must not keep the others' threads alive); then raise the first failure, if any."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # noqa: PERF203 - each step is independent
+            if first is None:
+                first = e
+    if first is not None:
+        raise first

@@ -306,3 +306,38 @@ def test_second_engine_on_the_same_directory_serves_without_it(tiny_model, basel
         assert r.tokens == baseline_of(p)
     assert again[0].loaded_nvme == (330 - 1) // BLOCK_SIZE
     assert in_flight.exists()
+
+
+def test_a_tier_that_fails_to_close_leaves_no_connector_behind(tiny_model, baseline_of, tmp_path, monkeypatch):
+    """The NVMe tier's close raises at shutdown: the connector still closes every other
+    part, and vLLM's connector global is cleared, so the next in-process engine (here one
+    without the plugin) serves on its own. (Before, the raise left the old connector
+    installed, and the next engine failed its first step on vLLM's ``assert
+    kv_connector_metadata is not None``.)"""
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    from vllm_kvtier.transfer.tier_io import ChunkWorker
+
+    real_close = ChunkWorker.close
+    closed: list[str] = []
+
+    def failing_close(self: ChunkWorker) -> None:
+        closed.append(self.tier)
+        real_close(self)
+        raise OSError("injected: the tier could not close")
+
+    monkeypatch.setattr(ChunkWorker, "close", failing_close)
+    p = SETS[3][0]
+    llm = make_llm(tiny_model, nvme_config(tmp_path / "nvme"))
+    try:
+        assert generate(llm, p).tokens == baseline_of(p)
+    finally:
+        close_llm(llm)
+    assert closed == ["nvme"], "the failing close ran"
+    assert not has_kv_transfer_group(), "the connector is gone from vLLM's global"
+    monkeypatch.undo()
+    llm = make_llm(tiny_model, None)
+    try:
+        assert generate(llm, p).tokens == baseline_of(p)
+    finally:
+        close_llm(llm)

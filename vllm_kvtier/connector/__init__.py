@@ -33,6 +33,7 @@ from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
+from vllm_kvtier.errors import run_all
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -166,12 +167,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierStats(data) if data else None
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._sched is not None:
-            self._sched.close()
-        if self._exporter is not None:
-            self._exporter.stop()
+        """Closes every part, and never raises: vLLM clears its connector global only after
+        this returns, so a raise would leave this connector installed for the next engine
+        of an in-process user (an ``LLM`` created after this one's ``shutdown``)."""
+        steps = [self._worker.shutdown if self._worker is not None else None,
+                 self._sched.close if self._sched is not None else None,
+                 self._exporter.stop if self._exporter is not None else None]
+        try:
+            run_all(s for s in steps if s is not None)
+        except Exception:
+            logger.exception("kvtier: shutdown did not finish cleanly (what was in flight is lost, "
+                             "as a cache loses it; nothing stored is damaged)")
 
     # ---- scheduler role ----------------------------------------------------------
 

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
@@ -598,7 +599,5 @@ class ChunkPlanner:
                     self._rescanner.note_written(fid)
 
     def close(self) -> None:
-        if self._rescanner is not None:
-            self._rescanner.close()
-        if self._on_close is not None:
-            self._on_close()
+        run_all(f for f in (self._rescanner.close if self._rescanner is not None else None,
+                            self._on_close) if f is not None)

@@ -61,6 +61,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
@@ -742,6 +743,6 @@ class SchedulerPlanner:
         return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
-        """Shutdown: stop background rescans of the lower tiers."""
-        for tier in self.lower:
-            tier.close()
+        """Shutdown: stop background rescans of the lower tiers (all of them, even when one
+        fails to close; the first failure is raised after)."""
+        run_all(tier.close for tier in self.lower)

@@ -43,6 +43,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.errors import run_all
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
@@ -635,12 +636,14 @@ class WorkerHalf:
         return self.counters.drain()
 
     def shutdown(self) -> None:
+        """Every step runs even when one fails (a tier that cannot close must not keep the
+        others' threads alive); the first failure is raised at the end."""
+        steps: list[Callable[[], None]] = []
         if self.engine is not None:
-            self.engine.shutdown()  # the copy thread's saves finish first
-            self._settle_host_saves(wait=True)  # then the lower-tier writes they held back
-        for tier in self.lower.values():
-            tier.close()
-        self.lower = {}
+            steps.append(self.engine.shutdown)  # the copy thread's saves finish first
+            steps.append(lambda: self._settle_host_saves(wait=True))  # then the writes they held back
+        steps.extend(tier.close for tier in self.lower.values())
         if self.peer is not None:
-            self.peer.close()
-            self.peer = None
+            steps.append(self.peer.close)
+        self.lower, self.peer = {}, None
+        run_all(steps)
