@@ -18,9 +18,9 @@ import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from testkit import s3_server as s3srv
-from tests.conftest import BLOCK_SIZE, close_llm, generate, make_llm
+from tests.conftest import BLOCK_SIZE, close_llm, generate, kvtier_counters, make_llm
 from tests.integration.test_nvme_engine import SETS, nvme_config, run_process
-from tests.integration.test_s3_engine import s3_config
+from tests.integration.test_s3_engine import objects, s3_config
 
 s3_server = s3srv.s3_server
 s3_bucket = s3srv.s3_bucket
@@ -183,6 +183,7 @@ def test_second_instance_publishes_what_its_rescan_found_as_remote(tiny_model, s
     ownership s3, locality REMOTE) with A's block keys, which are vLLM's hashes of those
     blocks (B's own GPU events for the same prompt name them)."""
     p = SETS[3][0]
+    probe = SETS[4][0]  # shares no block with p
     port = free_port()
     kv_b = s3_config(s3_server.url, s3_bucket, rescan_interval_s=0.5, writer_id="writer-b")
     llm = make_llm(tiny_model, kv_b, kv_events_config=events_config(port), enable_prefix_caching=True)
@@ -191,21 +192,23 @@ def test_second_instance_publishes_what_its_rescan_found_as_remote(tiny_model, s
         time.sleep(0.5)
         kv_a = s3_config(s3_server.url, s3_bucket, writer_id="writer-a")
         run_process(tiny_model, kv_a, [p], tmp_path)  # A stores, writes its manifest, exits
-        time.sleep(1.5)  # B's rescan thread lists the bucket
+        assert any(k.endswith(".kvt") for k in objects(s3_server, s3_bucket)), "A stored its chunks"
         full = len(p) // BLOCK_SIZE
 
         def remote() -> set[Any]:
             return hashes(sub.stored("STORAGE", ownership="s3", locality="REMOTE"))
 
-        # An idle in-process engine does not step: B's next request applies the rescan (its
-        # lookup does; the first is served from A's blocks if the rescan had landed).
+        # An idle in-process engine does not step: B's lookups apply its finished rescans.
+        # They are a probe's, not p's: had B computed p before its rescan landed (a slow
+        # machine), it would have stored p's chunks itself, and announced them as LOCAL.
         deadline = time.monotonic() + 120
         while len(remote()) < full and time.monotonic() < deadline:
-            generate(llm, p, 1)
+            generate(llm, probe, 1)
             sub.wait_for(lambda: len(remote()) >= full, timeout_s=1.0)
-        sub.wait_for(lambda: None not in prompt_hashes(sub, p), step=llm.llm_engine.step)
         found = remote()
-        assert len(found) >= full, f"B announced {len(found)} of A's {full} blocks"
+        assert len(found) >= full, f"B announced {len(found)} of A's {full} blocks; B: {kvtier_counters(llm)}"
+        generate(llm, p, 1)  # B's own GPU events for p name the same hashes
+        sub.wait_for(lambda: None not in prompt_hashes(sub, p), step=llm.llm_engine.step)
         assert set(prompt_hashes(sub, p)) <= found, "A's keys are vLLM's hashes of those blocks"
         gpu = gpu_blocks(sub)
         for e in sub.stored("STORAGE", ownership="s3", locality="REMOTE"):
