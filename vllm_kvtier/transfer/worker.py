@@ -645,5 +645,7 @@ class WorkerHalf:
         steps.extend(tier.close for tier in self.lower.values())
         if self.peer is not None:
             steps.append(self.peer.close)
-        self.lower, self.peer = {}, None
-        run_all(steps)
+        try:
+            run_all(steps)  # (the settling step writes through self.lower)
+        finally:
+            self.lower, self.peer = {}, None
