@@ -104,7 +104,8 @@ AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, F
 
 def run_all(steps: Iterable[Callable[[], object]]) -> None:
     """Call every step in order even when some raise (a shutdown: a part that cannot close
-    must not keep the others' threads alive); then raise the first failure, if any."""
+    must not keep the others' threads alive); then raise the first failure, if any, with
+    the later ones in its notes."""
     first: BaseException | None = None
     for step in steps:
         try:
@@ -112,5 +113,7 @@ def run_all(steps: Iterable[Callable[[], object]]) -> None:
         except Exception as e:  # noqa: PERF203 - each step is independent
             if first is None:
                 first = e
+            else:
+                first.add_note(f"then also: {e!r}")
     if first is not None:
         raise first
