@@ -7,9 +7,9 @@ take their time from the forward they were meant to overlap, while the core vllm
 reserves for the connector when one is configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``) sits
 idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
-``inherit`` (the default, until ``auto`` is proven on more than one machine: on the 2 vCPU
-CI VM the test suite ran 40 instead of 27 minutes with ``auto``, not yet explained): leave
-every thread where Linux puts it. ``auto``: the CPUs this process was started with (its
+``inherit`` (the default: on the 2 vCPU VMs measured so far neither placement beat the
+other beyond the spread between server instances, see docs/benchmarks.md): leave every
+thread where Linux puts it. ``auto``: the CPUs this process was started with (its
 parent's mask: a ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main
 thread computes on and their SMT siblings (vLLM binds one logical CPU per physical core and
 leaves the sibling idle on purpose); nothing is changed when that leaves none, or when
