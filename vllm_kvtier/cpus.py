@@ -8,8 +8,9 @@ reserves for the connector when one is configured (``VLLM_CPU_NUM_OF_RESERVED_CP
 idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
 
 ``inherit`` (the default: on the 2 vCPU VMs measured so far neither placement beat the
-other beyond the spread between server instances, see docs/benchmarks.md): leave every
-thread where Linux puts it. ``auto``: the CPUs this process was started with (its
+other beyond the spread between server instances, and parts of the test suite ran slower
+with ``auto``, partly or wholly machine drift; see docs/benchmarks.md): leave every thread
+where Linux puts it. ``auto``: the CPUs this process was started with (its
 parent's mask: a ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main
 thread computes on and their SMT siblings (vLLM binds one logical CPU per physical core and
 leaves the sibling idle on purpose); nothing is changed when that leaves none, or when

@@ -105,7 +105,8 @@ AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, F
 def run_all(steps: Iterable[Callable[[], object]]) -> None:
     """Call every step in order even when some raise (a shutdown: a part that cannot close
     must not keep the others' threads alive); then raise the first failure, if any, with
-    the later ones in its notes."""
+    the later ones in its notes. Only ``Exception``: an interrupt (``KeyboardInterrupt``,
+    ``SystemExit``) stops at once, as it should."""
     first: BaseException | None = None
     for step in steps:
         try:

@@ -19,6 +19,7 @@ from tests.conftest import (
     Result,
     close_llm,
     generate,
+    is_multiprocess,
     kvtier_config,
     kvtier_counters,
     make_llm,
@@ -330,6 +331,7 @@ def test_a_tier_that_fails_to_close_leaves_no_connector_behind(tiny_model, basel
     p = SETS[3][0]
     llm = make_llm(tiny_model, nvme_config(tmp_path / "nvme"))
     try:
+        assert not is_multiprocess(llm), "vLLM's connector global is this process's only in-process"
         assert generate(llm, p).tokens == baseline_of(p)
     finally:
         close_llm(llm)

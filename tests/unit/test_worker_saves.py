@@ -4,6 +4,7 @@ slots empty (a future miss), never served; lower-tier writes of those slots wait
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_kvtier.config import parse_config
@@ -92,6 +93,47 @@ def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
     w.shutdown()
+
+
+class _FailingTier(_RecordingTier):
+    """A tier whose writes and close raise."""
+
+    def __init__(self, worker: WorkerHalf) -> None:
+        super().__init__(worker)
+        self.closed = False
+
+    def write(self, jobs: list[ChunkWriteJob]) -> None:
+        if jobs:
+            raise OSError("injected: write refused")
+
+    def close(self) -> None:
+        self.closed = True
+        raise OSError("injected: close failed")
+
+
+def test_at_shutdown_a_failing_tier_stops_neither_the_others_writes_nor_their_close():
+    """Held-back writes of two tiers settle at shutdown; the first tier's write and close
+    raise: the second's write is still queued and it is still closed, and the first failure
+    comes out with the later one in its notes."""
+    w, _, good = _worker()
+    bad = _FailingTier(w)
+    closes: list[str] = []
+    good.close = lambda: closes.append("good")  # type: ignore[method-assign]
+    w._make_tiers = lambda *a, **k: {"s3": bad, "nvme": good}
+    save = SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
+    assert set(w.lower) == {"s3", "nvme"}
+    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[save], write_through=[
+        ChunkWriteJob("s3", "f-s3", slots=save.slots, keys=save.keys),
+        ChunkWriteJob("nvme", "f-nvme", slots=save.slots, keys=save.keys)])
+    w.end_step()
+    assert w._deferred_writes, "held back behind the save on the copy thread"
+    with pytest.raises(OSError, match="write refused") as info:
+        w.shutdown()
+    assert [(j.file_id, ok) for j, ok in good.written] == [("f-nvme", True)]
+    assert bad.closed and closes == ["good"]
+    assert any("close failed" in n for n in info.value.__notes__)
+    assert w.lower == {}
 
 
 def test_the_time_of_a_step_with_a_forward_is_counted_and_an_idle_one_is_not():

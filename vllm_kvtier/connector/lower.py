@@ -24,6 +24,7 @@ KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
@@ -244,8 +245,7 @@ def _mooncake_planner(
 
     def close() -> None:
         pool.shutdown(wait=False)
-        for st in stores:
-            st.close(timeout_s=1.0)
+        run_all(functools.partial(st.close, timeout_s=1.0) for st in stores)
 
     return ChunkPlanner(policy, oracle=oracle, on_close=close, **common)  # type: ignore[arg-type]
 
@@ -307,8 +307,7 @@ def _s3_planner(
                  if s3.rescan_interval_s > 0 else None)
 
     def close() -> None:
-        for st in stores:
-            st.close(timeout_s=1.0)
+        run_all(functools.partial(st.close, timeout_s=1.0) for st in stores)
 
     planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
                            found=found, rescanner=rescanner, on_close=close,

@@ -271,8 +271,17 @@ class WorkerHalf:
             self._host_saves = left
         if self._deferred_writes and not self._host_saves:
             writes, self._deferred_writes = self._deferred_writes, []
-            for name, jobs in writes:
-                self.lower[name].write(jobs)
+            # each tier's writes even when another tier's raise
+            run_all(functools.partial(self.lower[name].write, jobs) for name, jobs in writes)
+
+    def _log_unwritten(self) -> None:
+        """At shutdown, after the settling: lower-tier writes still held back (their saves
+        never finished: the copy engine failed to shut down) are lost, as a cache loses
+        them; say how many."""
+        if self._deferred_writes or self._host_saves:
+            n = sum(len(j.keys) for _, jobs in self._deferred_writes for j in jobs)
+            logger.error("kvtier: shutdown: %d host save(s) unfinished; %d block(s) not written to the tiers "
+                         "below DRAM", len(self._host_saves), n)
 
     def _run_saves(self, jobs: list[SaveJob], *, background: bool = False) -> None:
         """``background``: the copy may run on the engine's copy thread (host KV cache); its
@@ -642,6 +651,7 @@ class WorkerHalf:
         if self.engine is not None:
             steps.append(self.engine.shutdown)  # the copy thread's saves finish first
             steps.append(lambda: self._settle_host_saves(wait=True))  # then the writes they held back
+        steps.append(self._log_unwritten)
         steps.extend(tier.close for tier in self.lower.values())
         if self.peer is not None:
             steps.append(self.peer.close)
