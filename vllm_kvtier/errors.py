@@ -102,13 +102,15 @@ DAMAGED: frozenset[FailureReason] = frozenset({
 AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, FailureReason.UNAUTHENTICATED})
 
 
-def run_all(steps: Iterable[Callable[[], object]]) -> None:
-    """Call every step in order even when some raise (a shutdown: a part that cannot close
+def run_all(steps: Iterable[Callable[[], object] | None]) -> None:
+    """Call every step in order (None: a part that is not there, skipped) even when some raise (a shutdown: a part that cannot close
     must not keep the others' threads alive); then raise the first failure, if any, with
     the later ones in its notes. Only ``Exception``: an interrupt (``KeyboardInterrupt``,
     ``SystemExit``) stops at once, as it should."""
     first: BaseException | None = None
     for step in steps:
+        if step is None:
+            continue
         try:
             step()
         except Exception as e:  # noqa: PERF203 - each step is independent

@@ -19,7 +19,7 @@ def test_every_step_runs_and_the_first_failure_is_raised_with_the_rest_noted():
         return f
 
     with pytest.raises(OSError, match="b failed") as info:
-        run_all([step("a"), step("b", True), step("c"), step("d", True)])
+        run_all([step("a"), step("b", True), None, step("c"), step("d", True)])  # None: skipped
     assert ran == ["a", "b", "c", "d"]
     assert info.value.__notes__ == ["then also: OSError('d failed')"]
 

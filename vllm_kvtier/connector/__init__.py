@@ -170,11 +170,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Closes every part, and never raises: vLLM clears its connector global only after
         this returns, so a raise would leave this connector installed for the next engine
         of an in-process user (an ``LLM`` created after this one's ``shutdown``)."""
-        steps = [self._worker.shutdown if self._worker is not None else None,
-                 self._sched.close if self._sched is not None else None,
-                 self._exporter.stop if self._exporter is not None else None]
         try:
-            run_all(s for s in steps if s is not None)
+            run_all([self._worker.shutdown if self._worker is not None else None,
+                     self._sched.close if self._sched is not None else None,
+                     self._exporter.stop if self._exporter is not None else None])
         except Exception:
             logger.exception("kvtier: shutdown did not finish cleanly (what was in flight is lost, "
                              "as a cache loses it; nothing stored is damaged)")

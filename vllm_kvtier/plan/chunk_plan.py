@@ -599,5 +599,4 @@ class ChunkPlanner:
                     self._rescanner.note_written(fid)
 
     def close(self) -> None:
-        run_all(f for f in (self._rescanner.close if self._rescanner is not None else None,
-                            self._on_close) if f is not None)
+        run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])
