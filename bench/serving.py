@@ -74,10 +74,14 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
+    # a second baseline server (``--aa``): its ratio over the first is the method's own error
+    "none-aa": None,
 }
 # the plugin's threads moved off the compute core (the default leaves them there)
 CONFIGS.update({f"{n}-auto": {**CONFIGS[n], "background_cpus": "auto"} for n in ("interactive", "cpu-nvme")})
 DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
+#: rows that are references, not the plugin: kept out of the bounds checked
+REFERENCES = ("noop.", "none-aa.")
 #: figures of vLLM's result JSON compared, and whether lower is better
 FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("median_ttft_ms", True),
            ("p99_ttft_ms", True), ("mean_tpot_ms", True), ("mean_e2el_ms", True))
@@ -218,6 +222,29 @@ main(p.parse_args(sys.argv[1:]))
 """
 
 
+_CLIENTS = """
+import argparse, json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+for argv in json.load(open(sys.argv[1])):
+    p = argparse.ArgumentParser(); add_cli_args(p)
+    print("== bench serve", " ".join(argv), flush=True)
+    main(p.parse_args(argv))
+"""
+
+
+def run_clients(argvs: list[list[str]], log: Path, timeout_s: float) -> None:
+    """vLLM's ``bench serve`` once per argument list, one after the other, in one process of
+    its own (the module imported once: the runs of a paired round are seconds apart)."""
+    plan = log.with_suffix(".argv.json")
+    plan.write_text(json.dumps(argvs))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-c", _CLIENTS, str(plan)], env=env, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout_s * len(argvs))
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+
+
 def run_client(argv: list[str], log: Path, timeout_s: float) -> None:
     """vLLM's ``bench serve`` (the installed wheel's module) in its own process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
@@ -292,9 +319,12 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
            "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes, "output_len": args.output_len}
     return [
         {**pre, "name": "prefix-repetition", "rate": "inf"},
-        # One request per prefix (vLLM's client wants at least one per prefix).
-        {**pre, "name": "low-load", "rate": args.low_rate, "num_prompts": max(6, n // 8),
-         "num_prefixes": max(6, n // 8)},
+        # Low load: one request at a time (each arrives at an idle server), or a Poisson rate
+        # with --low-rate; --low-prompts per paired run, one request per prefix (vLLM's
+        # client wants at least one per prefix), so nothing is reused: the plugin's cost alone.
+        {**pre, "name": "low-load", "rate": args.low_rate or "inf",
+         "max_concurrency": None if args.low_rate else 1,
+         "num_prompts": args.low_prompts, "num_prefixes": args.low_prompts, "warmup": args.low_warmup},
         {"dataset": "random", "name": "shared-system-prompt", "rate": "inf", "num_prompts": n,
          "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": args.output_len},
         {"dataset": "multi-turn", "name": "multi-turn", "conversations": args.conversations, "turns": args.turns,
@@ -366,18 +396,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     over_noop = {}
     for name, r in results.items():
         ref = results.get(f"noop.{r['load']['name']}")
-        if r["config"] in ("none", "noop") or ref is None:
+        if r["config"] in ("none", "noop", "none-aa") or ref is None:
             continue
         over_noop[name] = figure_ratios(r, ref)
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
         "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
         "figures": [f for f, _ in FIGURES],
-        # the plugin's rows only (the no-op connector is a reference, not the plugin)
+        # the plugin's rows only (the no-op connector and the A/A baseline are references)
         "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for k, v in ratios.items()
-                                    if not k.startswith("noop.")),
+                                    if not k.startswith(REFERENCES)),
         "low_load_ok": all((v["request_throughput"] or 0) >= 0.98 and (v["mean_ttft_ms"] or 9) <= 1.02
-                           for k, v in ratios.items() if k.endswith(".low-load") and not k.startswith("noop.")),
+                           for k, v in ratios.items() if k.endswith(".low-load") and not k.startswith(REFERENCES)),
     }
     print_table(summary)
     save_json(args.json, summary)
@@ -399,62 +429,101 @@ def paired(load: dict[str, Any], args: argparse.Namespace) -> bool:
 
 def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.Namespace,
                work: Path) -> dict[str, Any]:
-    """A load's rows in paired rounds: each of ``n_rounds`` rounds starts a fresh
-    server per configuration, one after the other in an order that rotates from round to
-    round, and sends each the same requests (one seed per round). Why: on this kind of VM
-    the same configuration restarted serves the same requests up to ~10% faster or slower
-    (the instance, not the configuration: the placement of the server's memory), and a
-    drift of the machine's speed falls on whichever server runs at that time; both are
-    larger than the bounds checked here (1.02, 1.0). Rounds average instances and drift out
-    alike, and each round's ratios are kept (``rounds``) to show the spread. Figures are
-    over all requests of all rounds (vLLM's client with ``--save-detailed``)."""
-    names = args.configs.split(",")
+    """A load's rows in paired rounds: ``n_rounds`` rounds, each sending the same requests
+    (one seed per round) to every configuration's server, one after the other in an order
+    that rotates from round to round. Figures are over all requests of all rounds (vLLM's
+    client with ``--save-detailed``), and each round's mean-TTFT ratios are kept
+    (``rounds_mean_ttft_ratio``) to show the spread.
+
+    Live (the default): every configuration's server is started once, before the first
+    round, and stays up for all of them; a round is one client process (vLLM's ``bench
+    serve``, called once per server) that runs the servers one after the other, so the two
+    sides of a ratio are seconds apart. Why: on this kind of VM the machine's speed drifts
+    by up to 50% over minutes (two identical baseline servers up at once, alternating: their
+    ratio within 0.95-1.01 per cycle while each moved 1.3-2.0 s), far more than the bounds
+    checked here (1.02, 1.0), and a fresh server per run puts ~40 s of start-up between the
+    sides. Idle servers take no CPU. ``--aa`` adds a second baseline server (``none-aa``),
+    whose ratio over the first is the method's own error. ``--fresh`` starts a fresh server
+    per configuration and round instead (the earlier method: it also averages the instance)."""
+    names = paired_configs(args)
     per: dict[str, dict[str, list[float]]] = {n: {"ttft": [], "e2el": [], "tpot": []} for n in names}
     stats: dict[str, dict[str, float]] = {n: {"completed": 0, "failed": 0, "duration": 0.0} for n in names}
     counters: dict[str, dict[str, float]] = {n: {} for n in names}
     rss: dict[str, int] = {}
     rounds: list[dict[str, float]] = []
-    for r in range(n_rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        means: dict[str, float] = {}
-        for n in order:
-            extra = CONFIGS[n]
-            nvme = work / f"nvme-{n}.{load['name']}"
-            shutil.rmtree(nvme, ignore_errors=True)
-            kv = None if extra is None else kv_config(extra, nvme)
-            name = f"{n}.{load['name']}.r{r}"
-            print(f"== {name}", flush=True)
-            server = Server(model, kv, args, work / f"{name}.server.log")
-            try:
-                before = server.metrics() if kv is not None else {}
-                argv = client_args(load, model, server.url, work, name, args)
-                argv[argv.index("--seed") + 1] = str(args.seed + 1000 + r)
-                run_client(argv + ["--save-detailed"], work / f"{name}.client.log", args.client_timeout_s)
-                after = server.metrics() if kv is not None else {}
-                rss[n] = max(rss.get(n, 0), server.rss_bytes())
-            finally:
-                server.stop()
-            for k, v in after.items():
-                counters[n][k] = counters[n].get(k, 0.0) + v - before.get(k, 0.0)
-            res = json.loads((work / f"{name}.json").read_text())
-            st = stats[n]
-            st["completed"] += res.get("completed") or 0
-            st["failed"] += res.get("failed") or 0
-            st["duration"] += res.get("duration") or 0.0
-            ttfts = []
-            for ttft, lat, out, err in zip(res["ttfts"], res["latencies"], res["output_lens"], res["errors"],
-                                           strict=True):
-                if err or not ttft:
-                    continue
-                ttfts.append(ttft * 1000)
-                per[n]["e2el"].append(lat * 1000)
-                if out > 1:
-                    per[n]["tpot"].append((lat - ttft) * 1000 / (out - 1))
-            per[n]["ttft"] += ttfts
-            means[n] = sum(ttfts) / len(ttfts) if ttfts else 0.0
-        base = means.get("none")
-        rounds.append({n: m / base for n, m in means.items() if base and n != "none"})
-        print(f"   round {r}: mean TTFT over the baseline {rounds[-1]}", flush=True)
+    servers: dict[str, Server] = {}
+
+    def start(n: str, tag: str) -> Server:
+        extra = CONFIGS[n]
+        nvme = work / f"nvme-{n}.{load['name']}"
+        shutil.rmtree(nvme, ignore_errors=True)
+        kv = None if extra is None else kv_config(extra, nvme)
+        print(f"== start {n} for {load['name']}{tag}", flush=True)
+        return Server(model, kv, args, work / f"{n}.{load['name']}{tag}.server.log")
+
+    def argv_of(n: str, r: int, url: str) -> list[str]:
+        argv = client_args(load, model, url, work, f"{n}.{load['name']}.r{r}", args)
+        argv[argv.index("--seed") + 1] = str(args.seed + 1000 + r)
+        return argv + ["--save-detailed"]
+
+    try:
+        if not args.fresh:
+            # one after the other: a server's start-up (model load, compile) is not timed
+            for n in names:
+                servers[n] = start(n, "")
+        for r in range(n_rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            print(f"== {load['name']} round {r}: {', '.join(order)}", flush=True)
+            if args.fresh:
+                for n in order:
+                    server = start(n, f".r{r}")
+                    try:
+                        before = server.metrics()
+                        run_client(argv_of(n, r, server.url), work / f"{n}.{load['name']}.r{r}.client.log",
+                                   args.client_timeout_s)
+                        after = server.metrics()
+                        rss[n] = max(rss.get(n, 0), server.rss_bytes())
+                    finally:
+                        server.stop()
+                    for k, v in after.items():
+                        counters[n][k] = counters[n].get(k, 0.0) + v - before.get(k, 0.0)
+            else:
+                before_all = {n: servers[n].metrics() for n in order}
+                plan = []
+                for n in order:
+                    if load.get("warmup"):
+                        plan.append(warmup_argv(argv_of(n, r, servers[n].url)))
+                    plan.append(argv_of(n, r, servers[n].url))
+                run_clients(plan, work / f"{load['name']}.r{r}.client.log", args.client_timeout_s)
+                for n in order:
+                    for k, v in servers[n].metrics().items():
+                        counters[n][k] = counters[n].get(k, 0.0) + v - before_all[n].get(k, 0.0)
+                    rss[n] = max(rss.get(n, 0), servers[n].rss_bytes())
+            means: dict[str, float] = {}
+            for n in order:
+                res = json.loads((work / f"{n}.{load['name']}.r{r}.json").read_text())
+                st = stats[n]
+                st["completed"] += res.get("completed") or 0
+                st["failed"] += res.get("failed") or 0
+                st["duration"] += res.get("duration") or 0.0
+                ttfts = []
+                for ttft, lat, out, err in zip(res["ttfts"], res["latencies"], res["output_lens"], res["errors"],
+                                               strict=True):
+                    if err or not ttft:
+                        continue
+                    ttfts.append(ttft * 1000)
+                    per[n]["e2el"].append(lat * 1000)
+                    if out > 1:
+                        per[n]["tpot"].append((lat - ttft) * 1000 / (out - 1))
+                per[n]["ttft"] += ttfts
+                means[n] = sum(ttfts) / len(ttfts) if ttfts else 0.0
+            base = means.get("none")
+            rounds.append({n: m / base for n, m in means.items() if base and n != "none"})
+            print(f"   round {r}: mean TTFT over the baseline "
+                  + ", ".join(f"{n} {v:.3f}" for n, v in rounds[-1].items()), flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
 
     def pct(v: list[float], q: float) -> float | None:
         if not v:
@@ -466,7 +535,8 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     for n in names:
         st, p = stats[n], per[n]
         out[f"{n}.{load['name']}"] = {
-            "config": n, "load": {**load, "rounds": n_rounds, "paired": True}, "wall_s": st["duration"],
+            "config": n, "load": {**load, "rounds": n_rounds, "paired": "fresh" if args.fresh else "live"},
+            "wall_s": st["duration"],
             "rss_bytes": rss.get(n), "completed": st["completed"], "failed": st["failed"],
             "request_throughput": st["completed"] / st["duration"] if st["duration"] else None,
             "mean_ttft_ms": sum(p["ttft"]) / len(p["ttft"]) if p["ttft"] else None,
@@ -477,6 +547,23 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
             "rounds_mean_ttft_ratio": [rd.get(n) for rd in rounds] if n != "none" else None,
         }
     return out
+
+
+def warmup_argv(argv: list[str]) -> list[str]:
+    """A run's warm-up: one request of other prompts (its own seed), not counted."""
+    w = list(argv)
+    w[w.index("--seed") + 1] = str(int(w[w.index("--seed") + 1]) + 500_000)
+    w[w.index("--num-prompts") + 1] = "1"
+    if "--prefix-repetition-num-prefixes" in w:
+        w[w.index("--prefix-repetition-num-prefixes") + 1] = "1"
+    w[w.index("--result-filename") + 1] = "warmup.json"
+    return [a for a in w if a != "--save-detailed"]
+
+
+def paired_configs(args: argparse.Namespace) -> list[str]:
+    """The configurations of the paired rows: ``--configs``, plus the A/A baseline with ``--aa``."""
+    names = args.configs.split(",")
+    return names + ["none-aa"] if args.aa and "none" in names and "none-aa" not in names else names
 
 
 def print_table(summary: dict[str, Any]) -> None:
@@ -493,6 +580,12 @@ def print_table(summary: dict[str, Any]) -> None:
         for name, r in rows.items():
             cells = " ".join(f"{v:>18.3f}" if v is not None else f"{'-':>18}" for v in r.values())
             print(f"{name:36} {cells}")
+    if any(k.startswith("none-aa.") for k in summary["ratios"]):
+        print("(none-aa: a second baseline server over the first, the method's own error)")
+    print("\nmean TTFT over the baseline, per paired round:")
+    for name, r in summary["results"].items():
+        if r.get("rounds_mean_ttft_ratio"):
+            print(f"  {name:36} " + " ".join(f"{v:.3f}" for v in r["rounds_mean_ttft_ratio"] if v is not None))
     print("\nplugin counters per run (blocks):")
     for name, r in summary["results"].items():
         c = {k: int(v) for k, v in sorted(r["counters"].items()) if v and not k.startswith("step_")}
@@ -562,12 +655,20 @@ def main() -> int:
     ap.add_argument("--suffix-len", type=int, default=256)
     ap.add_argument("--num-prefixes", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--low-rate", type=float, default=0.2, help="requests/s of the low-load run")
+    ap.add_argument("--low-rate", type=float, default=0.0,
+                    help="low load: requests/s (Poisson); 0 (the default): one request at a time")
+    ap.add_argument("--low-prompts", type=int, default=2, help="low load: requests per paired run")
+    ap.add_argument("--low-warmup", type=int, default=1, choices=(0, 1),
+                    help="low load: one uncounted request of other prompts before each paired run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="prefix-repetition and shared-system-prompt in paired rounds too (as low load)")
-    ap.add_argument("--low-rounds", type=int, default=3,
-                    help="low load: rounds, each starting a fresh server per configuration and sending "
-                         "each the same requests")
+    ap.add_argument("--low-rounds", type=int, default=32,
+                    help="low load: rounds, each sending the same requests to every configuration's server")
+    ap.add_argument("--fresh", action="store_true",
+                    help="paired rows: a fresh server per configuration and round (default: every "
+                         "configuration's server up for the whole load, runs alternating between them)")
+    ap.add_argument("--aa", action="store_true",
+                    help="paired rows: a second baseline server too (none-aa), the method's own error")
     ap.add_argument("--kv-cache-bytes", type=int, default=48 * 2**20,
                     help="vLLM's own KV cache (48 MiB: 8,192 tokens of the bench model, less than the working set)")
     ap.add_argument("--max-model-len", type=int, default=4096)
