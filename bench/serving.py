@@ -466,12 +466,20 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
         argv[argv.index("--seed") + 1] = str(args.seed + 1000 + r)
         return argv + ["--save-detailed"]
 
+    per_block = -(-n_rounds // max(1, min(args.restarts, n_rounds)))
     try:
-        if not args.fresh:
-            # one after the other: a server's start-up (model load, compile) is not timed
-            for n in names:
-                servers[n] = start(n, "")
         for r in range(n_rounds):
+            if not args.fresh and r % per_block == 0:
+                # a new set of servers per block (--restarts), started one after the other
+                # (a start-up, model load and compile, is not timed) in an order that rotates
+                # from block to block: a server instance stays ~5-13% faster or slower than
+                # another of the same configuration for its whole life here
+                b = r // per_block
+                for server in servers.values():
+                    server.stop()
+                servers.clear()
+                for n in names[b % len(names):] + names[:b % len(names)]:
+                    servers[n] = start(n, f".b{b}")
             order = names[r % len(names):] + names[:r % len(names)]
             print(f"== {load['name']} round {r}: {', '.join(order)}", flush=True)
             if args.fresh:
@@ -535,7 +543,8 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     for n in names:
         st, p = stats[n], per[n]
         out[f"{n}.{load['name']}"] = {
-            "config": n, "load": {**load, "rounds": n_rounds, "paired": "fresh" if args.fresh else "live"},
+            "config": n, "load": {**load, "rounds": n_rounds, "paired": "fresh" if args.fresh else "live",
+                                  "blocks": None if args.fresh else -(-n_rounds // per_block)},
             "wall_s": st["duration"],
             "rss_bytes": rss.get(n), "completed": st["completed"], "failed": st["failed"],
             "request_throughput": st["completed"] / st["duration"] if st["duration"] else None,
@@ -667,6 +676,9 @@ def main() -> int:
     ap.add_argument("--fresh", action="store_true",
                     help="paired rows: a fresh server per configuration and round (default: every "
                          "configuration's server up for the whole load, runs alternating between them)")
+    ap.add_argument("--restarts", type=int, default=4,
+                    help="paired rows, live: the rounds in this many blocks, each with a new set of servers "
+                         "(averages the instance; 1: one set for the whole load)")
     ap.add_argument("--aa", action="store_true",
                     help="paired rows: a second baseline server too (none-aa), the method's own error")
     ap.add_argument("--kv-cache-bytes", type=int, default=48 * 2**20,
