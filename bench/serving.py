@@ -219,14 +219,6 @@ def client_args(load: dict[str, Any], model: Path, url: str, result_dir: Path, n
                      str(load["output_len"]), "--random-range-ratio", "0"]
 
 
-_CLIENT = """
-import argparse, sys
-from vllm.benchmarks.serve import add_cli_args, main
-p = argparse.ArgumentParser(); add_cli_args(p)
-main(p.parse_args(sys.argv[1:]))
-"""
-
-
 _CLIENTS = """
 import argparse, json, sys
 from vllm.benchmarks.serve import add_cli_args, main
@@ -251,13 +243,8 @@ def run_clients(argvs: list[list[str]], log: Path, timeout_s: float) -> None:
 
 
 def run_client(argv: list[str], log: Path, timeout_s: float) -> None:
-    """vLLM's ``bench serve`` (the installed wheel's module) in its own process."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-c", _CLIENT, *argv], env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    """vLLM's ``bench serve`` (the installed wheel's module), one run in its own process."""
+    run_clients([argv], log, timeout_s)
 
 
 def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name: str,
@@ -507,9 +494,8 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                 before_all = {n: servers[n].metrics() for n in order}
                 plan = []
                 for n in order:
-                    if load.get("warmup"):
-                        plan.append(warmup_argv(argv_of(n, r, servers[n].url)))
-                    plan.append(argv_of(n, r, servers[n].url))
+                    argv = argv_of(n, r, servers[n].url)
+                    plan += ([warmup_argv(argv)] if load.get("warmup") else []) + [argv]
                 run_clients(plan, work / f"{load['name']}.r{r}.client.log", args.client_timeout_s)
                 for n in order:
                     for k, v in servers[n].metrics().items():
