@@ -1,6 +1,8 @@
 """The worker half's saves after a forward on a host KV cache: they run on the copy thread
-while the step samples, are complete before the next forward, and a failed one leaves its
-slots empty (a future miss), never served; lower-tier writes of those slots wait for them."""
+while the step samples and through the next forward (which writes none of their blocks),
+are waited for by any step that uses pool slots on the host and by the forward after next,
+and a failed one leaves its slots empty (a future miss), never served; lower-tier writes of
+those slots wait for them, and only for them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.jobs import ChunkWriteJob, SaveJob, StepPlan
+import threading
+
+from vllm_kvtier.jobs import ChunkWriteJob, LoadJob, SaveJob, StepPlan
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.transfer.worker import WorkerHalf
 
@@ -18,7 +22,7 @@ SLOTS = 8
 
 class _RecordingTier:
     """A lower-tier driver that records what it was asked to write and whether the slots
-    held their keys (and their bytes were complete) at that moment."""
+    held their keys and no unsettled save was still filling them at that moment."""
 
     def __init__(self, worker: WorkerHalf) -> None:
         self.worker = worker
@@ -29,7 +33,8 @@ class _RecordingTier:
             slots = self.worker.slots
             assert slots is not None
             held = all(slots.holds(s, k) for s, k in zip(j.slots, j.keys, strict=True))
-            self.written.append((j, held and not self.worker._host_saves))
+            filling = {s for _, save, _ in self.worker._host_saves for s in save.slots}
+            self.written.append((j, held and not filling & set(j.slots)))
 
     def clean(self, slots) -> None: ...
     def mark_dirty(self, slots) -> None: ...
@@ -56,18 +61,56 @@ def _key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
 
 
-def test_saves_after_the_forward_are_complete_before_the_next_forward_and_written_below_after():
+class _HeldCopyThread:
+    """Holds the worker's copy thread until a save submitted behind it is waited for: the
+    saves stay in flight exactly until the worker waits for one of them (no timing)."""
+
+    def __init__(self, w: WorkerHalf) -> None:
+        assert w.engine is not None
+        self.worker = w
+        self.release = threading.Event()
+        self.waited: list[SaveJob] = []
+        w.engine._bg.submit(self.release.wait, 60)  # a deadline, never reached in a pass
+
+    def watch(self) -> None:
+        """Make the host saves issued so far release the copy thread when waited for."""
+        for t, job, _ in self.worker._host_saves:
+            if "wait" in vars(t):
+                continue
+            orig = t.wait
+
+            def wait(orig=orig, job=job) -> None:
+                self.waited.append(job)
+                self.release.set()
+                orig()
+            t.wait = wait  # type: ignore[method-assign]
+
+
+def _forward(w: WorkerHalf, step: int, saves: list[SaveJob], wt: list[ChunkWriteJob] = (), **plan) -> None:
+    w.begin_step(StepPlan(num_slots=SLOTS, step=step, **plan))
+    w._meta = StepPlan(num_slots=SLOTS, step=step, saves_after=saves, write_through=list(wt), **plan)
+    w.end_step()
+    w.transfer_results(set())
+
+
+def test_saves_after_a_forward_run_on_through_the_next_one_and_are_waited_for_by_the_one_after():
     w, kv, tier = _worker()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=0))
+    held = _HeldCopyThread(w)
     save = SaveJob("r1", block_ids=(3, 4, 5), slots=(0, 1, 2), keys=(_key(3), _key(4), _key(5)))
     wt = ChunkWriteJob("nvme", "f1", slots=(0, 1, 2), keys=save.keys)
-    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
-    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[save], write_through=[wt])
-    w.end_step()
+    _forward(w, 1, [save], [wt])
+    held.watch()
     # Handed to the copy thread (the step goes on to sample); its lower-tier write waits.
-    assert [j for _, j in w._host_saves] == [save] and tier.written == []
-    # The next step's first hook: every save is done, then the lower-tier write is queued.
-    w.begin_step(StepPlan(num_slots=SLOTS, step=2))
-    assert not w._host_saves
+    assert [j for _, j, _ in w._host_saves] == [save] and tier.written == []
+    # The next forward does not wait for it: it writes none of its blocks.
+    _forward(w, 2, [])
+    assert held.waited == [] and not held.release.is_set()
+    assert [j for _, j, _ in w._host_saves] == [save] and tier.written == []
+    # The forward after that waits for it (at most one forward's saves in flight), then
+    # its lower-tier write is queued.
+    w.begin_step(StepPlan(num_slots=SLOTS, step=3))
+    assert held.waited == [save] and not w._host_saves
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
     assert w.slots is not None
     assert all(w.slots.holds(s, k) for s, k in zip(save.slots, save.keys, strict=True))
@@ -78,6 +121,53 @@ def test_saves_after_the_forward_are_complete_before_the_next_forward_and_writte
     for n, t in kv.items():
         assert torch.equal(t[[10, 11, 12]], want[n])
     w.shutdown()
+
+
+@pytest.mark.parametrize("uses", ["load", "demote"])
+def test_a_step_that_uses_pool_slots_first_waits_for_the_last_forwards_saves_and_their_failures(uses):
+    """The last forward's save into slot 3 fails on the copy thread: a next step that
+    loads or demotes slot 3 waits for it, so slot 3 is empty (the load is recomputed, the
+    demotion not written), never copied with bytes the save did not write."""
+    w, _, tier = _worker()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=0))
+    held = _HeldCopyThread(w)
+    bad = SaveJob("r1", block_ids=(NUM_BLOCKS + 1,), slots=(3,), keys=(_key(9),))  # block out of range
+    _forward(w, 1, [bad])
+    held.watch()
+    assert w.slots is not None and w.slots.holds(3, _key(9)), "not settled yet: still in flight"
+    if uses == "load":
+        w.begin_step(StepPlan(num_slots=SLOTS, step=2, loads=[LoadJob("r2", (7,), (3,), (_key(9),), False)]))
+        w.start_loads()
+        assert w.take_load_errors() == {7}
+    else:
+        w.begin_step(StepPlan(num_slots=SLOTS, step=2, demotes=[ChunkWriteJob("nvme", "f9", (3,), (_key(9),))]))
+        assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
+    assert held.waited == [bad] and w.slots.key(3) is None
+    assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
+    w.shutdown()
+
+
+def test_a_lower_tier_write_waits_only_for_the_saves_issued_up_to_its_step():
+    """Saves every step (saturation): the write-through of step 1 goes out once step 1's
+    saves are settled, while step 2's are still in flight (not once the copy thread is
+    idle, which under load it never is)."""
+    w, _, tier = _worker()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=0))
+    held = _HeldCopyThread(w)
+    s1 = SaveJob("r1", block_ids=(3,), slots=(0,), keys=(_key(3),))
+    _forward(w, 1, [s1], [ChunkWriteJob("nvme", "f1", s1.slots, s1.keys)])
+    held2 = _HeldCopyThread(w)  # holds step 2's save behind step 1's
+    s2 = SaveJob("r1", block_ids=(4,), slots=(1,), keys=(_key(4),))
+    _forward(w, 2, [s2], [ChunkWriteJob("nvme", "f2", s2.slots, s2.keys)])
+    assert tier.written == []
+    held.release.set()
+    w._host_saves[0][0].wait()  # step 1's save is done; step 2's is held
+    w.transfer_results(set())
+    assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
+    assert [j for _, j, _ in w._host_saves] == [s2]
+    held2.release.set()
+    w.shutdown()
+    assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True), ("f2", True)]
 
 
 def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():

@@ -8,8 +8,9 @@ Ordering contract (what the scheduler relies on): transfers run in submission or
 respect to the pool. On CPU, saves submitted with ``background=True`` (the saves after a
 forward) run on one copy thread, in order; sync loads run inline in the caller's thread once
 that thread has no save left (``drain``), and layer-by-layer loads on the same thread, after
-the saves. The worker drains before the next forward (``WorkerHalf.begin_step``): a save
-overlaps sampling and scheduling, never a forward that could reuse its blocks. On CUDA, every copy
+the saves. A save may overlap the next forward, which never writes its blocks
+(see :mod:`vllm_kvtier.transfer.worker`); the worker waits for it before anything uses its
+slots on the host. On CUDA, every copy
 goes on one dedicated stream, so a load issued after a save of the same slot sees its
 bytes; the stream waits for the compute stream before a save (the model must have written
 the block) and the compute stream waits for a sync load before attention reads it.

@@ -4,8 +4,8 @@ Who uses it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf` owns one per rank 
 with the pool) and hands it once to each tier driver
 (:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`) and to the P/D peer link. All calls
 come from the worker's main thread; nothing here blocks except :meth:`SlotTable.wait`,
-which waits for a device copy still using a slot (CUDA; a host copy is complete when
-submitted).
+which waits for a device copy still using a slot (CUDA, or a save on the host copy
+thread).
 
 Per slot it keeps which key the slot holds *completely* (None: nothing valid, e.g. a save
 that failed or a read in progress), the last device copy that reads or writes it, and the

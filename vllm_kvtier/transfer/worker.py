@@ -9,15 +9,21 @@ the ``make_tiers`` the connector hands in (its wiring, ``connector/lower.py``).
 Per step, in vLLM's order:
 
 1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): allocate the pool on first use, wait for the
-   previous step's host saves and queue their lower-tier writes, then issue this step's
+   at the latest from ``start_load_kv``): allocate the pool on first use, settle the host
+   saves that finished and queue their lower-tier writes, then issue this step's
    **saves**. Saves come first so a load in the same step can read a block saved in it,
    and before the forward so no block is overwritten before it is copied.
    ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the forward
    completed. On a host KV cache those copies run on the copy thread while the step samples
-   its tokens and vLLM schedules the next one (a request's first token does not wait for
-   them); the next ``begin_step`` waits for them before its forward, so no forward ever
-   overlaps a save (vLLM may reuse a block it freed while scheduling).
+   its tokens, vLLM schedules the next one and, on the next forward, computes (a token
+   waits for none of them). That forward writes no block they read: vLLM frees a block
+   only when its request finishes (we hold those blocks until their saves are done,
+   ``finished_sending``) or is preempted (``begin_step`` orders those saves first), and a
+   hybrid model's sliding-window blocks are saved inline (``wait_saves``). A step that
+   reads or writes pool slots on the host (loads, demotions, prefetches, verification)
+   first waits for every save and settles it, so a failed save's slots are never used;
+   otherwise the saves of forwards before the last are waited for, so at most one
+   forward's saves are queued.
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -128,12 +135,13 @@ class WorkerHalf:
         #: why this rank has no PeerLink (published instead of a description)
         self._peer_unavailable = ""
         self._peer_done: set[str] = set()
-        #: Host saves on the copy thread, with their jobs: settled (a failed one's slots
-        #: invalidated) in transfer_results and before the next forward.
-        self._host_saves: list[tuple[Transfer, SaveJob]] = []
-        #: Lower-tier writes of the slots those saves fill: (tier, jobs), queued once the
-        #: saves are done (they copy the slots' bytes out).
-        self._deferred_writes: list[tuple[str, list[ChunkWriteJob]]] = []
+        #: Host saves on the copy thread, with their jobs and the step that issued them:
+        #: settled (a failed one's slots invalidated) in transfer_results, and waited for
+        #: in begin_step only as far as it must (see there).
+        self._host_saves: list[tuple[Transfer, SaveJob, int]] = []
+        #: Lower-tier writes of the slots those saves fill: (step, tier, jobs), queued once
+        #: every save issued up to that step is settled (they copy the slots' bytes out).
+        self._deferred_writes: list[tuple[int, str, list[ChunkWriteJob]]] = []
         #: CUDA saves whose slots get their stamp once the copy is done: (transfer, slots, keys)
         self._unstamped: list[tuple[Transfer, tuple[int, ...], tuple[bytes, ...]]] = []
         #: Prefetch reads: (tier, read id) -> prefetch id; prefetch id -> reads left, failed?
@@ -207,7 +215,10 @@ class WorkerHalf:
         self._finish_layered_loads()
         self._ensure_pool(meta.num_slots)
         assert self.engine is not None and self.pool is not None
-        self._settle_host_saves(wait=True)  # before this step's forward can reuse a block
+        # The last forward's saves may run on through this forward (why that is safe: the
+        # module's docstring). A step that uses pool slots on the host waits for them all.
+        touches_slots = bool(meta.loads or meta.demotes or meta.verifies or meta.prefetches)
+        self._settle_host_saves(wait_before=math.inf if touches_slots else self._step_ended)
         for req_id in meta.preempted:
             # Its blocks go back to vLLM's pool now; the forward must not overwrite them
             # before our copies out of them complete.
@@ -244,42 +255,48 @@ class WorkerHalf:
             tier.mark_dirty(meta.persist_slots.get(name, ()))
             jobs = [j for j in meta.write_through if j.tier == name]
             if self._host_saves:  # they copy slots still being filled: once those are done
-                self._deferred_writes.append((name, jobs))
+                self._deferred_writes.append((meta.step, name, jobs))
             else:
                 tier.write(jobs)
 
-    def _settle_host_saves(self, *, wait: bool) -> None:
-        """Account the host saves that finished (all of them if ``wait``): a failed one's
-        slots hold nothing (a future miss). Then queue the lower-tier writes that waited for
-        them."""
+    def _settle_host_saves(self, *, wait_before: float = -math.inf) -> None:
+        """Account the host saves that finished, after waiting for those issued by a step
+        before ``wait_before`` (``math.inf``: all of them): a failed one's slots hold
+        nothing (a future miss). Then queue the lower-tier writes whose saves are all
+        settled, in the order they were held back."""
         if self._host_saves:
-            if wait:
-                assert self.engine is not None
-                self.engine.drain()
+            for t, _, step in self._host_saves:
+                if step < wait_before:
+                    t.wait()  # the copy thread runs them in order: mostly one real wait
             left = []
-            for t, job in self._host_saves:
+            for t, job, step in self._host_saves:
                 if not t.done():
-                    left.append((t, job))
+                    left.append((t, job, step))
                     continue
                 error = getattr(t, "error", None)
                 if error is not None:
                     logger.error("kvtier: save of %d blocks failed: %r", len(job.block_ids), error)
                     self.counters.add("store_failures", TIER, len(job.block_ids))
-                    for s in job.slots:
-                        assert self.slots is not None
-                        self.slots.set_key(s, None)
+                    assert self.slots is not None
+                    for s, k in zip(job.slots, job.keys, strict=True):
+                        if self.slots.holds(s, k):  # not saved over since by a later save
+                            self.slots.set_key(s, None)
             self._host_saves = left
-        if self._deferred_writes and not self._host_saves:
-            writes, self._deferred_writes = self._deferred_writes, []
+        if self._deferred_writes:
+            oldest = min((step for _, _, step in self._host_saves), default=math.inf)
+            ready = 0
+            while ready < len(self._deferred_writes) and self._deferred_writes[ready][0] < oldest:
+                ready += 1
+            writes, self._deferred_writes = self._deferred_writes[:ready], self._deferred_writes[ready:]
             # each tier's writes even when another tier's raise
-            run_all(functools.partial(self.lower[name].write, jobs) for name, jobs in writes)
+            run_all(functools.partial(self.lower[name].write, jobs) for _, name, jobs in writes)
 
     def _log_unwritten(self) -> None:
         """At shutdown, after the settling: lower-tier writes still held back (their saves
         never finished: the copy engine failed to shut down) are lost, as a cache loses
         them; say how many."""
         if self._deferred_writes or self._host_saves:
-            n = sum(len(j.keys) for _, jobs in self._deferred_writes for j in jobs)
+            n = sum(len(j.keys) for _, _, jobs in self._deferred_writes for j in jobs)
             logger.error("kvtier: shutdown: %d host save(s) unfinished; %d block(s) not written to the tiers "
                          "below DRAM", len(self._host_saves), n)
 
@@ -293,7 +310,7 @@ class WorkerHalf:
                 if self.wait_saves:
                     t.wait()
                 if isinstance(t, _HostSave):
-                    self._host_saves.append((t, job))
+                    self._host_saves.append((t, job, self._step_ended))
             except Exception:  # a failed save is a future miss, never a failed step
                 logger.exception("kvtier: save of %d blocks failed", len(job.block_ids))
                 for s in job.slots:
@@ -542,7 +559,7 @@ class WorkerHalf:
     def _transfer_results(self, idle_step: bool) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
         if self.pool is not None:
-            self._settle_host_saves(wait=False)
+            self._settle_host_saves()
             for tier in self.lower.values():
                 if idle_step and tier.pending_reads():
                     tier.wait_for_reads(0.002)
@@ -650,7 +667,7 @@ class WorkerHalf:
         steps: list[Callable[[], None]] = []
         if self.engine is not None:
             steps.append(self.engine.shutdown)  # the copy thread's saves finish first
-            steps.append(lambda: self._settle_host_saves(wait=True))  # then the writes they held back
+            steps.append(lambda: self._settle_host_saves(wait_before=math.inf))  # then the writes they held back
         steps.append(self._log_unwritten)
         steps.extend(tier.close for tier in self.lower.values())
         if self.peer is not None:
