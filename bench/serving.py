@@ -94,7 +94,8 @@ FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("median_ttft_
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_loaded_blocks_total",
                    "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total",
-                   "vllm:kvtier_step_seconds_total", "vllm:kvtier_step_calls_total")
+                   "vllm:kvtier_step_seconds_total", "vllm:kvtier_step_calls_total",
+                   "vllm:kvtier_background_cpu_seconds_total")
 
 
 def free_port() -> int:
@@ -593,7 +594,8 @@ def print_table(summary: dict[str, Any]) -> None:
             print(f"  {name:36} " + " ".join(f"{v:.3f}" for v in r["rounds_mean_ttft_ratio"] if v is not None))
     print("\nplugin counters per run (blocks):")
     for name, r in summary["results"].items():
-        c = {k: int(v) for k, v in sorted(r["counters"].items()) if v and not k.startswith("step_")}
+        c = {k: int(v) for k, v in sorted(r["counters"].items())
+             if v and not k.startswith(("step_", "background_cpu_"))}
         print(f"  {name:36} failed={r['failed']} {c}")
     print("\nthe plugin's own time inside the engine's steps (vllm:kvtier_step_seconds_total):")
     for name, r in summary["results"].items():
@@ -603,6 +605,14 @@ def print_table(summary: dict[str, Any]) -> None:
             per_req = secs * 1000 / (r["completed"] + r.get("warmup_requests", 0))
             print(f"  {name:36} {secs * 1000 / steps:.3f} ms per step, {per_req:.2f} ms per request"
                   + (f" ({per_req / ttft:.2%} of its mean TTFT)" if ttft else ""))
+    print("\nthe CPU time of the plugin's own threads (vllm:kvtier_background_cpu_seconds_total), per request:")
+    for name, r in summary["results"].items():
+        bg = {k.split("|", 1)[1]: v for k, v in sorted(r["counters"].items()) if k.startswith("background_cpu_seconds|")}
+        if bg and r.get("completed"):
+            n = r["completed"] + r.get("warmup_requests", 0)
+            duration = r.get("wall_s") or 0
+            print(f"  {name:36} " + ", ".join(f"{t} {v * 1000 / n:.2f} ms" for t, v in bg.items())
+                  + (f" ({sum(bg.values()) / duration:.2%} of one core while its requests ran)" if duration else ""))
     for name, r in summary["results"].items():
         if "ttft_by_turn_ratio" in r:
             turns = " ".join(f"t{int(t) + 1}={v:.2f}" for t, v in r["ttft_by_turn_ratio"].items())

@@ -35,6 +35,11 @@ COUNTERS: dict[str, str] = {
                     "and waited for, the wait for saves before a forward, polling), tier cpu: the plugin's own cost "
                     "on the request path, summed over steps and TP ranks. step_calls counts the steps.",
     "step_calls": "Engine steps whose connector calls step_seconds timed (tier cpu).",
+    "background_cpu_seconds": "CPU seconds (user + system) of the plugin's own threads in the worker processes, "
+                              "by the tier they work for: cpu = the copy thread (saves into the CPU tier), nvme, "
+                              "s3, mooncake = their I/O threads. Sampled at most once a second from Linux's "
+                              "per-thread accounting; not the engine thread's time in the connector (step_seconds), "
+                              "nor threads inside native libraries (NIXL, Mooncake's transfer engine).",
     "load_seconds": "Seconds spent in load transfers (sum).",
     "store_seconds": "Seconds spent in store transfers (sum).",
     "requests": "Requests sent to a remote tier's endpoint (S3: every HTTP attempt).",

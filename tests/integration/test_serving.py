@@ -136,6 +136,7 @@ def test_openai_api_server(tiny_model, baseline, tmp_path):
                 if ln.startswith("vllm:kvtier_load_failures_total{") and 'tier="cpu"' in ln]
         assert zero and float(zero[0].rsplit(" ", 1)[1]) == 0.0, "no load_failures series at 0 before traffic"
         assert "vllm:kvtier_blocks_loaded_total{" in idle
+        assert 'vllm:kvtier_background_cpu_seconds_total{' in idle, "no series for the plugin threads' CPU"
         def complete(prompt: list[int], max_tokens: int) -> list[int]:
             return _complete(base_url, tiny_model, prompt, max_tokens)
 

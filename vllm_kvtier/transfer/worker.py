@@ -59,6 +59,7 @@ from vllm_kvtier.transfer.copier import CopyEngine, Transfer, _HostSave, make_co
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.peer import PeerLink
 from vllm_kvtier.transfer.slots import SlotTable
+from vllm_kvtier.transfer.thread_cpu import SAMPLER
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 from vllm_kvtier.transfer.verify import BlockVerifier
 
@@ -659,6 +660,10 @@ class WorkerHalf:
         return errors
 
     def stats(self) -> dict[str, dict[str, float]] | None:
+        """This rank's counters since the last call, with the CPU time of the plugin's
+        threads in this process (sampled at most once a second, :mod:`.thread_cpu`)."""
+        if self.pool is not None:
+            SAMPLER.sample(self.counters)
         return self.counters.drain()
 
     def shutdown(self) -> None:
