@@ -95,7 +95,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_loaded_blocks_total",
                    "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total",
                    "vllm:kvtier_step_seconds_total", "vllm:kvtier_step_calls_total",
-                   "vllm:kvtier_background_cpu_seconds_total")
+                   "vllm:kvtier_scheduler_seconds_total", "vllm:kvtier_background_cpu_seconds_total")
 
 
 def free_port() -> int:
@@ -595,7 +595,7 @@ def print_table(summary: dict[str, Any]) -> None:
     print("\nplugin counters per run (blocks):")
     for name, r in summary["results"].items():
         c = {k: int(v) for k, v in sorted(r["counters"].items())
-             if v and not k.startswith(("step_", "background_cpu_"))}
+             if v and not k.startswith(("step_", "scheduler_", "background_cpu_"))}
         print(f"  {name:36} failed={r['failed']} {c}")
     print("\nthe plugin's own time inside the engine's steps (vllm:kvtier_step_seconds_total):")
     for name, r in summary["results"].items():
@@ -605,14 +605,21 @@ def print_table(summary: dict[str, Any]) -> None:
             per_req = secs * 1000 / (r["completed"] + r.get("warmup_requests", 0))
             print(f"  {name:36} {secs * 1000 / steps:.3f} ms per step, {per_req:.2f} ms per request"
                   + (f" ({per_req / ttft:.2%} of its mean TTFT)" if ttft else ""))
-    print("\nthe CPU time of the plugin's own threads (vllm:kvtier_background_cpu_seconds_total), per request:")
+    print("\nall of the plugin's own time, per request: the scheduler thread's calls "
+          "(vllm:kvtier_scheduler_seconds_total), the engine thread's in the steps (step_seconds), its own "
+          "threads' CPU by tier (vllm:kvtier_background_cpu_seconds_total); the sum as a share of the "
+          "time its requests ran:")
     for name, r in summary["results"].items():
-        bg = {k.split("|", 1)[1]: v for k, v in sorted(r["counters"].items()) if k.startswith("background_cpu_seconds|")}
-        if bg and r.get("completed"):
+        c = r["counters"]
+        parts = {"scheduler": c.get("scheduler_seconds|cpu", 0.0), "steps": c.get("step_seconds|cpu", 0.0)}
+        parts |= {f"threads {k.split('|', 1)[1]}": v for k, v in sorted(c.items())
+                  if k.startswith("background_cpu_seconds|") and v}
+        if any(parts.values()) and r.get("completed"):
             n = r["completed"] + r.get("warmup_requests", 0)
-            duration = r.get("wall_s") or 0
-            print(f"  {name:36} " + ", ".join(f"{t} {v * 1000 / n:.2f} ms" for t, v in bg.items())
-                  + (f" ({sum(bg.values()) / duration:.2%} of one core while its requests ran)" if duration else ""))
+            wall = r.get("wall_s") or 0
+            total = sum(parts.values())
+            print(f"  {name:36} " + ", ".join(f"{k} {v * 1000 / n:.2f}" for k, v in parts.items())
+                  + f" = {total * 1000 / n:.2f} ms" + (f" ({total / wall:.3%} of {wall:.0f} s)" if wall else ""))
     for name, r in summary["results"].items():
         if "ttft_by_turn_ratio" in r:
             turns = " ".join(f"t{int(t) + 1}={v:.2f}" for t, v in r["ttft_by_turn_ratio"].items())

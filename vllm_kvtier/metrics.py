@@ -35,6 +35,9 @@ COUNTERS: dict[str, str] = {
                     "and waited for, the wait for saves before a forward, polling), tier cpu: the plugin's own cost "
                     "on the request path, summed over steps and TP ranks. step_calls counts the steps.",
     "step_calls": "Engine steps whose connector calls step_seconds timed (tier cpu).",
+    "scheduler_seconds": "Seconds vLLM's scheduler thread spent in the plugin's scheduler-side calls (lookups, "
+                         "allocation, each step's plan, the workers' reports, finished requests), tier cpu: the "
+                         "plugin's cost on the engine core's loop, which runs between every two forwards.",
     "background_cpu_seconds": "CPU seconds (user + system) of the plugin's own threads in the worker processes, "
                               "by the tier they work for: cpu = the copy thread (saves into the CPU tier), nvme, "
                               "s3, mooncake = their I/O threads. Sampled at most once a second from Linux's "

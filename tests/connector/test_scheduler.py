@@ -4,6 +4,8 @@ forward. Each test checks the connector's metadata and the scheduler's state."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm.v1.request import RequestStatus
 
@@ -264,6 +266,7 @@ def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_
     the admitting step, so the block holding the last token is recomputed)."""
     prompt = prompt_tokens(4 * BS)
     for mode, offered in (("sync", 3), ("async", 4)):
+        t0 = time.perf_counter()
         sched, initial = new_scheduler(model_dir, {"load_mode": mode, "cpu": {"capacity_bytes": 64 * block_bytes()}})
         worker = FakeWorker()
         store_prompt(sched, worker, "a", prompt)
@@ -283,6 +286,8 @@ def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_
         # Looked up: what a load could cover, for "a" and "b" (so a full hit reads 100%).
         counters = sched_half(sched).counters.totals
         assert counters["lookup_blocks|cpu"] == 2 * offered and counters["hit_blocks|cpu"] == offered, mode
+        # the scheduler thread's time in our calls is counted, and is part of this run's
+        assert 0 < counters["scheduler_seconds|cpu"] < time.perf_counter() - t0, mode
 
 
 def test_slot_pinned_by_async_load_is_never_reused_by_a_save(model_dir):

@@ -15,9 +15,11 @@ Turn it on with ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_ro
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,6 +36,7 @@ from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
 from vllm_kvtier.errors import run_all
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -46,6 +49,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_kvtier")
 
 __all__ = ["KVTierConnector", "register"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _scheduler_timed(fn: _F) -> _F:
+    """Count a scheduler-role call's time (``scheduler_seconds``): the plugin's cost on
+    the engine core's loop, between two forwards."""
+    @functools.wraps(fn)
+    def timed(self: KVTierConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if self._sched is not None:
+                self._sched.counters.add("scheduler_seconds", TierName.CPU, time.perf_counter() - t0)
+    return cast(_F, timed)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -180,20 +199,24 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler role ----------------------------------------------------------
 
+    @_scheduler_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_scheduler_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         if request.num_computed_tokens == 0 or num_external_tokens > 0:
             self._sched.record_lookup(request)
         self._sched.update_state_after_alloc_groups(request, blocks.get_block_ids(), num_external_tokens)
 
+    @_scheduler_timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
 
+    @_scheduler_timed
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.update_connector_output(connector_output)
@@ -201,16 +224,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._exporter is not None and stats is not None:
             self._exporter.observe(stats.data)  # the workers' figures of this step
 
+    @_scheduler_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    @_scheduler_timed
     def take_events(self) -> Iterable[KVCacheEvent]:
         # vLLM's KV events for our tiers (BlockStored / BlockRemoved, medium CPU or STORAGE):
         # nothing unless vLLM's kv_events_config turned them on (connector/events.py).
         if self._sched is None or self._sched.events is None:
             return ()
         return to_vllm(self._sched.take_events())
+    @_scheduler_timed
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
