@@ -236,6 +236,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or self._sched.events is None:
             return ()
         return to_vllm(self._sched.take_events())
+
     @_scheduler_timed
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
