@@ -77,6 +77,10 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "long-context": {"preset": "long-context"},
     "shared-prompt": {"preset": "shared-prompt"},
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
+    # the same tiers with no background flush: nothing reaches NVMe until DRAM evicts (so,
+    # at low load, no NVMe write at all): what the NVMe writes themselves cost
+    "cpu-nvme-noflush": {"preset": "interactive",
+                         "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30, "flush_interval_s": 0}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error
