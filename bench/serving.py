@@ -77,10 +77,6 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "long-context": {"preset": "long-context"},
     "shared-prompt": {"preset": "shared-prompt"},
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
-    # the same tiers with no background flush: nothing reaches NVMe until DRAM evicts (so,
-    # at low load, no NVMe write at all): what the NVMe writes themselves cost
-    "cpu-nvme-noflush": {"preset": "interactive",
-                         "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30, "flush_interval_s": 0}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error
@@ -88,6 +84,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 }
 # the plugin's threads moved off the compute core (the default leaves them there)
 CONFIGS.update({f"{n}-auto": {**CONFIGS[n], "background_cpus": "auto"} for n in ("interactive", "cpu-nvme")})
+# cpu-nvme with no background flush: nothing reaches NVMe until DRAM evicts (so, at low
+# load, no NVMe write at all): what the NVMe writes themselves cost
+CONFIGS["cpu-nvme-noflush"] = {**CONFIGS["cpu-nvme"], "nvme": {**CONFIGS["cpu-nvme"]["nvme"], "flush_interval_s": 0}}
 DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
 #: rows that are references, not the plugin: kept out of the bounds checked
 REFERENCES = ("noop.", "none-aa.")
