@@ -63,6 +63,8 @@ class FailureReason(StrEnum):
     CLOSED = "closed"  #: the store is closed
     NO_BUFFER = "no_buffer"  #: no transfer memory free right now (a registered arena is full)
     QUEUE_FULL = "queue_full"  #: too many writes queued (back-pressure)
+    #: a write's source changed before the store copied it (a CPU slot reused): nothing written
+    SUPERSEDED = "superseded"
     DISK_FULL = "disk_full"  #: ENOSPC / EDQUOT
     PERMISSION = "permission"  #: EACCES / EPERM / 401 / 403
     READ_ONLY = "read_only"  #: EROFS

@@ -290,6 +290,46 @@ class StoreContract:
         r = wait_for(store, 4)
         assert not r.ok and r.reason is FailureReason.BAD_REQUEST
 
+    def test_a_deferred_fill_runs_on_the_store_and_a_changed_source_writes_nothing(
+            self, store: StoreKernel, pool: BufferPool) -> None:
+        threads: list[int] = []
+
+        def copy_in(first: int, ok: bool) -> Any:
+            def run(wb: WriteBuffer) -> bool:
+                threads.append(threading.get_ident())
+                for i in range(len(wb.keys)):
+                    with wb.block(i) as b:
+                        b[:] = block(first + i)
+                return ok
+            return run
+
+        def deferred(first: int, n: int, fill_fn: Any) -> WriteBuffer:
+            return WriteBuffer([key(first + i) for i in range(n)], BLOCK, pool,
+                               authenticated=store.authenticated, fill=fill_fn)
+
+        # a fill that finds its source intact: written as if the caller had filled the buffer
+        assert store.submit_write(1, "c1", deferred(0, 2, copy_in(0, True)))
+        r = wait_for(store, 1)
+        assert r.ok and r.header is not None and r.header.keys == (key(0), key(1))
+        got = self.read(store, "c1", r.header, [0, 1])
+        assert got.ok and [bytes(b) for b in got.blocks or ()] == [block(0), block(1)]
+        got.release()
+        assert threads and threading.get_ident() not in threads  # the store's thread copied
+        # a fill whose source changed (False), or that raises: nothing written, the
+        # chunk already stored under that id untouched; superseded is not damage
+        old = self.write(store, pool, "c2", 5, 2, job=2)
+
+        def boom(wb: WriteBuffer) -> bool:
+            raise RuntimeError("the copy failed")
+
+        for job, fn, reason in ((3, copy_in(0, False), FailureReason.SUPERSEDED), (4, boom, FailureReason.ERROR)):
+            assert store.submit_write(job, "c2", deferred(0, 2, fn))
+            r = wait_for(store, job)
+            assert not r.ok and r.reason is reason and r.header is None and not r.reason.damaged
+            got = self.read(store, "c2", old, [0, 1], [key(5), key(6)], job=100 + job)
+            assert got.ok and [bytes(b) for b in got.blocks or ()] == [block(5), block(6)], got.reason
+            got.release()
+
     def test_full_write_queue_refuses_and_the_caller_keeps_the_buffer(self, store: StoreKernel,
                                                                       pool: BufferPool) -> None:
         slow = Stalled(store.medium, writes=True)

@@ -3,6 +3,7 @@ holds decides what may be written to a lower tier, loaded, or flushed at shutdow
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -44,7 +45,7 @@ def _settle(w: ChunkWorker, want: int) -> tuple[WorkerReport, list[tuple[int, Ch
     while time.monotonic() < deadline:
         done += w.poll()
         w.take_meta(meta)
-        if len(meta.written) + len(meta.failed) + len(done) >= want:
+        if len(meta.written) + len(meta.failed) + len(meta.refused) + len(done) >= want:
             break
         time.sleep(0.005)
     return meta, done
@@ -102,3 +103,70 @@ def test_shutdown_flushes_dirty_slots_that_still_hold_a_key():
     w.close()
     (cid,) = store.chunk_ids()
     assert cid.startswith((bytes([2]) * 32).hex()[:32])
+
+
+def _gated_copy(slots: SlotTable) -> tuple[threading.Event, threading.Event, list[int]]:
+    """Make the pool's copy out of a slot stop halfway until ``go`` is set (a copy the
+    engine thread's next write overlaps); the threads that copied are listed."""
+    entered, go, threads = threading.Event(), threading.Event(), []
+    copy = slots.pool.copy_slot_out
+
+    def gated(slot: int, out: memoryview) -> None:
+        threads.append(threading.get_ident())
+        entered.set()
+        assert go.wait(10)
+        copy(slot, out)
+
+    slots.pool.copy_slot_out = gated  # type: ignore[method-assign]
+    return entered, go, threads
+
+
+def test_a_lower_tier_write_copies_on_the_store_thread_and_drops_a_slot_claimed_meanwhile():
+    slots = SlotTable(_pool())
+    store = MemoryStore("ns", slots.pool.slot_bytes)
+    w = _driver(slots, store, mode="write-through")
+    keys = (b"a" * 32, b"b" * 32)
+    for s, k in zip((0, 1), keys, strict=True):
+        slots.set_key(s, k)
+    want = [slots.pool.planes[0][s].clone() for s in (0, 1)]
+    entered, go, threads = _gated_copy(slots)
+    good = chunk_id_for(keys)
+    w.write([ChunkWriteJob("nvme", good, (0, 1), keys)])
+    assert entered.wait(10) and threading.get_ident() not in threads  # not the engine thread's copy
+    go.set()
+    meta, _ = _settle(w, 1)
+    assert meta.written == {("nvme", good): 1}
+    stored = bytes(store.raw(good))
+    assert all(bytes(p.numpy()) in stored for p in want)
+    # The same blocks again, but a save claims slot 1 while the copy is under way: the
+    # chunk may be torn, so nothing is written; back-pressure-like, not a failing tier.
+    entered.clear()
+    go.clear()
+    torn = chunk_id_for(keys[::-1])  # another id, so that nothing of the first write counts
+    w.write([ChunkWriteJob("nvme", torn, (0, 1), keys)])
+    assert entered.wait(10)
+    slots.claim((1,))
+    slots.pool.planes[0][1].fill_(0xEE)  # the save's bytes
+    slots.set_key(1, keys[1])  # the same key again: only the generation tells
+    go.set()
+    meta, _ = _settle(w, 1)
+    assert meta.refused == {("nvme", torn)} and not meta.written and not meta.failed
+    assert store.chunk_ids() == [good]
+    assert w.counters.totals["store_skipped|nvme"] == 2 and not w.counters.totals["store_failures|nvme"]
+    w.close()
+
+
+def test_a_demotion_is_copied_at_once():
+    slots = SlotTable(_pool())
+    store = MemoryStore("ns", slots.pool.slot_bytes)
+    w = _driver(slots, store)
+    key = b"d" * 32
+    slots.set_key(3, key)
+    before = bytes(slots.pool.planes[1][3].numpy())
+    cid = chunk_id_for((key,))
+    w.write([ChunkWriteJob("nvme", cid, (3,), (key,))], copy_now=True)
+    slots.claim((3,))  # this step's save reuses the slot at once
+    slots.pool.planes[1][3].fill_(0x11)
+    meta, _ = _settle(w, 1)
+    assert meta.written == {("nvme", cid): 1} and before in bytes(store.raw(cid))
+    w.close()

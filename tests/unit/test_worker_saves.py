@@ -27,9 +27,12 @@ class _RecordingTier:
     def __init__(self, worker: WorkerHalf) -> None:
         self.worker = worker
         self.written: list[tuple[ChunkWriteJob, bool]] = []
+        #: per job written: copied out at once (a demotion) or on the store's thread
+        self.copy_now: dict[str, bool] = {}
 
-    def write(self, jobs: list[ChunkWriteJob]) -> None:
+    def write(self, jobs: list[ChunkWriteJob], *, copy_now: bool = False) -> None:
         for j in jobs:
+            self.copy_now[j.file_id] = copy_now
             slots = self.worker.slots
             assert slots is not None
             held = all(slots.holds(s, k) for s, k in zip(j.slots, j.keys, strict=True))
@@ -112,6 +115,7 @@ def test_saves_after_a_forward_run_on_through_the_next_one_and_are_waited_for_by
     w.begin_step(StepPlan(num_slots=SLOTS, step=3))
     assert held.waited == [save] and not w._host_saves
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
+    assert tier.copy_now == {"f1": False}  # a write-through: copied on the store's thread
     assert w.slots is not None
     assert all(w.slots.holds(s, k) for s, k in zip(save.slots, save.keys, strict=True))
     # Bytes: loading the slots back into other blocks gives the saved blocks.
@@ -142,6 +146,7 @@ def test_a_step_that_uses_pool_slots_first_waits_for_the_last_forwards_saves_and
     else:
         w.begin_step(StepPlan(num_slots=SLOTS, step=2, demotes=[ChunkWriteJob("nvme", "f9", (3,), (_key(9),))]))
         assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
+        assert tier.copy_now == {"f9": True}  # a demotion: copied before this step's saves reuse the slot
     assert held.waited == [bad] and w.slots.key(3) is None
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
     w.shutdown()
@@ -192,7 +197,7 @@ class _FailingTier(_RecordingTier):
         super().__init__(worker)
         self.closed = False
 
-    def write(self, jobs: list[ChunkWriteJob]) -> None:
+    def write(self, jobs: list[ChunkWriteJob], *, copy_now: bool = False) -> None:
         if jobs:
             raise OSError("injected: write refused")
 

@@ -132,8 +132,10 @@ class ChunkStore(Protocol):
     authenticated: bool
 
     def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
-        """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled;
-        the store stamps the header: keys, CRC32s, namespace). Never blocks.
+        """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled,
+        or a ``wb.fill`` that fills them: the store calls it on its I/O thread first, and a
+        False from it ends the write ``superseded`` with nothing written; the store stamps
+        the header: keys, CRC32s, namespace). Never blocks.
 
         Returns False when refused (the bounded write queue is full: back-pressure, or the
         store is closed): nothing was queued, no result will come, and the CALLER still

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -157,12 +158,18 @@ class WriteBuffer:
     Room is left for the header, which the store stamps (CRCs and keys) when it writes.
     ``pool``: where the memory comes from (None: :func:`shared_pool`). ``authenticated``:
     room for the signed header (the store's ``authenticated``; a store refuses a buffer
-    built for the other format, ``bad_request``)."""
+    built for the other format, ``bad_request``).
+
+    ``fill``: the blocks are copied in later, by the store on its I/O thread, just before
+    it stamps the header (so the caller's thread does not copy). It returns False when
+    its source changed meanwhile (the bytes it copied may be torn): the store then writes
+    nothing and ends the write ``superseded``."""
 
     keys: list[bytes]
     block_bytes: int
     pool: BufferPool | None = None
     authenticated: bool = False
+    fill: Callable[[WriteBuffer], bool] | None = None
     buf: AlignedBuffer = field(init=False)
     header_bytes: int = field(init=False)
 

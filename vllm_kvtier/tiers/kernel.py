@@ -5,6 +5,9 @@ What the kernel owns, for every medium:
 
 * the bounded write queue with back-pressure (``submit_write`` False when
   ``max_queued_writes`` wait; the caller keeps its buffer);
+* a write buffer's deferred ``fill`` (the caller's copy into it) run on the I/O thread
+  before the header is stamped; a fill that finds its source changed ends the write
+  ``superseded``, with nothing written;
 * reads served before writes (one priority queue; or, with ``write_threads``, writes on
   threads of their own so a long upload never holds a read back);
 * read deadlines: :meth:`StoreKernel.poll` fails a read not answered within
@@ -540,6 +543,15 @@ class StoreKernel:
     def _write(self, writes: list[_Write]) -> None:
         ready: list[_Write] = []
         for w in writes:
+            fill, w.wb.fill = w.wb.fill, None
+            try:
+                if fill is not None and not fill(w.wb):  # its source changed: nothing to write
+                    self._end_write(w, FailureReason.SUPERSEDED, None)
+                    continue
+            except Exception as e:
+                logger.exception("kvtier %s: filling the write of %s failed", self.medium.name, w.chunk_id)
+                self._end_write(w, FailureReason.ERROR, e)
+                continue
             try:
                 w.header = self._stamp(w.chunk_id, w.wb)
                 ready.append(w)
@@ -595,7 +607,7 @@ class StoreKernel:
         w.wb.close()
         with self._lock:
             self._queued_writes -= 1
-        if reason is not None:
+        if reason is not None and reason != FailureReason.SUPERSEDED:  # superseded: nothing was wrong
             logger.warning("kvtier %s: write of %s failed (%s): %s", self.medium.name, w.chunk_id, reason, err)
         h = w.header if reason is None else None
         if h is not None:

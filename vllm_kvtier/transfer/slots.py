@@ -3,13 +3,21 @@
 Who uses it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf` owns one per rank (made
 with the pool) and hands it once to each tier driver
 (:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`) and to the P/D peer link. All calls
-come from the worker's main thread; nothing here blocks except :meth:`SlotTable.wait`,
+come from the worker's main thread (but reads of a key and a generation, below); nothing here blocks except :meth:`SlotTable.wait`,
 which waits for a device copy still using a slot (CUDA, or a save on the host copy
 thread).
 
 Per slot it keeps which key the slot holds *completely* (None: nothing valid, e.g. a save
-that failed or a read in progress), the last device copy that reads or writes it, and the
-CRC32 of its bytes when ``cpu.checksum`` is on. The scheduler decides what goes in which
+that failed or a read in progress), a generation that changes whenever its key does or its
+bytes are about to (:meth:`SlotTable.claim`), the last device copy that reads or writes it,
+and the CRC32 of its bytes when ``cpu.checksum`` is on.
+
+The one reader on another thread: a lower-tier write copies a slot out on the store's I/O
+thread (:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`), and keeps the copy only if the
+slot's generation is the same after the copy as when the write was queued. That is sound
+because every writer of a slot's bytes (a save, a lower-tier read landing, a P/D peer
+read) claims the slot on this thread *before* the bytes start to change: a copy that
+overlapped such a write sees the new generation once it ends. The scheduler decides what goes in which
 slot; this table records what really happened, so a tier driver can refuse to write a
 slot whose save failed and a load can refuse a slot that no longer holds its key.
 """
@@ -37,6 +45,7 @@ class SlotTable:
     def __init__(self, pool: CPUPool) -> None:
         self.pool = pool
         self._key: list[bytes | None] = [None] * pool.num_slots
+        self._gen: list[int] = [0] * pool.num_slots
         self._crc: list[int] = [0] * pool.num_slots
         #: slot -> the last device copy that uses it (only while it may still run)
         self._busy: dict[int, _Transfer] = {}
@@ -62,8 +71,21 @@ class SlotTable:
         None now and the key from :meth:`stamp` once they landed; "unchanged": it already
         knows (the peer link itself filled the slot)."""
         self._key[slot] = key
+        self._gen[slot] += 1
         if self._stamps is not None and stamp != "unchanged":
             self._stamps.stamp(slot, key if stamp == "now" else None)
+
+    def claim(self, slots: Iterable[int]) -> None:
+        """The bytes of ``slots`` are about to be rewritten (a save, a read landing in them):
+        they hold nothing valid until the writer sets their key, and a copy out of them
+        still running on another thread will see that it must be dropped. Call it BEFORE
+        the first byte changes."""
+        for s in slots:
+            self.set_key(s, None)
+
+    def generation(self, slot: int) -> int:
+        """Changes whenever ``slot``'s key changes or it is claimed (any thread may read it)."""
+        return self._gen[slot]
 
     def stamp(self, slot: int) -> None:
         """The bytes of ``slot``'s key are complete now: tell the stamp listener."""

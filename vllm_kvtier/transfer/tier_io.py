@@ -2,15 +2,25 @@
 slots and chunks.
 
 Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
-thread. I/O runs on the store's threads (:class:`ChunkStore`); this class only copies slot
-bytes into write buffers (fast memory copies, so the slot can be reused by this step's
-saves) and read buffers back into slots, and reports outcomes to the scheduler
-(``WorkerReport``). Nothing here raises into vLLM: failures are results.
+thread. I/O runs on the store's threads (:class:`ChunkStore`); this class copies read
+buffers back into slots, and reports outcomes to the scheduler (``WorkerReport``). Nothing
+here raises into vLLM: failures are results.
+
+Writes copy their slots into a write buffer in one of two places. A *demotion* (the CPU
+tier evicted the block, this step's saves reuse its slot) is copied here, at once, before
+those saves. Every other write (write-through, the background flush of write-back blocks,
+which slots keep holding) is copied on the store's I/O thread (``WriteBuffer.fill``; a
+plain memmove, so not with an FP8 codec, whose torch ops stay on this thread), so
+the engine thread, whose time delays every token of the step, does not copy (it did: 10
+of the 12 ms the plugin took of the engine thread per low-load request of
+``bench/serving.py``'s ``cpu-nvme``, 28 blocks flushed). Such a copy checks the slots' generations (:class:`SlotTable`) before and after:
+a slot claimed or re-keyed meanwhile ends the write ``superseded``, nothing written.
 
 It is handed the worker's :class:`~vllm_kvtier.transfer.slots.SlotTable` once, at
 construction: what each slot holds and which device copy still uses it. It reads that
-table (a job whose slots no longer hold their keys is not written) and never writes it:
-:meth:`ChunkWorker.poll` returns the reads that finished, and the worker records their keys.
+table (a job whose slots no longer hold their keys is not written) and writes it only to
+claim the slots a read lands in: :meth:`ChunkWorker.poll` returns the reads that finished,
+and the worker records their keys.
 
 A tier may store blocks encoded (``storage_dtype: fp8``): the codec turns slot rows into
 the stored block in ``_buffer`` and back in ``poll``, on this thread (~1 ms per 2 MiB
@@ -99,6 +109,8 @@ class ChunkWorker:
         self.max_headers = max_headers
         self._ids = itertools.count(1)
         self._reads: dict[int, ChunkRead] = {}
+        #: write id -> its blocks, while queued (one result comes for each)
+        self._writing: dict[int, int] = {}
         self._prefetch_reads: set[int] = set()
         self._meta = KVTierWorkerMeta()
         #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
@@ -118,10 +130,12 @@ class ChunkWorker:
         """These slots no longer hold what was marked (saved over, or written)."""
         self._dirty.difference_update(slots)
 
-    def write(self, jobs: list[ChunkWriteJob]) -> None:
-        """Copy each job's slots out now, then queue the chunk write. A job whose slots do
-        not all hold their keys (a save into them failed) is not written. A replica reader
-        (``writes`` False) writes nothing: the writer rank writes these chunks."""
+    def write(self, jobs: list[ChunkWriteJob], *, copy_now: bool = False) -> None:
+        """Queue each job's chunk write; its slots are copied out on the store's I/O thread,
+        or here, now, with ``copy_now`` (a demotion: the slots are about to be reused). A
+        job whose slots do not all hold their keys (a save into them failed) is not
+        written. A replica reader (``writes`` False) writes nothing: the writer rank writes
+        these chunks."""
         if not self.writes:
             return
         for job in jobs:
@@ -134,12 +148,17 @@ class ChunkWorker:
             if self.store is None:
                 self._meta.failed.add(ref)
                 continue
-            wb = self._buffer(job.keys, job.slots)
-            if not self.store.submit_write(next(self._ids), job.file_id, wb):
+            # An FP8 tier encodes here: torch ops on an I/O thread would start an OpenMP
+            # team of their own beside the compute threads'.
+            now = copy_now or self.codec is not None
+            wb = self._buffer(job.keys, job.slots) if now else self._deferred_buffer(job.keys, job.slots)
+            wid = next(self._ids)
+            if not self.store.submit_write(wid, job.file_id, wb):
                 wb.buf.close()
                 self.counters.add("store_skipped", self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
                 continue  # still dirty: the shutdown flush may write them yet
+            self._writing[wid] = len(job.keys)
             self.clean(job.slots)
 
     def delete(self, file_ids: list[str]) -> None:
@@ -199,6 +218,7 @@ class ChunkWorker:
                     try:
                         for slot, data in zip(read.slots, res.blocks, strict=True):
                             self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
+                            self.slots.claim((slot,))  # before its bytes change (a copy out of it may run)
                             self._fill(slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
                         logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
@@ -238,6 +258,7 @@ class ChunkWorker:
 
     def _on_write(self, res: IOResult) -> None:
         ref = (self.tier, res.file_id)
+        nblocks = self._writing.pop(res.job_id, 0)
         if res.ok:
             assert res.header is not None
             self._keep_header(res.file_id, res.header)
@@ -245,6 +266,9 @@ class ChunkWorker:
             self.counters.add("blocks_stored", self.tier, res.header.nblocks)
             self.counters.add("bytes_stored", self.tier, res.nbytes)
             self.counters.add("store_seconds", self.tier, res.seconds)
+        elif res.reason == FailureReason.SUPERSEDED:  # its slots were reused before the copy: not the tier's fault
+            self.counters.add("store_skipped", self.tier, nblocks)
+            self._meta.refused.add(ref)
         else:
             self.counters.add("store_failures", self.tier)
             self._meta.failed.add(ref)
@@ -293,16 +317,42 @@ class ChunkWorker:
             logger.info("kvtier %s: flushed %d write-back blocks at shutdown", self.tier, written)
         self.store.close(timeout_s=max(0.0, deadline - time.monotonic()) + 5.0)
 
-    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
+    def _new_buffer(self, keys: tuple[bytes, ...], fill: Callable[[WriteBuffer], bool] | None = None) -> WriteBuffer:
+        pool = self.slots.pool
+        return WriteBuffer(list(keys), pool.slot_bytes if self.codec is None else self.codec.stored_bytes,
+                           self.buffers, authenticated=self.store is not None and self.store.authenticated,
+                           fill=fill)
+
+    def _copy_out(self, wb: WriteBuffer, slots: tuple[int, ...]) -> None:
         codec, pool = self.codec, self.slots.pool
-        wb = WriteBuffer(list(keys), pool.slot_bytes if codec is None else codec.stored_bytes, self.buffers,
-                         authenticated=self.store is not None and self.store.authenticated)
         for i, s in enumerate(slots):
             if codec is None:
                 pool.copy_slot_out(s, wb.block(i))
             else:  # straight from the slot's rows into the buffer: no staging copy
                 codec.encode([p[s] for p in pool.planes], wb.block(i))
+
+    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
+        """A write buffer holding ``slots`` copied now (on this thread)."""
+        wb = self._new_buffer(keys)
+        self._copy_out(wb, slots)
         return wb
+
+    def _deferred_buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
+        """A write buffer the store fills on its I/O thread, from ``slots`` as they are
+        now: their generations now must be theirs after the copy, else it is dropped."""
+        table = self.slots
+        gens = tuple(table.generation(s) for s in slots)
+
+        def unchanged() -> bool:
+            return all(table.generation(s) == g for s, g in zip(slots, gens, strict=True))
+
+        def fill(wb: WriteBuffer) -> bool:
+            if not unchanged():
+                return False
+            self._copy_out(wb, slots)
+            return unchanged()  # a claim during the copy: its bytes may be torn
+
+        return self._new_buffer(keys, fill)
 
     def _fill(self, slot: int, data: memoryview) -> None:
         pool = self.slots.pool

@@ -227,7 +227,7 @@ class WorkerHalf:
                 self.engine.order_before_compute(t)
         # Demoted slots are copied out before this step's saves reuse them.
         for name, tier in self.lower.items():
-            tier.write([j for j in meta.demotes if j.tier == name])
+            tier.write([j for j in meta.demotes if j.tier == name], copy_now=True)
             tier.delete([fid for t, fid in meta.deletes if t == name])
             tier.forget([fid for t, fid in meta.forgets if t == name])
         self._run_saves(meta.saves)
@@ -306,6 +306,7 @@ class WorkerHalf:
         slots are busy until :meth:`_settle_host_saves` has seen it done."""
         assert self.engine is not None and self.slots is not None
         for job in jobs:
+            self.slots.claim(job.slots)  # before the first byte changes: a lower-tier copy out may run
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=background)
                 if self.wait_saves:
@@ -457,6 +458,8 @@ class WorkerHalf:
                 pending.add((read.tier, rid))
         n_lower = sum(len(r.slots) for r in job.reads)
         if job.peer_read is not None:
+            if self.slots is not None:  # NIXL writes into them from now on
+                self.slots.claim(job.peer_read.slots)
             prid = self.peer.read(job.peer_read) if self.peer is not None else None
             if prid is None:
                 failed.update(self._blocks_of(job, job.peer_read.slots))
