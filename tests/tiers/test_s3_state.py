@@ -327,7 +327,8 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
         return install
 
     install = listed(0, N_OBJECTS)
-    st = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)  # header_cache_entries: 131072
+    # A reader refuses a manifest of more entries than its own bound: the fleet's is larger.
+    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=N_OBJECTS), NS, 0, BLOCK)  # header cache: 131072
     install(st)
     try:
         assert len(st.scan().found) == N_OBJECTS and st.last_scan.header_gets == 0
@@ -341,7 +342,7 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
     # on a smaller listing: tracing makes every allocation ten times slower).
     cap, n = 5_000, 20_000
     install = listed(1, n)
-    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap), NS, 1, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap, manifest_max_entries=n), NS, 1, BLOCK)
     install(st)
     try:
         tracemalloc.start()

@@ -85,7 +85,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +104,7 @@ from vllm_kvtier.tiers.chunkfile import (
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
+from vllm_kvtier.tiers.manifest import encode_manifest, iter_manifest, max_manifest_bytes
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
@@ -145,10 +145,14 @@ logger = logging.getLogger(__name__)
 #: The S3 store's figures (the shape every remote store reports).
 S3Stats = RemoteStats
 
-#: The largest manifest object a scan reads (its ``ContentLength``, checked before any
-#: memory is sized from it): a million entries of 16-block chunks compress to about 700 MB.
-#: The manifest's own fields are bounded by :func:`~vllm_kvtier.tiers.manifest.decode_manifest`.
+#: The largest manifest object a scan reads, whatever the config: a store refuses one
+#: above :meth:`S3Store.manifest_limit_bytes` (what ``manifest_max_entries`` entries of
+#: ``chunk_blocks`` blocks can need), and this, by its ``ContentLength`` before reading it.
+#: A manifest is decoded as it arrives (:func:`~vllm_kvtier.tiers.manifest.iter_manifest`,
+#: which bounds its own fields), so its size costs transfer, not memory.
 MAX_MANIFEST_BYTES = 1 << 30
+#: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
+MANIFEST_STEP_BYTES = 256 << 10
 
 
 def default_writer_id(namespace: str, rank: int) -> str:
@@ -157,6 +161,17 @@ def default_writer_id(namespace: str, rank: int) -> str:
     host name share it: they then overwrite each other's manifest (costing header GETs,
     never correctness) unless ``s3.writer_id`` tells them apart."""
     return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
+
+
+def _body_pieces(body: Any, nbytes: int, step: int) -> Iterator[memoryview]:
+    """``nbytes`` of a GET body, ``step`` at a time, into one reused buffer."""
+    buf = memoryview(bytearray(min(nbytes, step)))
+    got = 0
+    while got < nbytes:
+        k = min(step, nbytes - got)
+        read_body_into(body, buf[:k])
+        got += k
+        yield buf[:k]
 
 
 # ---- the medium ---------------------------------------------------------------------------
@@ -285,16 +300,25 @@ class S3Medium:
         """One ranged GET through boto3 (header probes at scan)."""
         self.call(functools.partial(self.boto.get_into, key, start, dst, deadline), deadline)
 
-    def get_bounded(self, key: str, max_bytes: int) -> bytes:
-        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
+    @contextlib.contextmanager
+    def open_bounded(self, key: str, max_bytes: int, step: int = MANIFEST_STEP_BYTES) -> Iterator[Iterator[memoryview]]:
+        """A GET of a whole object of at most ``max_bytes``, its body handed out in pieces of
+        at most ``step`` bytes as it arrives (each piece is a view of one reused buffer,
+        valid until the next is asked for). ``ContentLength`` above ``max_bytes`` is
+        ``too_large`` before a byte of the body is read; never more than ``ContentLength``
+        bytes are read (a body that ends sooner is ``truncated``), so a length that lies
+        cannot make the reader hold more. The body is closed on leaving the block."""
         r = self.call(lambda: self.client.get_object(Bucket=self.config.bucket, Key=key), self.soon())
         with contextlib.closing(r["Body"]) as body:
             n = int(r.get("ContentLength") or 0)
             if n > max_bytes:
                 raise ChunkFormatError(f"too large: an object of {n} B, at most {max_bytes}", FailureReason.TOO_LARGE)
-            data = bytearray(n)
-            read_body_into(body, memoryview(data))
-        return bytes(data)
+            yield _body_pieces(body, n, step)
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
+        with self.open_bounded(key, max_bytes) as pieces:
+            return b"".join(bytes(p) for p in pieces)
 
     def put_key(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
         """PUT ``body`` (through ``engine``, default boto3) within ``deadline``, or a
@@ -573,10 +597,7 @@ class S3Store(StoreKernel):
         next one still covers those objects; this process's writes stay the newest. A
         failed GET is a lost cache, never an error."""
         try:
-            data = self.medium.get_bounded(self.manifest_key(), MAX_MANIFEST_BYTES)
-            old = decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
-                                  block_bytes=self.block_bytes,
-                                  max_entries=max(self.config.manifest_max_entries, 1 << 20))
+            old = self._read_manifest(self.manifest_key(), None)
         except Exception as e:
             if error_reason(e) is not FailureReason.MISSING:
                 logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
@@ -691,12 +712,13 @@ class S3Store(StoreKernel):
         covered: dict[str, ChunkHeader] = {}
         own = self.manifest_key()
         too_old = time.time() - self.config.manifest_max_age_s
-        for mkey, got in zip(fresh, pool.map(self._scan_manifest, fresh), strict=True):
+        read = functools.partial(self._scan_manifest, keep=listing.objects)
+        for mkey, got in zip(fresh, pool.map(read, fresh), strict=True):
             if isinstance(got, FailureReason):
                 problem(f"manifest_{got}")
                 continue
             self._manifest_etags[mkey] = listing.manifests[mkey][0]
-            live = {oid: h for oid, h in got.items() if oid in listing.objects}
+            live = got  # listed objects only
             if mkey == own and not collect:  # the start-up scan only: see take_own_objects
                 self._own_objects = frozenset(live)
             if not live and collect and mkey != own:
@@ -707,11 +729,25 @@ class S3Store(StoreKernel):
                           if modified < too_old and m != own and m not in doomed)
         return covered
 
-    def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:
+    def manifest_limit_bytes(self) -> int:
+        """The largest manifest this store reads: ``manifest_max_entries`` entries of
+        ``chunk_blocks``-block headers, at most :data:`MAX_MANIFEST_BYTES`."""
+        return min(MAX_MANIFEST_BYTES, max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks))
+
+    def _read_manifest(self, key: str, keep: Container[str] | None) -> dict[str, ChunkHeader]:
+        """The entries of manifest ``key`` whose object is in ``keep`` (None: all), read and
+        decoded as the body arrives: the object's length is bounded before it is read, at
+        most ``manifest_max_entries`` entries, and only kept entries become objects. Raises
+        what the GET or :func:`~vllm_kvtier.tiers.manifest.iter_manifest` raise; nothing
+        is returned from a manifest that fails its CRC at the end."""
+        with self.medium.open_bounded(key, self.manifest_limit_bytes()) as pieces:
+            return dict(iter_manifest(pieces, self.namespace, max_blocks=self.max_chunk_blocks,
+                                      max_entries=self.config.manifest_max_entries,
+                                      block_bytes=self.block_bytes, keep=keep))
+
+    def _scan_manifest(self, key: str, keep: Container[str]) -> dict[str, ChunkHeader] | FailureReason:
         try:
-            data = self.medium.get_bounded(key, MAX_MANIFEST_BYTES)
-            return decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
-                                   block_bytes=self.block_bytes)
+            return self._read_manifest(key, keep)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
