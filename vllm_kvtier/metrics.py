@@ -75,6 +75,9 @@ COUNTERS: dict[str, str] = {
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
+    "forgotten_chunks": "Chunks another writer stored in a shared tier (S3, Mooncake) dropped from this instance's "
+                        "index after a read of them failed as damaged; not deleted: the failure may be this "
+                        "index's (a forged manifest entry), not the object's.",
     "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
     "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
     "request_params_ignored": "Request kv_transfer_params ignored because config does not enable them or they are "

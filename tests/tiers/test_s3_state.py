@@ -23,6 +23,7 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, make_header
@@ -432,3 +433,24 @@ def test_writer_manifest_forgets_objects_a_rescan_no_longer_lists(
         assert sorted(decode_manifest(body, NS)) == ["c1", "c3"]
     finally:
         p.close()
+
+
+def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
+    """On a shared tier a chunk whose read failed as damaged leaves the index either way;
+    it is deleted only when this process wrote it (its header is its own write's), never
+    when another writer's listing or manifest entry brought it (the failure may be the
+    entry's: see test_forged_manifest_naming_real_objects_gets_nothing_deleted)."""
+    theirs = make_header(NS, [key(1)], [0], BLOCK)
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=counters, found=[{"theirs": theirs}])
+    p.note_request([key(2)])
+    p.on_cpu_save(0, BlockKey(key(2)))
+    (job,) = p.take_jobs(set(), lambda k: 0)[1]
+    p.on_worker_meta(WorkerReport(written={("s3", job.file_id): 1}))
+    assert p.locate(BlockKey(key(2))) == (job.file_id, 0) and p.locate(BlockKey(key(1))) == ("theirs", 0)
+    p.on_worker_meta(WorkerReport(bad={("s3", "theirs"), ("s3", job.file_id)}))
+    assert p.take_jobs(set(), lambda k: None)[2] == [job.file_id]
+    assert p.locate(BlockKey(key(1))) is None and p.locate(BlockKey(key(2))) is None
+    assert counters.totals["forgotten_chunks|s3"] == 1
+    p.close()

@@ -258,6 +258,9 @@ class ChunkPlanner:
         #: indexed chunks another writer stored (KV events say REMOTE); a set of ids, no
         #: per-block state
         self._remote: set[str] = set()
+        #: shared tiers: indexed chunks this process wrote (durable on every rank), the only
+        #: ones a failed read deletes (see :meth:`on_worker_meta`)
+        self._written_here: set[str] = set()
         self._local_chunks = local_chunks
         self._events: EventLog | None = None
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
@@ -377,8 +380,10 @@ class ChunkPlanner:
             if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
-        if len(self._remote) > 2 * len(self.index) + 1024:  # (keys, so at least the chunks)
-            self._remote &= set(self.index.file_ids())  # forget removed ones, now and then
+        if len(self._remote) + len(self._written_here) > 2 * len(self.index) + 1024:  # (keys: >= chunks)
+            live = set(self.index.file_ids())  # forget removed ones, now and then
+            self._remote &= live
+            self._written_here &= live
         if removed:
             self.counters.add("rescan_removed_chunks", self.tier, removed)
         if n_files:
@@ -586,6 +591,13 @@ class ChunkPlanner:
                 self._failed_files.popitem(last=False)
             if self.index.remove(fid):
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
+            if fid in bad and fid not in failed | refused and not self._deletes_bad(fid):
+                # Another writer's chunk on a shared tier: what says it is bad may be our
+                # own index (keys and header from an unsigned manifest anyone can forge), not
+                # the object. Forgotten here (a miss), never deleted for every reader.
+                self.counters.add("forgotten_chunks", tier)
+                continue
+            self._written_here.discard(fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
         for fid, n in written.items():
             if fid in failed or fid in refused or fid in self._failed_files:
@@ -594,9 +606,19 @@ class ChunkPlanner:
             if self._acks[fid] >= self.world_size:
                 del self._acks[fid]
                 self._remote.discard(fid)  # ours now (a key-named chunk we rewrote)
+                if not self.policy.exclusive:
+                    self._written_here.add(fid)
                 self.index.confirm(fid)
                 if self._rescanner is not None:
                     self._rescanner.note_written(fid)
+
+    def _deletes_bad(self, fid: str) -> bool:
+        """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
+        an exclusive tier always (every chunk there is this engine's); on a shared one only
+        a chunk this process wrote, whose header and keys came from its own write, so the
+        failure is the object's. A shared object found by a listing or a manifest is left to
+        its writer (and a lifecycle rule)."""
+        return self.policy.exclusive or fid in self._written_here
 
     def close(self) -> None:
         run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])
