@@ -75,6 +75,11 @@ COUNTERS: dict[str, str] = {
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
+    "rescan_resyncs": "S3 rescan changes dropped because the engine took none of 262,144 pending chunk "
+                      "changes (an idle engine); the next rescan sends one delta instead.",
+    "rescan_written_dropped": "Chunk ids of our own writes not kept for the next listing because 262,144 were "
+                              "waiting already (listings failing); such a chunk deleted out of band leaves the "
+                              "index at its first read instead.",
     "forgotten_chunks": "Chunks another writer stored in a shared tier (S3, Mooncake) dropped from this instance's "
                         "index after a read of them failed as damaged; not deleted: the failure may be this "
                         "index's (a forged manifest entry), not the object's.",

@@ -454,3 +454,92 @@ def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
     assert p.locate(BlockKey(key(1))) is None and p.locate(BlockKey(key(2))) is None
     assert counters.totals["forgotten_chunks|s3"] == 1
     p.close()
+
+
+def _churn_listing(first: int, n: int) -> dict[str, ChunkHeader]:
+    return {f"f{i:07d}": make_header(NS, [key(4 * i + j) for j in range(4)], [0] * 4, BLOCK)
+            for i in range(first, first + n)}
+
+
+def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that takes no step keeps no rescan's delta apart: they merge by chunk id
+    (a chunk listed then expired before a take is in neither), so 40 rescans of a bucket
+    that turns over 500 chunks each hold about 500 chunks' entries, not 40 x 500. Before:
+    every delta was queued until the next step (retained memory measured)."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    rounds = iter(range(1, 41))
+    r = Rescanner("s3", lambda: [_churn_listing(500 * next(rounds), 500)], 3600.0, initial=[_churn_listing(0, 500)])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=Counters(), found=[_churn_listing(0, 500)], rescanner=r)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(40):
+            r.rescan_once()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1 << 20, kept
+    while True:  # the engine wakes: the index becomes the last listing
+        step(p)
+        if not p.rescan_pending():
+            break
+    assert set(p.index.file_ids()) == set(_churn_listing(500 * 40, 500))
+    p.close()
+
+
+def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket that grows by 500 chunks a rescan while the engine is idle: past the bound
+    the pending changes are dropped and the next rescan sends one delta against what the
+    planner last took; once the engine steps, its index is the listing."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    rounds = iter(range(1, 11))
+    r = Rescanner("s3", lambda: [_churn_listing(0, 500 * next(rounds))], 3600.0, initial=[{}])
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=counters, found=[{}], rescanner=r)
+    for _ in range(10):
+        r.rescan_once()
+    while True:
+        step(p)
+        if not p.rescan_pending():
+            break
+    assert set(p.index.file_ids()) == set(_churn_listing(0, 5000))
+    assert counters.totals["rescan_resyncs|s3"] >= 1
+    p.close()
+
+
+def test_our_writes_waiting_for_a_listing_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While listings fail, the chunk ids of our writes waiting to be checked by the next
+    listing stay bounded (the rest are dropped and counted). Before: every id written was
+    queued until a listing succeeded."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 1000, raising=False)
+    results: list[Any] = [RuntimeError("listing failed")] * 3 + [[{}]]
+
+    def scan() -> Found:
+        got = results.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got  # type: ignore[no-any-return]
+
+    r = Rescanner("s3", scan, 3600.0, initial=[{}])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for round_ in range(3):
+            for i in range(30_000):
+                r.note_written(f"{round_}-{i:032d}")
+            with pytest.raises(RuntimeError):
+                r.rescan_once()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1 << 20, kept
+    assert len(r.rescan_once().removed) == 1000  # the ids kept are still checked
+    (d,) = r.take()
+    assert d.counts["rescan_written_dropped"] == 89_000
+    r.close()
