@@ -75,6 +75,8 @@ COUNTERS: dict[str, str] = {
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
+    "scan_cut_short": "S3 start-up scans (per rank) cut short by s3.scan_deadline_s: what they reached was indexed, "
+                      "the rescans find the rest.",
     "rescan_resyncs": "S3 rescan changes dropped because the engine took none of 262,144 pending chunk "
                       "changes (an idle engine); the next rescan sends one delta instead.",
     "rescan_written_dropped": "Chunk ids of our own writes not kept for the next listing because 262,144 were "

@@ -410,6 +410,8 @@ class _Listing:
     #: manifest key -> (ETag, LastModified as a timestamp)
     manifests: dict[str, tuple[str, float]] = field(default_factory=dict)
     requests: int = 0
+    #: the scan's deadline passed before the last page
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -430,8 +432,11 @@ class ScanReport:
     manifests_unchanged: int = 0
     #: manifests deleted: not rewritten for ``manifest_max_age_s``, or covering no object
     manifests_collected: int = 0
-    #: False when the listing failed: ``found`` is then not what the bucket holds
+    #: False when the listing failed or was cut short: ``found`` is then not what the bucket holds
     complete: bool = True
+    #: the scan's ``deadline`` passed: the listing, manifests or header GETs not done by
+    #: then were skipped (``problems["deadline"]`` counts the objects left out)
+    cut_short: bool = False
 
 
 class S3Store(StoreKernel):
@@ -614,7 +619,7 @@ class S3Store(StoreKernel):
 
     # ---- index rebuild (caller's thread; blocks) --------------------------------------------
 
-    def scan(self, *, cleanup: bool = False, collect: bool = False) -> ScanResult:
+    def scan(self, *, cleanup: bool = False, collect: bool = False, deadline: float | None = None) -> ScanResult:
         """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
         LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest changed since
         the last scan (by its ETag) and one ranged GET per object neither a manifest nor
@@ -626,20 +631,30 @@ class S3Store(StoreKernel):
         With ``cleanup`` (the worker that owns the prefix), objects that fail to verify are
         deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), manifests of
         other writers not rewritten for ``manifest_max_age_s`` or covering no listed
-        object are deleted (``last_scan.manifests_collected``)."""
+        object are deleted (``last_scan.manifests_collected``).
+
+        ``deadline`` (a ``time.monotonic()`` time; None: none): no LIST page, manifest GET
+        or header GET starts after it. A scan cut short returns what it verified by then
+        (``last_scan.cut_short``; ``complete`` False if the listing itself was cut, and then
+        nothing is collected or cleaned up); its header cache keeps what it read, so the
+        next scan goes on from there."""
         problems: dict[str, int] = {}
+        late = (lambda: False) if deadline is None else (lambda: time.monotonic() >= deadline)
 
         def problem(what: str) -> None:
             problems[what] = problems.get(what, 0) + 1
 
         listing = _Listing()
         try:
-            self._list_rank(listing, problem)
+            self._list_rank(listing, problem, late)
         except Exception as e:
             problem(f"list_{error_reason(e)}")
             logger.warning("kvtier s3: listing %s failed: %s", self.medium.prefix, e)
             self.last_scan = ScanReport(0, listing.requests, 0, 0, 0, problems, complete=False)
             return ScanResult({}, problems)
+        if listing.cut:
+            problem("list_deadline")
+            cleanup = collect = False  # a partial listing: what it does not show may exist
         objects = listing.objects
         found: dict[str, ChunkHeader] = {}
         doomed: list[str] = []
@@ -649,7 +664,7 @@ class S3Store(StoreKernel):
             full = len(self._headers) >= self.config.header_cache_entries
             fresh = [m for m, (etag, _) in listing.manifests.items()
                      if full or self._manifest_etags.get(m) != etag]
-            covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed)
+            covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed, late)
             todo = []
             for oid, (size, _, key) in objects.items():
                 cached = self._headers.get(oid)
@@ -660,7 +675,8 @@ class S3Store(StoreKernel):
                     from_cache += hit
                 else:
                     todo.append((oid, size, key))
-            for (oid, _, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
+            probe = functools.partial(self._scan_header, late=late)
+            for (oid, _, key), got in zip(todo, pool.map(probe, todo), strict=True):
                 if isinstance(got, ChunkHeader):
                     found[oid] = got
                     continue
@@ -670,9 +686,11 @@ class S3Store(StoreKernel):
             list(pool.map(self._delete_quietly, doomed))
         self._remember(found, objects, listing)
         from_manifests = len(found) - from_cache - sum(1 for oid, _, _ in todo if oid in found)
+        cut = listing.cut or late()
         self.last_scan = ScanReport(len(found), listing.requests, len(fresh), len(todo), from_manifests, problems,
                                     from_cache=from_cache, manifests_unchanged=len(listing.manifests) - len(fresh),
-                                    manifests_collected=sum(1 for k in doomed if k.endswith(MANIFEST_SUFFIX)))
+                                    manifests_collected=sum(1 for k in doomed if k.endswith(MANIFEST_SUFFIX)),
+                                    complete=not listing.cut, cut_short=cut)
         return ScanResult({oid: found[oid] for oid in sorted(found, key=lambda oid: objects[oid][1])}, problems)
 
     def _remember(self, found: dict[str, ChunkHeader], objects: dict[str, tuple[int, float, str]],
@@ -689,8 +707,9 @@ class S3Store(StoreKernel):
             cache.popitem(last=False)
         self._manifest_etags = {m: e for m, e in self._manifest_etags.items() if m in listing.manifests}
 
-    def _list_rank(self, out: _Listing, problem: Callable[[str], None]) -> None:
-        """LIST the rank's prefix, sorting keys into chunks and manifests."""
+    def _list_rank(self, out: _Listing, problem: Callable[[str], None], late: Callable[[], bool]) -> None:
+        """LIST the rank's prefix, sorting keys into chunks and manifests; no page asked
+        for once ``late()`` (``out.cut``)."""
         root = self.medium.prefix
         for page in self.medium.list_pages():
             out.requests += 1
@@ -703,16 +722,20 @@ class S3Store(StoreKernel):
                     out.objects[oid] = (o["Size"], o["LastModified"].timestamp(), key)
                 else:
                     problem("unknown_key")
+            if page.get("IsTruncated") and late():
+                out.cut = True
+                return
 
     def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, fresh: list[str], collect: bool,
-                          problem: Callable[[str], None], doomed: list[str]) -> dict[str, ChunkHeader]:
+                          problem: Callable[[str], None], doomed: list[str],
+                          late: Callable[[], bool]) -> dict[str, ChunkHeader]:
         """Headers from the manifests in ``fresh`` (changed since the last scan), for the
         objects the listing shows; with ``collect``, other writers' manifests that are
         stale (not rewritten for ``manifest_max_age_s``) or cover nothing go to ``doomed``."""
         covered: dict[str, ChunkHeader] = {}
         own = self.manifest_key()
         too_old = time.time() - self.config.manifest_max_age_s
-        read = functools.partial(self._scan_manifest, keep=listing.objects)
+        read = functools.partial(self._scan_manifest, keep=listing.objects, late=late)
         for mkey, got in zip(fresh, pool.map(read, fresh), strict=True):
             if isinstance(got, FailureReason):
                 problem(f"manifest_{got}")
@@ -745,18 +768,24 @@ class S3Store(StoreKernel):
                                       max_entries=self.config.manifest_max_entries,
                                       block_bytes=self.block_bytes, keep=keep))
 
-    def _scan_manifest(self, key: str, keep: Container[str]) -> dict[str, ChunkHeader] | FailureReason:
+    def _scan_manifest(self, key: str, keep: Container[str],
+                       late: Callable[[], bool]) -> dict[str, ChunkHeader] | FailureReason:
+        if late():
+            return FailureReason.DEADLINE
         try:
             return self._read_manifest(key, keep)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
 
-    def _scan_header(self, item: tuple[str, int, str]) -> ChunkHeader | FailureReason:
+    def _scan_header(self, item: tuple[str, int, str],
+                     late: Callable[[], bool] = lambda: False) -> ChunkHeader | FailureReason:
         """The verified header of one listed object (one ranged GET, two for a header
         longer than 4 KiB), every size in it bounded (by what this store writes, and by
-        the listed size) before it sizes a read."""
+        the listed size) before it sizes a read; ``deadline`` without a request once ``late()``."""
         _, size, key = item
+        if late():
+            return FailureReason.DEADLINE
         deadline = self.medium.soon()
         try:
             if size < FIXED_BYTES:
