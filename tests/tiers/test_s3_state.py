@@ -543,3 +543,24 @@ def test_our_writes_waiting_for_a_listing_are_bounded(monkeypatch: pytest.Monkey
     (d,) = r.take()
     assert d.counts["rescan_written_dropped"] == 89_000
     r.close()
+
+
+def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket: str) -> None:
+    """The scan's header cache holds at most ``header_cache_bytes`` of headers (by
+    header_memory_bytes) whatever ``header_cache_entries`` allows; a cache that overflowed
+    makes the next scan read the unchanged manifest again instead of GETting headers."""
+    from vllm_kvtier.tiers.chunkfile import header_memory_bytes
+
+    writer = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    for i in range(12):
+        write(writer, f"c{i:02d}", 10 * i, 4, job=i + 1)
+    writer.close()
+    one = header_memory_bytes(make_header(NS, [key(0)] * 4, [0] * 4, BLOCK))
+    st = S3Store(config(s3_server, s3_bucket, header_cache_bytes=5 * one, writer_id="reader"), NS, 0, BLOCK)
+    try:
+        assert len(st.scan().found) == 12
+        assert st.header_cache_bytes() <= 5 * one and st.header_cache_entries() == 5
+        assert len(st.scan().found) == 12
+        assert st.last_scan.manifest_gets == 1 and st.last_scan.header_gets == 0
+    finally:
+        st.close()

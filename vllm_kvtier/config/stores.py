@@ -104,6 +104,9 @@ class S3Config:
     #: so a rescan GETs no header it already read. Below the bucket's object count, each
     #: rescan GETs the headers of the rest again.
     header_cache_entries: int = 1 << 17
+    #: The same caches bounded by the memory their headers hold (about 2.1 KB a 16-block
+    #: header, 29 KB at 256 blocks): whichever bound is reached first evicts.
+    header_cache_bytes: int = 256 * MiB
     #: A manifest not rewritten for this long (its writer is gone) is deleted by a rescan.
     manifest_max_age_s: float = 7 * 86400.0
     #: The start-up scan (every rank's listing, manifests and header GETs together) ends
@@ -114,7 +117,7 @@ class S3Config:
         def bad(name: str, msg: str) -> ConfigError:
             return ConfigError(f"s3.{name}", msg)
 
-        for name in ("manifest_max_entries", "header_cache_entries"):
+        for name in ("manifest_max_entries", "header_cache_entries", "header_cache_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if not self.manifest_max_age_s > 0:

@@ -401,7 +401,8 @@ def make_workers(
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
-                                    buffers=buffers, max_headers=s3.store.header_cache_entries, writes=role.writes)
+                                    buffers=buffers, max_headers=s3.store.header_cache_entries,
+                                    max_header_bytes=s3.store.header_cache_bytes, writes=role.writes)
     mc = cfg.mooncake
     if mc is not None:
         mc_store = None

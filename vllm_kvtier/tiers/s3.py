@@ -101,6 +101,7 @@ from vllm_kvtier.tiers.chunkfile import (
     ChunkHeader,
     bounded_header_bytes,
     decode_header,
+    header_memory_bytes,
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
@@ -466,9 +467,12 @@ class S3Store(StoreKernel):
         #: the predecessor's manifest (same writer id, before a restart) merged in yet?
         self._adopted = False
         self._deleted_before_adopt: set[str] = set()
-        #: scans: object id -> (listed size, verified header) of earlier scans, LRU
-        #: (at most ``header_cache_entries``; only objects the last listing showed)
-        self._headers: OrderedDict[str, tuple[int, ChunkHeader]] = OrderedDict()
+        #: scans: object id -> (listed size, verified header, its memory) of earlier scans,
+        #: LRU (at most ``header_cache_entries`` and ``header_cache_bytes`` of headers;
+        #: only objects the last listing showed)
+        self._headers: OrderedDict[str, tuple[int, ChunkHeader, int]] = OrderedDict()
+        self._headers_bytes = 0
+        self._headers_overflowed = False  # the last scan's headers did not all fit
         #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
         self._manifest_etags: dict[str, str] = {}
         #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
@@ -558,6 +562,11 @@ class S3Store(StoreKernel):
     def header_cache_entries(self) -> int:
         """Headers kept from earlier scans (at most ``header_cache_entries``)."""
         return len(self._headers)
+
+    def header_cache_bytes(self) -> int:
+        """Memory the headers kept from earlier scans hold (at most ``header_cache_bytes``,
+        as :func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes` counts it)."""
+        return self._headers_bytes
 
     def stats(self) -> S3Stats:
         """Requests (every HTTP attempt), retries, failed jobs by reason, the breaker."""
@@ -661,7 +670,7 @@ class S3Store(StoreKernel):
         from_cache = 0
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-s3-scan") as pool:
             # An unchanged manifest's entries are in the header cache, unless it overflowed.
-            full = len(self._headers) >= self.config.header_cache_entries
+            full = self._headers_overflowed
             fresh = [m for m, (etag, _) in listing.manifests.items()
                      if full or self._manifest_etags.get(m) != etag]
             covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed, late)
@@ -699,12 +708,18 @@ class S3Store(StoreKernel):
         the manifests it read; forget what the listing no longer shows."""
         cache = self._headers
         for oid in [o for o in cache if o not in objects]:
-            del cache[oid]
+            self._headers_bytes -= cache.pop(oid)[2]
         for oid, h in found.items():
-            cache[oid] = (objects[oid][0], h)
+            old = cache.get(oid)
+            cost = old[2] if old is not None and old[1] is h else header_memory_bytes(h)
+            self._headers_bytes += cost - (old[2] if old is not None else 0)
+            cache[oid] = (objects[oid][0], h, cost)
             cache.move_to_end(oid)
-        while len(cache) > self.config.header_cache_entries:
-            cache.popitem(last=False)
+        self._headers_overflowed = False
+        while cache and (len(cache) > self.config.header_cache_entries
+                         or self._headers_bytes > self.config.header_cache_bytes):
+            self._headers_bytes -= cache.popitem(last=False)[1][2]
+            self._headers_overflowed = True
         self._manifest_etags = {m: e for m, e in self._manifest_etags.items() if m in listing.manifests}
 
     def _list_rank(self, out: _Listing, problem: Callable[[str], None], late: Callable[[], bool]) -> None:
