@@ -772,14 +772,23 @@ class S3Store(StoreKernel):
         ``chunk_blocks``-block headers, at most :data:`MAX_MANIFEST_BYTES`."""
         return min(MAX_MANIFEST_BYTES, max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks))
 
-    def _read_manifest(self, key: str, keep: Container[str] | None) -> dict[str, ChunkHeader]:
+    def _read_manifest(self, key: str, keep: Container[str] | None,
+                       late: Callable[[], bool] = lambda: False) -> dict[str, ChunkHeader]:
         """The entries of manifest ``key`` whose object is in ``keep`` (None: all), read and
         decoded as the body arrives: the object's length is bounded before it is read, at
         most ``manifest_max_entries`` entries, and only kept entries become objects. Raises
-        what the GET or :func:`~vllm_kvtier.tiers.manifest.iter_manifest` raise; nothing
-        is returned from a manifest that fails its CRC at the end."""
+        what the GET or :func:`~vllm_kvtier.tiers.manifest.iter_manifest` raise (and
+        DeadlineExceeded once ``late()`` between two pieces); nothing is returned from a
+        manifest that fails its CRC at the end."""
+
+        def in_time(pieces: Iterator[memoryview]) -> Iterator[memoryview]:
+            for piece in pieces:
+                if late():
+                    raise DeadlineExceeded(f"manifest {key}: the scan's deadline passed")
+                yield piece
+
         with self.medium.open_bounded(key, self.manifest_limit_bytes()) as pieces:
-            return dict(iter_manifest(pieces, self.namespace, max_blocks=self.max_chunk_blocks,
+            return dict(iter_manifest(in_time(pieces), self.namespace, max_blocks=self.max_chunk_blocks,
                                       max_entries=self.config.manifest_max_entries,
                                       block_bytes=self.block_bytes, keep=keep))
 
@@ -788,7 +797,7 @@ class S3Store(StoreKernel):
         if late():
             return FailureReason.DEADLINE
         try:
-            return self._read_manifest(key, keep)
+            return self._read_manifest(key, keep, late)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
