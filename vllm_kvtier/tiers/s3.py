@@ -59,7 +59,11 @@ so a stale or lost manifest costs requests, never correctness. A live instance's
 (``collect``) delete other writers' manifests not rewritten for ``manifest_max_age_s`` or
 covering no listed object. Every size in a listed header or a manifest is bounded by what
 this engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it
-sizes anything.
+sizes anything. A manifest is unsigned input: one longer than ``manifest_max_entries``
+entries can need is refused by its ContentLength, and it is decoded as its body arrives,
+only the entries of listed objects kept (:meth:`S3Store.manifest_limit_bytes`,
+:func:`~vllm_kvtier.tiers.manifest.iter_manifest`). The start-up scan has an overall
+deadline (``scan(deadline=)``, ``s3.scan_deadline_s``).
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
 and connection errors, within the request's deadline; a per-store circuit breaker
