@@ -75,6 +75,16 @@ COUNTERS: dict[str, str] = {
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
+    "scan_cut_short": "S3 start-up scans (per rank) cut short by s3.scan_deadline_s: what they reached was indexed, "
+                      "the rescans find the rest.",
+    "rescan_resyncs": "S3 rescan changes dropped because the engine took none of 262,144 pending chunk "
+                      "changes (an idle engine); the next rescan sends one delta instead.",
+    "rescan_written_dropped": "Chunk ids of our own writes not kept for the next listing because 262,144 were "
+                              "waiting already (listings failing); such a chunk deleted out of band leaves the "
+                              "index at its first read instead.",
+    "forgotten_chunks": "Chunks another writer stored in a shared tier (S3, Mooncake) dropped from this instance's "
+                        "index after a read of them failed as damaged; not deleted: the failure may be this "
+                        "index's (a forged manifest entry), not the object's.",
     "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
     "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
     "request_params_ignored": "Request kv_transfer_params ignored because config does not enable them or they are "

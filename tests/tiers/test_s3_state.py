@@ -23,6 +23,7 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
 from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, make_header
@@ -327,7 +328,8 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
         return install
 
     install = listed(0, N_OBJECTS)
-    st = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)  # header_cache_entries: 131072
+    # A reader refuses a manifest of more entries than its own bound: the fleet's is larger.
+    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=N_OBJECTS), NS, 0, BLOCK)  # header cache: 131072
     install(st)
     try:
         assert len(st.scan().found) == N_OBJECTS and st.last_scan.header_gets == 0
@@ -341,7 +343,7 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
     # on a smaller listing: tracing makes every allocation ten times slower).
     cap, n = 5_000, 20_000
     install = listed(1, n)
-    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap), NS, 1, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap, manifest_max_entries=n), NS, 1, BLOCK)
     install(st)
     try:
         tracemalloc.start()
@@ -431,3 +433,134 @@ def test_writer_manifest_forgets_objects_a_rescan_no_longer_lists(
         assert sorted(decode_manifest(body, NS)) == ["c1", "c3"]
     finally:
         p.close()
+
+
+def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
+    """On a shared tier a chunk whose read failed as damaged leaves the index either way;
+    it is deleted only when this process wrote it (its header is its own write's), never
+    when another writer's listing or manifest entry brought it (the failure may be the
+    entry's: see test_forged_manifest_naming_real_objects_gets_nothing_deleted)."""
+    theirs = make_header(NS, [key(1)], [0], BLOCK)
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=counters, found=[{"theirs": theirs}])
+    p.note_request([key(2)])
+    p.on_cpu_save(0, BlockKey(key(2)))
+    (job,) = p.take_jobs(set(), lambda k: 0)[1]
+    p.on_worker_meta(WorkerReport(written={("s3", job.file_id): 1}))
+    assert p.locate(BlockKey(key(2))) == (job.file_id, 0) and p.locate(BlockKey(key(1))) == ("theirs", 0)
+    p.on_worker_meta(WorkerReport(bad={("s3", "theirs"), ("s3", job.file_id)}))
+    assert p.take_jobs(set(), lambda k: None)[2] == [job.file_id]
+    assert p.locate(BlockKey(key(1))) is None and p.locate(BlockKey(key(2))) is None
+    assert counters.totals["forgotten_chunks|s3"] == 1
+    p.close()
+
+
+def _churn_listing(first: int, n: int) -> dict[str, ChunkHeader]:
+    return {f"f{i:07d}": make_header(NS, [key(4 * i + j) for j in range(4)], [0] * 4, BLOCK)
+            for i in range(first, first + n)}
+
+
+def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that takes no step keeps no rescan's delta apart: they merge by chunk id
+    (a chunk listed then expired before a take is in neither), so 40 rescans of a bucket
+    that turns over 500 chunks each hold about 500 chunks' entries, not 40 x 500. Before:
+    every delta was queued until the next step (retained memory measured)."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    rounds = iter(range(1, 41))
+    r = Rescanner("s3", lambda: [_churn_listing(500 * next(rounds), 500)], 3600.0, initial=[_churn_listing(0, 500)])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=Counters(), found=[_churn_listing(0, 500)], rescanner=r)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(40):
+            r.rescan_once()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1 << 20, kept
+    while True:  # the engine wakes: the index becomes the last listing
+        step(p)
+        if not p.rescan_pending():
+            break
+    assert set(p.index.file_ids()) == set(_churn_listing(500 * 40, 500))
+    p.close()
+
+
+def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket that grows by 500 chunks a rescan while the engine is idle: past the bound
+    the pending changes are dropped and the next rescan sends one delta against what the
+    planner last took; once the engine steps, its index is the listing."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    rounds = iter(range(1, 11))
+    r = Rescanner("s3", lambda: [_churn_listing(0, 500 * next(rounds))], 3600.0, initial=[{}])
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
+                     counters=counters, found=[{}], rescanner=r)
+    for _ in range(10):
+        r.rescan_once()
+    while True:
+        step(p)
+        if not p.rescan_pending():
+            break
+    assert set(p.index.file_ids()) == set(_churn_listing(0, 5000))
+    assert counters.totals["rescan_resyncs|s3"] >= 1
+    p.close()
+
+
+def test_our_writes_waiting_for_a_listing_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While listings fail, the chunk ids of our writes waiting to be checked by the next
+    listing stay bounded (the rest are dropped and counted). Before: every id written was
+    queued until a listing succeeded."""
+    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 1000, raising=False)
+    results: list[Any] = [RuntimeError("listing failed")] * 3 + [[{}]]
+
+    def scan() -> Found:
+        got = results.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got  # type: ignore[no-any-return]
+
+    r = Rescanner("s3", scan, 3600.0, initial=[{}])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for round_ in range(3):
+            for i in range(30_000):
+                r.note_written(f"{round_}-{i:032d}")
+            with pytest.raises(RuntimeError):
+                r.rescan_once()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1 << 20, kept
+    assert len(r.rescan_once().removed) == 1000  # the ids kept are still checked
+    (d,) = r.take()
+    assert d.counts["rescan_written_dropped"] == 89_000
+    r.close()
+
+
+def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket: str) -> None:
+    """The scan's header cache holds at most ``header_cache_bytes`` of headers (by
+    header_memory_bytes) whatever ``header_cache_entries`` allows; a cache that overflowed
+    makes the next scan read the unchanged manifest again instead of GETting headers."""
+    from vllm_kvtier.tiers.chunkfile import header_memory_bytes
+
+    writer = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    for i in range(12):
+        write(writer, f"c{i:02d}", 10 * i, 4, job=i + 1)
+    writer.close()
+    one = header_memory_bytes(make_header(NS, [key(0)] * 4, [0] * 4, BLOCK))
+    st = S3Store(config(s3_server, s3_bucket, header_cache_bytes=5 * one, writer_id="reader"), NS, 0, BLOCK)
+    try:
+        assert len(st.scan().found) == 12
+        assert st.header_cache_bytes() <= 5 * one and st.header_cache_entries() == 5
+        assert len(st.scan().found) == 12
+        assert st.last_scan.manifest_gets == 1 and st.last_scan.header_gets == 0
+    finally:
+        st.close()

@@ -456,6 +456,7 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
         "s3.endpoint_url": dict(endpoint_url="http://user:pw@host:9000"),
         "s3.ca_bundle": dict(ca_bundle=str(tmp_path / "missing.pem")),
         "s3.deadline_s": dict(deadline_s=0),
+        "s3.scan_deadline_s": dict(scan_deadline_s=0),
         "s3.multipart_part_bytes": dict(multipart_part_bytes=1 << 20),
         "s3.io_threads": dict(io_threads=0),
         "s3.prefix": dict(prefix="/abs"),
@@ -471,6 +472,9 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must not embed credentials") as e:
         S3Config(bucket="b-1", endpoint_url="https://AKIA:secret@s3.example.com")
     assert "secret" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        replace(ok, scan_deadline_s=2 * 86400.0)
+    assert e.value.field == "s3.scan_deadline_s"
 
 
 def test_breaker_opens_fails_fast_and_probes_after_cooldown() -> None:
@@ -558,3 +562,45 @@ def test_read_body_into_without_urllib3_layers_goes_through_readinto() -> None:
     assert out == b"0123456789"
     with pytest.raises(ChunkFormatError, match="truncated"):
         read_body_into(io.BytesIO(b"0123"), memoryview(bytearray(10)))
+
+
+def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server: MotoServer,
+                                                                      s3_bucket: str) -> None:
+    """A slow endpoint (0.3 s a request) and 30 objects whose headers need a GET each (no
+    manifest): the start-up scan through ``s3.scan_deadline_s`` (here 1.5 s) starts no
+    request after it, indexes what it verified by then (a partial index, ``cut_short``,
+    the objects left out counted as ``deadline``), and the next scan GETs only the
+    headers the first did not read. The planner built on it counts ``scan_cut_short``."""
+    from vllm_kvtier.config.sections import S3TierConfig
+    from vllm_kvtier.connector.lower import _s3_planner
+    from vllm_kvtier.metrics import Counters
+
+    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0), NS, 0, BLOCK)
+    for i in range(30):
+        write(writer, f"c{i:02d}", i, 1, job=i + 1)
+    writer.close()
+    s3_server.client().delete_object(Bucket=s3_bucket, Key=writer.manifest_key())
+    proxy = FaultProxy(s3_server.url)
+    cfg = config(s3_server, s3_bucket, endpoint_url=proxy.url, scan_deadline_s=1.5, writer_id="reader")
+    proxy.delay(0.3)
+    st = S3Store(cfg, NS, 0, BLOCK)
+    try:
+        found = st.scan(deadline=time.monotonic() + cfg.scan_deadline_s).found
+        rep = st.last_scan
+        assert rep.cut_short and rep.complete
+        assert len(found) < 30 and rep.problems == {"deadline": 30 - len(found)}
+        proxy.passthrough()
+        assert len(st.scan().found) == 30
+        assert st.last_scan.header_gets == 30 - len(found) and not st.last_scan.cut_short
+
+        proxy.delay(0.3)
+        counters = Counters()
+        p = _s3_planner(S3TierConfig(store=cfg, rescan_interval_s=0), NS, 1, BLOCK, counters)
+        try:
+            assert counters.totals["scan_cut_short|s3"] == 1
+            assert len(p.index) < 30
+        finally:
+            p.close()
+    finally:
+        proxy.close()
+        st.close()

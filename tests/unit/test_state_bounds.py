@@ -12,7 +12,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
-from vllm_kvtier.tiers.chunkfile import chunk_id_for, make_header
+from vllm_kvtier.tiers.chunkfile import chunk_id_for, header_memory_bytes, make_header
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
 from vllm_kvtier.transfer.slots import SlotTable
@@ -52,6 +52,31 @@ def test_worker_header_cache_of_a_fetching_store_is_bounded() -> None:
         w.start_read(ChunkRead("s3", ids[0], (0,), (7,), (keys[0],)))
         (_, _, ok), = _settle(w, 1)
         assert ok and len(w.headers) <= 2
+    finally:
+        w.close()
+
+
+def test_worker_header_cache_is_bounded_by_bytes() -> None:
+    """Many-block headers cost many times a one-block one: the cache holds at most
+    ``max_header_bytes`` of them (by header_memory_bytes), however loose the count bound.
+    Before: bounded by count only (all six 8-block headers kept)."""
+    pool = CPUPool(64, (4096,), pin=False, prefault=False)
+    slots = SlotTable(pool)
+    store = MemoryStore("ns", pool.slot_bytes)
+    one = header_memory_bytes(make_header("ns", [bytes(32)] * 8, [0] * 8, pool.slot_bytes))
+    w = ChunkWorker("s3", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=8,
+                    flush_on_shutdown_s=1.0, fetches_headers=True, max_headers=1000, max_header_bytes=3 * one)
+    try:
+        ids = []
+        for c in range(6):
+            keys = tuple(bytes([c, i]) * 16 for i in range(8))
+            for i, k in enumerate(keys):
+                slots.set_key(8 * c + i, k)
+            ids.append(chunk_id_for(keys))
+            w.write([ChunkWriteJob("s3", ids[-1], tuple(range(8 * c, 8 * c + 8)), keys)])
+            _settle(w, 1)
+            assert sum(map(header_memory_bytes, w.headers.values())) <= 3 * one
+        assert list(w.headers) == ids[3:]
     finally:
         w.close()
 

@@ -104,14 +104,20 @@ class S3Config:
     #: so a rescan GETs no header it already read. Below the bucket's object count, each
     #: rescan GETs the headers of the rest again.
     header_cache_entries: int = 1 << 17
+    #: The same caches bounded by the memory their headers hold (about 2.1 KB a 16-block
+    #: header, 29 KB at 256 blocks): whichever bound is reached first evicts.
+    header_cache_bytes: int = 256 * MiB
     #: A manifest not rewritten for this long (its writer is gone) is deleted by a rescan.
     manifest_max_age_s: float = 7 * 86400.0
+    #: The start-up scan (every rank's listing, manifests and header GETs together) ends
+    #: by then: what it reached is indexed, the rest is found by the rescans.
+    scan_deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
         def bad(name: str, msg: str) -> ConfigError:
             return ConfigError(f"s3.{name}", msg)
 
-        for name in ("manifest_max_entries", "header_cache_entries"):
+        for name in ("manifest_max_entries", "header_cache_entries", "header_cache_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if not self.manifest_max_age_s > 0:
@@ -131,7 +137,7 @@ class S3Config:
             raise bad("ca_bundle", f"must be an absolute path without NUL bytes, got {self.ca_bundle!r}")
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise bad("ca_bundle", f"{self.ca_bundle!r} is not a file")
-        for name in ("connect_timeout_s", "read_timeout_s", "deadline_s", "backoff_max_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "deadline_s", "backoff_max_s", "scan_deadline_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "must be > 0")
         for name in ("backoff_base_s", "breaker_cooldown_s"):
@@ -156,7 +162,8 @@ class S3Config:
             raise bad("io_engine", "'nixl' reads credentials through aws-sdk-cpp's default chain, which takes no "
                                    "per-client profile: drop s3.profile and export AWS_PROFILE instead")
         check_bounds("s3", self, durations=("connect_timeout_s", "read_timeout_s", "deadline_s", "backoff_base_s",
-                                            "backoff_max_s", "breaker_cooldown_s"), queues=("max_queued_writes",))
+                                            "backoff_max_s", "breaker_cooldown_s", "scan_deadline_s"),
+                     queues=("max_queued_writes",))
         if self.max_attempts > MAX_ATTEMPTS:
             raise bad("max_attempts", f"must be <= {MAX_ATTEMPTS}, got {self.max_attempts}")
 

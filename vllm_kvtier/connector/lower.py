@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -271,7 +272,14 @@ def _s3_planner(
                             counters=counters, found=[{} for _ in range(world_size)])
 
     def scan() -> Found:
-        return [st.scan().found for st in stores]
+        """The start-up scan, within ``s3.scan_deadline_s`` for every rank together (each
+        rank gets an equal share of what is left when its turn comes)."""
+        end = time.monotonic() + s3.store.scan_deadline_s
+        out = []
+        for i, st in enumerate(stores):
+            now = time.monotonic()
+            out.append(st.scan(deadline=now + max(0.0, end - now) / (len(stores) - i)).found)
+        return out
 
     def rescan_counts() -> dict[str, int]:
         return {"manifests_collected": sum(st.last_scan.manifests_collected for st in stores)}
@@ -291,13 +299,18 @@ def _s3_planner(
         return out
 
     found = scan()
+    cut = [st.rank for st in stores if st.last_scan.cut_short]
+    if cut:
+        counters.add("scan_cut_short", TierName.S3, len(cut))
+        logger.warning("kvtier s3: start-up scan of rank(s) %s cut short by s3.scan_deadline_s (%.0f s): "
+                       "indexed what it reached, the rescans find the rest", cut, s3.store.scan_deadline_s)
     # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
     # our own manifest names (this host, rank and namespace before the restart: no other
-    # live writer) are deleted.
+    # live writer) are deleted, unless a scan was cut short (then they may be on every rank).
     partial = set().union(*found) - set(common_chunks(found))
     counters.set_gauge("partial_chunks", TierName.S3, len(partial))
     own: set[str] = set().union(*(st.take_own_objects() for st in stores))
-    ours = sorted(partial & own)
+    ours = [] if cut else sorted(partial & own)
     for st in stores:
         r = st.last_scan
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
@@ -388,7 +401,8 @@ def make_workers(
                                     chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
                                     fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
                                     remote_stats=s3_store.stats if s3_store is not None else None,
-                                    buffers=buffers, max_headers=s3.store.header_cache_entries, writes=role.writes)
+                                    buffers=buffers, max_headers=s3.store.header_cache_entries,
+                                    max_header_bytes=s3.store.header_cache_bytes, writes=role.writes)
     mc = cfg.mooncake
     if mc is not None:
         mc_store = None

@@ -39,7 +39,6 @@ a load is reading, at its unpin); one shown on only some ranks is never indexed.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -64,6 +63,9 @@ _SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at mo
 #: Chunks of a rescan's delta applied per step at most (each way): a listing that changed
 #: by 400k objects costs the scheduler thread ~3 ms a step instead of one long stall.
 _MERGE_SLICE = 4096
+#: Rescans: chunks of the deltas not taken yet kept at most (an idle engine takes none),
+#: and chunk ids of our writes kept for the next listing while listings fail.
+_MAX_PENDING_CHUNKS = 1 << 18
 #: Circuit breaker on writes: after this many write failures in a row, stop for a while.
 _BREAKER_FAILURES = 8
 _BREAKER_PAUSE_S = 30.0
@@ -130,7 +132,11 @@ class Rescanner:
     thread. A failed scan (it raises: a listing that could not complete must not read as
     "everything was deleted") is logged and skipped. ``initial``: the start-up listing the
     planner was built from (the first delta is against it). The thread keeps the set of
-    chunk ids of the last listing (about 100 B each), nothing else.
+    chunk ids of the last listing (about 100 B each), and the deltas not taken yet merged
+    into one (by chunk id: a chunk added then removed before a take is in neither), at
+    most :data:`_MAX_PENDING_CHUNKS` chunks: beyond, they are dropped and the next rescan
+    computes one delta against what the planner last took (a resync, counted as
+    ``rescan_resyncs``), so an idle engine holds one delta's worth, not every rescan's.
     """
 
     def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *,
@@ -140,17 +146,29 @@ class Rescanner:
         self._counts = counts
         self._interval_s = interval_s
         self._listed: set[str] = set(common_chunks(initial or []))
+        self._lock = threading.Lock()
         #: chunk ids this instance wrote (all ranks durable) since the last listing began
-        self._written: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[RescanDelta] = queue.SimpleQueue()
+        #: (at most :data:`_MAX_PENDING_CHUNKS`; beyond, ``rescan_written_dropped``)
+        self._written: dict[str, None] = {}
+        self._written_dropped = 0
+        #: the deltas not taken yet, merged (None: none)
+        self._pending: RescanDelta | None = None
+        self._partial = 0  # the last listing's RescanDelta.partial
+        self._resyncs = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
         self._thread.start()
 
     def note_written(self, file_id: str) -> None:
-        """``file_id`` is durable on every rank (scheduler thread; a queue put): a listing
-        that starts after this and does not show it means it was deleted."""
-        self._written.put(file_id)
+        """``file_id`` is durable on every rank (scheduler thread): a listing that starts
+        after this and does not show it means it was deleted. Bounded: past
+        :data:`_MAX_PENDING_CHUNKS` ids waiting (listings failing) the id is dropped and
+        counted; such a chunk, if deleted out of band, leaves the index at its first read."""
+        with self._lock:
+            if len(self._written) < _MAX_PENDING_CHUNKS:
+                self._written[file_id] = None
+            else:
+                self._written_dropped += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -160,26 +178,55 @@ class Rescanner:
                 logger.exception("kvtier: rescan failed")
 
     def rescan_once(self) -> RescanDelta:
-        """One listing and its delta, queued for :meth:`take` (the rescan thread; blocks
-        for the listing; a test may call it from its own thread). Raises what ``scan``
-        raises, queueing nothing."""
-        written: list[str] = []
-        while True:
-            try:
-                written.append(self._written.get_nowait())
-            except queue.Empty:
-                break
+        """One listing and its delta, merged into what :meth:`take` returns (the rescan
+        thread; blocks for the listing; a test may call it from its own thread). Raises
+        what ``scan`` raises, queueing nothing."""
+        with self._lock:
+            written, self._written = list(self._written), {}
         try:
             found = self._scan()
         except BaseException:
-            for fid in written:  # still to be checked by the next listing
-                self._written.put(fid)
+            with self._lock:  # still to be checked by the next listing
+                for fid in written:
+                    if len(self._written) >= _MAX_PENDING_CHUNKS:
+                        break
+                    self._written.setdefault(fid, None)
             raise
         delta = self.diff(found, written)
         if self._counts is not None:
             delta.counts.update(self._counts())
-        self._results.put(delta)
+        with self._lock:
+            self._partial = delta.partial
+            self._merge(delta)
         return delta
+
+    def _merge(self, d: RescanDelta) -> None:
+        """Fold ``d`` into the pending delta (lock held). Invariant: the planner's view is
+        ``(listed - pending.added) | pending.removed``; past the bound the pending delta is
+        dropped and ``listed`` set back to that view (the next diff is a resync)."""
+        p = self._pending
+        if p is None:
+            self._pending = d  # whatever its size: one delta always gets through
+            return
+        added, removed = dict(p.added), set(p.removed)
+        for fid in d.removed:
+            if added.pop(fid, None) is None:
+                removed.add(fid)
+        for fid, entry in d.added.items():
+            if fid in removed:
+                removed.discard(fid)  # back before the planner saw it go
+            else:
+                added[fid] = entry
+        counts = dict(p.counts)
+        for k, n in d.counts.items():
+            counts[k] = counts.get(k, 0) + n
+        if len(added) + len(removed) > _MAX_PENDING_CHUNKS:
+            self._listed = (self._listed - added.keys()) | removed
+            self._pending = None
+            self._resyncs += 1
+            logger.info("kvtier: %d rescan changes not taken; the next rescan resyncs", len(added) + len(removed))
+            return
+        self._pending = RescanDelta(added, frozenset(removed), d.partial, counts)
 
     def diff(self, found: Found, written: Sequence[str] = ()) -> RescanDelta:
         """The delta of listing ``found`` against the previous one (and ``written``: our
@@ -196,13 +243,18 @@ class Rescanner:
         return RescanDelta(added, removed, partial)
 
     def take(self) -> list[RescanDelta]:
-        """Every finished delta not taken yet, oldest first (a queue poll)."""
-        out: list[RescanDelta] = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        """The deltas not taken yet, merged into one (none: empty), with the counters of
+        the bounds (``rescan_resyncs``, ``rescan_written_dropped``) since the last take."""
+        with self._lock:
+            p, self._pending = self._pending, None
+            extra = {k: v for k, v in (("rescan_resyncs", self._resyncs),
+                                       ("rescan_written_dropped", self._written_dropped)) if v}
+            self._resyncs = self._written_dropped = 0
+        if extra:
+            p = p or RescanDelta({}, frozenset(), self._partial)
+            for k, v in extra.items():
+                p.counts[k] = p.counts.get(k, 0) + v
+        return [] if p is None else [p]
 
     def close(self) -> None:
         self._stop.set()
@@ -258,6 +310,9 @@ class ChunkPlanner:
         #: indexed chunks another writer stored (KV events say REMOTE); a set of ids, no
         #: per-block state
         self._remote: set[str] = set()
+        #: shared tiers: indexed chunks this process wrote (durable on every rank), the only
+        #: ones a failed read deletes (see :meth:`on_worker_meta`)
+        self._written_here: set[str] = set()
         self._local_chunks = local_chunks
         self._events: EventLog | None = None
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
@@ -377,8 +432,10 @@ class ChunkPlanner:
             if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
-        if len(self._remote) > 2 * len(self.index) + 1024:  # (keys, so at least the chunks)
-            self._remote &= set(self.index.file_ids())  # forget removed ones, now and then
+        if len(self._remote) + len(self._written_here) > 2 * len(self.index) + 1024:  # (keys: >= chunks)
+            live = set(self.index.file_ids())  # forget removed ones, now and then
+            self._remote &= live
+            self._written_here &= live
         if removed:
             self.counters.add("rescan_removed_chunks", self.tier, removed)
         if n_files:
@@ -586,6 +643,13 @@ class ChunkPlanner:
                 self._failed_files.popitem(last=False)
             if self.index.remove(fid):
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
+            if fid in bad and fid not in failed | refused and not self._deletes_bad(fid):
+                # Another writer's chunk on a shared tier: what says it is bad may be our
+                # own index (keys and header from an unsigned manifest anyone can forge), not
+                # the object. Forgotten here (a miss), never deleted for every reader.
+                self.counters.add("forgotten_chunks", tier)
+                continue
+            self._written_here.discard(fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
         for fid, n in written.items():
             if fid in failed or fid in refused or fid in self._failed_files:
@@ -594,9 +658,19 @@ class ChunkPlanner:
             if self._acks[fid] >= self.world_size:
                 del self._acks[fid]
                 self._remote.discard(fid)  # ours now (a key-named chunk we rewrote)
+                if not self.policy.exclusive:
+                    self._written_here.add(fid)
                 self.index.confirm(fid)
                 if self._rescanner is not None:
                     self._rescanner.note_written(fid)
+
+    def _deletes_bad(self, fid: str) -> bool:
+        """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
+        an exclusive tier always (every chunk there is this engine's); on a shared one only
+        a chunk this process wrote, whose header and keys came from its own write, so the
+        failure is the object's. A shared object found by a listing or a manifest is left to
+        its writer (and a lifecycle rule)."""
+        return self.policy.exclusive or fid in self._written_here
 
     def close(self) -> None:
         run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])

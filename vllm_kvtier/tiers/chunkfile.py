@@ -28,6 +28,7 @@ parses the rest):
 from __future__ import annotations
 
 import struct
+import sys
 import uuid
 import zlib
 from collections.abc import Iterable
@@ -102,6 +103,16 @@ class ChunkHeader:
 
     def block_offset(self, i: int) -> int:
         return self.header_bytes + i * self.stride
+
+
+def header_memory_bytes(h: ChunkHeader) -> int:
+    """About the memory a decoded header holds (the object, its tuples, keys, CRCs and
+    tags; the namespace string is shared): what a header cache bounded by bytes counts.
+    A 16-block unsigned header is about 2.1 KB, 256 blocks about 29 KB."""
+    return (sys.getsizeof(h) + 2 * 64  # the object, key_id and mac
+            + sys.getsizeof(h.keys) + sum(map(sys.getsizeof, h.keys))
+            + sys.getsizeof(h.crcs) + 32 * len(h.crcs)
+            + sys.getsizeof(h.tags) + sum(map(sys.getsizeof, h.tags)))
 
 
 def header_bytes_for(nblocks: int, authenticated: bool = False) -> int:

@@ -4,6 +4,10 @@ rebuild its index with one GET per writer instead of one ranged GET per object.
 A manifest is a cache, never the truth: the bucket listing says which objects exist, and a
 manifest entry is used only for an object the listing shows with at least the header's
 size. A lost, stale or damaged manifest costs requests (header GETs), never correctness.
+A manifest is not signed: whoever can write the bucket can write one, so a reader treats
+it as hostile input. Its size is bounded before it is read (:func:`max_manifest_bytes`),
+it is decoded entry by entry as its bytes arrive (:func:`iter_manifest`), and only the
+entries a reader keeps (the listed objects) become Python objects.
 
 Layout (little endian)::
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.chunkfile import (
@@ -34,8 +38,8 @@ from vllm_kvtier.tiers.chunkfile import (
 
 MAGIC = b"KVTMANI1"
 VERSION = 1
-#: The most entries a manifest may announce: one writer's live chunks (a million chunks of
-#: 16 blocks is far beyond any one cache); checked before anything is decoded.
+#: The most entries a manifest may announce when the caller gives no bound of its own (a
+#: store passes ``s3.manifest_max_entries``); checked before anything is decoded.
 MAX_ENTRIES = 1 << 20
 #: Compressed bytes fed to zlib per step: the decompressed bytes held at once stay about
 #: one entry plus what this much input can expand to.
@@ -46,6 +50,21 @@ _ID = struct.Struct("<H")
 _HLEN = struct.Struct("<I")
 _CRC = struct.Struct("<I")
 _MAX_ID = 128
+
+
+def max_entry_bytes(max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
+    """The most uncompressed payload bytes one entry can take: the longest id and the
+    longest header of ``max_blocks`` blocks (either header version)."""
+    return _ID.size + _MAX_ID + _HLEN.size + header_bytes_for(max_blocks, True)
+
+
+def max_manifest_bytes(max_entries: int, max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
+    """The largest manifest object of ``max_entries`` entries of at most ``max_blocks``
+    blocks: the fixed part, the CRC, and zlib's worst case for the payload (data that does
+    not compress goes out as stored blocks: 5 bytes per 16 KiB or so, plus 11). A reader
+    refuses a larger object before it reads a byte of it."""
+    raw = max_entries * max_entry_bytes(max_blocks)
+    return _FIXED.size + _CRC.size + raw + (raw >> 12) + 64
 
 
 def encode_manifest(namespace: str, entries: Iterable[tuple[str, ChunkHeader]]) -> bytes:
@@ -63,17 +82,34 @@ def encode_manifest(namespace: str, entries: Iterable[tuple[str, ChunkHeader]]) 
 
 
 def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
-                    max_entries: int = MAX_ENTRIES, block_bytes: int | None = None) -> dict[str, ChunkHeader]:
-    """Parse and verify a manifest. Raises ChunkFormatError on any mismatch.
+                    max_entries: int = MAX_ENTRIES, block_bytes: int | None = None,
+                    keep: Container[str] | None = None) -> dict[str, ChunkHeader]:
+    """Parse and verify a whole manifest held in memory (:func:`iter_manifest` over
+    ``data``; ``keep`` as there). Raises ChunkFormatError on any mismatch."""
+    return dict(iter_manifest([data], namespace, max_blocks=max_blocks, max_entries=max_entries,
+                              block_bytes=block_bytes, keep=keep))
+
+
+def iter_manifest(pieces: Iterable[bytes | bytearray | memoryview], namespace: str, *,
+                  max_blocks: int = MAX_CHUNK_BLOCKS, max_entries: int = MAX_ENTRIES,
+                  block_bytes: int | None = None,
+                  keep: Container[str] | None = None) -> Iterator[tuple[str, ChunkHeader]]:
+    """Decode a manifest entry by entry from its bytes as they arrive (``pieces``: the
+    object's body in any split; a piece may be reused by the producer once the next one is
+    asked for). Yields (object id, header) for the entries whose id is in ``keep`` (None:
+    all); an entry not kept is bounded and skipped, its header never decoded. Raises
+    ChunkFormatError on any mismatch, the CRC32 of the whole object last (after the last
+    entry): the caller keeps what it was given only once the iterator ended without
+    raising.
 
     Nothing in it sizes memory before it is bounded: the entry count by ``max_entries``
-    (``too_large``), each entry's header by ``max_blocks`` (and ``block_bytes`` when given)
-    before it is decoded, and the payload is decompressed step by step, never more than
-    one entry's bound plus one step's output held at once (a damaged or forged length
-    field cannot make a reader inflate a huge buffer)."""
-    if len(data) < _FIXED.size + _CRC.size:
-        raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
-    magic, version, ns, count, plen = _FIXED.unpack_from(data, 0)
+    (``too_large``, before anything is inflated), each entry's header by ``max_blocks``
+    (and ``block_bytes`` when given) before it is decoded, and the payload is decompressed
+    step by step, never more than one entry's bound plus one step's output held at once
+    (a damaged or forged length field cannot make a reader inflate a huge buffer). Memory
+    held: about one step of input and one entry, plus the entries yielded (the caller's)."""
+    src = _Stream(pieces)
+    magic, version, ns, count, plen = _FIXED.unpack(src.read(_FIXED.size))
     if magic != MAGIC or version != VERSION:
         raise ChunkFormatError("bad manifest magic or version", FailureReason.FORMAT)
     if ns.rstrip(b"\0").decode("ascii", "replace") != namespace:
@@ -81,15 +117,20 @@ def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_
     if count > max_entries:
         raise ChunkFormatError(f"too large: a manifest of {count} entries, at most {max_entries}",
                                FailureReason.TOO_LARGE)
-    end = _FIXED.size + plen
-    if len(data) != end + _CRC.size:
-        raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
-    if _CRC.unpack_from(data, end)[0] != zlib.crc32(memoryview(data)[:end]):
-        raise ChunkFormatError("manifest checksum mismatch", FailureReason.CHECKSUM)
+    if plen > max_manifest_bytes(max_entries, max_blocks):
+        raise ChunkFormatError(f"too large: a manifest payload of {plen} B", FailureReason.TOO_LARGE)
+    left = plen
+
+    def more() -> bytes | None:
+        nonlocal left
+        if not left:
+            return None
+        got = src.read(min(_STEP, left))
+        left -= len(got)
+        return got
+
     max_head = header_bytes_for(max_blocks, True)  # either version (an authenticated header is longer)
-    entry_bound = _ID.size + _MAX_ID + _HLEN.size + max_head
-    reader = _Inflater(memoryview(data)[_FIXED.size : end], entry_bound)
-    out: dict[str, ChunkHeader] = {}
+    reader = _Inflater(more, max_entry_bytes(max_blocks))
     for _ in range(count):
         (n,) = _ID.unpack(reader.take(_ID.size))
         if not 0 < n <= _MAX_ID:
@@ -103,30 +144,65 @@ def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_
             raise ChunkFormatError(f"too large: a manifest header of {hlen} B, at most {max_head}",
                                    FailureReason.TOO_LARGE)
         head = reader.take(hlen)
+        if keep is not None and oid not in keep:
+            continue  # not listed: no object made of it
         if bounded_header_bytes(head, max_blocks=max_blocks, block_bytes=block_bytes) != hlen:
             raise ChunkFormatError("manifest header of the wrong length", FailureReason.FORMAT)
-        out[oid] = decode_header(head, namespace)
-    return out
+        yield oid, decode_header(head, namespace)
+    while more() is not None:  # the rest of the payload (zlib's end), for the CRC
+        pass
+    crc = src.crc
+    if _CRC.unpack(src.read(_CRC.size))[0] != crc:
+        raise ChunkFormatError("manifest checksum mismatch", FailureReason.CHECKSUM)
+    if not src.at_end():
+        raise ChunkFormatError("manifest longer than its payload", FailureReason.FORMAT)
+
+
+class _Stream:
+    """A manifest's bytes as they arrive: exact reads, and the running CRC32 of what was read."""
+
+    def __init__(self, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+        self._it = iter(pieces)
+        self._cur = memoryview(b"")
+        self.crc = 0
+
+    def _next(self) -> bool:
+        for piece in self._it:
+            self._cur = memoryview(piece).cast("B")
+            if self._cur.nbytes:
+                return True
+        return False
+
+    def read(self, n: int) -> bytes:
+        """Exactly ``n`` bytes (``truncated`` if the object ends first); ``n`` is always a
+        bounded size (a fixed field, or at most one step)."""
+        out = bytearray()
+        while len(out) < n:
+            if not self._cur.nbytes and not self._next():
+                raise ChunkFormatError("truncated manifest", FailureReason.TRUNCATED)
+            take = self._cur[: n - len(out)]
+            out += take
+            self._cur = self._cur[take.nbytes :]
+        self.crc = zlib.crc32(out, self.crc)
+        return bytes(out)
+
+    def at_end(self) -> bool:
+        return not self._cur.nbytes and not self._next()
 
 
 class _Inflater:
     """The decompressed payload, handed out in pieces as it is inflated."""
 
-    def __init__(self, payload: memoryview, max_piece: int) -> None:
+    def __init__(self, more: Callable[[], bytes | None], max_piece: int) -> None:
         self._d = zlib.decompressobj()
-        self._src = payload
-        self._pos = 0
+        self._more = more
         self._buf = bytearray()
         self._max = max_piece
 
     def take(self, n: int) -> bytes:
         while len(self._buf) < n:
-            if self._d.unconsumed_tail:
-                chunk = self._d.unconsumed_tail
-            elif self._pos < len(self._src):
-                chunk = bytes(self._src[self._pos : self._pos + _STEP])
-                self._pos += len(chunk)
-            else:
+            chunk = self._d.unconsumed_tail or self._more()
+            if chunk is None:
                 raise ChunkFormatError("truncated manifest entry", FailureReason.TRUNCATED)
             try:
                 self._buf += self._d.decompress(chunk, self._max)

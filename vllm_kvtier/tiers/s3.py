@@ -59,7 +59,11 @@ so a stale or lost manifest costs requests, never correctness. A live instance's
 (``collect``) delete other writers' manifests not rewritten for ``manifest_max_age_s`` or
 covering no listed object. Every size in a listed header or a manifest is bounded by what
 this engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) before it
-sizes anything.
+sizes anything. A manifest is unsigned input: one longer than ``manifest_max_entries``
+entries can need is refused by its ContentLength, and it is decoded as its body arrives,
+only the entries of listed objects kept (:meth:`S3Store.manifest_limit_bytes`,
+:func:`~vllm_kvtier.tiers.manifest.iter_manifest`). The start-up scan has an overall
+deadline (``scan(deadline=)``, ``s3.scan_deadline_s``).
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
 and connection errors, within the request's deadline; a per-store circuit breaker
@@ -85,7 +89,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,10 +105,11 @@ from vllm_kvtier.tiers.chunkfile import (
     ChunkHeader,
     bounded_header_bytes,
     decode_header,
+    header_memory_bytes,
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
+from vllm_kvtier.tiers.manifest import encode_manifest, iter_manifest, max_manifest_bytes
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
@@ -145,10 +150,14 @@ logger = logging.getLogger(__name__)
 #: The S3 store's figures (the shape every remote store reports).
 S3Stats = RemoteStats
 
-#: The largest manifest object a scan reads (its ``ContentLength``, checked before any
-#: memory is sized from it): a million entries of 16-block chunks compress to about 700 MB.
-#: The manifest's own fields are bounded by :func:`~vllm_kvtier.tiers.manifest.decode_manifest`.
+#: The largest manifest object a scan reads, whatever the config: a store refuses one
+#: above :meth:`S3Store.manifest_limit_bytes` (what ``manifest_max_entries`` entries of
+#: ``chunk_blocks`` blocks can need), and this, by its ``ContentLength`` before reading it.
+#: A manifest is decoded as it arrives (:func:`~vllm_kvtier.tiers.manifest.iter_manifest`,
+#: which bounds its own fields), so its size costs transfer, not memory.
 MAX_MANIFEST_BYTES = 1 << 30
+#: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
+MANIFEST_STEP_BYTES = 256 << 10
 
 
 def default_writer_id(namespace: str, rank: int) -> str:
@@ -157,6 +166,17 @@ def default_writer_id(namespace: str, rank: int) -> str:
     host name share it: they then overwrite each other's manifest (costing header GETs,
     never correctness) unless ``s3.writer_id`` tells them apart."""
     return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
+
+
+def _body_pieces(body: Any, nbytes: int, step: int) -> Iterator[memoryview]:
+    """``nbytes`` of a GET body, ``step`` at a time, into one reused buffer."""
+    buf = memoryview(bytearray(min(nbytes, step)))
+    got = 0
+    while got < nbytes:
+        k = min(step, nbytes - got)
+        read_body_into(body, buf[:k])
+        got += k
+        yield buf[:k]
 
 
 # ---- the medium ---------------------------------------------------------------------------
@@ -285,16 +305,25 @@ class S3Medium:
         """One ranged GET through boto3 (header probes at scan)."""
         self.call(functools.partial(self.boto.get_into, key, start, dst, deadline), deadline)
 
-    def get_bounded(self, key: str, max_bytes: int) -> bytes:
-        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
+    @contextlib.contextmanager
+    def open_bounded(self, key: str, max_bytes: int, step: int = MANIFEST_STEP_BYTES) -> Iterator[Iterator[memoryview]]:
+        """A GET of a whole object of at most ``max_bytes``, its body handed out in pieces of
+        at most ``step`` bytes as it arrives (each piece is a view of one reused buffer,
+        valid until the next is asked for). ``ContentLength`` above ``max_bytes`` is
+        ``too_large`` before a byte of the body is read; never more than ``ContentLength``
+        bytes are read (a body that ends sooner is ``truncated``), so a length that lies
+        cannot make the reader hold more. The body is closed on leaving the block."""
         r = self.call(lambda: self.client.get_object(Bucket=self.config.bucket, Key=key), self.soon())
         with contextlib.closing(r["Body"]) as body:
             n = int(r.get("ContentLength") or 0)
             if n > max_bytes:
                 raise ChunkFormatError(f"too large: an object of {n} B, at most {max_bytes}", FailureReason.TOO_LARGE)
-            data = bytearray(n)
-            read_body_into(body, memoryview(data))
-        return bytes(data)
+            yield _body_pieces(body, n, step)
+
+    def get_bounded(self, key: str, max_bytes: int) -> bytes:
+        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
+        with self.open_bounded(key, max_bytes) as pieces:
+            return b"".join(bytes(p) for p in pieces)
 
     def put_key(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
         """PUT ``body`` (through ``engine``, default boto3) within ``deadline``, or a
@@ -386,6 +415,8 @@ class _Listing:
     #: manifest key -> (ETag, LastModified as a timestamp)
     manifests: dict[str, tuple[str, float]] = field(default_factory=dict)
     requests: int = 0
+    #: the scan's deadline passed before the last page
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -406,8 +437,11 @@ class ScanReport:
     manifests_unchanged: int = 0
     #: manifests deleted: not rewritten for ``manifest_max_age_s``, or covering no object
     manifests_collected: int = 0
-    #: False when the listing failed: ``found`` is then not what the bucket holds
+    #: False when the listing failed or was cut short: ``found`` is then not what the bucket holds
     complete: bool = True
+    #: the scan's ``deadline`` passed: the listing, manifests or header GETs not done by
+    #: then were skipped (``problems["deadline"]`` counts the objects left out)
+    cut_short: bool = False
 
 
 class S3Store(StoreKernel):
@@ -437,9 +471,12 @@ class S3Store(StoreKernel):
         #: the predecessor's manifest (same writer id, before a restart) merged in yet?
         self._adopted = False
         self._deleted_before_adopt: set[str] = set()
-        #: scans: object id -> (listed size, verified header) of earlier scans, LRU
-        #: (at most ``header_cache_entries``; only objects the last listing showed)
-        self._headers: OrderedDict[str, tuple[int, ChunkHeader]] = OrderedDict()
+        #: scans: object id -> (listed size, verified header, its memory) of earlier scans,
+        #: LRU (at most ``header_cache_entries`` and ``header_cache_bytes`` of headers;
+        #: only objects the last listing showed)
+        self._headers: OrderedDict[str, tuple[int, ChunkHeader, int]] = OrderedDict()
+        self._headers_bytes = 0
+        self._headers_overflowed = False  # the last scan's headers did not all fit
         #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
         self._manifest_etags: dict[str, str] = {}
         #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
@@ -530,6 +567,11 @@ class S3Store(StoreKernel):
         """Headers kept from earlier scans (at most ``header_cache_entries``)."""
         return len(self._headers)
 
+    def header_cache_bytes(self) -> int:
+        """Memory the headers kept from earlier scans hold (at most ``header_cache_bytes``,
+        as :func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes` counts it)."""
+        return self._headers_bytes
+
     def stats(self) -> S3Stats:
         """Requests (every HTTP attempt), retries, failed jobs by reason, the breaker."""
         requests, retries = self.medium.request_counts()
@@ -573,10 +615,7 @@ class S3Store(StoreKernel):
         next one still covers those objects; this process's writes stay the newest. A
         failed GET is a lost cache, never an error."""
         try:
-            data = self.medium.get_bounded(self.manifest_key(), MAX_MANIFEST_BYTES)
-            old = decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
-                                  block_bytes=self.block_bytes,
-                                  max_entries=max(self.config.manifest_max_entries, 1 << 20))
+            old = self._read_manifest(self.manifest_key(), None)
         except Exception as e:
             if error_reason(e) is not FailureReason.MISSING:
                 logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
@@ -593,7 +632,7 @@ class S3Store(StoreKernel):
 
     # ---- index rebuild (caller's thread; blocks) --------------------------------------------
 
-    def scan(self, *, cleanup: bool = False, collect: bool = False) -> ScanResult:
+    def scan(self, *, cleanup: bool = False, collect: bool = False, deadline: float | None = None) -> ScanResult:
         """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
         LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest changed since
         the last scan (by its ETag) and one ranged GET per object neither a manifest nor
@@ -605,30 +644,40 @@ class S3Store(StoreKernel):
         With ``cleanup`` (the worker that owns the prefix), objects that fail to verify are
         deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), manifests of
         other writers not rewritten for ``manifest_max_age_s`` or covering no listed
-        object are deleted (``last_scan.manifests_collected``)."""
+        object are deleted (``last_scan.manifests_collected``).
+
+        ``deadline`` (a ``time.monotonic()`` time; None: none): no LIST page, manifest GET
+        or header GET starts after it. A scan cut short returns what it verified by then
+        (``last_scan.cut_short``; ``complete`` False if the listing itself was cut, and then
+        nothing is collected or cleaned up); its header cache keeps what it read, so the
+        next scan goes on from there."""
         problems: dict[str, int] = {}
+        late = (lambda: False) if deadline is None else (lambda: time.monotonic() >= deadline)
 
         def problem(what: str) -> None:
             problems[what] = problems.get(what, 0) + 1
 
         listing = _Listing()
         try:
-            self._list_rank(listing, problem)
+            self._list_rank(listing, problem, late)
         except Exception as e:
             problem(f"list_{error_reason(e)}")
             logger.warning("kvtier s3: listing %s failed: %s", self.medium.prefix, e)
             self.last_scan = ScanReport(0, listing.requests, 0, 0, 0, problems, complete=False)
             return ScanResult({}, problems)
+        if listing.cut:
+            problem("list_deadline")
+            cleanup = collect = False  # a partial listing: what it does not show may exist
         objects = listing.objects
         found: dict[str, ChunkHeader] = {}
         doomed: list[str] = []
         from_cache = 0
         with ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-s3-scan") as pool:
             # An unchanged manifest's entries are in the header cache, unless it overflowed.
-            full = len(self._headers) >= self.config.header_cache_entries
+            full = self._headers_overflowed
             fresh = [m for m, (etag, _) in listing.manifests.items()
                      if full or self._manifest_etags.get(m) != etag]
-            covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed)
+            covered = self._manifest_headers(pool, listing, fresh, cleanup or collect, problem, doomed, late)
             todo = []
             for oid, (size, _, key) in objects.items():
                 cached = self._headers.get(oid)
@@ -639,7 +688,8 @@ class S3Store(StoreKernel):
                     from_cache += hit
                 else:
                     todo.append((oid, size, key))
-            for (oid, _, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
+            probe = functools.partial(self._scan_header, late=late)
+            for (oid, _, key), got in zip(todo, pool.map(probe, todo), strict=True):
                 if isinstance(got, ChunkHeader):
                     found[oid] = got
                     continue
@@ -649,9 +699,11 @@ class S3Store(StoreKernel):
             list(pool.map(self._delete_quietly, doomed))
         self._remember(found, objects, listing)
         from_manifests = len(found) - from_cache - sum(1 for oid, _, _ in todo if oid in found)
+        cut = listing.cut or late()
         self.last_scan = ScanReport(len(found), listing.requests, len(fresh), len(todo), from_manifests, problems,
                                     from_cache=from_cache, manifests_unchanged=len(listing.manifests) - len(fresh),
-                                    manifests_collected=sum(1 for k in doomed if k.endswith(MANIFEST_SUFFIX)))
+                                    manifests_collected=sum(1 for k in doomed if k.endswith(MANIFEST_SUFFIX)),
+                                    complete=not listing.cut, cut_short=cut)
         return ScanResult({oid: found[oid] for oid in sorted(found, key=lambda oid: objects[oid][1])}, problems)
 
     def _remember(self, found: dict[str, ChunkHeader], objects: dict[str, tuple[int, float, str]],
@@ -660,16 +712,23 @@ class S3Store(StoreKernel):
         the manifests it read; forget what the listing no longer shows."""
         cache = self._headers
         for oid in [o for o in cache if o not in objects]:
-            del cache[oid]
+            self._headers_bytes -= cache.pop(oid)[2]
         for oid, h in found.items():
-            cache[oid] = (objects[oid][0], h)
+            old = cache.get(oid)
+            cost = old[2] if old is not None and old[1] is h else header_memory_bytes(h)
+            self._headers_bytes += cost - (old[2] if old is not None else 0)
+            cache[oid] = (objects[oid][0], h, cost)
             cache.move_to_end(oid)
-        while len(cache) > self.config.header_cache_entries:
-            cache.popitem(last=False)
+        self._headers_overflowed = False
+        while cache and (len(cache) > self.config.header_cache_entries
+                         or self._headers_bytes > self.config.header_cache_bytes):
+            self._headers_bytes -= cache.popitem(last=False)[1][2]
+            self._headers_overflowed = True
         self._manifest_etags = {m: e for m, e in self._manifest_etags.items() if m in listing.manifests}
 
-    def _list_rank(self, out: _Listing, problem: Callable[[str], None]) -> None:
-        """LIST the rank's prefix, sorting keys into chunks and manifests."""
+    def _list_rank(self, out: _Listing, problem: Callable[[str], None], late: Callable[[], bool]) -> None:
+        """LIST the rank's prefix, sorting keys into chunks and manifests; no page asked
+        for once ``late()`` (``out.cut``)."""
         root = self.medium.prefix
         for page in self.medium.list_pages():
             out.requests += 1
@@ -682,21 +741,26 @@ class S3Store(StoreKernel):
                     out.objects[oid] = (o["Size"], o["LastModified"].timestamp(), key)
                 else:
                     problem("unknown_key")
+            if page.get("IsTruncated") and late():
+                out.cut = True
+                return
 
     def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, fresh: list[str], collect: bool,
-                          problem: Callable[[str], None], doomed: list[str]) -> dict[str, ChunkHeader]:
+                          problem: Callable[[str], None], doomed: list[str],
+                          late: Callable[[], bool]) -> dict[str, ChunkHeader]:
         """Headers from the manifests in ``fresh`` (changed since the last scan), for the
         objects the listing shows; with ``collect``, other writers' manifests that are
         stale (not rewritten for ``manifest_max_age_s``) or cover nothing go to ``doomed``."""
         covered: dict[str, ChunkHeader] = {}
         own = self.manifest_key()
         too_old = time.time() - self.config.manifest_max_age_s
-        for mkey, got in zip(fresh, pool.map(self._scan_manifest, fresh), strict=True):
+        read = functools.partial(self._scan_manifest, keep=listing.objects, late=late)
+        for mkey, got in zip(fresh, pool.map(read, fresh), strict=True):
             if isinstance(got, FailureReason):
                 problem(f"manifest_{got}")
                 continue
             self._manifest_etags[mkey] = listing.manifests[mkey][0]
-            live = {oid: h for oid, h in got.items() if oid in listing.objects}
+            live = got  # listed objects only
             if mkey == own and not collect:  # the start-up scan only: see take_own_objects
                 self._own_objects = frozenset(live)
             if not live and collect and mkey != own:
@@ -707,20 +771,49 @@ class S3Store(StoreKernel):
                           if modified < too_old and m != own and m not in doomed)
         return covered
 
-    def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:
+    def manifest_limit_bytes(self) -> int:
+        """The largest manifest this store reads: ``manifest_max_entries`` entries of
+        ``chunk_blocks``-block headers, at most :data:`MAX_MANIFEST_BYTES`."""
+        return min(MAX_MANIFEST_BYTES, max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks))
+
+    def _read_manifest(self, key: str, keep: Container[str] | None,
+                       late: Callable[[], bool] = lambda: False) -> dict[str, ChunkHeader]:
+        """The entries of manifest ``key`` whose object is in ``keep`` (None: all), read and
+        decoded as the body arrives: the object's length is bounded before it is read, at
+        most ``manifest_max_entries`` entries, and only kept entries become objects. Raises
+        what the GET or :func:`~vllm_kvtier.tiers.manifest.iter_manifest` raise (and
+        DeadlineExceeded once ``late()`` between two pieces); nothing is returned from a
+        manifest that fails its CRC at the end."""
+
+        def in_time(pieces: Iterator[memoryview]) -> Iterator[memoryview]:
+            for piece in pieces:
+                if late():
+                    raise DeadlineExceeded(f"manifest {key}: the scan's deadline passed")
+                yield piece
+
+        with self.medium.open_bounded(key, self.manifest_limit_bytes()) as pieces:
+            return dict(iter_manifest(in_time(pieces), self.namespace, max_blocks=self.max_chunk_blocks,
+                                      max_entries=self.config.manifest_max_entries,
+                                      block_bytes=self.block_bytes, keep=keep))
+
+    def _scan_manifest(self, key: str, keep: Container[str],
+                       late: Callable[[], bool]) -> dict[str, ChunkHeader] | FailureReason:
+        if late():
+            return FailureReason.DEADLINE
         try:
-            data = self.medium.get_bounded(key, MAX_MANIFEST_BYTES)
-            return decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
-                                   block_bytes=self.block_bytes)
+            return self._read_manifest(key, keep, late)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
             return error_reason(e)
 
-    def _scan_header(self, item: tuple[str, int, str]) -> ChunkHeader | FailureReason:
+    def _scan_header(self, item: tuple[str, int, str],
+                     late: Callable[[], bool] = lambda: False) -> ChunkHeader | FailureReason:
         """The verified header of one listed object (one ranged GET, two for a header
         longer than 4 KiB), every size in it bounded (by what this store writes, and by
-        the listed size) before it sizes a read."""
+        the listed size) before it sizes a read; ``deadline`` without a request once ``late()``."""
         _, size, key = item
+        if late():
+            return FailureReason.DEADLINE
         deadline = self.medium.soon()
         try:
             if size < FIXED_BYTES:

@@ -52,17 +52,20 @@ from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for
+from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.transfer.fp8 import BlockCodec
 from vllm_kvtier.transfer.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_HEADERS", "ChunkStore", "ChunkWorker"]
+__all__ = ["DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEADER_BYTES", "ChunkStore", "ChunkWorker"]
 
-#: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 3 KB each
-#: for 16-block chunks, so at most ~400 MB; the S3 tier passes ``s3.header_cache_entries``.
+#: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 2 KB each
+#: for 16-block chunks; the S3 tier passes ``s3.header_cache_entries``.
 DEFAULT_MAX_HEADERS = 1 << 17
+#: ... and the memory they hold at most (:func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes`;
+#: 256-block headers are ~29 KB each); the S3 tier passes ``s3.header_cache_bytes``.
+DEFAULT_MAX_HEADER_BYTES = 256 << 20
 
 
 class ChunkWorker:
@@ -72,14 +75,15 @@ class ChunkWorker:
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
         buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS, writes: bool = True,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
         """``store`` None: the tier could not start here; every write and read is a miss.
         ``slots``: the worker's slot table (the CPU pool and what each slot holds).
         ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
         read a chunk whose header we do not have (S3: another instance wrote it); the
-        headers kept are then a cache of at most ``max_headers`` (LRU: a header it no
-        longer has costs one more ranged GET at that chunk's next read), otherwise every
-        chunk's (the store cannot read without it).
+        headers kept are then a cache of at most ``max_headers`` holding at most
+        ``max_header_bytes`` (LRU: a header it no longer has costs one more ranged GET at
+        that chunk's next read), otherwise every chunk's (the store cannot read without it).
         ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
         ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
         block size); None: the slot's bytes are stored as they are. ``buffers``: where write
@@ -104,9 +108,15 @@ class ChunkWorker:
         self.chunk_blocks = chunk_blocks
         self.flush_on_shutdown_s = flush_on_shutdown_s
         self.headers: OrderedDict[str, ChunkHeader] = OrderedDict(headers or {})
+        #: memory the cached headers hold (``fetches_headers`` only; see ``max_header_bytes``)
+        self._header_bytes = 0
+        self.max_header_bytes = max_header_bytes
         self.writes = writes
         self.fetches_headers = fetches_headers or not writes
         self.max_headers = max_headers
+        if self.fetches_headers:
+            self._header_bytes = sum(map(header_memory_bytes, self.headers.values()))
+            self._trim_headers()
         self._ids = itertools.count(1)
         self._reads: dict[int, ChunkRead] = {}
         #: write id -> its blocks, while queued (one result comes for each)
@@ -163,7 +173,7 @@ class ChunkWorker:
 
     def delete(self, file_ids: list[str]) -> None:
         for fid in file_ids:
-            self.headers.pop(fid, None)
+            self._drop_header(fid)
             if self.store is not None and self.writes:  # the writer's file: it deletes it
                 self.store.submit_delete(fid)
 
@@ -171,7 +181,7 @@ class ChunkWorker:
         """Chunks a rescan no longer lists: their cached headers go, and a store that keeps
         a writer's manifest (S3) prunes them from it. No request is sent."""
         for fid in file_ids:
-            self.headers.pop(fid, None)
+            self._drop_header(fid)
         if file_ids and self.writes and isinstance(self.store, Forgets):
             self.store.forget(file_ids)
 
@@ -192,11 +202,23 @@ class ChunkWorker:
         return rid
 
     def _keep_header(self, file_id: str, header: ChunkHeader) -> None:
+        if not self.fetches_headers:
+            self.headers[file_id] = header
+            return
+        self._drop_header(file_id)
         self.headers[file_id] = header
-        if self.fetches_headers:
-            self.headers.move_to_end(file_id)
-            while len(self.headers) > self.max_headers:
-                self.headers.popitem(last=False)
+        self._header_bytes += header_memory_bytes(header)
+        self._trim_headers()
+
+    def _trim_headers(self) -> None:
+        """LRU out of the cache until both bounds hold (``fetches_headers`` only)."""
+        while self.headers and (len(self.headers) > self.max_headers or self._header_bytes > self.max_header_bytes):
+            self._header_bytes -= header_memory_bytes(self.headers.popitem(last=False)[1])
+
+    def _drop_header(self, file_id: str) -> None:
+        h = self.headers.pop(file_id, None)
+        if h is not None and self.fetches_headers:
+            self._header_bytes -= header_memory_bytes(h)
 
     def poll(self) -> list[tuple[int, ChunkRead, bool]]:
         """Handle finished I/O: fill slots from completed reads. Returns (read id, read,
@@ -239,7 +261,7 @@ class ChunkWorker:
                         self.counters.add("auth_failures", self.tier)
                     if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.file_id))
-                        self.headers.pop(read.file_id, None)
+                        self._drop_header(read.file_id)
                 res.release()
                 finished.append((res.job_id, read, ok))
         self._report_remote()
