@@ -351,10 +351,44 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
     return identity, fp
 
 
+#: vLLM's older names of two layouts (``VLLM_KV_CACHE_LAYOUT`` takes both spellings).
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+#: The namespace's ``layout`` where vLLM names none (no resolver, nothing resolved yet):
+#: never equal to a resolved one, so such an engine shares KV only with its like.
+UNRESOLVED_LAYOUT = "unresolved"
+
+
+def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The physical KV cache layout vLLM resolved for this engine (``LBHNC``, ``LBNHC``,
+    ``BLHNC``...: the stride order of a block's layers, heads, tokens and content), by its
+    canonical name. It decides how the bytes of a block sit in memory, which is how the
+    worker stores them (``transfer/layout.py``), so it is part of the namespace.
+
+    Both roles read the same value: vLLM >= 0.32 resolves it once in the engine core
+    (backends' supported layouts, ``VLLM_KV_CACHE_LAYOUT``, a connector's requirement)
+    before either role's connector is built, and records it on every ``KVCacheConfig``
+    and on ``cache_config`` (workers adopt it by RPC). An older vLLM resolves it per
+    process (``get_kv_cache_layout``: NHD, HND for FlashInfer on Blackwell, the env
+    variable); the scheduler and the workers reading different values is caught at the
+    first step (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) \
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if not name:
+        try:  # vLLM < 0.32: no recorded layout, a per-process resolver
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout  # type: ignore[attr-defined]
+
+            name = get_kv_cache_layout()
+        except Exception:  # neither: named as unresolved, never as a real layout
+            name = None
+    name = str(name) if name else UNRESOLVED_LAYOUT
+    return _LAYOUT_ALIASES.get(name, name)
+
+
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
                      log: bool = False, groups: GroupLayout | None = None) -> str:
     """The digest naming what this engine stores (the model's identity: weights, dtype,
-    quantization, overrides, salt; KV dtype and shape, TP size, layout, hash): blocks of
+    quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
+    layout (:func:`kv_cache_layout`), hash): blocks of
     another namespace are never read back. ``log``: its inputs at INFO (once per engine:
     the scheduler role)."""
     cache = vllm_config.cache_config
@@ -371,7 +405,8 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
         head_size=int(getattr(spec, "head_size", 0)),
         tp_size=par.tensor_parallel_size,
         tp_rank=0,
-        layout="vllm-block-planes",
+        # the planes format (transfer/layout.py) over vLLM's physical layout of a block
+        layout="vllm-block-planes:" + kv_cache_layout(vllm_config, kv_cache_config),
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
         groups=groups.describe() if groups is not None else "",
     )
