@@ -188,8 +188,8 @@ def test_hf_overrides_change_is_a_miss(model_copy, tmp_path):
 
 
 def run_layout(model: Path, kv: dict) -> tuple[str, str, list[int], dict[str, float]]:
-    """The resolved KV layout, the scheduler's namespace (the worker's checked equal), the
-    prompt's tokens and the counters."""
+    """The resolved KV layout, the scheduler's namespace (the worker's checked equal, with
+    no conflict seen after a request), the prompt's tokens and the counters."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     llm = make_llm(model, kv)
@@ -198,7 +198,7 @@ def run_layout(model: Path, kv: dict) -> tuple[str, str, list[int], dict[str, fl
         sched_ns = core.scheduler.connector.namespace
         tokens = generate(llm, PROMPT).tokens
         worker = get_kv_transfer_group()
-        assert worker.namespace == sched_ns
+        assert worker.namespace == sched_ns and worker._worker.namespace_conflict == ""
         return str(core.vllm_config.cache_config.kv_cache_layout), sched_ns, tokens, kvtier_counters(llm)
     finally:
         close_llm(llm)

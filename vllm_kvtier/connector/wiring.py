@@ -463,7 +463,7 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
                          world_size=world, lower=lower, counters=counters, layout=groups,
-                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens,
+                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
 
 
