@@ -103,3 +103,14 @@ def test_the_resolved_kv_layout_is_in_the_namespace(tmp_path):
     cfg.cache_config.kv_cache_layout = None
     assert engine_namespace(cfg, layout_kv(None)) not in by_layout.values()
 
+
+def test_an_edit_inside_a_large_tensor_changes_the_namespace(tmp_path):
+    """Issue 31: 64 KiB rewritten 100 KB into an 8 MiB tensor (between the windows the
+    sampled fingerprint reads) is a new namespace: the weights are hashed whole."""
+    from tests.unit.test_identity import big_model, edit_in_place
+
+    a = big_model(tmp_path / "a")
+    cfg, kv = fake_config(str(a)), layout_kv("LBHNC")
+    before = engine_namespace(cfg, kv)
+    edit_in_place(a / "model.safetensors", 100_000, bytes(64 << 10))
+    assert engine_namespace(cfg, kv) != before

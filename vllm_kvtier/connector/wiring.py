@@ -25,6 +25,7 @@ from vllm_kvtier.connector.stats import metric_tiers
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.groups import GroupLayout, GroupSpec
 from vllm_kvtier.index.identity import (
+    FingerprintMode,
     ModelIdentity,
     WeightsFingerprint,
     canonical,
@@ -310,10 +311,23 @@ def _local_model_path(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
-def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, WeightsFingerprint | None]:
+def digest_cache_dir(setting: str) -> Path | None:
+    """``weights_digest_cache_dir`` as a directory: "auto" is $XDG_CACHE_HOME/vllm_kvtier
+    (else ~/.cache/vllm_kvtier), "" none."""
+    import os
+
+    if setting == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "vllm_kvtier"
+    return Path(setting).expanduser() if setting else None
+
+
+def model_identity(vllm_config: VllmConfig, salt: str, *, fingerprint: FingerprintMode = "full",
+                   cache_dir: Path | None = None) -> tuple[ModelIdentity, WeightsFingerprint | None]:
     """The :class:`ModelIdentity` of this engine, read from vLLM's resolved configuration,
     and the weights fingerprint it used (None when the weights could not be fingerprinted:
-    then the model id and revision stand for them, with a WARNING)."""
+    then the model id and revision stand for them, with a WARNING). ``fingerprint`` and
+    ``cache_dir``: :func:`~vllm_kvtier.index.identity.fingerprint_weights`'s."""
     model = vllm_config.model_config
     load = vllm_config.load_config
     cache = vllm_config.cache_config
@@ -323,7 +337,7 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
     local = _local_model_path(model, load)
     if local is not None:
         try:
-            fp = fingerprint_weights(local)
+            fp = fingerprint_weights(local, mode=fingerprint, cache_dir=cache_dir)
         except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
             logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
     if fp is None:
@@ -385,7 +399,8 @@ def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 
 
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
-                     log: bool = False, groups: GroupLayout | None = None) -> str:
+                     log: bool = False, groups: GroupLayout | None = None, fingerprint: FingerprintMode = "full",
+                     cache_dir: Path | None = None) -> str:
     """The digest naming what this engine stores (the model's identity: weights, dtype,
     quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
     layout (:func:`kv_cache_layout`), hash): blocks of
@@ -395,7 +410,7 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
     par = vllm_config.parallel_config
     model = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    identity, fp = model_identity(vllm_config, salt)
+    identity, fp = model_identity(vllm_config, salt, fingerprint=fingerprint, cache_dir=cache_dir)
     fields = NamespaceFields(
         model=identity.digest(),
         kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
@@ -413,7 +428,8 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
     ns = namespace(fields)
     if log:
         cost = ("none" if fp is None else
-                f"{fp.files} files, {fp.total_bytes / 2**30:.2f} GiB, {fp.reads} reads, {fp.seconds * 1e3:.0f} ms")
+                f"{fp.mode}, {fp.files} files, {fp.total_bytes / 2**30:.2f} GiB, {fp.bytes_hashed / 2**30:.2f} GiB "
+                f"hashed, {fp.cached_files} file(s) from the cache, {fp.seconds * 1e3:.0f} ms")
         logger.info("kvtier: namespace %s from %s (weights fingerprint: %s) %s", ns,
                     describe_line(identity.describe()), cost,
                     describe_line({k: v for k, v in asdict(fields).items() if k != "model"}))
