@@ -155,6 +155,9 @@ class StepPlan:
     step: int = 0
     #: Shadow verification: compare stored blocks with this step's computed ones.
     verifies: list[VerifyJob] = field(default_factory=list)
+    #: The namespace the scheduler computed (``""``: none sent): a worker that computed
+    #: another refuses every lower-tier read and write (``WorkerHalf.begin_step``).
+    namespace: str = ""
 
     @classmethod
     def from_plan(cls: type[_P], plan: StepPlan) -> _P:

@@ -66,6 +66,9 @@ COUNTERS: dict[str, str] = {
     "layer_loads_unwaited": "Layers of a layer-by-layer load the forward did not wait for (waited at step end).",
     "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
                              "load from nor save to the tiers.",
+    "namespace_mismatch": "Lower-tier reads and writes a worker refused because the scheduler computed another "
+                          "namespace (model identity or KV layout seen differently by the two processes; logged "
+                          "as an ERROR): the blocks are recomputed, nothing is stored.",
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
     "reclaimed_files": "Files or objects of a tier deleted at start by their owner as debris: partial writes, chunks "
                        "on only some TP ranks, misfits.",

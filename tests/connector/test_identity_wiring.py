@@ -78,3 +78,39 @@ def test_the_inputs_are_logged_once_without_the_salt(tmp_path, caplog):
     assert "salt=set" in lines[0] and "s3cret" not in caplog.text
     assert "weights=" + fingerprint_weights(tmp_path / "a").digest in lines[0] and "num_kv_heads=2" in lines[0]
     assert engine_namespace(cfg, kv, salt="") != ns
+
+
+def layout_kv(layout: str | None) -> SimpleNamespace:
+    spec = SimpleNamespace(num_kv_heads=2, head_size=64)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+                           kv_cache_layout=layout)
+
+
+def test_the_resolved_kv_layout_is_in_the_namespace(tmp_path):
+    """Issue 31: two engines of one model whose vLLM resolved different physical KV layouts
+    (NHD on Hopper, HND on Blackwell or the CPU backend, ``VLLM_KV_CACHE_LAYOUT``) have
+    the same block size and sizes but not the same bytes: never the same namespace."""
+    cfg = fake_config(str(model_dir(tmp_path / "a")))
+    by_layout = {name: engine_namespace(cfg, layout_kv(name)) for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")}
+    assert len(set(by_layout.values())) == 4
+    # vLLM's older names are the same layouts
+    assert engine_namespace(cfg, layout_kv("HND")) == by_layout["LBHNC"]
+    assert engine_namespace(cfg, layout_kv("NHD")) == by_layout["LBNHC"]
+    # where the KVCacheConfig has none, cache_config's (the same value vLLM recorded there)
+    cfg.cache_config.kv_cache_layout = "LBNHC"
+    assert engine_namespace(cfg, layout_kv(None)) == by_layout["LBNHC"]
+    # nothing resolved: a namespace of its own, never a resolved layout's
+    cfg.cache_config.kv_cache_layout = None
+    assert engine_namespace(cfg, layout_kv(None)) not in by_layout.values()
+
+
+def test_an_edit_inside_a_large_tensor_changes_the_namespace(tmp_path):
+    """Issue 31: 64 KiB rewritten 100 KB into an 8 MiB tensor (between the windows the
+    sampled fingerprint reads) is a new namespace: the weights are hashed whole."""
+    from tests.unit.test_identity import big_model, edit_in_place
+
+    a = big_model(tmp_path / "a")
+    cfg, kv = fake_config(str(a)), layout_kv("LBHNC")
+    before = engine_namespace(cfg, kv)
+    edit_in_place(a / "model.safetensors", 100_000, bytes(64 << 10))
+    assert engine_namespace(cfg, kv) != before

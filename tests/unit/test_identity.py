@@ -62,7 +62,10 @@ def test_unchanged_model_same_digest_and_copies_share_it(tmp_path):
     again = fingerprint_weights(a)
     assert first.digest == again.digest
     assert fingerprint_weights(model_dir(tmp_path / "b")).digest == first.digest  # content, not path
-    assert first.files == 3 and first.reads > 2 * 12 and first.total_bytes > 2 * 12 * 40_000
+    weights = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+    assert first.files == 3 and first.mode == "full" and first.bytes_hashed == weights
+    assert first.total_bytes > 2 * 12 * 40_000
+    assert fingerprint_weights(a, mode="sampled").reads > 2 * 12  # a read per tensor at least
 
 
 def test_new_weights_with_identical_headers_and_sizes_change_it(tmp_path):
@@ -125,18 +128,19 @@ def test_forged_header_length_does_not_allocate(tmp_path):
         f.write(struct.pack("<Q", 2**60) + b"{" + bytes(100_000))
     with open(d / "model.safetensors", "rb") as f:
         assert safetensors_header(f, (d / "model.safetensors").stat().st_size) is None
-    tracemalloc.start()
-    try:
-        fingerprint_weights(d)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 4 << 20
+    for mode in ("sampled", "full"):
+        tracemalloc.start()
+        try:
+            fingerprint_weights(d, mode=mode)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, mode
     # a header whose length fits but whose tensors point past the file: offsets dropped
     bad = {"t": {"dtype": "U8", "shape": [1], "data_offsets": [0, 2**62]}}
     blob = json.dumps(bad).encode()
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(10))
-    assert fingerprint_weights(d).reads >= 2
+    assert fingerprint_weights(d, mode="sampled").reads >= 2
 
 
 def test_tensor_windows_are_bounded(tmp_path, monkeypatch):
@@ -225,8 +229,8 @@ def test_symlinked_weights_are_followed(tmp_path):
     assert fingerprint_weights(b).digest == fingerprint_weights(a).digest
 
 
-def test_cost_of_a_70b_layout_is_about_1200_reads(tmp_path):
-    """Llama-70B's layout: 723 tensors in 30 safetensors shards (sparse files here, 1 MiB
+def test_cost_of_a_70b_layout_is_about_1200_reads_sampled(tmp_path):
+    """``weights_fingerprint: sampled`` on Llama-70B's layout: 723 tensors in 30 safetensors shards (sparse files here, 1 MiB
     each: the read count depends on tensors and files, not bytes). One read per tensor,
     16 per file, one per header and config file: the figure docs/configuration.md gives."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -247,7 +251,7 @@ def test_cost_of_a_70b_layout_is_about_1200_reads(tmp_path):
         with open(d / f"model-{s + 1:05d}-of-00030.safetensors", "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
             f.truncate(8 + len(blob) + step * len(chunk))
-    fp = fingerprint_weights(d)
+    fp = fingerprint_weights(d, mode="sampled")
     assert fp.files == 31
     assert 723 + 30 <= fp.reads <= 723 + 30 * (1 + identity.FILE_WINDOWS) + 1
     assert 1100 <= fp.reads <= 1250
@@ -259,3 +263,136 @@ def test_canonical_is_stable_and_total():
     loop.append(loop)
     assert identity.canonical(loop).startswith("repr:")
     assert identity.canonical({1, 2}) == identity.canonical({1, 2})  # by str
+
+
+# ---- issue 31: the full content hash and its per-host cache -----------------------------
+
+BIG = 8 << 20  # one tensor: the sampled fingerprint reads 16 windows + 1 of it
+
+
+def big_model(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"hidden_size": 256, "model_type": "llama"}))
+    write_safetensors(root / "model.safetensors", {"embed.weight": random.Random(7).randbytes(BIG)})
+    write_safetensors(root / "small.safetensors", tensors(3, n=2))
+    return root
+
+
+def edit_in_place(path: Path, offset_in_data: int, data: bytes) -> None:
+    """Overwrite bytes of the data section (same size, same header, same file)."""
+    with open(path, "r+b") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + hlen + offset_in_data)
+        f.write(data)
+
+
+def test_an_edit_between_the_sampled_windows_changes_the_digest(tmp_path):
+    """Issue 31: 64 KiB changed 100 KB into an 8 MiB tensor, far from the sampled windows
+    (its first 4 KiB and every 8 MiB / 15): the sampled fingerprint keeps its digest, the
+    full one (the default) does not."""
+    a = big_model(tmp_path / "a")
+    full, sampled = fingerprint_weights(a).digest, fingerprint_weights(a, mode="sampled").digest
+    edit_in_place(a / "model.safetensors", 100_000, bytes(64 << 10))
+    assert fingerprint_weights(a, mode="sampled").digest == sampled  # what sampling cannot see
+    assert fingerprint_weights(a).digest != full
+    assert full != sampled  # the two modes never share a namespace
+
+
+SECOND_START = """
+import json, sys
+from pathlib import Path
+from vllm_kvtier.index.identity import fingerprint_weights
+fp = fingerprint_weights(sys.argv[1], cache_dir=Path(sys.argv[2]))
+print(json.dumps({"digest": fp.digest, "hashed": fp.bytes_hashed, "cached": fp.cached_files}))
+"""
+
+
+def start(model: Path, cache: Path) -> dict:
+    """One engine start's fingerprint, in a process of its own (no per-process memo)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", SECOND_START, str(model), str(cache)], capture_output=True,
+                         text=True, check=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_cached_start_reads_no_weights_and_a_touched_file_keeps_its_digest(tmp_path):
+    a = big_model(tmp_path / "a")
+    cache = tmp_path / "cache"
+    weights = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+    first = start(a, cache)
+    assert first["hashed"] == weights and first["cached"] == 0
+    assert oct((cache / identity.CACHE_FILE).stat().st_mode & 0o777) == "0o600"
+    second = start(a, cache)
+    assert second == {"digest": first["digest"], "hashed": 0, "cached": 2}  # not a byte read
+    # touched (same content, new mtime): hashed again, same digest
+    os.utime(a / "model.safetensors", ns=(10**18, 10**18))
+    touched = start(a, cache)
+    assert touched["digest"] == first["digest"]
+    assert touched["hashed"] == (a / "model.safetensors").stat().st_size and touched["cached"] == 1
+    # edited with its mtime put back: ctime moved, so hashed again, and the digest changes
+    before = (a / "model.safetensors").stat()
+    edit_in_place(a / "model.safetensors", 100_000, b"\x01" * 4096)
+    os.utime(a / "model.safetensors", ns=(before.st_atime_ns, before.st_mtime_ns))
+    edited = start(a, cache)
+    assert edited["hashed"] > 0 and edited["digest"] != first["digest"]
+    # another host's copy of the files, with its own cache: the same digest
+    b = Path(__import__("shutil").copytree(a, tmp_path / "b"))
+    assert start(b, tmp_path / "cache-b")["digest"] == edited["digest"]
+
+
+def test_a_damaged_or_foreign_cache_file_is_not_believed(tmp_path):
+    """The cache file is data: junk, an oversized file, malformed entries and a symlink are
+    each ignored (every byte hashed again, the right digest), never followed or written
+    through; a cache directory that cannot exist means no cache, not a failure."""
+    a = big_model(tmp_path / "a")
+    want = fingerprint_weights(a).digest  # no cache
+    weights = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = tmp_path / "elsewhere.json"
+    target.write_text("keep")
+    path = str((a / "model.safetensors").resolve())
+    st = os.stat(path)
+    state = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    junk = [b"\x00not json", b"[" * (identity.MAX_CACHE_BYTES + 1),
+            json.dumps({"version": 1, "files": [[path, state, "zz" * 32], [path, state[:4], "0" * 64],
+                                                [path, state, 5]]}).encode(),
+            json.dumps({"version": 2, "files": [[path, state, "0" * 64]]}).encode()]
+    for i, blob in enumerate(junk + [None]):
+        f = cache / identity.CACHE_FILE
+        f.unlink(missing_ok=True)
+        if blob is None:
+            f.symlink_to(target)
+        else:
+            f.write_bytes(blob)
+        os.utime(a / "config.json", ns=(i + 1, i + 1))  # a new memo key: computed again
+        fp = fingerprint_weights(a, cache_dir=cache)
+        assert (fp.digest, fp.bytes_hashed) == (want, weights), i
+    assert target.read_text() == "keep" and not (cache / identity.CACHE_FILE).is_symlink()
+    # the rewritten cache is used by the next call (a new memo key, same weight files)
+    os.utime(a / "config.json", ns=(99, 99))
+    assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == 0
+    (tmp_path / "a-file").write_text("")
+    os.utime(a / "config.json", ns=(100, 100))
+    fp = fingerprint_weights(a, cache_dir=tmp_path / "a-file" / "cache")
+    assert (fp.digest, fp.bytes_hashed) == (want, weights)
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
+    a = big_model(tmp_path / "a")
+    weights = sum(f.stat().st_size for f in a.glob("*.safetensors"))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)  # past the umask
+    fingerprint_weights(a, cache_dir=cache)
+    assert not (cache / identity.CACHE_FILE).exists()
+    os.utime(a / "config.json", ns=(5, 5))  # a new memo key
+    assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == weights
+    os.chmod(cache, 0o700)
+    os.utime(a / "config.json", ns=(6, 6))
+    fingerprint_weights(a, cache_dir=cache)
+    os.utime(a / "config.json", ns=(7, 7))
+    assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == 0

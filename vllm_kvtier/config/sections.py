@@ -547,6 +547,14 @@ class KVTierConfig:
     #: model not in a local directory): engines with different salts never share KV.
     #: Logged only as "set"/"unset" (not in the repr).
     namespace_salt: str = field(default="", repr=False)
+    #: How the model's weights enter the namespace: "full" hashes every byte (once per
+    #: weights version and host, then cached: ``weights_digest_cache_dir``); "sampled" reads
+    #: a few windows per tensor and file (fast, blind to an edit between its windows).
+    weights_fingerprint: Literal["full", "sampled"] = "full"
+    #: Where this host keeps the weight files' content hashes: "auto" = $XDG_CACHE_HOME/
+    #: vllm_kvtier (else ~/.cache/vllm_kvtier), "" = no cache (every start hashes again),
+    #: or a directory.
+    weights_digest_cache_dir: str = "auto"
     auth: AuthConfig = field(default_factory=AuthConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -574,3 +582,5 @@ class KVTierConfig:
                               f"must be at most {MAX_SALT_CHARS} characters, got {len(self.namespace_salt)}")
         if not self.namespace_salt.isprintable():
             raise ConfigError("namespace_salt", "must be printable text (no control characters)")
+        if not self.weights_digest_cache_dir.isprintable():
+            raise ConfigError("weights_digest_cache_dir", "must be 'auto', '' or a directory path")

@@ -86,7 +86,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.groups = wiring.group_layout(self.cfg, kv_cache_config)
         self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config, salt=self.cfg.namespace_salt,
-                                                 log=role == KVConnectorRole.SCHEDULER, groups=self.groups)
+                                                 log=role == KVConnectorRole.SCHEDULER, groups=self.groups,
+                                                 fingerprint=self.cfg.weights_fingerprint,
+                                                 cache_dir=wiring.digest_cache_dir(self.cfg.weights_digest_cache_dir))
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None

@@ -25,6 +25,7 @@ from vllm_kvtier.connector.stats import metric_tiers
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.groups import GroupLayout, GroupSpec
 from vllm_kvtier.index.identity import (
+    FingerprintMode,
     ModelIdentity,
     WeightsFingerprint,
     canonical,
@@ -310,10 +311,23 @@ def _local_model_path(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
-def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, WeightsFingerprint | None]:
+def digest_cache_dir(setting: str) -> Path | None:
+    """``weights_digest_cache_dir`` as a directory: "auto" is $XDG_CACHE_HOME/vllm_kvtier
+    (else ~/.cache/vllm_kvtier), "" none."""
+    import os
+
+    if setting == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "vllm_kvtier"
+    return Path(setting).expanduser() if setting else None
+
+
+def model_identity(vllm_config: VllmConfig, salt: str, *, fingerprint: FingerprintMode = "full",
+                   cache_dir: Path | None = None) -> tuple[ModelIdentity, WeightsFingerprint | None]:
     """The :class:`ModelIdentity` of this engine, read from vLLM's resolved configuration,
     and the weights fingerprint it used (None when the weights could not be fingerprinted:
-    then the model id and revision stand for them, with a WARNING)."""
+    then the model id and revision stand for them, with a WARNING). ``fingerprint`` and
+    ``cache_dir``: :func:`~vllm_kvtier.index.identity.fingerprint_weights`'s."""
     model = vllm_config.model_config
     load = vllm_config.load_config
     cache = vllm_config.cache_config
@@ -323,7 +337,7 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
     local = _local_model_path(model, load)
     if local is not None:
         try:
-            fp = fingerprint_weights(local)
+            fp = fingerprint_weights(local, mode=fingerprint, cache_dir=cache_dir)
         except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
             logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
     if fp is None:
@@ -351,17 +365,52 @@ def model_identity(vllm_config: VllmConfig, salt: str) -> tuple[ModelIdentity, W
     return identity, fp
 
 
+#: vLLM's older names of two layouts (``VLLM_KV_CACHE_LAYOUT`` takes both spellings).
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+#: The namespace's ``layout`` where vLLM names none (no resolver, nothing resolved yet):
+#: never equal to a resolved one, so such an engine shares KV only with its like.
+UNRESOLVED_LAYOUT = "unresolved"
+
+
+def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """The physical KV cache layout vLLM resolved for this engine (``LBHNC``, ``LBNHC``,
+    ``BLHNC``...: the stride order of a block's layers, heads, tokens and content), by its
+    canonical name. It decides how the bytes of a block sit in memory, which is how the
+    worker stores them (``transfer/layout.py``), so it is part of the namespace.
+
+    Both roles read the same value: vLLM >= 0.32 resolves it once in the engine core
+    (backends' supported layouts, ``VLLM_KV_CACHE_LAYOUT``, a connector's requirement)
+    before either role's connector is built, and records it on every ``KVCacheConfig``
+    and on ``cache_config`` (workers adopt it by RPC). An older vLLM resolves it per
+    process (``get_kv_cache_layout``: NHD, HND for FlashInfer on Blackwell, the env
+    variable); the scheduler and the workers reading different values is caught at the
+    first step (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) \
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if not name:
+        try:  # vLLM < 0.32: no recorded layout, a per-process resolver
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout  # type: ignore[attr-defined]
+
+            name = get_kv_cache_layout()
+        except Exception:  # neither: named as unresolved, never as a real layout
+            name = None
+    name = str(name) if name else UNRESOLVED_LAYOUT
+    return _LAYOUT_ALIASES.get(name, name)
+
+
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
-                     log: bool = False, groups: GroupLayout | None = None) -> str:
+                     log: bool = False, groups: GroupLayout | None = None, fingerprint: FingerprintMode = "full",
+                     cache_dir: Path | None = None) -> str:
     """The digest naming what this engine stores (the model's identity: weights, dtype,
-    quantization, overrides, salt; KV dtype and shape, TP size, layout, hash): blocks of
+    quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
+    layout (:func:`kv_cache_layout`), hash): blocks of
     another namespace are never read back. ``log``: its inputs at INFO (once per engine:
     the scheduler role)."""
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    identity, fp = model_identity(vllm_config, salt)
+    identity, fp = model_identity(vllm_config, salt, fingerprint=fingerprint, cache_dir=cache_dir)
     fields = NamespaceFields(
         model=identity.digest(),
         kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),
@@ -371,14 +420,16 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
         head_size=int(getattr(spec, "head_size", 0)),
         tp_size=par.tensor_parallel_size,
         tp_rank=0,
-        layout="vllm-block-planes",
+        # the planes format (transfer/layout.py) over vLLM's physical layout of a block
+        layout="vllm-block-planes:" + kv_cache_layout(vllm_config, kv_cache_config),
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
         groups=groups.describe() if groups is not None else "",
     )
     ns = namespace(fields)
     if log:
         cost = ("none" if fp is None else
-                f"{fp.files} files, {fp.total_bytes / 2**30:.2f} GiB, {fp.reads} reads, {fp.seconds * 1e3:.0f} ms")
+                f"{fp.mode}, {fp.files} files, {fp.total_bytes / 2**30:.2f} GiB, {fp.bytes_hashed / 2**30:.2f} GiB "
+                f"hashed, {fp.cached_files} file(s) from the cache, {fp.seconds * 1e3:.0f} ms")
         logger.info("kvtier: namespace %s from %s (weights fingerprint: %s) %s", ns,
                     describe_line(identity.describe()), cost,
                     describe_line({k: v for k, v in asdict(fields).items() if k != "model"}))
@@ -428,7 +479,7 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
                          world_size=world, lower=lower, counters=counters, layout=groups,
-                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens,
+                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
 
 

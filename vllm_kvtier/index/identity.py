@@ -7,21 +7,33 @@ holds the pure-Python parts (no vLLM): the weights sampler, the :class:`ModelIde
 record and its digest, and the LoRA-adapter keys. The vLLM-reading glue is
 ``connector/wiring.py``.
 
-The weights fingerprint, per weight file (``*.safetensors``, ``*.bin``, ``*.pt``,
-``*.pth``, ``*.gguf``; sorted relative names), hashes its name and size, its safetensors
-header (its 8-byte length prefix is untrusted: a length beyond :data:`MAX_HEADER_BYTES` or
-the file makes it "not a safetensors" before anything is allocated), the first
-:data:`WINDOW_BYTES` of every tensor the header lists (at most
-:data:`MAX_TENSOR_WINDOWS` per file, evenly spread) and :data:`FILE_WINDOWS` windows
-spread over the data section, its start and end included. A fine-tune of the same
-architecture has the same headers and sizes; its tensors' bytes differ, and every tensor
-is sampled. Files are only read: nothing is unpickled or parsed but the safetensors JSON
-header.
+The weights fingerprint (``full``, the default) hashes every byte of every weight file
+(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``; sorted relative names) with
+SHA-256, and the digest is over each file's relative name, size and content hash: copies of
+one checkpoint on different hosts (own files, own inodes and times) agree, any changed byte
+changes it. Hashing costs one read of the weights (figures in ``docs/security.md``), so a
+file's content hash is kept in a small local cache (:class:`DigestCache`) keyed by what
+says the file is unchanged on this host: its resolved path, size, ``mtime_ns``,
+``ctime_ns``, inode and device. ``ctime`` cannot be set back by a user (restoring
+``mtime`` after an edit still changes it), so a cached start re-reads nothing and a
+changed file is hashed again; nothing local enters the digest itself. While one process
+hashes, the others of the host wait on the cache's lock and then read its result (the
+scheduler and every worker compute the namespace).
 
-Cost: one random 4 KiB read per tensor plus 16 per file. A 70B checkpoint (30 shards,
-~720 tensors) is ~1,200 reads: well under a second on NVMe (measured in
-``docs/configuration.md``). Results are memoised per process by (path, size, mtime_ns) of
-every file, so the scheduler and the workers of one process compute it once.
+Checksums a model ships are not used: a safetensors ``__metadata__`` carries none as a
+rule, an index maps tensors to files without digests, and a hub blob's name (the SHA-256
+of what was downloaded) says nothing of an edit made since.
+
+``sampled`` (``weights_fingerprint: sampled``) is the older, cheaper fingerprint, for
+checkpoints too large to hash at start: per file its name and size, its safetensors header
+(its 8-byte length prefix is untrusted: a length beyond :data:`MAX_HEADER_BYTES` or the
+file makes it "not a safetensors" before anything is allocated), the first
+:data:`WINDOW_BYTES` of every tensor the header lists (at most :data:`MAX_TENSOR_WINDOWS`
+per file, evenly spread) and :data:`FILE_WINDOWS` windows spread over the data section. It
+sees a fine-tune (every tensor's first bytes differ) but not an edit between its windows
+(a 2 MiB edit inside a 4 GiB shard). Files are only read: nothing is unpickled or parsed
+but the safetensors JSON header. Results are memoised per process by (path, size, times,
+inode of every file), so the scheduler and the workers of one process compute it once.
 
 Who calls it: connector wiring at start-up (any role); :class:`AdapterFingerprints` from
 vLLM's scheduler thread, once per new adapter (then a few ``stat`` calls per request).
@@ -30,16 +42,21 @@ Failures raise ``OSError``; callers turn them into a logged fallback, never a cr
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import stat
 import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 #: Suffixes of the files holding weights.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -60,15 +77,36 @@ FILE_WINDOWS = 16
 MAX_TENSOR_WINDOWS = 4096
 
 
+#: "full": every byte hashed (cached per host); "sampled": windows only (see the module).
+FingerprintMode = Literal["full", "sampled"]
+#: Bytes per read while hashing a whole file.
+HASH_CHUNK_BYTES = 1 << 20
+#: Files hashed at once (hashlib releases the GIL: threads use several cores).
+HASH_THREADS = 4
+#: The digest cache's file in its directory, and its bounds: a bigger file, or more
+#: entries, is not read (the cache is rebuilt); entries beyond the bound are dropped oldest first.
+CACHE_FILE = "weights-digests.json"
+MAX_CACHE_BYTES = 4 << 20
+MAX_CACHE_ENTRIES = 4096
+
+logger = logging.getLogger("vllm_kvtier")
+
+
 @dataclass(frozen=True)
 class WeightsFingerprint:
-    """What :func:`fingerprint_weights` found: the digest and what computing it cost."""
+    """What :func:`fingerprint_weights` found: the digest and what computing it cost.
+    ``reads``: read calls made; ``bytes_hashed``: bytes of weight files read and hashed
+    this time (0 when every file's hash came from the cache); ``cached_files``: weight
+    files whose content hash came from the cache."""
 
     digest: str
     files: int
     total_bytes: int
     reads: int
     seconds: float
+    mode: str = "full"
+    bytes_hashed: int = 0
+    cached_files: int = 0
 
 
 def safetensors_header(f: Any, size: int) -> bytes | None:
@@ -178,23 +216,169 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
     yield from sorted(found)
 
 
-def _signature(files: list[tuple[str, Path]]) -> tuple[tuple[str, int, int], ...]:
-    out = []
-    for rel, full in files:
-        st = full.stat()
-        out.append((rel, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+#: What says a file is unchanged on this host: size, mtime_ns, ctime_ns, inode, device.
+FileState = tuple[int, int, int, int, int]
 
 
-_memo: dict[tuple[str, tuple[tuple[str, int, int], ...]], WeightsFingerprint] = {}
+def _state(st: os.stat_result) -> FileState:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def _signature(files: list[tuple[str, Path]]) -> tuple[tuple[str, FileState], ...]:
+    return tuple((rel, _state(full.stat())) for rel, full in files)
+
+
+def hash_file(path: Path) -> tuple[str, int, int]:
+    """SHA-256 of ``path``'s whole content: (hex, bytes read, read calls)."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buf)
+    n_bytes = reads = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            reads += 1
+            if not n:
+                break
+            h.update(view[:n])
+            n_bytes += n
+    return h.hexdigest(), n_bytes, reads
+
+
+class DigestCache:
+    """This host's content hashes of weight files, in ``directory/``:data:`CACHE_FILE`.
+
+    The file is data another process wrote: it is read only if it is a regular file of at
+    most :data:`MAX_CACHE_BYTES` (not through a symlink), each entry is type-checked and
+    dropped if malformed, and an entry is used only when the file's current state (resolved
+    path, size, mtime_ns, ctime_ns, inode, device) is the one it was hashed in. Whoever can
+    write this directory can make this host use a wrong hash: it is the user's own cache
+    directory (0700, the file 0600; one owned by another user or writable by others is not
+    used), no wider than the weights and the code it runs. Unusable (no such directory and
+    none can be made, read-only, no ``flock``): every call is a miss and nothing is saved. Held under an exclusive ``flock`` by :func:`fingerprint_weights` while
+    it hashes, so one process of a host hashes and the others wait for its result."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.entries: dict[str, tuple[FileState, str]] = {}
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> DigestCache:
+        fd = None
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.stat(self.directory)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise PermissionError("not owned by this user, or writable by others")
+            fd = os.open(self.directory / (CACHE_FILE + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by close
+        except OSError as e:
+            if fd is not None:
+                os.close(fd)
+            logger.info("kvtier: no weights digest cache in %s (%s): the weights are hashed at every start",
+                        self.directory, e)
+            return self
+        self._lock_fd = fd
+        self.entries = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _read(self) -> dict[str, tuple[FileState, str]]:
+        try:
+            fd = os.open(self.directory / CACHE_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return {}
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CACHE_BYTES:
+                return {}
+            raw = f.read(MAX_CACHE_BYTES + 1)
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            return {}
+        items = doc.get("files") if isinstance(doc, dict) and doc.get("version") == 1 else None
+        if not isinstance(items, list):
+            return {}
+        out: dict[str, tuple[FileState, str]] = {}
+        for item in items[:MAX_CACHE_ENTRIES]:
+            if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and isinstance(item[1], list) and len(item[1]) == 5
+                    and all(type(v) is int and v >= 0 for v in item[1])
+                    and isinstance(item[2], str) and len(item[2]) == 64
+                    and all(c in "0123456789abcdef" for c in item[2])):
+                out[item[0]] = (tuple(item[1]), item[2])  # type: ignore[assignment]
+        return out
+
+    def get(self, path: str, state: FileState) -> str | None:
+        hit = self.entries.get(path)
+        return hit[1] if hit is not None and hit[0] == state else None
+
+    def put(self, path: str, state: FileState, digest: str) -> None:
+        self.entries.pop(path, None)  # newest last: the bound drops the oldest
+        self.entries[path] = (state, digest)
+
+    def save(self) -> None:
+        """Write the entries back (atomically: a new file renamed over the old)."""
+        if self._lock_fd is None:
+            return
+        items = [[p, list(st), d] for p, (st, d) in list(self.entries.items())[-MAX_CACHE_ENTRIES:]]
+        blob = json.dumps({"version": 1, "files": items})
+        while len(blob) > MAX_CACHE_BYTES:  # long paths: drop the oldest until it reads back
+            items = items[len(items) // 4 + 1:]
+            blob = json.dumps({"version": 1, "files": items})
+        tmp = self.directory / f".{CACHE_FILE}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(blob)
+            os.replace(tmp, self.directory / CACHE_FILE)
+        except OSError as e:
+            logger.info("kvtier: weights digest cache not saved in %s: %s", self.directory, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _content_hashes(weights: list[Path], cache_dir: Path | None) -> tuple[list[str], int, int, int]:
+    """The content hash of each file of ``weights``, from the cache where its state is the
+    cached one, else read: (hashes, bytes hashed, read calls, files from the cache)."""
+    with DigestCache(cache_dir) if cache_dir is not None else contextlib.nullcontext() as cache:
+        keys = [str(p.resolve()) for p in weights]
+        states = [_state(os.stat(k)) for k in keys]
+        hashes: list[str | None] = [cache.get(k, st) if cache is not None else None
+                                    for k, st in zip(keys, states, strict=True)]
+        todo = [i for i, d in enumerate(hashes) if d is None]
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(todo)))) as pool:
+            done = list(pool.map(lambda i: hash_file(Path(keys[i])), todo))
+        n_bytes = reads = 0
+        for i, (digest, n, r) in zip(todo, done, strict=True):
+            hashes[i] = digest
+            n_bytes += n
+            reads += r
+            # a file written while it was read: its hash is used once, never cached
+            if cache is not None and _state(os.stat(keys[i])) == states[i] and n == states[i][0]:
+                cache.put(keys[i], states[i], digest)
+        if cache is not None and todo:
+            cache.save()
+    return [d for d in hashes if d is not None], n_bytes, reads, len(weights) - len(todo)
+
+
+_memo: dict[tuple[str, str, tuple[tuple[str, FileState], ...]], WeightsFingerprint] = {}
 _memo_lock = threading.Lock()
 _MEMO_MAX = 256
 
 
-def fingerprint_weights(path: str | Path) -> WeightsFingerprint:
+def fingerprint_weights(path: str | Path, *, mode: FingerprintMode = "full",
+                        cache_dir: Path | None = None) -> WeightsFingerprint:
     """The fingerprint of the model directory (or single weights file, e.g. a GGUF) at
-    ``path``: its weight files sampled as the module says and its config files whole.
-    Memoised per process by (path, size and mtime_ns of each file). OSError when ``path``
+    ``path``: its weight files hashed whole (``full``) or sampled (``sampled``) as the
+    module says, and its config files whole. ``cache_dir``: where this host's content
+    hashes are kept (``full`` only; None: no cache, every call without a memo hit reads
+    every byte). Memoised per process by (path, state of each file). OSError when ``path``
     is neither a directory nor a file, holds no weight file, or cannot be read."""
     root = Path(path)
     if not (root.is_dir() or root.is_file()):
@@ -202,23 +386,34 @@ def fingerprint_weights(path: str | Path) -> WeightsFingerprint:
     files = list(_model_files(root))
     if not any(rel.endswith(WEIGHT_SUFFIXES) for rel, _ in files):
         raise FileNotFoundError(f"{root}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    key = (str(root.resolve()), _signature(files))
+    key = (str(root.resolve()), mode, _signature(files))
     with _memo_lock:
         if key in _memo:
             return _memo[key]
     t0 = time.perf_counter()
-    h = hashlib.blake2b(digest_size=32, person=b"kvtier-weights")
+    full_mode = mode == "full"
+    # each mode its own digest: a full and a sampled fingerprint never agree
+    h = hashlib.blake2b(digest_size=32, person=b"kvtier-weights-f" if full_mode else b"kvtier-weights")
+    content: dict[str, str] = {}
+    hashed = cached = 0
     reads = total = 0
+    if full_mode:
+        weights = [(rel, full) for rel, full in files if rel.endswith(WEIGHT_SUFFIXES)]
+        digests, hashed, reads, cached = _content_hashes([full for _, full in weights], cache_dir)
+        content = {rel: d for (rel, _), d in zip(weights, digests, strict=True)}
     for rel, full in files:
         h.update(b"\0file\0" + rel.encode())
-        if rel.endswith(WEIGHT_SUFFIXES):
+        if rel in content:
+            h.update(struct.pack("<Q", full.stat().st_size) + bytes.fromhex(content[rel]))
+        elif rel.endswith(WEIGHT_SUFFIXES):
             reads += _fingerprint_file(full, h)
         else:
             data = _config_bytes(full)
             h.update(struct.pack("<Q", len(data)) + data)
             reads += 1
         total += full.stat().st_size
-    fp = WeightsFingerprint(h.hexdigest(), len(files), total, reads, time.perf_counter() - t0)
+    fp = WeightsFingerprint(h.hexdigest(), len(files), total, reads, time.perf_counter() - t0,
+                            mode=mode, bytes_hashed=hashed, cached_files=cached)
     with _memo_lock:
         if len(_memo) >= _MEMO_MAX:
             _memo.pop(next(iter(_memo)))
@@ -309,13 +504,13 @@ class AdapterKeys(Sequence[bytes]):
 
 
 class AdapterFingerprints:
-    """Content fingerprints of LoRA adapter directories, cached by (path, size and mtime_ns
-    of each file): a rewritten adapter gets a new fingerprint, an unchanged one costs a
-    few ``stat`` calls. Scheduler thread only."""
+    """Content fingerprints of LoRA adapter directories (``sampled``), cached by (path,
+    state of each file): a rewritten adapter gets a new fingerprint, an unchanged one costs
+    a few ``stat`` calls. Scheduler thread only."""
 
     def __init__(self, max_entries: int = 256) -> None:
         self._max = max_entries
-        self._cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
+        self._cache: dict[tuple[str, tuple[tuple[str, FileState], ...]], bytes] = {}
 
     def get(self, path: str) -> bytes:
         """The fingerprint of the adapter at ``path``; OSError when it cannot be taken."""
@@ -323,7 +518,9 @@ class AdapterFingerprints:
         key = (path, _signature(files))
         fp = self._cache.get(key)
         if fp is None:
-            fp = bytes.fromhex(fingerprint_weights(path).digest)
+            # sampled, not hashed whole: this runs on vLLM's scheduler thread, at a new
+            # adapter's first request (a whole 100 MB adapter would hold up every request)
+            fp = bytes.fromhex(fingerprint_weights(path, mode="sampled").digest)
             if len(self._cache) >= self._max:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = fp

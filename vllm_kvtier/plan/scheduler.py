@@ -92,12 +92,15 @@ class SchedulerPlanner:
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
         lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
-        events: EventLog | None = None,
+        events: EventLog | None = None, namespace: str = "",
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
         ``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where KV
-        events go (None: vLLM's KV events are off, and no event work is done)."""
+        events go (None: vLLM's KV events are off, and no event work is done).
+        ``namespace``: the one this process computed, sent in every step plan so that each
+        worker checks it computed the same (``""``: nothing to check)."""
         self.cfg = cfg
+        self.namespace = namespace
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
         self._last_pin_refusals = 0
@@ -527,7 +530,7 @@ class SchedulerPlanner:
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
             release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
-            verifies=verifies,
+            verifies=verifies, namespace=self.namespace,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
         idle = not self._reqs  # nothing running: write back what DRAM holds (see chunk_plan)

@@ -158,6 +158,9 @@ class WorkerHalf:
         self._step_time = 0.0
         #: Shadow verification (``verify.sample_rate`` > 0 only); made with the pool.
         self.verifier: BlockVerifier | None = None
+        #: The scheduler's namespace when it is not ours (then no lower tier is built, and
+        #: every lower-tier job is refused); "" while they agree.
+        self.namespace_conflict = ""
 
     @property
     def _table(self) -> SlotTable:
@@ -172,6 +175,29 @@ class WorkerHalf:
                     self.layout.block_bytes)
         if self.layout.shared and self.cfg.layer_pipelined_loads != "off":
             logger.info("kvtier: layers share KV tensors (hybrid KV cache groups): layer-by-layer loads off")
+
+    def _check_namespace(self, theirs: str) -> None:
+        """Compare the scheduler's namespace (sent in the first plan) with ours, once, before
+        the lower tiers exist. The two processes compute it apart (the scheduler cannot see
+        this worker's tensors or environment); if they differ, the scheduler's index and this
+        worker's stored headers would name different things, and either one may be wrong:
+        no lower tier is built, and every lower-tier job is refused and counted."""
+        if not theirs or theirs == self.namespace or self.namespace_conflict:
+            return
+        self.namespace_conflict = theirs
+        logger.error("kvtier: rank %d computed namespace %s but the scheduler computed %s (model files, config or "
+                     "KV layout seen differently by the two processes): this rank refuses every NVMe/S3/pool read "
+                     "and write (blocks recomputed, nothing stored); the scheduler's and this worker's namespace "
+                     "log lines show the inputs", self.rank, self.namespace, theirs)
+
+    def _refuse_lower(self, meta: StepPlan) -> None:
+        """A namespace conflict: the step's lower-tier writes are reported failed (the
+        scheduler drops those chunks; its breaker pauses the tier), each counted."""
+        for job in meta.demotes + meta.write_through:
+            self._prefetch_done.failed.add((job.tier, job.file_id))  # the report being built
+            self.counters.add("namespace_mismatch", job.tier)
+        for read in [r for load in meta.loads for r in load.reads] + [r for pf in meta.prefetches for r in pf.reads]:
+            self.counters.add("namespace_mismatch", read.tier)
 
     def _ensure_pool(self, num_slots: int) -> None:
         if self.pool is not None:
@@ -200,7 +226,7 @@ class WorkerHalf:
         if self.cfg.verify.sample_rate > 0:
             self.verifier = BlockVerifier(self.cfg.verify, self.layout, self.slots, namespace=self.namespace,
                                           rank=self.rank)
-        if self._make_tiers is not None:
+        if self._make_tiers is not None and not self.namespace_conflict:
             self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
                                           slots=self.slots, counters=self.counters, kv_dtype=self.layout.dtype)
 
@@ -214,8 +240,11 @@ class WorkerHalf:
             return
         self._step_begun = meta.step
         self._finish_layered_loads()
+        self._check_namespace(meta.namespace)
         self._ensure_pool(meta.num_slots)
         assert self.engine is not None and self.pool is not None
+        if self.namespace_conflict:
+            self._refuse_lower(meta)  # the reads fail below: no such tier here
         # The last forward's saves may run on through this forward (why that is safe: the
         # module's docstring). A step that uses pool slots on the host waits for them all.
         touches_slots = bool(meta.loads or meta.demotes or meta.verifies or meta.prefetches)
