@@ -7,6 +7,10 @@ surrounds it depend on the attention backend:
   contiguous slab per layer (K then V inside it).
 * FlashAttention-style CUDA backends: ``[2, num_blocks, block_size, kv_heads, head_size]``:
   a block is two contiguous slabs per layer (K and V).
+* vLLM 0.32 hands every layer as a standardized ``[B, H, N, C]`` view over the physical
+  layout it resolved (``LBNHC`` = NHD, ``LBHNC`` = HND, ``BLHNC``, ``LHBNC``, ...): the
+  view's order is not the memory's, so a block's bytes are found by stride
+  (:func:`_dense_planes`), not by the view's dimension order.
 
 We do not interpret the bytes. A *plane* is a ``uint8`` view ``[num_blocks, plane_bytes]``
 in which each block's row is contiguous; a layer yields one plane per index of the
@@ -91,17 +95,9 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
         outer = t.shape[:d]
         moved = t.movedim(d, len(outer))  # [*outer, N, *rest], a view
         for idx in _product(outer):
-            p = moved[idx] if idx else moved  # [N, *rest]
-            rest = p.shape[1:]
-            row = p[0]
-            if not row.is_contiguous():
-                raise ValueError(
-                    f"KV tensor {name} of shape {tuple(t.shape)} strides {t.stride()}: "
-                    "a block is not contiguous within its plane; layout not supported"
-                )
-            n_rest = math.prod(rest)
-            planes.append(p.reshape(num_blocks, n_rest).view(torch.uint8))
-            plane_layers.append(name)
+            for plane in _dense_planes(moved[idx] if idx else moved, num_blocks, name, t):
+                planes.append(plane)
+                plane_layers.append(name)
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"KV tensors must share one dtype and device, got {dtypes} {devices}")
     dtype = dtypes.pop()
@@ -121,6 +117,37 @@ def build_layout(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayou
         plane_layers=tuple(plane_layers),
         shared=distinct < len(kv_caches),
     )
+
+
+def _dense_planes(p: torch.Tensor, num_blocks: int, name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """The uint8 planes ``[num_blocks, row_bytes]`` of ``p`` (``[N, *rest]``, blocks first).
+
+    vLLM hands every layer as a ``[B, H, N, C]`` view whatever the physical layout it
+    resolved, so a block's ``[H, N, C]`` is often dense in memory but not in view order
+    (NHD: ``LBNHC``, FlashAttention's default), or split by a dimension that lies outside
+    the layer's slab (``LHBNC``, ``BHLNC``: one slab per head group). The inner dimensions
+    are taken in memory order (largest stride first), and the outermost are peeled off
+    into planes of their own until what is left is contiguous: each plane's row is then
+    one dense run of bytes, moved as it sits. The bytes of a block therefore depend on
+    the physical layout, which is why the resolved layout is part of the namespace."""
+    inner = sorted(range(1, p.dim()), key=lambda d: (p.shape[d] > 1, p.stride(d)), reverse=True)
+    x = p.permute(0, *inner)  # [N, *rest in memory order]
+    for peel in range(len(inner)):  # at least one dimension left: a row, not single elements
+        row = x[(0,) * (1 + peel)]
+        if row.is_contiguous():
+            break
+    else:
+        raise ValueError(
+            f"KV tensor {name} of shape {tuple(t.shape)} strides {t.stride()}: "
+            "no dense run of a block's bytes; layout not supported"
+        )
+    n_row = math.prod(x.shape[1 + peel:])
+    out = []
+    for idx in _product(tuple(x.shape[1:1 + peel])):
+        at: tuple[slice | int, ...] = (slice(None), *idx)
+        sub = x[at] if idx else x  # [N, *dense row]
+        out.append(sub.view(num_blocks, n_row).view(torch.uint8))  # a view: never a copy
+    return out
 
 
 def _product(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
