@@ -74,6 +74,8 @@ COUNTERS: dict[str, str] = {
     "verify_mismatches": "Shadow verification: compared blocks outside the tolerance (the stored KV was wrong), by tier.",
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
+    "verify_forgotten_chunks": "Shadow verification: chunks of a shared tier (s3, mooncake) found wrong and "
+                               "forgotten by this instance (never read again by it; not deleted for the others).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
     "rescan_removed_chunks": "Chunks dropped from the index because a rescan no longer listed them (deleted or expired).",
     "manifests_collected": "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",

@@ -455,4 +455,23 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     # here, on the compute thread, before any tier starts a thread
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
-                      make_tiers=functools.partial(make_workers, role=role))
+                      make_tiers=functools.partial(make_workers, role=role),
+                      cache_dtype=fp8_cache_dtype(vllm_config))
+
+
+def fp8_cache_dtype(vllm_config: VllmConfig | None) -> str:
+    """vLLM's ``cache_dtype``, with ROCm's "fp8" named for what it is (e4m3fnuz): shadow
+    verification decodes an fp8 cache's bytes by it."""
+    if vllm_config is None:
+        return "auto"
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype in ("fp8", "fp8_e4m3"):
+        import torch
+        from vllm.platforms import current_platform
+
+        try:
+            if current_platform.fp8_dtype() == torch.float8_e4m3fnuz:
+                return "fp8_e4m3fnuz"
+        except Exception:  # a platform without fp8: the OCP format
+            pass
+    return dtype
