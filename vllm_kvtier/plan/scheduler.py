@@ -72,7 +72,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner, load_remote_decode_secret
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
@@ -120,7 +120,7 @@ class SchedulerPlanner:
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
-                                         ignored=self.ignored)
+                                         ignored=self.ignored, secret=load_remote_decode_secret(cfg.nixl))
         #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self.promotions = Promotions(self.index, self.lower)
         self._reqs: dict[str, ReqState] = {}
