@@ -425,11 +425,30 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     lower = make_planners(cfg, namespace=ns, world_size=copies, block_bytes_per_rank=block_bytes,
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
-    return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
+    half = SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
                          world_size=world, lower=lower, counters=counters, layout=groups,
                          swa_checkpoint_tokens=cfg.swa_checkpoint_tokens,
                          events=event_log(cfg.events, vllm_config, counters))
+    if sync_load_failures_unsafe(vllm_config) and not half.always_async:
+        logger.info("kvtier: vLLM's V2 model runner with kv_load_failure_policy recompute: every load is "
+                    "async (a rejected sync load would give wrong output there, vllm#49250)")
+        half.always_async = True
+    return half
+
+
+def sync_load_failures_unsafe(vllm_config: VllmConfig) -> bool:
+    """Whether a sync load that fails after vLLM allocated and scheduled it gives wrong
+    output: vLLM's V2 model runner with ``kv_load_failure_policy: recompute`` (vllm#49250,
+    open in 0.32). There the scheduler truncates the request's ``num_computed_tokens``
+    backward, and the runner applies that to its CPU mirror only: the recompute gathers
+    tokens and positions from the old offset. Such engines get async loads only: a request
+    waits for its load outside the running batch, and a failure (by block or by request)
+    sets its ``num_computed_tokens`` before the runner first sees it, so nothing goes
+    backward. Cost: one step of latency per hit. Under ``fail`` a failed sync load ends
+    the request with an error (never wrong output): sync loads stay."""
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    return policy == "recompute" and bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
 def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:

@@ -137,7 +137,9 @@ class SchedulerPlanner:
         self._step = 0
         self._last_evictions = 0
         #: Every load is async (hybrid models: a failed load is reported per request, which
-        #: vLLM supports for async loads only). Set by the connector.
+        #: vLLM supports for async loads only; vLLM's V2 model runner with the recompute
+        #: policy: a rejected sync load gives wrong output there, see
+        #: :func:`~vllm_kvtier.connector.wiring.sync_load_failures_unsafe`). Set by the connector.
         self.always_async = False
         #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
         #: window: never loaded or saved (hybrid models; set by the connector).
@@ -468,7 +470,8 @@ class SchedulerPlanner:
         admission): every full prompt block where a load may be async (``load_mode:
         async``, a tier below CPU, a peer), else all but the block of the last token; so a
         DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = self.cfg.load_mode == "async" or bool(self.lower) or self.peer_plan is not None
+        may_be_async = (self.always_async or self.cfg.load_mode == "async" or bool(self.lower)
+                        or self.peer_plan is not None)
         n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
         self.counters.add("lookup_blocks", TIER, n)
 
