@@ -199,7 +199,7 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
             found[e.name[: -len(SUFFIX)]] = read_header(Path(e.path), namespace, max_blocks=max_blocks,
                                                         block_bytes=block_bytes)
         except (OSError, ChunkFormatError) as err:
-            reason = classify(err)
+            reason: str = classify(err)
             damaged = isinstance(err, ChunkFormatError)
             if not damaged and not isinstance(err, NotRegularFile):
                 reason = UNREADABLE_KEPT  # not read, so not known damaged: kept
