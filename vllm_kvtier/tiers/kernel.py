@@ -86,7 +86,7 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.keys import SAFE_ID
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult, drain
-from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer
+from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import (
     ALIGN,
     ChunkFormatError,
@@ -488,9 +488,18 @@ class StoreKernel:
             self._reads_q.put((_READ, next(self._seq), ("part", job, part)))
 
     def _take(self, nbytes: int) -> Releasable | None:
+        """A read buffer, or None (the read fails ``no_buffer``: a miss): none free in the
+        medium's arena, or the host is out of memory (counted as the op ``no_memory``)."""
         if isinstance(self.medium, AllocatingMedium):
             return self.medium.take_buffer(nbytes)
-        return self.buffers.take(nbytes)
+        try:
+            return self.buffers.take(nbytes)
+        except (MemoryError, OSError) as e:
+            if not out_of_memory(e):
+                raise
+            self._count("no_memory")
+            logger.warning("kvtier %s: no memory for a %d B read buffer: %s", self.medium.name, nbytes, e)
+            return None
 
     # ---- I/O threads ----------------------------------------------------------------------
 
