@@ -65,6 +65,14 @@ class SlotTable:
         if self._stamps is not None and stamp != "unchanged":
             self._stamps.stamp(slot, key if stamp == "now" else None)
 
+    def begin_write(self, slots: Iterable[int]) -> None:
+        """Bytes are about to be copied into ``slots``: they hold nothing valid until the
+        caller's :meth:`set_key` (or :meth:`stamp`) after the copy, and the stamp listener
+        hears None *before* the first byte changes, so a peer reading a slot never takes
+        bytes being rewritten for its old key."""
+        for s in slots:
+            self.set_key(s, None)
+
     def stamp(self, slot: int) -> None:
         """The bytes of ``slot``'s key are complete now: tell the stamp listener."""
         if self._stamps is not None:

@@ -205,6 +205,7 @@ class ChunkWorker:
                 ok, reason = res.ok, res.reason
                 if ok:
                     assert res.blocks is not None
+                    self.slots.begin_write(read.slots)  # unstamped before their bytes change
                     try:
                         for slot, data in zip(read.slots, res.blocks, strict=True):
                             self.slots.wait(slot)  # a device copy may still use the slot (CUDA)

@@ -309,6 +309,7 @@ class WorkerHalf:
         slots are busy until :meth:`_settle_host_saves` has seen it done."""
         assert self.engine is not None and self.slots is not None
         for job in jobs:
+            self.slots.begin_write(job.slots)  # a peer may be reading them: unstamp first
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=background)
                 if self.wait_saves:
