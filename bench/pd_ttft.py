@@ -167,8 +167,10 @@ def kv_config(path: str, role: str, args: argparse.Namespace, master: str = "") 
     else:
         # The prefill agents are named pd-...; the decode side reads and trusts those only.
         # Every offer is held for the whole run (HOLD_S), so let offers hold most slots.
+        # The prefill side answers do_remote_decode (off by default: clients can send it).
         extra["nixl"] = {"deadline_s": args.nixl_deadline_s, "hold_s": HOLD_S, "agent_name": "pd",
-                         "trusted_peers": ["pd-*"], "max_offered_fraction": 0.9}
+                         "trusted_peers": ["pd-*"], "max_offered_fraction": 0.9,
+                         "accept_remote_decode": role == "kv_producer"}
     if role == "kv_consumer":
         extra["load_or_recompute"] = {"enabled": args.load_or_recompute == "on"}
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "vllm_kvtier.connector",

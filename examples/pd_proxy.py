@@ -15,8 +15,16 @@ If the prefill instance fails or times out, the request goes to the decode insta
 
 Trust: a client's own ``kv_transfer_params`` are never forwarded (vLLM's OpenAI server
 would hand them to the plugin: pins, peer offers, pool hand-offs). The prefill call gets
-``do_remote_decode`` only, the decode call the prefill instance's answer only, or no
-``kv_transfer_params`` at all when the prefill call failed (docs/security.md).
+``do_remote_decode`` only (plus the shared secret, below), the decode call the prefill
+instance's answer only, or no ``kv_transfer_params`` at all when the prefill call failed
+(docs/security.md). The prefill instance's answer (NIXL agent metadata, memory
+registration keys) never goes back to the client: the client gets the decode answer.
+
+Shared secret: with the environment variable ``KVTIER_PD_SECRET`` set (or
+``--secret-file``), the prefill call carries it as ``kv_transfer_params.kvtier_pd_secret``;
+give the prefill instance the same secret (its ``nixl.remote_decode_secret_env`` or
+``nixl.remote_decode_secret_file``) so that it answers ``do_remote_decode`` from this proxy
+only. It is never logged.
 
     python examples/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 import httpx
@@ -39,16 +48,20 @@ logger = logging.getLogger("pd_proxy")
 
 
 def build_app(prefill_url: str, decode_url: str, *, prefill_timeout_s: float = 300.0,
-              decode_timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
-    """``transport``: httpx's, for both instances (tests pass an in-process one)."""
+              decode_timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
+              secret: str | None = None) -> FastAPI:
+    """``transport``: httpx's, for both instances (tests pass an in-process one).
+    ``secret``: added to the prefill call (the prefill instance's shared secret)."""
+    hand_off: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if secret:
+        hand_off["kvtier_pd_secret"] = secret
     app = FastAPI(title="vllm_kvtier P/D proxy")
     prefill = httpx.AsyncClient(base_url=prefill_url, timeout=prefill_timeout_s, transport=transport)
     decode = httpx.AsyncClient(base_url=decode_url, timeout=decode_timeout_s, transport=transport)
     app.state.stats = {"requests": 0, "prefill_failures": 0, "client_kv_params_stripped": 0}
 
     async def run_prefill(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        req = dict(body, max_tokens=1, stream=False,
-                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        req = dict(body, max_tokens=1, stream=False, kv_transfer_params=dict(hand_off))
         req.pop("stream_options", None)
         req.pop("max_completion_tokens", None)
         try:
@@ -121,9 +134,16 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--prefill-timeout-s", type=float, default=300.0)
+    ap.add_argument("--secret-file", help="file holding the prefill instance's shared secret "
+                                          "(default: the environment variable KVTIER_PD_SECRET)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(build_app(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout_s),
+    if args.secret_file:
+        with open(args.secret_file, encoding="utf-8") as f:
+            secret: str | None = f.read().strip()
+    else:
+        secret = os.environ.get("KVTIER_PD_SECRET", "").strip() or None
+    uvicorn.run(build_app(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout_s, secret=secret),
                 host=args.host, port=args.port, log_level="warning")
 
 

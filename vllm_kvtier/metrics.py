@@ -77,6 +77,10 @@ COUNTERS: dict[str, str] = {
     "verify_mismatches": "Shadow verification: compared blocks outside the tolerance (the stored KV was wrong), by tier.",
     "verify_inexact": "Shadow verification: compared blocks within the tolerance but not bitwise equal, by tier.",
     "verify_unread": "Shadow verification: sampled blocks whose read from the tier failed (not compared).",
+    "no_buffer": "Reads and writes of a tier that got no transfer buffer (the host out of memory, ENOMEM, or a "
+                 "pool's registered arena full): the read is a miss, the write is skipped for now.",
+    "verify_forgotten_chunks": "Shadow verification: chunks of a shared tier (s3, mooncake) found wrong and "
+                               "forgotten by this instance (never read again by it; not deleted for the others).",
     "verify_quarantines": "Shadow verification: times a tier was quarantined after a mismatch (verify.quarantine_s).",
     "scan_cut_short": "S3 start-up scans (per rank) cut short by s3.scan_deadline_s: what they reached was indexed, "
                       "the rescans find the rest.",

@@ -191,7 +191,8 @@ def test_prefill_side_offers_hold_at_most_max_offered_fraction(tiny_model):
     """Any request may ask a prefill instance for an offer (``do_remote_decode``), and each
     pins its prompt's slots for ``hold_s``: past ``nixl.max_offered_fraction`` of the slots
     the answer carries none (counted)."""
-    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"max_offered_fraction": 0.1}})  # 6 of 64
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"max_offered_fraction": 0.1,  # 6 of 64
+                                                                "accept_remote_decode": True}})
     worker = FakeWorker()
     reqs = [make_request(f"p{i}", prompt_tokens(4 * BS + 1, seed=10 + i), max_tokens=1,
                          kv_transfer_params={"do_remote_decode": True}) for i in range(2)]
@@ -256,3 +257,94 @@ def test_two_requests_reading_the_same_blocks_from_peers_at_once(tiny_model):
     worker.run_until_idle(sched)
     assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in reqs)
     assert_scheduler_empty(sched, initial)
+
+
+# ---- do_remote_decode: the prefill side's offer (issue 31) -----------------------------------
+
+SECRET = "the-proxy-secret-0123456789"
+
+
+def _prefill(sched, worker, req_id, params, seed):
+    """One prefill request with ``params``; the ``kv_transfer_params`` its end returned."""
+    half = sched_half(sched)
+    answers: dict[str, dict | None] = {}
+    finish = half.on_finished
+
+    def recorded(request, block_ids):
+        hold, out = finish(request, block_ids)
+        answers[request.request_id] = out
+        return hold, out
+
+    half.on_finished = recorded
+    req = make_request(req_id, prompt_tokens(4 * BS + 1, seed=seed), max_tokens=1, kv_transfer_params=params)
+    sched.add_request(req)
+    for _ in range(20):  # (an engine holding offers keeps stepping: not run_until_idle)
+        worker.step(sched)
+        if req.is_finished():
+            break
+    half.on_finished = finish
+    assert req.is_finished()
+    return req, answers[req_id]
+
+
+def _slots_pinned(sched) -> int:
+    idx = sched_half(sched).index
+    return sum(idx.is_pinned(s) for _, s in idx.items())
+
+
+def test_remote_decode_gets_no_offer_unless_enabled(tiny_model):
+    """Off by default: a client's do_remote_decode gets no offer (no agent metadata, no
+    slots), pins nothing, and is counted; with nixl.accept_remote_decode it gets one."""
+    worker = FakeWorker()
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {}})
+    _, answer = _prefill(sched, worker, "c", {"do_remote_decode": True}, seed=40)
+    assert not (answer or {}).get("kvtier_peer") and "planes" not in repr(answer)
+    assert counter(sched, "peer_offered_blocks", "peer") == 0
+    assert counter(sched, "request_params_ignored", "peer") == 1
+    assert sched_half(sched).peer_plan.holding() == 0 and _slots_pinned(sched) == 0
+
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"accept_remote_decode": True}})
+    _, answer = _prefill(sched, worker, "p", {"do_remote_decode": True}, seed=41)
+    assert answer is not None and answer["kvtier_peer"]["ranks"] == {"0": {"planes": []}}
+    assert counter(sched, "peer_offered_blocks", "peer") == 4 and _slots_pinned(sched) == 4
+    assert counter(sched, "request_params_ignored", "peer") == 0
+
+
+def test_remote_decode_with_a_secret_needs_the_right_one(tiny_model, monkeypatch):
+    """With a shared secret configured (the proxy adds it), a do_remote_decode without it
+    or with a wrong one is refused and counted; the right one gets the offer."""
+    monkeypatch.setenv("KVTIER_PD_SECRET", SECRET)
+    sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"accept_remote_decode": True}})
+    worker = FakeWorker()
+    for i, params in enumerate(({"do_remote_decode": True},
+                                {"do_remote_decode": True, "kvtier_pd_secret": SECRET[:-1] + "x"},
+                                {"do_remote_decode": True, "kvtier_pd_secret": 12345})):
+        _, answer = _prefill(sched, worker, f"bad{i}", params, seed=50 + i)
+        assert not (answer or {}).get("kvtier_peer")
+    assert counter(sched, "request_params_ignored", "peer") == 3
+    assert counter(sched, "peer_offered_blocks", "peer") == 0 and _slots_pinned(sched) == 0
+    _, answer = _prefill(sched, worker, "good", {"do_remote_decode": True, "kvtier_pd_secret": SECRET}, seed=60)
+    assert answer is not None and "kvtier_peer" in answer and SECRET not in repr(answer)
+    assert counter(sched, "peer_offered_blocks", "peer") == 4
+
+
+def test_a_short_or_unreadable_secret_fails_at_start(tiny_model, monkeypatch, tmp_path):
+    import pytest
+
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.errors import ConfigError
+    from vllm_kvtier.plan.peer_plan import load_remote_decode_secret
+
+    cfg = parse_config({"nixl": {"accept_remote_decode": True}}).nixl
+    assert load_remote_decode_secret(cfg, {}) is None
+    with pytest.raises(ConfigError, match="remote_decode_secret_env") as e:
+        load_remote_decode_secret(cfg, {"KVTIER_PD_SECRET": "short"})
+    assert "short" not in str(e.value)
+    f = tmp_path / "secret"
+    f.write_text(SECRET + "\n")
+    f.chmod(0o644)
+    fcfg = parse_config({"nixl": {"remote_decode_secret_file": str(f)}}).nixl
+    with pytest.raises(ConfigError, match="remote_decode_secret_file"):
+        load_remote_decode_secret(fcfg)
+    f.chmod(0o600)
+    assert load_remote_decode_secret(fcfg) == SECRET.encode()

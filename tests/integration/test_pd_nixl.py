@@ -38,10 +38,11 @@ def _ucx_env(monkeypatch):
 
 
 def pd_config(role: str, **nixl) -> dict:
-    """The prefill instance names its agents ``prefill-...``; the decode instance reads
-    and trusts offers from those only (issue 13: by default it reads none)."""
+    """The prefill instance names its agents ``prefill-...`` and answers ``do_remote_decode``
+    (issue 31: off by default); the decode instance reads and trusts offers from those
+    only (issue 13: by default it reads none)."""
     if role == "kv_producer":
-        nixl = {"agent_name": "prefill", **nixl}
+        nixl = {"agent_name": "prefill", "accept_remote_decode": True, **nixl}
     else:
         nixl = {"agent_name": "decode", "allowed_peers": ["prefill-*"], "trusted_peers": ["prefill-*"], **nixl}
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES}, "nixl": {"deadline_s": 5.0, **nixl}})

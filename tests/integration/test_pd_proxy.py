@@ -49,8 +49,10 @@ GENEROUS = {
 #: kv_transfer_params): the pool's wait, and the agents whose offers the decode side reads.
 ENABLE = {
     "mooncake": {"accept_handoffs": True},
-    "nixl": {"agent_name": "pd", "trusted_peers": ["pd-*"]},
+    "nixl": {"agent_name": "pd", "trusted_peers": ["pd-*"], "accept_remote_decode": True},
 }
+#: The prefill side's shared secret (nixl): the proxy adds it to the prefill call.
+SECRET = "proxy-secret-0123456789"
 baseline_of = nvme_engine.baseline_of
 mooncake_master = mcsrv.mooncake_master
 
@@ -63,7 +65,7 @@ def _port() -> int:
 
 def _env() -> dict[str, str]:
     return dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1",
-                UCX_MODULES="^ib")
+                UCX_MODULES="^ib", KVTIER_PD_SECRET=SECRET)
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path) -> None:

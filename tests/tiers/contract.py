@@ -155,6 +155,50 @@ class Stalled:
         pass
 
 
+class Raising:
+    """A batching medium wrapper whose first ``fail`` batch puts and reads raise instead of
+    answering per item (a client library that throws), then pass through item by item."""
+
+    max_batch = 4
+
+    def __init__(self, inner: Medium, fail: int) -> None:
+        self.inner = inner
+        self.name = f"raising-{inner.name}"
+        self.read_shape = inner.read_shape
+        self.puts_left = self.reads_left = fail
+
+    def put_batch(self, items: list[tuple[str, memoryview]], deadline: float) -> list[BaseException | None]:
+        if self.puts_left > 0:
+            self.puts_left -= 1
+            raise RuntimeError("put_batch blew up")
+        for chunk_id, view in items:
+            self.inner.put(chunk_id, view, deadline)
+        return [None] * len(items)
+
+    def read_batch(self, items: list[tuple[str, int, memoryview]], deadline: float) -> list[BaseException | None]:
+        if self.reads_left > 0:
+            self.reads_left -= 1
+            raise RuntimeError("read_batch blew up")
+        for chunk_id, offset, dst in items:
+            self.inner.read_into(chunk_id, offset, dst, deadline)
+        return [None] * len(items)
+
+    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
+        raise AssertionError("a batching medium is called by batch")
+
+    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
+        raise AssertionError("a batching medium is called by batch")
+
+    def delete(self, chunk_id: str) -> None:
+        self.inner.delete(chunk_id)
+
+    def classify(self, exc: BaseException) -> FailureReason:
+        return self.inner.classify(exc)
+
+    def close(self) -> None:
+        pass
+
+
 class StoreContract:
     """The cases every medium must pass (see the module doc for binding one)."""
 
@@ -350,6 +394,38 @@ class StoreContract:
             assert wait_for(k, 4).ok
         finally:
             slow.go.set()
+            k.close(timeout_s=5)
+
+    def test_a_medium_that_raises_ends_its_jobs_and_returns_their_buffers(self, store: StoreKernel,
+                                                                          pool: BufferPool) -> None:
+        """A batch put or read that raises (instead of answering per item) fails its jobs,
+        with a result each: the write queue's room and the buffers come back, so writes
+        are accepted again afterwards (more failures than ``max_queued_writes``) and the
+        next write reuses a failed one's buffer."""
+        h = self.write(store, pool, "c1", 0, 2)
+        bad = Raising(store.medium, fail=3)
+        k = StoreKernel(bad, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
+                        read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+        try:
+            for job in (1, 2, 3):
+                assert k.submit_write(job, f"w{job}", fill(pool, job, 1))
+                r = wait_for(k, job, timeout_s=5.0)
+                assert not r.ok and r.reason is not None and r.header is None
+            allocated = pool.allocated_bytes
+            assert k.submit_write(4, "w4", fill(pool, 4, 1))  # accepted: the queue's room came back
+            assert wait_for(k, 4, timeout_s=5.0).ok
+            assert pool.allocated_bytes == allocated  # a failed write's buffer was reused
+            for job in (5, 6, 7):
+                k.submit_read(job, "c1", h, [1], [key(1)])
+                r = wait_for(k, job, timeout_s=5.0)
+                assert not r.ok and r.blocks is None
+            allocated = pool.allocated_bytes
+            k.submit_read(8, "c1", h, [1], [key(1)])
+            r = wait_for(k, 8, timeout_s=5.0)
+            assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(1), r.reason
+            r.release()
+            assert pool.allocated_bytes == allocated  # a failed read's buffer was reused
+        finally:
             k.close(timeout_s=5)
 
     def test_closed_store(self, tmp_path: Path, pool: BufferPool) -> None:

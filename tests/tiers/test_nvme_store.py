@@ -514,3 +514,35 @@ def test_other_namespaces_are_reported_and_collected_only_when_free_and_ours(tmp
     finally:
         holder.close()
         mine.close()
+
+
+@pytest.mark.parametrize("err", [24, 5, 13])  # EMFILE, EIO, EACCES
+def test_owner_scan_keeps_a_chunk_it_could_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    err: int) -> None:
+    """A transient error while the owner's start-up scan opens a chunk (out of file
+    descriptors, an I/O error, a permission) says nothing about its bytes: the file is
+    skipped and counted, not deleted; a damaged file (bad magic) still is, and the next
+    scan finds the kept one."""
+    import vllm_kvtier.tiers.nvme as nvme_mod
+
+    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    h = write_chunk(a, "good", 1, 1, job=1)
+    write_chunk(a, "bad", 2, 1, job=2)
+    a.close()
+    with open(a.path("bad"), "r+b") as f:
+        f.write(b"XXXX")  # bad magic
+    real = nvme_mod._open_regular
+
+    def flaky(path: Path, flags: int) -> int:
+        if Path(path).name.startswith("good"):
+            raise OSError(err, os.strerror(err), str(path))
+        return real(path, flags)
+
+    monkeypatch.setattr(nvme_mod, "_open_regular", flaky)
+    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    res = b.scan(cleanup=True)
+    assert res.found == {} and res.problems == {"unreadable_kept": 1, "format": 1}
+    assert a.path("good").exists() and not a.path("bad").exists()
+    monkeypatch.setattr(nvme_mod, "_open_regular", real)
+    assert b.scan(cleanup=True).found == {"good": h}
+    b.close()

@@ -38,11 +38,13 @@ def worker(tmp_path) -> WorkerHalf:
 
 
 def step(w: WorkerHalf, n: int, theirs: str) -> None:
-    """One step that saves blocks 3, 4 into slots 0, 1 and writes them through to NVMe as
-    chunk ``f1``, and loads chunk ``f0`` (never written) into block 7 through slot 2."""
-    save = SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))
-    read = ChunkRead("nvme", "f0", slots=(2,), positions=(0,), keys=(_key(9),))
-    load = LoadJob("r2", (7,), (2,), (_key(9),), True, reads=(read,))
+    """Step ``n`` saves blocks 3, 4 into two slots of its own (a write-through is copied on
+    the store's thread, so a later step reusing them could supersede it) and writes them
+    through to NVMe as chunk ``f<n>``, and loads chunk ``f0`` (never written) into block 7
+    through the last slot."""
+    save = SaveJob("r1", block_ids=(3, 4), slots=(2 * n - 2, 2 * n - 1), keys=(_key(3), _key(4)))
+    read = ChunkRead("nvme", "f0", slots=(SLOTS - 1,), positions=(0,), keys=(_key(9),))
+    load = LoadJob("r2", (7,), (SLOTS - 1,), (_key(9),), True, reads=(read,))
     w.begin_step(StepPlan(num_slots=SLOTS, step=n, saves=[save], loads=[load], namespace=theirs,
                           write_through=[ChunkWriteJob("nvme", f"f{n}", save.slots, save.keys)]))
     w.start_loads()

@@ -58,3 +58,27 @@ def test_the_client_s_params_reach_neither_instance():
 def test_a_failed_prefill_does_not_forward_the_client_s_params():
     (_, _), (d_host, d_body) = run(prefill_ok=False)
     assert d_host == "decode" and "kv_transfer_params" not in d_body
+
+
+def test_the_proxy_adds_its_shared_secret_to_the_prefill_call_only():
+    """With a secret (the prefill instance's ``nixl`` shared secret) the prefill call
+    carries it; the decode call and the client's answer never do."""
+    seen: list[tuple[str, dict]] = []
+    secret = "proxy-secret-0123456789"
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.host, body))
+        if request.url.host == "prefill":
+            return httpx.Response(200, json={"kv_transfer_params": {"kvtier_peer": {"slots": [1]}}})
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    app = load_proxy().build_app("http://prefill", "http://decode", transport=httpx.MockTransport(handle),
+                                 secret=secret)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200 and secret not in r.text and "kvtier_peer" not in r.text
+    (_, p_body), (_, d_body) = seen
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                            "kvtier_pd_secret": secret}
+    assert secret not in json.dumps(d_body)

@@ -3,6 +3,7 @@ holds decides what may be written to a lower tier, loaded, or flushed at shutdow
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.buffers import AlignedBuffer, BufferPool
 from vllm_kvtier.tiers.chunkfile import chunk_id_for
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
@@ -169,4 +171,46 @@ def test_a_demotion_is_copied_at_once():
     slots.pool.planes[1][3].fill_(0x11)
     meta, _ = _settle(w, 1)
     assert meta.written == {("nvme", cid): 1} and before in bytes(store.raw(cid))
+class _NoMemory(BufferPool):
+    """A buffer pool on a host out of memory while ``broke`` (mmap's ENOMEM)."""
+
+    broke = False
+
+    def take(self, nbytes: int) -> AlignedBuffer:
+        if self.broke:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return super().take(nbytes)
+
+
+def test_out_of_memory_for_a_buffer_is_a_miss_and_a_counter():
+    """ENOMEM when a write or a read takes its transfer buffer never raises into the step:
+    the write is skipped (refused, as back-pressure), the read fails ``no_buffer`` (a miss),
+    each counted in ``no_buffer``; with memory back, both work."""
+    slots = SlotTable(_pool())
+    pool = _NoMemory(64 << 20)
+    store = MemoryStore("ns", slots.pool.slot_bytes, buffers=pool)
+    w = ChunkWorker("nvme", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=4,
+                    flush_on_shutdown_s=5.0, buffers=pool)
+    keys = (b"a" * 32, b"b" * 32)
+    slots.set_key(0, keys[0])
+    slots.set_key(1, keys[1])
+    cid = chunk_id_for(keys)
+    pool.broke = True
+    w.write([ChunkWriteJob("nvme", cid, (0, 1), keys)])  # does not raise
+    meta = WorkerReport()
+    w.take_meta(meta)
+    assert meta.refused == {("nvme", cid)} and w.counters.totals["no_buffer|nvme"] == 1
+    pool.broke = False
+    w.write([ChunkWriteJob("nvme", cid, (0, 1), keys)])
+    meta, _ = _settle(w, 1)
+    assert meta.written == {("nvme", cid): 1}
+    pool.broke = True
+    rid = w.start_read(ChunkRead("nvme", cid, (0, 1), (5, 6), keys))  # does not raise
+    _, done = _settle(w, 1)
+    assert [(r, ok) for r, _, ok in done] == [(rid, False)]
+    assert w.counters.totals["no_buffer|nvme"] == 2 and w.counters.totals["load_failures|nvme"] == 2
+    pool.broke = False
+    rid = w.start_read(ChunkRead("nvme", cid, (0, 1), (5, 6), keys))
+    _, done = _settle(w, 1)
+    assert [(r, ok) for r, _, ok in done] == [(rid, True)]
     w.close()

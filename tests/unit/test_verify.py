@@ -16,7 +16,13 @@ from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.plan.inputs import StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
 from vllm_kvtier.plan.verify_plan import Sampler
-from vllm_kvtier.transfer.verify import DEFAULT_TOLERANCES, Tolerance, compare_block, tolerance_for
+from vllm_kvtier.transfer.verify import (
+    DEFAULT_TOLERANCES,
+    Tolerance,
+    compare_block,
+    element_dtype,
+    tolerance_for,
+)
 
 AUTO = VerifyConfig(sample_rate=1.0)
 
@@ -92,7 +98,32 @@ def test_tolerance_defaults_overrides_and_exact():
     assert tolerance_for(VerifyConfig(sample_rate=1.0, rtol=0.5), torch.float32) == \
         Tolerance(DEFAULT_TOLERANCES[torch.float32][0], 0.5)
     assert tolerance_for(VerifyConfig(sample_rate=1.0, tolerance="exact"), torch.bfloat16).exact
-    assert tolerance_for(AUTO, torch.float8_e4m3fn).exact  # no default for fp8 KV: bitwise
+    assert not tolerance_for(AUTO, torch.float8_e4m3fn).exact  # fp8 KV: decoded, normwise
+    assert tolerance_for(AUTO, torch.int8).exact  # no default: bitwise
+
+
+@pytest.mark.parametrize(("cache_dtype", "fp8"), [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                                  ("fp8_e5m2", torch.float8_e5m2)])
+def test_an_fp8_kv_cache_is_decoded_and_compared_within_its_tolerance(cache_dtype, fp8):
+    """vLLM's fp8 caches are uint8 tensors: the bytes are decoded by the format the cache
+    dtype names. A recompute 1% off (what crosses rounding boundaries in fp8) is within the
+    tolerance, not bitwise; the planted block is far outside; tolerance: exact still
+    compares bytes."""
+    assert element_dtype(torch.uint8, cache_dtype) == fp8
+    assert element_dtype(torch.uint8, "auto") == torch.uint8 and element_dtype(torch.bfloat16, "fp8") == torch.bfloat16
+    tol = tolerance_for(AUTO, fp8)
+    values = kv_block(torch.float32)
+    computed = values.to(fp8)
+    noisy = (values * 1.01).to(fp8)
+    assert as_bytes(noisy) != as_bytes(computed)
+    res = compare_block(as_bytes(noisy), as_bytes(computed), fp8, tol, (2048, 2048))
+    assert not res.bitwise and res.within and res.max_abs > 0
+    planted = (-values + 0.5).to(fp8)
+    assert not compare_block(as_bytes(planted), as_bytes(computed), fp8, tol, (2048, 2048)).within
+    assert not compare_block(as_bytes(noisy), as_bytes(computed), fp8, Tolerance(exact=True)).within
+    nan = bytearray(as_bytes(computed))
+    nan[5] = 0x7F  # NaN in both formats (e4m3fn: S.1111.111; e5m2: S.11111.11)
+    assert not compare_block(bytes(nan), as_bytes(computed), fp8, tol).within
 
 
 # ---- sampling and config -------------------------------------------------------------------
@@ -310,3 +341,55 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     got, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
     (job2,) = plan.verifies  # blocks 0-1 verified good, now in DRAM: sampled from there
     assert job2.tiers == ("cpu", "cpu") and not job2.reads
+
+
+def _one_chunk_tier(name: str, *, exclusive: bool, key_named: bool = False):
+    """A lower tier holding the prompt's 4 blocks in one chunk (key-named: one chunk per
+    block, found through an oracle that always says present, as a pool does)."""
+    from vllm_kvtier.metrics import Counters
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.tiers.chunkfile import make_header
+
+    keys = [bytes([i]) * 8 for i in range(4)]
+    counters = Counters()
+    found = [{} if key_named else {"c1": make_header("ns", keys, [0] * 4, 1024)}]
+    tier = ChunkPlanner(ChunkPolicy(name, "write-back", 1, 1 if key_named else 4, None, key_named=key_named,
+                                    exclusive=exclusive),
+                        world_size=1, block_bytes_per_rank=1024, counters=counters, found=found,
+                        oracle=(lambda ids: [True] * len(ids)) if key_named else None)
+    return tier, keys, counters
+
+
+@pytest.mark.parametrize(("name", "key_named"), [("s3", False), ("mooncake", True)])
+def test_a_mismatch_on_a_shared_tier_forgets_the_chunk_and_never_deletes_it(name, key_named):
+    """A shared tier (a bucket, a pool other instances read): one sample never deletes the
+    object; this instance forgets it for good (a pool lookup that finds it again does not
+    index it), counted; the blocks that matched still load into DRAM."""
+    tier, keys, counters = _one_chunk_tier(name, exclusive=False, key_named=key_named)
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0))
+    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[tier], counters=counters)
+    got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
+    (job,) = plan.verifies
+    assert job.tiers == (name,) * 4
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
+                                                        verify_mismatched={(job.verify_id, keys[2])})))
+    assert counters.totals[f"verify_mismatches|{name}"] == 1
+    assert counters.totals[f"verify_forgotten_chunks|{name}"] == 1
+    _, _, deletes = tier.take_jobs(set(), lambda k: None)
+    assert deletes == []  # nothing deleted from the shared tier
+    assert tier.locate(BlockKey(keys[2])) is None
+    tier.discover([BlockKey(keys[2])])  # the pool still has it: not indexed again
+    assert tier.locate(BlockKey(keys[2])) is None
+    assert BlockKey(keys[2]) not in p.index
+
+
+def test_a_mismatch_on_the_exclusive_nvme_tier_deletes_the_chunk():
+    tier, keys, counters = _one_chunk_tier("nvme", exclusive=True)
+    p = SchedulerPlanner(KVTierConfig(verify=VerifyConfig(sample_rate=1.0)), block_size=BS, num_slots=32,
+                         slot_bytes_total=1, lower=[tier], counters=counters)
+    _, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
+    (job,) = plan.verifies
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
+                                                        verify_mismatched={(job.verify_id, keys[2])})))
+    _, _, deletes = tier.take_jobs(set(), lambda k: None)
+    assert deletes == ["c1"] and counters.totals.get("verify_forgotten_chunks|nvme", 0) == 0

@@ -325,9 +325,30 @@ class NixlTierConfig:
     #: ``hold_s``; past this share the answer carries no offer (counted in
     #: ``request_params_ignored{tier="peer"}``) and the decode side recomputes.
     max_offered_fraction: float = 0.5
+    #: Prefill side: answer ``do_remote_decode`` with an offer (every rank's NIXL agent
+    #: metadata, memory registration included, and the prompt's slots pinned for
+    #: ``hold_s``). vLLM's OpenAI server forwards ``kv_transfer_params`` from clients, so
+    #: off (the default) a ``do_remote_decode`` is ignored and counted
+    #: (``request_params_ignored{tier="peer"}``). Turn it on on prefill instances only, with
+    #: a proxy in front that strips clients' ``kv_transfer_params`` (examples/pd_proxy.py),
+    #: and preferably a shared secret (below).
+    accept_remote_decode: bool = False
+    #: Prefill side: the shared secret the P/D proxy adds to the prefill call
+    #: (``kv_transfer_params.kvtier_pd_secret``) is read from this environment variable, or
+    #: from ``remote_decode_secret_file`` (absolute path, mode 0600/0400) when set. Found
+    #: (16+ characters), a ``do_remote_decode`` without it is refused (compared in constant
+    #: time; counted). Never logged. Not found: any ``do_remote_decode`` is answered.
+    remote_decode_secret_env: str = "KVTIER_PD_SECRET"
+    remote_decode_secret_file: str | None = None
 
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", self.remote_decode_secret_env):
+            raise ConfigError("nixl.remote_decode_secret_env",
+                              f"must be an environment variable name, got {self.remote_decode_secret_env!r}")
+        f = self.remote_decode_secret_file
+        if f is not None and ("\0" in f or not f.startswith("/")):
+            raise ConfigError("nixl.remote_decode_secret_file", "must be an absolute path without NUL bytes")
         _positive("nixl.hold_s", self.hold_s)
         check_bounds("nixl", self, durations=("hold_s",))
         if not 0.0 < self.max_offered_fraction <= 0.9:

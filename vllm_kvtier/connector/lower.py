@@ -40,7 +40,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescan
 from vllm_kvtier.tiers.auth import load_auth
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
-from vllm_kvtier.tiers.nvme import NVMeStore, other_bytes, rank_dir, scan_dir
+from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, NVMeStore, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
 from vllm_kvtier.transfer.fp8 import (
     StorageDtype,
@@ -371,9 +371,11 @@ def make_workers(
             scanned = nvme_store.scan(cleanup=True)  # only now: the directory's lock is held
             headers = scanned.found
             for reason, count in scanned.problems.items():
-                logger.warning("kvtier nvme: %d file(s) dropped at start-up: %s", count, reason)
+                kept = reason in ("not_regular", UNREADABLE_KEPT)  # neither is deleted (see scan_dir)
+                logger.warning("kvtier nvme: %d file(s) %s at start-up: %s", count,
+                               "skipped (kept)" if kept else "dropped", reason)
                 counters.add("load_failures", TierName.NVME, count)
-                if reason != "not_regular":  # deleted (see scan_dir)
+                if not kept:
                     counters.add("reclaimed_files", TierName.NVME, count)
             if rank == 0:
                 _foreign_namespaces(n, f.namespace, counters)

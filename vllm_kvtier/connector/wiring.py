@@ -476,11 +476,30 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     lower = make_planners(cfg, namespace=ns, world_size=copies, block_bytes_per_rank=block_bytes,
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
-    return SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
+    half = SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
                          world_size=world, lower=lower, counters=counters, layout=groups,
                          swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
+    if sync_load_failures_unsafe(vllm_config) and not half.always_async:
+        logger.info("kvtier: vLLM's V2 model runner with kv_load_failure_policy recompute: every load is "
+                    "async (a rejected sync load would give wrong output there, vllm#49250)")
+        half.always_async = True
+    return half
+
+
+def sync_load_failures_unsafe(vllm_config: VllmConfig) -> bool:
+    """Whether a sync load that fails after vLLM allocated and scheduled it gives wrong
+    output: vLLM's V2 model runner with ``kv_load_failure_policy: recompute`` (vllm#49250,
+    open in 0.32). There the scheduler truncates the request's ``num_computed_tokens``
+    backward, and the runner applies that to its CPU mirror only: the recompute gathers
+    tokens and positions from the old offset. Such engines get async loads only: a request
+    waits for its load outside the running batch, and a failure (by block or by request)
+    sets its ``num_computed_tokens`` before the runner first sees it, so nothing goes
+    backward. Cost: one step of latency per hit. Under ``fail`` a failed sync load ends
+    the request with an error (never wrong output): sync loads stay."""
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    return policy == "recompute" and bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
 def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
@@ -506,4 +525,23 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     # here, on the compute thread, before any tier starts a thread
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
-                      make_tiers=functools.partial(make_workers, role=role))
+                      make_tiers=functools.partial(make_workers, role=role),
+                      cache_dtype=fp8_cache_dtype(vllm_config))
+
+
+def fp8_cache_dtype(vllm_config: VllmConfig | None) -> str:
+    """vLLM's ``cache_dtype``, with ROCm's "fp8" named for what it is (e4m3fnuz): shadow
+    verification decodes an fp8 cache's bytes by it."""
+    if vllm_config is None:
+        return "auto"
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype in ("fp8", "fp8_e4m3"):
+        import torch
+        from vllm.platforms import current_platform
+
+        try:
+            if current_platform.fp8_dtype() == torch.float8_e4m3fnuz:
+                return "fp8_e4m3fnuz"
+        except Exception:  # a platform without fp8: the OCP format
+            pass
+    return dtype

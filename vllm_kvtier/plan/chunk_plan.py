@@ -72,6 +72,9 @@ _BREAKER_PAUSE_S = 30.0
 #: A chunk whose read just failed is not offered to lookups for this long (a chunk with
 #: bad bytes is dropped outright; this covers a tier that is slow, throttling or down).
 _FAILED_READ_COOLDOWN_S = 10.0
+#: Shared-tier chunks shadow verification found wrong, remembered so that no rescan or pool
+#: lookup indexes them again (ids, ~100 B each; the oldest is forgotten beyond this).
+_DISTRUSTED_CHUNKS = 4096
 
 #: One index per TP rank: chunk id -> header, as found in the tier.
 Found = list[dict[str, ChunkHeader]]
@@ -314,6 +317,8 @@ class ChunkPlanner:
         #: ones a failed read deletes (see :meth:`on_worker_meta`)
         self._written_here: set[str] = set()
         self._local_chunks = local_chunks
+        #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
+        self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
         n_blocks, n_files = self._adopt(found, delete_unfit=True)
         if n_files:
@@ -356,6 +361,8 @@ class ChunkPlanner:
 
     def _add_found(self, fid: str, keys: Sequence[BlockKey], nbytes: int, *, remote: bool) -> bool:
         """Index a chunk a scan or lookup found (``remote``: another writer's)."""
+        if fid in self._distrusted:
+            return False
         if remote:
             self._remote.add(fid)  # before: indexing it reports its keys
         if self.index.add_existing(fid, keys, nbytes):
@@ -620,6 +627,29 @@ class ChunkPlanner:
             self._acks.pop(fid, None)
             self._deletes.append(fid)
 
+    def distrust_key(self, key: BlockKey) -> None:
+        """Shadow verification found ``key``'s stored block wrong: never serve its chunk
+        again. An exclusive tier (our own NVMe directory) deletes it, as :meth:`drop_key`.
+        A shared tier (a bucket, a pool: other instances read it) only forgets it here,
+        for good (no rescan or pool lookup indexes it again; counted in
+        ``verify_forgotten_chunks``): one sample on one instance may be a false alarm (a
+        tolerance too tight for a kernel), and a delete would take the chunk from every
+        instance. Each instance verifies what it reads itself; the chunk goes when its
+        writer or a lifecycle rule removes it, or when this instance writes the key again."""
+        if self.policy.exclusive:
+            self.drop_key(key)
+            return
+        fid = self.index.file_holding(key)
+        if fid is None:
+            return
+        self.index.remove(fid)
+        self._acks.pop(fid, None)
+        self._to_add.pop(fid, None)
+        self._distrusted[fid] = None
+        while len(self._distrusted) > _DISTRUSTED_CHUNKS:
+            self._distrusted.popitem(last=False)
+        self.counters.add("verify_forgotten_chunks", self.tier)
+
     def on_worker_meta(self, meta: WorkerReport) -> None:
         tier = self.tier
         failed = {fid for t, fid in meta.failed if t == tier}
@@ -660,6 +690,7 @@ class ChunkPlanner:
                 self._remote.discard(fid)  # ours now (a key-named chunk we rewrote)
                 if not self.policy.exclusive:
                     self._written_here.add(fid)
+                self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
                 self.index.confirm(fid)
                 if self._rescanner is not None:
                     self._rescanner.note_written(fid)

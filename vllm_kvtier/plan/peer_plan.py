@@ -11,7 +11,16 @@ where they are: every rank's NIXL description, the slots, the block keys. A deco
 instance's read notifies the prefill ranks and the slots are released; if no read comes
 (the decode instance died, the proxy gave up), the hold expires and the slots are
 reclaimed (``peer_hold_timeouts``). Offers hold at most ``nixl.max_offered_fraction`` of
-the slots at once: any request may ask for one (``do_remote_decode``), clients included.
+the slots at once.
+
+Trust (prefill side): an offer hands out every rank's NIXL agent metadata (memory
+registration keys, pool addresses) and pins slots, and vLLM's OpenAI server forwards
+``kv_transfer_params`` from clients. So ``do_remote_decode`` is answered only with
+``nixl.accept_remote_decode`` on and, when a shared secret is configured
+(:func:`load_remote_decode_secret`), only if the request carries it
+(``kvtier_pd_secret``, compared in constant time); otherwise the request gets no offer,
+pins nothing, and is counted (``request_params_ignored{tier="peer"}``). The answer itself
+must reach only the proxy, never a client (docs/security.md).
 
 Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks whose keys
 match the request's own block hashes (so a mismatched model or prompt is never loaded)
@@ -28,12 +37,19 @@ trusted is ``trusted=False``: the scheduler uses its blocks for that request onl
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm_kvtier.config import NixlTierConfig
+from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
@@ -45,6 +61,42 @@ logger = logging.getLogger(__name__)
 
 TIER = TierName.PEER
 PARAM = "kvtier_peer"
+#: The shared secret a P/D proxy adds to the prefill call's ``kv_transfer_params``.
+SECRET_PARAM = "kvtier_pd_secret"
+MIN_SECRET_CHARS = 16
+MAX_SECRET_CHARS = 4096
+
+
+def load_remote_decode_secret(cfg: NixlTierConfig, environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The prefill side's shared secret: ``nixl.remote_decode_secret_file`` if set (a small
+    regular file, not readable by group or other), else the environment variable
+    ``nixl.remote_decode_secret_env``; None when neither holds one. Surrounding whitespace
+    is dropped. Raises ConfigError (naming the field, never the value) for a secret that
+    cannot be read or is shorter than :data:`MIN_SECRET_CHARS`."""
+    env = os.environ if environ is None else environ
+    if cfg.remote_decode_secret_file is not None:
+        where = "nixl.remote_decode_secret_file"
+        path = Path(cfg.remote_decode_secret_file)
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            raise ConfigError(where, f"cannot read the secret file: {e.strerror}") from None
+        if not stat.S_ISREG(mode) or mode & 0o077:
+            raise ConfigError(where, f"must be a regular file readable by its owner only (chmod 600), mode "
+                                     f"{stat.S_IMODE(mode):o}")
+        try:
+            value: str | None = read_small_file(path, MAX_SECRET_CHARS)
+        except ValueError as e:
+            raise ConfigError(where, str(e)) from None
+    else:
+        where = f"nixl.remote_decode_secret_env (environment variable {cfg.remote_decode_secret_env})"
+        value = env.get(cfg.remote_decode_secret_env)
+    value = (value or "").strip()
+    if not value:
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        raise ConfigError(where, f"the secret must have at least {MIN_SECRET_CHARS} characters")
+    return value.encode()
 
 
 @dataclass(frozen=True)
@@ -63,8 +115,11 @@ class PeerPlan:
 
 class PeerPlanner:
     def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, cfg: NixlTierConfig,
-                 ignored: IgnoredParams | None = None) -> None:
+                 ignored: IgnoredParams | None = None, secret: bytes | None = None) -> None:
+        """``secret``: the shared secret a ``do_remote_decode`` must carry (None: none is
+        asked for; see :func:`load_remote_decode_secret`)."""
         self.index = index
+        self._secret = secret
         self.counters = counters
         self.world_size = world_size
         self.cfg = cfg
@@ -87,6 +142,10 @@ class PeerPlanner:
         published their NIXL description yet."""
         params = getattr(request, "kv_transfer_params", None)
         if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return None
+        refused = self._refusal(params)
+        if refused is not None:
+            self.ignored.ignore("do_remote_decode", TIER, request.request_id, refused)
             return None
         if not self.published():
             logger.warning("kvtier peer: request %s: workers have not published their NIXL address yet; "
@@ -115,6 +174,19 @@ class PeerPlanner:
         self.counters.add("peer_offered_blocks", TIER, len(slots))
         return {PARAM: {"ranks": {str(r): d for r, d in self._ranks.items()}, "slots": slots, "keys": keys,
                         "request": request.request_id}}
+
+    def _refusal(self, params: dict) -> str | None:
+        """Why a ``do_remote_decode`` gets no offer (None: it gets one)."""
+        if not self.cfg.accept_remote_decode:
+            return "nixl.accept_remote_decode is off"
+        if self._secret is None:
+            return None
+        given = params.get(SECRET_PARAM)
+        if not isinstance(given, str) or len(given) > MAX_SECRET_CHARS:
+            return f"no {SECRET_PARAM} (a shared secret is configured)"
+        if not hmac.compare_digest(given.encode(), self._secret):
+            return f"wrong {SECRET_PARAM}"
+        return None
 
     def release(self, req_id: str) -> int:
         """Unpin ``req_id``'s offered slots; how many there were (0: none held)."""

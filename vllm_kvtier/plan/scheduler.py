@@ -72,7 +72,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner, load_remote_decode_secret
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
@@ -123,7 +123,7 @@ class SchedulerPlanner:
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
-                                         ignored=self.ignored)
+                                         ignored=self.ignored, secret=load_remote_decode_secret(cfg.nixl))
         #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         self.promotions = Promotions(self.index, self.lower)
         self._reqs: dict[str, ReqState] = {}
@@ -140,7 +140,9 @@ class SchedulerPlanner:
         self._step = 0
         self._last_evictions = 0
         #: Every load is async (hybrid models: a failed load is reported per request, which
-        #: vLLM supports for async loads only). Set by the connector.
+        #: vLLM supports for async loads only; vLLM's V2 model runner with the recompute
+        #: policy: a rejected sync load gives wrong output there, see
+        #: :func:`~vllm_kvtier.connector.wiring.sync_load_failures_unsafe`). Set by the connector.
         self.always_async = False
         #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
         #: window: never loaded or saved (hybrid models; set by the connector).
@@ -471,7 +473,8 @@ class SchedulerPlanner:
         admission): every full prompt block where a load may be async (``load_mode:
         async``, a tier below CPU, a peer), else all but the block of the last token; so a
         DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = self.cfg.load_mode == "async" or bool(self.lower) or self.peer_plan is not None
+        may_be_async = (self.always_async or self.cfg.load_mode == "async" or bool(self.lower)
+                        or self.peer_plan is not None)
         n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
         self.counters.add("lookup_blocks", TIER, n)
 

@@ -20,7 +20,8 @@ The life of a sampled hit:
 4. :meth:`~VerifyPlanner.on_worker_meta`: once every rank reported, the samples and
    mismatches are counted per tier; a mismatching block is dropped from its tier (never
    served again; a wrong DRAM block from the lower tiers too, whose copies were written
-   from that slot) and, with ``verify.quarantine_s`` > 0, its tier is quarantined: its
+   from that slot: deleted from an exclusive tier, only forgotten by this instance on a
+   shared one, see :meth:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner.distrust_key`) and, with ``verify.quarantine_s`` > 0, its tier is quarantined: its
    lookups answer miss for that long (saves to it continue, so it is warm again after; a
    tier still broken is caught again by the next sample). A block that matched stays in
    the CPU tier (it was promoted there and is now known good). Pins are released.
@@ -252,11 +253,12 @@ class VerifyPlanner:
             if key in held.mismatched:
                 self.counters.add("verify_mismatches", tier)
                 self.index.remove(key)  # never served again, from DRAM or (below) its tier
+                # (deleted from an exclusive tier; only forgotten by this instance on a shared one)
                 if source is not None:
-                    source[0].drop_key(key)
+                    source[0].distrust_key(key)
                 else:  # wrong in DRAM: copies written from that slot may be wrong as well
                     for planner in self.lower:
-                        planner.drop_key(key)
+                        planner.distrust_key(key)
                 if tier not in bad_tiers:
                     bad_tiers.append(tier)
             elif key in held.inexact:

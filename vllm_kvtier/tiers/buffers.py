@@ -16,6 +16,7 @@ Thread safety: a pool may be used from any thread; a buffer belongs to one owner
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import threading
 from collections.abc import Callable
@@ -133,6 +134,12 @@ class BufferPool:
         for b in free:
             b._in_pool = False
             b.close()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the host has no memory to map now (``MemoryError``, or an
+    ``OSError`` ENOMEM from mmap): callers in the serving path turn it into a miss."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
 
 
 #: Idle memory the default pool keeps: a few chunks' worth.

@@ -89,7 +89,7 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.keys import SAFE_ID
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult, drain
-from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer
+from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import (
     ALIGN,
     ChunkFormatError,
@@ -491,9 +491,18 @@ class StoreKernel:
             self._reads_q.put((_READ, next(self._seq), ("part", job, part)))
 
     def _take(self, nbytes: int) -> Releasable | None:
+        """A read buffer, or None (the read fails ``no_buffer``: a miss): none free in the
+        medium's arena, or the host is out of memory (counted as the op ``no_memory``)."""
         if isinstance(self.medium, AllocatingMedium):
             return self.medium.take_buffer(nbytes)
-        return self.buffers.take(nbytes)
+        try:
+            return self.buffers.take(nbytes)
+        except (MemoryError, OSError) as e:
+            if not out_of_memory(e):
+                raise
+            self._count("no_memory")
+            logger.warning("kvtier %s: no memory for a %d B read buffer: %s", self.medium.name, nbytes, e)
+            return None
 
     # ---- I/O threads ----------------------------------------------------------------------
 
@@ -561,21 +570,21 @@ class StoreKernel:
             return
         deadline = time.monotonic() + self.write_deadline_s
         views = [w.wb.buf.view[: w.header.total_bytes] for w in ready if w.header is not None]
+        errors: list[BaseException | None]
         try:
             self._count("put")
             if isinstance(self.medium, BatchingMedium):
-                errors = self.medium.put_batch([(w.chunk_id, v) for w, v in zip(ready, views, strict=True)],
-                                               deadline)
+                errors = _per_item(self.medium.put_batch(
+                    [(w.chunk_id, v) for w, v in zip(ready, views, strict=True)], deadline), len(ready))
             else:
-                errors = []
-                try:
-                    self.medium.put(ready[0].chunk_id, views[0], deadline)
-                    errors.append(None)
-                except Exception as e:
-                    errors.append(e)
+                self.medium.put(ready[0].chunk_id, views[0], deadline)
+                errors = [None]
+        except Exception as e:  # the medium raised instead of answering per item: all failed
+            errors = [e] * len(ready)
         finally:
             for v in views:
                 v.release()
+        # every write ends here, whatever the medium did: its queue slot and buffer come back
         for w, err in zip(ready, errors, strict=True):
             self._end_write(w, None if err is None else self._reason(err), err)
 
@@ -714,21 +723,21 @@ class StoreKernel:
             views.append(j.buffer.view[p.buf_off : p.buf_off + p.length])
         errors: list[BaseException | None]
         try:
-            self._count("read")
-            if isinstance(self.medium, BatchingMedium):
-                errors = self.medium.read_batch([(j.chunk_id, p.offset, v) for (j, p), v in zip(live, views,
-                                                                                                  strict=True)],
-                                                deadline)
-            else:
-                (j, p), v = live[0], views[0]
-                try:
+            try:
+                self._count("read")
+                if isinstance(self.medium, BatchingMedium):
+                    errors = _per_item(self.medium.read_batch(
+                        [(j.chunk_id, p.offset, v) for (j, p), v in zip(live, views, strict=True)], deadline),
+                        len(live))
+                else:
+                    (j, p), v = live[0], views[0]
                     if p.whole and isinstance(self.medium, WholeObjectMedium):
                         self.medium.read_whole_into(j.chunk_id, v, j.deadline)
                     else:
                         self.medium.read_into(j.chunk_id, p.offset, v, j.deadline)
                     errors = [None]
-                except Exception as e:
-                    errors = [e]
+            except Exception as e:  # the medium raised instead of answering per item: all failed
+                errors = [e] * len(live)
             errors = [self._verify(j, p, v) if err is None else err
                       for (j, p), v, err in zip(live, views, errors, strict=True)]
         finally:
@@ -839,6 +848,15 @@ class StoreKernel:
                 self._failures[res.reason] = self._failures.get(res.reason, 0) + 1
         self._done.put(res)
         self._has_done.set()
+
+
+def _per_item(errors: Any, n: int) -> list[BaseException | None]:
+    """A batching medium's answer, checked: one entry per item (else it raises, and the
+    caller fails every item)."""
+    if not isinstance(errors, list) or len(errors) != n:
+        raise RuntimeError(f"the medium answered {type(errors).__name__} "
+                           f"{len(errors) if isinstance(errors, list) else ''} for a batch of {n}")
+    return errors
 
 
 def _kind(prio: int, item: Any) -> str:

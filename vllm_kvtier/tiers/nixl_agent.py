@@ -192,7 +192,13 @@ class NixlAgent:
     def register(self, memory: Any) -> Region:
         """Register host memory (a contiguous CPU tensor, numpy array, bytearray, mmap or any
         writable buffer) for transfers. The agent keeps a reference until :meth:`deregister`.
-        Publish :meth:`peer_info` after the last registration: peers learn regions from it."""
+        Publish :meth:`peer_info` after the last registration: peers learn regions from it.
+
+        Remote access: NIXL's Python API (``register_memory(reg_list, mem_type, backends)``,
+        nixl 1.5) has no access-mode flag, so UCX registers the range for remote READ and
+        WRITE. A peer only ever READs it here; whoever holds :meth:`peer_info` and reaches
+        this host over UCX could write it, so that metadata goes to the P/D proxy only
+        (``nixl.accept_remote_decode``, the shared secret; docs/security.md)."""
         addr, nbytes = _host_range(memory)
         region = Region(addr, nbytes)
         if region in self._regions:

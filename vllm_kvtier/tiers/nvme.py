@@ -163,14 +163,21 @@ def read_header(path: Path, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCK
         os.close(fd)
 
 
+#: :func:`scan_dir`'s problem for chunk files that could not be read (kept, not deleted).
+UNREADABLE_KEPT = "unreadable_kept"
+
+
 def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_blocks: int = MAX_CHUNK_BLOCKS,
              block_bytes: int | None = None) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
     """Read every chunk header in ``directory``.
 
     Returns ({file_id: header}, {problem: count}). With ``cleanup`` (the worker that owns
-    the directory), leftover ``.tmp-*`` files of an interrupted write and files that fail
-    to verify are deleted; the scheduler scans read-only. Entries that are not regular
-    files are skipped (``not_regular``) and never opened, nor deleted.
+    the directory), leftover ``.tmp-*`` files of an interrupted write and files whose
+    bytes fail to verify (bad magic, CRC, sizes, truncated: a ChunkFormatError) are
+    deleted; the scheduler scans read-only. A file that could not be read (an OSError:
+    EMFILE, EIO, EACCES...) may be good: it is skipped, never deleted, and counted as
+    :data:`UNREADABLE_KEPT`. Entries that are not regular files are skipped
+    (``not_regular``) and never opened, nor deleted.
     """
     found: dict[str, ChunkHeader] = {}
     problems: dict[str, int] = {}
@@ -192,10 +199,13 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
             found[e.name[: -len(SUFFIX)]] = read_header(Path(e.path), namespace, max_blocks=max_blocks,
                                                         block_bytes=block_bytes)
         except (OSError, ChunkFormatError) as err:
-            reason = classify(err)
+            reason: str = classify(err)
+            damaged = isinstance(err, ChunkFormatError)
+            if not damaged and not isinstance(err, NotRegularFile):
+                reason = UNREADABLE_KEPT  # not read, so not known damaged: kept
             problems[reason] = problems.get(reason, 0) + 1
             logger.warning("kvtier nvme: ignoring %s (%s): %s", e.path, reason, err)
-            if cleanup and reason is not FailureReason.NOT_REGULAR:
+            if damaged and cleanup:
                 _unlink_quietly(Path(e.path))
     return found, problems
 

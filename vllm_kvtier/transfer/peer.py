@@ -7,11 +7,17 @@ transfer and returns; results come back through ``poll``.
 
 Both sides register two regions with their agent: the CPU pool (one allocation, every
 plane) and a **stamp** array, 16 bytes per slot: the first 16 bytes of the key the slot
-holds, written only once the slot's bytes are complete and zeroed before they change. A
-decode-side read fetches the blocks *and* their stamps; a block is used only if its stamp
-is the key it asked for. That covers a read that arrives before the prefill instance has
-finished copying the block into the slot (its answer can reach the proxy first), and a
-slot that was reused after its hold expired: either is a miss (recompute), never wrong KV.
+holds, written only once the slot's bytes are complete and zeroed before they change
+(:class:`~vllm_kvtier.transfer.slots.SlotTable` clears a slot's stamp before any copy into
+it starts). A decode-side read is a seqlock in three NIXL transfers, each posted once the
+one before completed (the spans of one transfer land in no guaranteed order): the stamps,
+then the blocks whose stamp was the key asked for, then the stamps again (with the
+notification that frees the offer). A block is used only if both stamps are its key: the
+slot held it completely before the bytes were read and was not rewritten (its stamp
+cleared) until after. That covers a read that arrives before the prefill instance has
+finished copying the block into the slot (its answer can reach the proxy first), a slot
+that was reused after its hold expired, and one rewritten while it was being read: each is
+a miss (recompute), never torn or wrong KV.
 
 What a prefill rank publishes (``describe``, carried to the scheduler in worker meta and
 to the decode instance in ``kv_transfer_params``): NIXL agent metadata and regions, each
@@ -60,6 +66,22 @@ class _Refused(Exception):
 
 
 @dataclass
+class _Seq:
+    """One peer read between its transfers: ``phase`` "pre" (the stamps), "data" (the
+    blocks whose stamp was right), "post" (the stamps again)."""
+
+    read: PeerRead
+    peer: str
+    planes: list[tuple[int, int]]
+    stamps: int
+    notif: bytes
+    phase: str = "pre"
+    #: local slots whose first stamp was the key asked for
+    pre_ok: set[int] | None = None
+    seconds: float = 0.0
+
+
+@dataclass
 class PeerResult:
     read: PeerRead
     #: keys whose slot now holds them (stamp verified); the others failed
@@ -83,10 +105,13 @@ class PeerLink:
         self.agent.register(self.stamps)
         self._plane_addrs = [int(p.data_ptr()) for p in pool.planes]
         self._stamp_addr = int(self.stamps.ctypes.data)
-        self._reads: dict[int, PeerRead] = {}
+        #: transfer id -> the read it is a phase of
+        self._reads: dict[int, _Seq] = {}
         self._ids = 0
         #: read id -> the remote agent it reads from
         self._read_peer: dict[int, str] = {}
+        #: transfer id -> the read id it is a phase of
+        self._phase_of: dict[int, int] = {}
         #: remote agents added, least recently used first -> when their last read ended
         self._peers: OrderedDict[str, float] = OrderedDict()
         #: remote agent -> reads in flight from it
@@ -152,18 +177,37 @@ class PeerLink:
         if not read.slots:  # every offered block was in our DRAM already: just free them there
             self.agent.notify(info.name, notif)
             return None
-        spans = []
-        for rs, ls in zip(read.remote_slots, read.slots, strict=True):
+        for ls in read.slots:
             self.stamp(ls, None)
-            for (raddr, pb), laddr in zip(planes, self._plane_addrs, strict=True):
-                spans.append((laddr + ls * pb, raddr + rs * pb, pb))
-            spans.append((self._stamp_addr + ls * STAMP, stamps + rs * STAMP, STAMP))
+        seq = _Seq(read, info.name, planes, stamps, notif)
         self._ids += 1
-        self._reads[self._ids] = read
+        rid = self._ids
         self._busy[info.name] = self._busy.get(info.name, 0) + 1
-        self._read_peer[self._ids] = info.name
-        self.agent.submit_read(self._ids, info.name, spans, notif=notif)
-        return self._ids
+        self._read_peer[rid] = info.name
+        self._post(rid, seq, "pre")
+        return rid
+
+    def _stamp_spans(self, seq: _Seq) -> list[tuple[int, int, int]]:
+        return [(self._stamp_addr + ls * STAMP, seq.stamps + rs * STAMP, STAMP)
+                for rs, ls in zip(seq.read.remote_slots, seq.read.slots, strict=True)]
+
+    def _post(self, rid: int, seq: _Seq, phase: str) -> None:
+        """Post ``phase`` of read ``rid`` (a transfer id of its own, mapped to ``rid``)."""
+        seq.phase = phase
+        if phase == "data":
+            assert seq.pre_ok is not None
+            spans = [(laddr + ls * pb, raddr + rs * pb, pb)
+                     for rs, ls in zip(seq.read.remote_slots, seq.read.slots, strict=True) if ls in seq.pre_ok
+                     for (raddr, pb), laddr in zip(seq.planes, self._plane_addrs, strict=True)]
+        else:
+            spans = self._stamp_spans(seq)
+        self._ids += 1
+        self._reads[self._ids] = seq
+        self._phase_of[self._ids] = rid
+        self.agent.submit_read(self._ids, seq.peer, spans, notif=seq.notif if phase == "post" else b"")
+
+    def _matches(self, slot: int, key: bytes) -> bool:
+        return bytes(self.stamps[slot]) == key[:STAMP].ljust(STAMP, b"\0")
 
     def _connect(self, info: PeerInfo) -> bool:
         """Have ``info``'s agent added (it may already be); False if that would exceed
@@ -205,10 +249,24 @@ class PeerLink:
     def poll(self) -> list[tuple[int, PeerResult]]:
         out = []
         for res in self.agent.poll():
-            read = self._reads.pop(res.job_id, None)
-            if read is None:
+            seq = self._reads.pop(res.job_id, None)
+            if seq is None:
                 continue
-            name = self._read_peer.pop(res.job_id, "")
+            rid = self._phase_of.pop(res.job_id)
+            read = seq.read
+            seq.seconds += res.seconds
+            if res.ok and seq.phase == "pre":
+                seq.pre_ok = {ls for ls, key in zip(read.slots, read.keys, strict=True) if self._matches(ls, key)}
+                for ls in read.slots:
+                    self.stamp(ls, None)  # the second stamp lands here
+                if seq.pre_ok:
+                    self._post(rid, seq, "data")
+                    continue
+                self.agent.notify(seq.peer, seq.notif)  # nothing complete to read: free the offer
+            elif res.ok and seq.phase == "data":
+                self._post(rid, seq, "post")
+                continue
+            name = self._read_peer.pop(rid, "")
             if name in self._peers:
                 self._busy[name] = self._busy.get(name, 1) - 1
                 self._peers[name] = self._clock()
@@ -216,19 +274,22 @@ class PeerLink:
             good: set[bytes] = set()
             if res.ok:
                 for ls, key in zip(read.slots, read.keys, strict=True):
-                    if bytes(self.stamps[ls]) == key[:STAMP].ljust(STAMP, b"\0"):
+                    if seq.phase == "post" and seq.pre_ok is not None and ls in seq.pre_ok and self._matches(ls, key):
                         good.add(key)
                     else:
                         self.stamp(ls, None)
                 self.counters.add("blocks_loaded", TIER, len(good))
                 self.counters.add("bytes_loaded", TIER, len(good) * self.pool.slot_bytes)
-                self.counters.add("load_seconds", TIER, res.seconds)
+                self.counters.add("load_seconds", TIER, seq.seconds)
+            else:
+                for ls in read.slots:
+                    self.stamp(ls, None)
             bad = len(read.keys) - len(good)
             if bad:
                 logger.warning("kvtier peer: %d of %d blocks of %s not read from the prefill instance (%s)",
                                bad, len(read.keys), read.req_id, res.reason or "not ready or reused")
                 self.counters.add("load_failures", TIER, bad)
-            out.append((res.job_id, PeerResult(read, good)))
+            out.append((rid, PeerResult(read, good)))
         self.expire_peers()
         return out
 

@@ -77,9 +77,11 @@ class SlotTable:
 
     def claim(self, slots: Iterable[int]) -> None:
         """The bytes of ``slots`` are about to be rewritten (a save, a read landing in them):
-        they hold nothing valid until the writer sets their key, and a copy out of them
-        still running on another thread will see that it must be dropped. Call it BEFORE
-        the first byte changes."""
+        they hold nothing valid until the writer sets their key (or :meth:`stamp`s) after
+        the copy. Call it BEFORE the first byte changes: the stamp listener hears None
+        first, so a peer reading a slot never takes bytes being rewritten for its old key,
+        and a copy out of them still running on another thread sees that it must be
+        dropped."""
         for s in slots:
             self.set_key(s, None)
 

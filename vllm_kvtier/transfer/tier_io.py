@@ -51,7 +51,7 @@ from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult
-from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
+from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.transfer.fp8 import BlockCodec
 from vllm_kvtier.transfer.slots import SlotTable
@@ -161,7 +161,16 @@ class ChunkWorker:
             # An FP8 tier encodes here: torch ops on an I/O thread would start an OpenMP
             # team of their own beside the compute threads'.
             now = copy_now or self.codec is not None
-            wb = self._buffer(job.keys, job.slots) if now else self._deferred_buffer(job.keys, job.slots)
+            try:
+                wb = self._buffer(job.keys, job.slots) if now else self._deferred_buffer(job.keys, job.slots)
+            except (MemoryError, OSError) as e:  # no memory for the buffer: not written now
+                if not out_of_memory(e):
+                    raise
+                logger.warning("kvtier %s: no memory for a write buffer of %s: %s", self.tier, job.file_id, e)
+                self.counters.add("no_buffer", self.tier)
+                self.counters.add("store_skipped", self.tier, len(job.keys))
+                self._meta.refused.add(ref)  # like a full queue: back-pressure, not a failing tier
+                continue
             wid = next(self._ids)
             if not self.store.submit_write(wid, job.file_id, wb):
                 wb.buf.close()
@@ -237,10 +246,12 @@ class ChunkWorker:
                 ok, reason = res.ok, res.reason
                 if ok:
                     assert res.blocks is not None
+                    # before their bytes change: unstamped for peers, and a copy out of them
+                    # on a store's thread sees it must be dropped
+                    self.slots.claim(read.slots)
                     try:
                         for slot, data in zip(read.slots, res.blocks, strict=True):
                             self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
-                            self.slots.claim((slot,))  # before its bytes change (a copy out of it may run)
                             self._fill(slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
                         logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
@@ -257,6 +268,8 @@ class ChunkWorker:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
                                    self.tier, read.file_id, reason, len(read.slots))
                     self.counters.add("load_failures", self.tier, len(read.slots))
+                    if reason is FailureReason.NO_BUFFER:
+                        self.counters.add("no_buffer", self.tier)
                     if reason in AUTH_REASONS:
                         self.counters.add("auth_failures", self.tier)
                     if reason is not None and reason.damaged:
@@ -328,7 +341,13 @@ class ChunkWorker:
                     break
                 part = items[i : i + self.chunk_blocks]
                 keys = tuple(k for _, k in part)
-                wb = self._buffer(keys, tuple(s for s, _ in part))
+                try:
+                    wb = self._buffer(keys, tuple(s for s, _ in part))
+                except (MemoryError, OSError) as e:
+                    if not out_of_memory(e):
+                        raise
+                    self.counters.add("no_buffer", self.tier)
+                    break  # no memory: the rest stays unwritten, as past the deadline
                 while not self.store.submit_write(next(self._ids), chunk_id_for(keys), wb):
                     if time.monotonic() > deadline:
                         wb.buf.close()

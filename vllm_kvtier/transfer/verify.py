@@ -25,6 +25,8 @@ or chunk shape moves about half the elements of a bf16 block (measured, bench/ve
 and an element near 0 then differs by far more than its own magnitude while every plane
 stays within 2% of its largest value; a wrong block is off by the order of that value.
 Defaults by dtype (:data:`DEFAULT_TOLERANCES`); ``tolerance: exact`` compares bitwise only.
+An fp8 KV cache (vLLM allocates it as ``uint8``) is decoded by its format (e4m3 or e5m2,
+from ``cache_dtype``) and compared the same way; other 8-bit caches bitwise.
 """
 
 from __future__ import annotations
@@ -63,13 +65,40 @@ class Tolerance:
 #: fp32: see FP32_RTOL. atol only matters for a plane of (near) zeros. A wrong block (another
 #: prompt's KV, other weights, a wrong layout, the tests' planted block) is off by ~100%.
 FP32_RTOL = 1e-3
+#: fp8 KV caches (vLLM stores ``x / k_scale`` rounded to e4m3 or e5m2; stored and computed
+#: blocks share the layer's scale, so they compare in the same units): the bf16 drift plus
+#: one rounding step of the format at a plane's largest value (e4m3: 3 mantissa bits, a step
+#: is up to 1/8 of the value; e5m2: 2 bits, 1/4), so recompute noise that crosses a rounding
+#: boundary stays within; a wrong block (~100% off) does not.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-6, FP32_RTOL),
     torch.float16: (1e-3, 2**-4),
     torch.bfloat16: (1e-3, 2**-4),
+    torch.float8_e4m3fn: (1e-3, 2**-4 + 2**-3),
+    torch.float8_e4m3fnuz: (1e-3, 2**-4 + 2**-3),
+    torch.float8_e5m2: (1e-3, 2**-4 + 2**-2),
 }
-#: Any other dtype (fp8 KV caches, integers): bitwise.
+#: Any other dtype (integers, other quantized caches): bitwise.
 _FALLBACK = Tolerance(exact=True)
+
+#: vLLM's ``cache_dtype`` -> the element dtype of its (uint8-typed) KV tensors. "fp8" is
+#: e4m3 (OCP fn); on ROCm it is e4m3fnuz, which the caller (it sees the platform) passes as
+#: "fp8_e4m3fnuz".
+FP8_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_inc": torch.float8_e4m3fn,
+}
+
+
+def element_dtype(tensor_dtype: torch.dtype, cache_dtype: str = "auto") -> torch.dtype:
+    """What the KV tensors' elements are: vLLM allocates fp8 caches as ``uint8``, so the
+    element type comes from ``cache_dtype``; any other tensor dtype is its own."""
+    if tensor_dtype == torch.uint8:
+        return FP8_CACHE_DTYPES.get(cache_dtype, tensor_dtype)
+    return tensor_dtype
 
 #: A tier storing a lossy encoding (``storage_dtype: fp8``): its block is compared with the
 #: computed block passed through the same codec (deterministic: equal KV gives equal bytes),
@@ -116,9 +145,25 @@ class Comparison:
     max_abs: float
 
 
+def _fp8_table(dtype: torch.dtype) -> np.ndarray:
+    """The 256 values of an fp8 format as float32 (NaN codes stay NaN), for a numpy lookup."""
+    table = _FP8_TABLES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+        table = _FP8_TABLES[dtype] = codes.to(torch.float32).numpy().copy()
+    return table
+
+
+_FP8_TABLES: dict[torch.dtype, np.ndarray] = {}
+_FP8_DTYPES = frozenset(d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")) if d is not None)
+
+
 def _as_float32(buf: bytes, dtype: torch.dtype) -> np.ndarray | None:
     """``buf``'s elements as float32 (numpy has no bfloat16: its bits are the top half of a
-    float32's), or None for a dtype compared bitwise only."""
+    float32's; fp8 through a 256-entry table), or None for a dtype compared bitwise only."""
+    if dtype in _FP8_DTYPES:
+        return _fp8_table(dtype)[np.frombuffer(buf, np.uint8)]
     if dtype == torch.float32:
         return np.frombuffer(buf, np.float32)
     if dtype == torch.float16:
@@ -188,12 +233,17 @@ class _Check:
 
 
 class BlockVerifier:
-    def __init__(self, cfg: VerifyConfig, layout: KVLayout, slots: SlotTable, *, namespace: str, rank: int) -> None:
+    def __init__(self, cfg: VerifyConfig, layout: KVLayout, slots: SlotTable, *, namespace: str, rank: int,
+                 cache_dtype: str = "auto") -> None:
+        """``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (an fp8 cache's tensors are
+        ``uint8``: this says which fp8 format their bytes hold)."""
         self.layout = layout
         self.slots = slots
         self.namespace = namespace
         self.rank = rank
-        self.tolerance = tolerance_for(cfg, layout.dtype)
+        #: the dtype the blocks' bytes hold (compared as numbers, not as bytes)
+        self.dtype = element_dtype(layout.dtype, cache_dtype)
+        self.tolerance = tolerance_for(cfg, self.dtype)
         self._checks: dict[int, _Check] = {}
         #: (tier, read id) -> verify id
         self._read_of: dict[tuple[str, int], int] = {}
@@ -272,7 +322,7 @@ class BlockVerifier:
             codec = check.codecs.get(tier)
             if codec is not None:  # the tier stores a lossy encoding: compare like with like
                 computed, tol = through_codec(computed, codec, self.layout.plane_bytes), codec_tolerance(tol)
-            res = compare_block(self._stored_block(slot), computed, self.layout.dtype, tol, self.layout.plane_bytes)
+            res = compare_block(self._stored_block(slot), computed, self.dtype, tol, self.layout.plane_bytes)
             if res.within and not res.bitwise:
                 rep.verify_inexact.add((vid, key))
                 logger.debug("kvtier verify: %s block %s within tolerance, max |diff| %.3g",

@@ -99,10 +99,13 @@ def _step_timed(fn: _F) -> _F:
 
 class WorkerHalf:
     def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0,
-                 make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None) -> None:
+                 make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None,
+                 cache_dtype: str = "auto") -> None:
         """``make_tiers(cfg, namespace=, rank=, block_bytes=, counters=, kv_dtype=)``: this
-        rank's tiers below CPU by name, built once the pool exists (None: none)."""
+        rank's tiers below CPU by name, built once the pool exists (None: none).
+        ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
         self.cfg = cfg
+        self.cache_dtype = cache_dtype
         self._make_tiers: Callable[..., dict[str, Any]] | None = make_tiers
         self.num_blocks = num_blocks
         self.namespace = namespace
@@ -225,7 +228,7 @@ class WorkerHalf:
                 self.slots.stamp_with(self.peer)
         if self.cfg.verify.sample_rate > 0:
             self.verifier = BlockVerifier(self.cfg.verify, self.layout, self.slots, namespace=self.namespace,
-                                          rank=self.rank)
+                                          rank=self.rank, cache_dtype=self.cache_dtype)
         if self._make_tiers is not None and not self.namespace_conflict:
             self.lower = self._make_tiers(self.cfg, namespace=self.namespace, rank=self.rank,
                                           slots=self.slots, counters=self.counters, kv_dtype=self.layout.dtype)
@@ -335,7 +338,8 @@ class WorkerHalf:
         slots are busy until :meth:`_settle_host_saves` has seen it done."""
         assert self.engine is not None and self.slots is not None
         for job in jobs:
-            self.slots.claim(job.slots)  # before the first byte changes: a lower-tier copy out may run
+            # before the first byte changes: a peer may be reading them, a lower-tier copy out may run
+            self.slots.claim(job.slots)
             try:
                 t = self.engine.submit("save", list(job.block_ids), list(job.slots), background=background)
                 if self.wait_saves:
