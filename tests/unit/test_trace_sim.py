@@ -39,12 +39,12 @@ def trace_of(requests: list[list[int]], block_tokens: int = 4, lengths: list[int
                        for i, (ids, n) in enumerate(zip(requests, lengths, strict=True))], block_tokens)
 
 
-def independent_lru(records: list[dict], capacity: int, block_tokens: int) -> tuple[int, int]:
+def independent_lru(records: list[dict], capacity: int, block_tokens: int, step: int | None = None) -> tuple[int, int]:
     """(hit tokens, hit blocks): a request reuses the longest run of its leading blocks in
     the cache; then each of its blocks becomes the most recently used (inserted if absent,
-    the least recently used leaving a full cache). A request never evicts a block it hit or
-    stored itself (the plugin holds them for its load and save): when only those are
-    left, the rest of its blocks are not stored."""
+    the least recently used leaving a full cache), ``step`` blocks at a time (all of them
+    when None). A block stored in a step is not evicted by the same step (the plugin holds
+    it until the step's save is planned): when only those are left, the block is not stored."""
     cache: OrderedDict[int, None] = OrderedDict()
     tokens = blocks = 0
     for r in sorted(records, key=lambda r: r["timestamp"]):
@@ -54,18 +54,20 @@ def independent_lru(records: list[dict], capacity: int, block_tokens: int) -> tu
             n += 1
         tokens += min(n * block_tokens, r["input_length"])
         blocks += n
-        held = set(ids[:n])
-        for h in ids:
-            if h in cache:
-                cache.move_to_end(h)
-                continue
-            if len(cache) >= capacity:
-                victim = next((k for k in cache if k not in held), None)
-                if victim is None:
+        size = step or max(1, len(ids))
+        for lo in range(0, len(ids), size):
+            held: set[int] = set()
+            for h in ids[lo : lo + size]:
+                if h in cache:
+                    cache.move_to_end(h)
                     continue
-                del cache[victim]
-            cache[h] = None
-            held.add(h)
+                if len(cache) >= capacity:
+                    victim = next((k for k in cache if k not in held), None)
+                    if victim is None:
+                        continue
+                    del cache[victim]
+                cache[h] = None
+                held.add(h)
     return tokens, blocks
 
 
@@ -92,19 +94,20 @@ def synthetic_records(seed: int, n: int = 400) -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("step", [None, 1, 3])
 @pytest.mark.parametrize("capacity", [1, 5, 20, 60, 200])
-def test_lru_matches_an_independent_prefix_simulation_on_a_synthetic_trace(capacity):
+def test_lru_matches_an_independent_prefix_simulation_on_a_synthetic_trace(capacity, step):
     records = synthetic_records(seed=capacity)
-    got = simulate_policy(make_trace(records, 16), capacity, "lru")
-    assert (got.hit_tokens, got.hit_blocks) == independent_lru(records, capacity, 16)
+    got = simulate_policy(make_trace(records, 16), capacity, "lru", step)
+    assert (got.hit_tokens, got.hit_blocks) == independent_lru(records, capacity, 16, step)
     assert got.hit_blocks > 0 or capacity == 1
 
 
-@pytest.mark.parametrize("capacity", [50, 300, 1000, 3000])
-def test_lru_matches_an_independent_prefix_simulation_on_the_mooncake_sample(capacity):
+@pytest.mark.parametrize(("capacity", "step"), [(50, None), (50, 16), (300, 16), (1000, None), (3000, 16)])
+def test_lru_matches_an_independent_prefix_simulation_on_the_mooncake_sample(capacity, step):
     records = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
-    got = simulate_policy(read_trace(SAMPLE), capacity, "lru")
-    assert (got.hit_tokens, got.hit_blocks) == independent_lru(records, capacity, 512)
+    got = simulate_policy(read_trace(SAMPLE), capacity, "lru", step)
+    assert (got.hit_tokens, got.hit_blocks) == independent_lru(records, capacity, 512, step)
     assert got.hit_tokens > 0
 
 

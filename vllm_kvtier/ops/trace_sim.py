@@ -16,13 +16,15 @@ figures rest on; docs/planning.md says what it leaves out):
    hears of the request's blocks (``note_request``, for ``admit_min_seen``);
 3. **load**: CPU hits are touched and pinned; lower-tier hits are promoted into CPU slots
    (an eviction this causes is offered to the lower tiers: write-back demotion), one read
-   per contiguous run of a chunk's blocks (S3: one ranged GET);
-4. **save**: every block of the prompt not in the CPU index gets a slot (the policy's
-   victim leaves; each lower tier hears ``on_cpu_evict`` / ``on_cpu_save``), a present one
-   is touched (:class:`~vllm_kvtier.plan.save_plan.SavePlanner`'s loop);
-5. **step**: each lower tier's ``take_jobs`` at the request's timestamp (the background
-   flush of write-back reads this clock), repeated while it returns writes; every chunk
-   written is confirmed at once (writes never fail here).
+   per contiguous run of a chunk's blocks (S3: one ranged GET); a hit that finds no slot
+   to read into ends there. The load ends before the request computes (pins released);
+4. **save**, ``step_blocks`` at a time (vLLM's chunked prefill): every block not in the CPU
+   index gets a slot (the policy's victim leaves; each lower tier hears ``on_cpu_evict`` /
+   ``on_cpu_save``; the step's own blocks are held against each other), a present one is
+   touched (:class:`~vllm_kvtier.plan.save_plan.SavePlanner`'s loop);
+5. **after each step**: each lower tier's ``take_jobs`` at the request's timestamp (the
+   background flush of write-back reads this clock), repeated while it returns writes;
+   every chunk written is confirmed at once (writes never fail here).
 
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
 with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``), and
@@ -201,10 +203,10 @@ class CacheResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def simulate_policy(trace: Trace, capacity_blocks: int, eviction: str) -> CacheResult:
+def simulate_policy(trace: Trace, capacity_blocks: int, eviction: str, step_blocks: int | None = None) -> CacheResult:
     """One CPU-like tier of ``capacity_blocks`` slots under ``eviction`` (``lru``,
     ``s3fifo``): the hierarchy of :func:`simulate_tiers` with no tier below."""
-    r = simulate_tiers(trace, TierSetup(cpu_blocks=capacity_blocks, cpu_eviction=eviction))
+    r = simulate_tiers(trace, TierSetup(cpu_blocks=capacity_blocks, cpu_eviction=eviction, step_blocks=step_blocks))
     return CacheResult(eviction, capacity_blocks, r.tiers[0].hit_tokens, r.prompt_tokens, r.tiers[0].hit_blocks)
 
 
@@ -307,6 +309,9 @@ class TierSetup:
     cpu_blocks: int
     cpu_eviction: str = "s3fifo"
     lower: tuple[LowerTier, ...] = ()
+    #: blocks a request saves per engine step (vLLM's chunked prefill: max_num_batched_tokens
+    #: / block tokens); None: the whole prompt in one step
+    step_blocks: int | None = None
     #: bytes of one trace block (0: not known; the byte figures are then 0)
     block_bytes: int = 0
 
@@ -433,27 +438,34 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             positions.sort()
             runs = 1 + sum(1 for a, b in zip(positions, positions[1:], strict=False) if b != a + 1)
             lows[j].read_ops += runs * setup.lower[j].objects_per_chunk
-        # 4. save every block not stored yet
-        saved: set[BlockKey] = set()
-        for k in keys:
-            if k in index:
-                index.touch(k)
-                continue
-            alloc = index.allocate(k)
-            if alloc is None:
-                continue
-            for p in planners:
-                if alloc.evicted is not None:
-                    p.on_cpu_evict(alloc.slot, alloc.evicted)
-                p.on_cpu_save(alloc.slot, k)
-            index.pin(alloc.slot)
-            pinned.append(alloc.slot)
-            saved.add(k)
+        # the load is done before the request computes: its slots are free to go again
         for s in pinned:
             index.unpin(s)
-        # 5. the step's writes to the tiers below, confirmed at once
-        for j, p in enumerate(planners):
-            _step(p, lows[j], setup.lower[j], saved, slot_of)
+        # 4. save every block not stored yet, a step at a time, 5. each step's writes below
+        step = setup.step_blocks or max(1, len(keys))
+        for lo in range(0, max(1, len(keys)), step):
+            saved: set[BlockKey] = set()
+            held: list[int] = []
+            for k in keys[lo : lo + step]:
+                if k in index:
+                    index.touch(k)
+                    continue
+                alloc = index.allocate(k)
+                if alloc is None:
+                    continue
+                for p in planners:
+                    if alloc.evicted is not None:
+                        p.on_cpu_evict(alloc.slot, alloc.evicted)
+                    p.on_cpu_save(alloc.slot, k)
+                # held until the step's save is planned (SavePlanner): a later block of the
+                # same step must not evict it
+                index.pin(alloc.slot)
+                held.append(alloc.slot)
+                saved.add(k)
+            for s in held:
+                index.unpin(s)
+            for j, p in enumerate(planners):
+                _step(p, lows[j], setup.lower[j], saved, slot_of)
     cpu.evicted_blocks = index.evictions
     for j, p in enumerate(planners):
         lows[j].evicted_blocks = p.index.evicted_blocks
