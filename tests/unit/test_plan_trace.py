@@ -96,3 +96,37 @@ def test_the_sweep_prints_a_row_per_size_and_draws_when_it_can(capsys, tmp_path)
                  "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["lru"]["cpu"] == simulate_policy(read_trace(SAMPLE), 100, "lru", 16).hit_share  # 8192 / 512
+
+
+def plan_for(requests: list[list[int]], cpu_blocks: int, configured: str):
+    from vllm_kvtier.ops.trace_plan import TracePlanInput, make_trace_plan
+    from vllm_kvtier.ops.trace_sim import TierSetup, make_trace
+
+    tr = make_trace([{"timestamp": i, "input_length": 16 * len(r), "hash_ids": r} for i, r in enumerate(requests)], 16)
+    return make_trace_plan(TracePlanInput(tr, TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=configured)))
+
+
+def test_the_recommendation_follows_the_hit_shares():
+    # a hot prefix between floods of one-off documents larger than the pool: S3-FIFO keeps it
+    ids = iter(range(100, 10**6))
+    scan = [r for _ in range(30) for r in ([1, 2], *([next(ids) for _ in range(8)] for _ in range(3)))]
+    plan = plan_for(scan, 20, "lru")
+    assert plan.total_by_policy["s3fifo"] > plan.total_by_policy["lru"] + 0.05
+    assert plan.recommended_eviction == "s3fifo" and "cpu.eviction: s3fifo at these capacities" in plan.recommendation
+    # every block reused once, soon: LRU keeps them all, S3-FIFO's small queue lets them go
+    rounds = [r for k in range(30) for r in ([[1000 * k + j] for j in range(8)] * 2)]
+    plan = plan_for(rounds, 10, "s3fifo")
+    assert plan.total_by_policy["lru"] > plan.total_by_policy["s3fifo"] + 0.05
+    assert plan.recommended_eviction == "lru"
+    # a tie keeps what is configured
+    assert plan_for([[1], [2]], 10, "s3fifo").recommended_eviction == "s3fifo"
+
+
+def test_with_a_hardware_profile_the_ttft_saved_decides(capsys):
+    out = run_json(capsys, "--cpu-blocks", "60", "--nvme-blocks", "3000", *LLAMA8B, "--prefill-tokens-per-s", "5000")
+    saved = out["ttft_saved_by_policy"]
+    assert set(saved) == {"lru", "s3fifo"} and all(v > 0 for v in saved.values())
+    assert out["ttft_saved_per_request_s"] == saved["s3fifo"]
+    best = max(saved, key=lambda p: saved[p])
+    wins = saved[best] - saved["s3fifo"] >= 0.05 * saved["s3fifo"]
+    assert out["recommended_eviction"] == (best if wins else "s3fifo")

@@ -144,6 +144,8 @@ class TracePlan:
     ttft_saved_per_request_s: float | None = None
     recompute_s_per_request: float | None = None
     load_s_per_request: float | None = None
+    #: TTFT saved per request with each CPU policy (with a hardware profile)
+    ttft_saved_by_policy: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -189,30 +191,19 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
     bounds = [bounds_for(trace, t.name, t.capacity_blocks, infinite, setup.step_blocks) for t in main.tiers]
     totals = {p: r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for p, r in runs.items()}
     # more tokens served; on a tie, more of them from DRAM (the fastest tier); then the configured one
-    best = max(POLICIES, key=lambda p: (round(totals[p], 6), round(runs[p].share(runs[p].tiers[0]), 6),
-                                        p == setup.cpu_eviction))
-    margin = (totals[best] - totals[setup.cpu_eviction]) or \
-        (runs[best].share(runs[best].tiers[0]) - main.share(main.tiers[0]))
-    if best != setup.cpu_eviction and margin >= RECOMMEND_MARGIN:
-        cpu_b, cpu_c = runs[best].share(runs[best].tiers[0]), main.share(main.tiers[0])
-        rec = (f"cpu.eviction: {best} at these capacities: it serves {totals[best]:.3f} of the prompt tokens "
-               f"({cpu_b:.3f} from DRAM) against {totals[setup.cpu_eviction]:.3f} ({cpu_c:.3f}) with "
-               f"{setup.cpu_eviction}")
-    else:
-        best = setup.cpu_eviction
-        rec = (f"cpu.eviction: keep {best} ({totals[best]:.3f} of the prompt tokens; "
-               + ", ".join(f"{p} {v:.3f}" for p, v in totals.items() if p != best) + ")")
-    ttft = recompute = load = None
+    ttft_by: dict[str, tuple[float, float, float]] = {}  # policy -> (saved, recompute, load) per request
     notes: list[str] = []
     if inp.hardware is not None:
         if inp.bytes_per_token is None:
             notes.append("TTFT: give the model (--model-config or --layers/--kv-heads/--head-dim) to size loads")
         else:
-            hw = inp.hardware
-            recompute = main.hit_tokens / hw.prefill_tokens_per_s / main.requests
-            load = sum(t.hit_tokens * inp.bytes_per_token / hw.read_bytes_per_s[t.name] for t in main.tiers) \
-                / main.requests
-            ttft = recompute - load
+            hw, bpt = inp.hardware, inp.bytes_per_token
+            for p, r in runs.items():
+                rc = r.hit_tokens / hw.prefill_tokens_per_s / r.requests
+                ld = sum(t.hit_tokens * bpt / hw.read_bytes_per_s[t.name] for t in r.tiers) / r.requests
+                ttft_by[p] = (rc - ld, rc, ld)
+    best, rec = recommend(setup.cpu_eviction, runs, {p: v[0] for p, v in ttft_by.items()})
+    ttft, recompute, load = ttft_by.get(setup.cpu_eviction, (None, None, None))
     return TracePlan(
         requests=main.requests, prompt_tokens=main.prompt_tokens, duration_s=main.duration_s,
         block_tokens=trace.block_tokens, block_tokens_inferred=inp.block_tokens_inferred,
@@ -220,8 +211,42 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
         cpu_eviction=setup.cpu_eviction, tiers=tiers, bounds=bounds, total_by_policy=totals,
         tokens_to_compute=main.tokens_to_compute, recommended_eviction=best, recommendation=rec,
         ssd_bytes=inp.ssd_bytes, ttft_saved_per_request_s=ttft, recompute_s_per_request=recompute,
-        load_s_per_request=load, notes=notes,
+        load_s_per_request=load, ttft_saved_by_policy={p: v[0] for p, v in ttft_by.items()}, notes=notes,
     )
+
+
+def recommend(configured: str, runs: dict[str, TiersResult], ttft_saved: dict[str, float]) -> tuple[str, str]:
+    """(policy, why): the CPU policy that saves the most TTFT (with a hardware profile), else
+    the one whose tiers serve the most prompt tokens, ties going to the one serving more from
+    the faster tiers (the share through each tier, from the slowest up). Another policy than
+    ``configured`` only when it wins by :data:`RECOMMEND_MARGIN` of the prompt tokens (or 5%
+    of the TTFT saved)."""
+    def cums(p: str) -> list[float]:
+        r, out, c = runs[p], [], 0.0
+        for t in r.tiers:
+            c += r.share(t)
+            out.append(c)
+        return out[::-1]  # all tiers first, then without the slowest, ... then DRAM alone
+
+    def key(p: str) -> tuple[float, ...]:
+        return (round(ttft_saved.get(p, 0.0), 4), *(round(x, 4) for x in cums(p)))
+
+    best = max(POLICIES, key=lambda p: (key(p), p == configured))
+    if ttft_saved:
+        a, b = ttft_saved[best], ttft_saved[configured]
+        wins = a - b >= 0.05 * abs(b) and a > b
+        why = f"{a:.3f} s of TTFT saved per request against {b:.3f} s with {configured}"
+    else:
+        diff = next((x - y for x, y in zip(cums(best), cums(configured), strict=True) if round(x - y, 4)), 0.0)
+        wins = diff >= RECOMMEND_MARGIN
+        names = [t.name for t in runs[best].tiers][::-1]
+        why = ", ".join(f"through {n}: {x:.3f} against {y:.3f}"
+                        for n, x, y in zip(names, cums(best), cums(configured), strict=True))
+    if best == configured or not wins:
+        others = ", ".join(f"{p}: " + " / ".join(f"{x:.3f}" for x in cums(p)[::-1]) for p in POLICIES)
+        return configured, f"cpu.eviction: keep {configured} (share through each tier, fastest first: {others})"
+    return best, f"cpu.eviction: {best} at these capacities ({why} with {configured})" if not ttft_saved else \
+        f"cpu.eviction: {best} at these capacities ({why})"
 
 
 def trace_plan_to_dict(plan: TracePlan) -> dict[str, Any]:
