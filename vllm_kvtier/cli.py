@@ -165,6 +165,16 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace, given_bt)
     except TraceError as e:
         raise PlanInputError("--trace", str(e)) from None
+    if args.save_trace:
+        from vllm_kvtier.ops.trace_sim import trace_records
+
+        try:
+            with open(args.save_trace, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in trace_records(trace))
+        except OSError as e:
+            raise PlanInputError("--save-trace", f"cannot write {args.save_trace}: {e.strerror}") from None
+        print(f"trace: {len(trace):,} requests written to {args.save_trace} ({trace.block_tokens}-token blocks)",
+              file=sys.stderr)
     bpt = None if model is None else kv_bytes_per_token(model, args.kv_dtype)
     block_bytes = None if bpt is None else bpt * trace.block_tokens
     cfg = _parse_kvtier_config(args) if (args.extra or args.file or args.preset) else None
@@ -228,7 +238,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
                   "chart: not drawn (matplotlib is not installed: pip install matplotlib); the table has the figures")
         return 0
     plan = make_trace_plan(TracePlanInput(
-        trace=trace, setup=setup, trace_path=args.trace, block_tokens_inferred=given_bt is None,
+        trace=trace, setup=setup, trace_path=args.trace,
         bytes_per_token=bpt, model_name=model.name if model is not None else "", ssd_bytes=ssd, prices=prices,
         hardware=hardware))
     print(json.dumps(trace_plan_to_dict(plan), indent=2) if args.json else render_trace_plan(plan))
@@ -437,7 +447,9 @@ def _parser() -> argparse.ArgumentParser:
         "and admission code; see docs/planning.md")
     t.add_argument("--trace", metavar="FILE", help="JSONL trace: timestamp (ms), input_length, output_length, "
                                                   "hash_ids (Mooncake, Alibaba, vLLM timed_trace)")
-    t.add_argument("--trace-block-tokens", help="tokens per hash id (default: inferred, 512 for Mooncake)")
+    t.add_argument("--trace-block-tokens", help="tokens per hash id (default: inferred, 512 for Mooncake; 512 "
+                                                "for a trace of prompt_token_ids)")
+    t.add_argument("--save-trace", metavar="FILE", help="write the trace as hash ids (no tokens: shareable)")
     t.add_argument("--engine-block-tokens", default="16", help="vLLM's block size, for chunk sizes (default 16)")
     t.add_argument("--file", help="a kvtier config (YAML): tiers, capacities, modes, admission, eviction")
     t.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")

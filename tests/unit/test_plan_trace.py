@@ -29,7 +29,7 @@ def test_a_cpu_tier_alone_reports_the_replay_and_its_bounds(capsys):
     assert cpu["by_policy"] == {"lru": lru, "s3fifo": s3} and cpu["hit_share"] == s3  # s3fifo: the default
     assert (b["lru"], b["s3fifo"]) == (lru, s3)
     assert b["belady"] == simulate_belady(tr, 300).hit_share and b["infinite"] == simulate_infinite(tr).hit_share
-    assert out["block_tokens"] == 512 and out["block_tokens_inferred"] and out["requests"] == 500
+    assert out["block_tokens"] == 512 and out["block_tokens_source"] == "inferred" and out["requests"] == 500
     assert out["tokens_to_compute"] == round(tr.prompt_tokens * (1 - s3))
     assert out["block_bytes"] is None  # no model: no byte figures
 
@@ -130,3 +130,12 @@ def test_with_a_hardware_profile_the_ttft_saved_decides(capsys):
     best = max(saved, key=lambda p: saved[p])
     wins = saved[best] - saved["s3fifo"] >= 0.05 * saved["s3fifo"]
     assert out["recommended_eviction"] == (best if wins else "s3fifo")
+
+
+def test_save_trace_writes_the_hash_id_form(capsys, tmp_path):
+    out = tmp_path / "ids.jsonl"
+    assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--save-trace", str(out)]) == 0
+    assert "500 requests written" in capsys.readouterr().err
+    assert read_trace(out).keys == read_trace(SAMPLE).keys
+    assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--save-trace", str(tmp_path / "no" / "x")]) == 2
+    assert "--save-trace: cannot write" in capsys.readouterr().err

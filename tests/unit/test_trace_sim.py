@@ -272,3 +272,31 @@ def test_a_block_stored_past_the_end_of_the_hit_is_touched_by_the_save():
     # recently used, so [5] evicts 3, not 2, and [2] hits
     tr = trace_of([[1], [2], [3], [4, 2], [5], [2]])
     assert simulate_policy(tr, 3, "lru").hit_blocks == 1
+
+
+def test_a_trace_of_prompt_tokens_gets_chained_block_ids(tmp_path):
+    a = list(range(1000))
+    b = a[:600] + [7] * 500  # shares the first 512-token block with a, not the second
+    c = a + list(range(5000, 5100))  # a conversation's next turn: extends a
+    p = tmp_path / "tokens.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i, "prompt_token_ids": t, "output_length": 5}) + "\n"
+                         for i, t in enumerate([a, b, c])))
+    tr = read_trace(p)
+    assert tr.block_tokens == 512 and tr.block_tokens_source == "default for prompt_token_ids"
+    ka, kb, kc = tr.keys
+    assert len(ka) == 2 and len(kc) == 3 and tr.input_lengths == (1000, 1100, 1100)
+    assert ka[0] == kb[0] and ka[1] != kb[1] and kc[:1] == ka[:1]
+    # a's last block is partial (488 tokens): c's second block holds more tokens, another id
+    assert kc[1] != ka[1]
+    assert simulate_infinite(tr).hit_tokens == 512 + 512
+    # written back as hash ids, it reads the same (and holds no token)
+    from vllm_kvtier.ops.trace_sim import trace_records
+
+    out = tmp_path / "ids.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in trace_records(tr)))
+    assert "prompt_token_ids" not in out.read_text()
+    again = read_trace(out, 512)
+    assert again.keys == tr.keys and again.input_lengths == tr.input_lengths
+    with pytest.raises(TraceError, match="prompt_token_ids must be a list of token ids"):
+        p.write_text('{"timestamp": 0, "prompt_token_ids": [1, "x"]}\n')
+        read_trace(p)

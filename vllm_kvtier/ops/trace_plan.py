@@ -80,7 +80,6 @@ class TracePlanInput:
     trace: Trace
     setup: TierSetup
     trace_path: str = ""
-    block_tokens_inferred: bool = False
     #: KV bytes of one token (None: the model is not known; no byte figures)
     bytes_per_token: int | None = None
     model_name: str = ""
@@ -128,7 +127,7 @@ class TracePlan:
     prompt_tokens: int
     duration_s: float
     block_tokens: int
-    block_tokens_inferred: bool
+    block_tokens_source: str
     trace_path: str
     model_name: str
     block_bytes: int | None
@@ -206,7 +205,7 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
     ttft, recompute, load = ttft_by.get(setup.cpu_eviction, (None, None, None))
     return TracePlan(
         requests=main.requests, prompt_tokens=main.prompt_tokens, duration_s=main.duration_s,
-        block_tokens=trace.block_tokens, block_tokens_inferred=inp.block_tokens_inferred,
+        block_tokens=trace.block_tokens, block_tokens_source=trace.block_tokens_source,
         trace_path=inp.trace_path, model_name=inp.model_name, block_bytes=block_bytes,
         cpu_eviction=setup.cpu_eviction, tiers=tiers, bounds=bounds, total_by_policy=totals,
         tokens_to_compute=main.tokens_to_compute, recommended_eviction=best, recommendation=rec,
@@ -265,7 +264,7 @@ def _money(v: float | None) -> str:
 
 def render_trace_plan(plan: TracePlan) -> str:
     minutes = plan.duration_s / 60
-    how = "inferred" if plan.block_tokens_inferred else "given"
+    how = plan.block_tokens_source
     lines = [
         f"Trace      {plan.trace_path}: {plan.requests:,} requests over {minutes:,.1f} min, "
         f"{plan.prompt_tokens:,} prompt tokens, {plan.block_tokens}-token blocks ({how})",

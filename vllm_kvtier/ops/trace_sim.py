@@ -41,6 +41,8 @@ integer per block of the trace).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import heapq
 import json
 import math
@@ -58,6 +60,8 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 
 #: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
 MAX_TRACE_BYTES = 4 << 30
+#: Block size of the ids computed from ``prompt_token_ids`` when none is given (Mooncake's).
+DEFAULT_TOKEN_BLOCK = 512
 #: Block sizes tried when the trace does not say (the smallest that explains every request).
 _BLOCK_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -79,6 +83,8 @@ class Trace:
     input_lengths: tuple[int, ...]
     output_lengths: tuple[int, ...]
     keys: tuple[tuple[BlockKey, ...], ...]
+    #: how the block size was found: "given", "inferred", "default for prompt_token_ids"
+    block_tokens_source: str = "given"
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -108,6 +114,28 @@ def key_of(hash_id: int) -> BlockKey:
     return BlockKey(hash_id.to_bytes(8, "little", signed=True))
 
 
+def hash_ids_from_tokens(tokens: Sequence[int], block_tokens: int) -> list[int]:
+    """The trace's ``hash_ids`` of a prompt: one id per ``block_tokens`` tokens (the last
+    block may be partial), each a 64-bit BLAKE2b of the previous block's id and this block's
+    tokens, so equal ids mean equal prefixes (vLLM's chained block hashes, in small)."""
+    ids: list[int] = []
+    parent = 0
+    for lo in range(0, len(tokens), block_tokens):
+        h = hashlib.blake2b(parent.to_bytes(8, "little", signed=True), digest_size=8)
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[lo : lo + block_tokens]))
+        parent = int.from_bytes(h.digest(), "little", signed=True)
+        ids.append(parent)
+    return ids
+
+
+def trace_records(trace: Trace) -> list[dict]:
+    """``trace`` in the file format (hash ids only: no token of any prompt)."""
+    return [{"timestamp": ts, "input_length": n, "output_length": o,
+             "hash_ids": [int.from_bytes(k, "little", signed=True) for k in keys]}
+            for ts, n, o, keys in zip(trace.timestamps_ms, trace.input_lengths, trace.output_lengths, trace.keys,
+                                      strict=True)]
+
+
 def make_trace(records: Iterable[dict], block_tokens: int) -> Trace:
     """A :class:`Trace` from records already checked (``timestamp``, ``input_length``,
     ``output_length``, ``hash_ids``), sorted by timestamp (stable)."""
@@ -133,9 +161,19 @@ def infer_block_tokens(records: Sequence[dict]) -> int | None:
 def _check_record(obj: object, where: str) -> dict:
     if not isinstance(obj, dict):
         raise TraceError(where, f"not a JSON object but {type(obj).__name__}")
-    for name in ("timestamp", "input_length", "hash_ids"):
+    if "hash_ids" not in obj and "prompt_token_ids" in obj:
+        toks = obj["prompt_token_ids"]
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t < 1 << 31 for t in toks):
+            raise TraceError(where, "prompt_token_ids must be a list of token ids")
+        obj.setdefault("input_length", len(toks))
+    for name in ("timestamp", "input_length"):
         if name not in obj:
             raise TraceError(where, f"no {name!r} field")
+    if "hash_ids" not in obj and "prompt_token_ids" not in obj:
+        raise TraceError(where, "no 'hash_ids' field (nor 'prompt_token_ids')")
+    if "hash_ids" not in obj:
+        return obj
     for name in ("timestamp", "input_length", "output_length"):
         v = obj.get(name, 0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -175,14 +213,21 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> Trace:
         records.append(_check_record(obj, f"{p}:{n}"))
     if not records:
         raise TraceError(str(p), "no request in it")
+    if block_tokens is not None and block_tokens <= 0:
+        raise TraceError(str(p), f"block size must be > 0, got {block_tokens}")
+    source = "given"
+    if block_tokens is None and any("hash_ids" not in r for r in records):
+        block_tokens, source = DEFAULT_TOKEN_BLOCK, "default for prompt_token_ids"
+    if block_tokens is not None:
+        for r in records:
+            if "hash_ids" not in r:
+                r["hash_ids"] = hash_ids_from_tokens(r.pop("prompt_token_ids"), block_tokens)
     if block_tokens is None:
-        block_tokens = infer_block_tokens(records)
+        block_tokens, source = infer_block_tokens(records), "inferred"
         if block_tokens is None:
             raise TraceError(str(p), "no block size in 16..4096 gives every request ceil(input_length / B) "
                                      "hash_ids: give the trace's block size")
-    elif block_tokens <= 0:
-        raise TraceError(str(p), f"block size must be > 0, got {block_tokens}")
-    return make_trace(records, block_tokens)
+    return dataclasses.replace(make_trace(records, block_tokens), block_tokens_source=source)
 
 
 # ---- single caches: the reference figures --------------------------------------------
