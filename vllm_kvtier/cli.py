@@ -4,6 +4,8 @@
     kvtier check-config '<extra json>'     validate kv_connector_extra_config (or --file X.yaml)
     kvtier plan --model-config config.json --context-tokens 128K ...
                                            KV size per token and request, tier by tier
+    kvtier plan --trace FILE --cpu-blocks N [--nvme-blocks N] [--s3-blocks unbounded] [--sweep] ...
+                                           replay a request trace through the plugin's tiers
     kvtier doctor '<extra json>' --model-config config.json --context-tokens 128K ...
                                            the pre-deployment checklist: PASS / WARN / FAIL
     kvtier bench [NAMES...] [--quick] [--report-only]
@@ -179,6 +181,8 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     block_bytes = None if bpt is None else bpt * trace.block_tokens
     cfg = _parse_kvtier_config(args) if (args.extra or args.file or args.preset) else None
     cpu_blocks = _blocks_opt(args.cpu_blocks, "--cpu-blocks", block_bytes)
+    if cpu_blocks is None and args.sweep and cfg is None:
+        cpu_blocks = _int_list(args.sweep_cpu_blocks, "--sweep-cpu-blocks")[0]  # the sweep sets it
     if cpu_blocks is None:
         if cfg is None:
             raise PlanInputError("--cpu-blocks", "required without a kvtier config (--file, --preset or "
@@ -427,11 +431,19 @@ def _parser() -> argparse.ArgumentParser:
                 "context length and concurrency: bytes per token and per request, how many requests of that\n"
                 "length fit in GPU memory, CPU DRAM and NVMe, the time to load a request's KV from each tier\n"
                 "against recomputing it, and the CPU tier budget to configure. Handles GQA, MQA, MLA and\n"
-                "sliding-window models, or says which it cannot. Nothing is downloaded.",
+                "sliding-window models, or says which it cannot. Nothing is downloaded.\n\n"
+                "With --trace FILE: replays a request trace (Mooncake/Alibaba JSONL, or prompt_token_ids) through\n"
+                "the plugin's own index, eviction and admission code for each tier, and prints each tier's hit\n"
+                "share with LRU and S3-FIFO, Belady's MIN and the infinite bound, SSD writes, S3 requests and\n"
+                "their cost, and the TTFT saved (docs/planning.md).",
                 "  kvtier plan --model-config ./Meta-Llama-3-70B/config.json --context-tokens 128K\n"
                 "  kvtier plan --layers 32 --kv-heads 8 --head-dim 128 --context-tokens 32K --concurrency 16 \\\n"
                 "      --gpu-memory-bytes 80GB --weights-bytes 16GB --dram-bytes 512GiB --kv-dtype fp8\n"
-                "  kvtier plan --model-config config.json --context-tokens 1M --prefill-tokens-per-s 8000 --json")
+                "  kvtier plan --model-config config.json --context-tokens 1M --prefill-tokens-per-s 8000 --json\n"
+                "  kvtier plan --trace conversation_trace.jsonl --cpu-blocks 3000 --nvme-blocks 30000\n"
+                "  kvtier plan --trace my_traffic.jsonl --preset long-context --model-config config.json \\\n"
+                "      --dram-bytes 512GiB --s3-blocks unbounded --prefill-tokens-per-s 10000\n"
+                "  kvtier plan --trace conversation_trace.jsonl --cpu-blocks 1000 --sweep --sweep-nvme-blocks 30000")
     _add_model_args(plan)
     _add_hw_args(plan)
     g = plan.add_argument_group("tiers")
