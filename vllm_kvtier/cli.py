@@ -167,6 +167,14 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace, given_bt)
     except TraceError as e:
         raise PlanInputError("--trace", str(e)) from None
+    if args.sample is not None:
+        from vllm_kvtier.ops.trace_sim import make_trace, sample_conversations, trace_records
+
+        frac = parse_positive(args.sample, "--sample", upper=1.0)
+        kept = sample_conversations(trace_records(trace), frac)
+        if not kept:
+            raise PlanInputError("--sample", f"{args.sample} of the conversations keeps no request")
+        trace = dataclasses.replace(make_trace(kept, trace.block_tokens), block_tokens_source=trace.block_tokens_source)
     if args.save_trace:
         from vllm_kvtier.ops.trace_sim import trace_records
 
@@ -212,7 +220,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "s3fifo")
     step_blocks = max(1, _int(args.step_tokens, "--step-tokens") // trace.block_tokens)
     setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
-                      step_blocks=step_blocks)
+                      step_blocks=step_blocks, save_partial_blocks=trace.block_tokens > engine_bt)
     pcie = parse_positive(args.pcie_gb_per_s, "--pcie-gb-per-s") * 1e9
     hardware = None
     if args.prefill_tokens_per_s is not None:
@@ -231,7 +239,9 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         cpu_sizes = _int_list(args.sweep_cpu_blocks, "--sweep-cpu-blocks")
         nvme_sizes: list[int | None] = [None, *_int_list(args.sweep_nvme_blocks, "--sweep-nvme-blocks")] \
             if args.sweep_nvme_blocks else [None]
-        rows = sweep(trace, setup, cpu_sizes, nvme_sizes)
+        base = lower_tier("nvme", None, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
+                          block_bytes=block_bytes or 0, cfg=cfg.nvme if cfg is not None else None)
+        rows = sweep(trace, setup, cpu_sizes, nvme_sizes, base)
         infinite = simulate_infinite(trace).hit_share
         png = None if args.json else render_sweep_png(rows, infinite, args.png)
         if args.json:
@@ -461,6 +471,8 @@ def _parser() -> argparse.ArgumentParser:
                                                   "hash_ids (Mooncake, Alibaba, vLLM timed_trace)")
     t.add_argument("--trace-block-tokens", help="tokens per hash id (default: inferred, 512 for Mooncake; 512 "
                                                 "for a trace of prompt_token_ids)")
+    t.add_argument("--sample", metavar="FRACTION",
+                   help="keep this fraction of the conversations, whole (with --save-trace: a smaller trace)")
     t.add_argument("--save-trace", metavar="FILE", help="write the trace as hash ids (no tokens: shareable)")
     t.add_argument("--engine-block-tokens", default="16", help="vLLM's block size, for chunk sizes (default 16)")
     t.add_argument("--file", help="a kvtier config (YAML): tiers, capacities, modes, admission, eviction")

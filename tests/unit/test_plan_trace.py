@@ -139,3 +139,12 @@ def test_save_trace_writes_the_hash_id_form(capsys, tmp_path):
     assert read_trace(out).keys == read_trace(SAMPLE).keys
     assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--save-trace", str(tmp_path / "no" / "x")]) == 2
     assert "--save-trace: cannot write" in capsys.readouterr().err
+
+
+def test_sample_then_save_gives_a_smaller_trace_of_whole_conversations(capsys, tmp_path):
+    out = tmp_path / "small.jsonl"
+    assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--sample", "0.3", "--save-trace", str(out)]) == 0
+    small = read_trace(out)
+    assert 0 < len(small) < 500
+    assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--sample", "0"]) == 2
+    assert "--sample" in capsys.readouterr().err

@@ -300,3 +300,26 @@ def test_a_trace_of_prompt_tokens_gets_chained_block_ids(tmp_path):
     with pytest.raises(TraceError, match="prompt_token_ids must be a list of token ids"):
         p.write_text('{"timestamp": 0, "prompt_token_ids": [1, "x"]}\n')
         read_trace(p)
+
+
+def test_at_the_engines_block_size_a_partial_last_block_is_not_stored():
+    # 10 tokens in blocks of 4: [1, 2] full, 3 partial. Room for 2 blocks.
+    tr = trace_of([[1, 2, 3], [1, 2, 3], [9]], lengths=[10, 10, 4])
+    coarse = simulate_tiers(tr, TierSetup(cpu_blocks=2, cpu_eviction="lru", step_blocks=1))
+    exact = simulate_tiers(tr, TierSetup(cpu_blocks=2, cpu_eviction="lru", step_blocks=1, save_partial_blocks=False))
+    # stored whole, 3 evicts 1 and the second request finds nothing; not stored, 1 and 2 stay
+    assert coarse.tiers[0].hit_blocks == 0 and exact.tiers[0].hit_blocks == 2
+
+
+def test_sampling_keeps_whole_conversations():
+    from vllm_kvtier.ops.trace_sim import sample_conversations
+
+    # 200 conversations of 3 turns, all behind a shared first block 0
+    records = [{"timestamp": t, "input_length": 16 * (2 + t), "hash_ids": [0, g, *range(10**6 + g * 10, 10**6 + g * 10 + t)]}
+               for t in range(3) for g in range(1, 201)]
+    kept = sample_conversations(records, 0.25, seed=1)
+    groups = {r["hash_ids"][1] for r in kept}
+    assert 30 <= len(groups) <= 70  # about a quarter
+    assert len(kept) == 3 * len(groups)  # every turn of a kept conversation
+    assert sample_conversations(records, 0.25, seed=1) == kept and sample_conversations(records, 0.25, seed=2) != kept
+    assert simulate_infinite(make_trace(kept, 16)).hit_share > 0.3  # the turns still reuse each other

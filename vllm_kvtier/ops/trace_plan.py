@@ -332,19 +332,21 @@ def cpu_blocks_from_config(cfg: KVTierConfig, block_bytes: int, dram_bytes: int 
     return blocks_of(int((dram_bytes - reserved) * cfg.cpu.capacity_fraction), block_bytes, "--dram-bytes")
 
 
-def sweep(trace: Trace, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None]) -> \
-        list[dict[str, Any]]:
+def sweep(trace: Trace, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None],
+          nvme_base: LowerTier | None = None) -> list[dict[str, Any]]:
     """The hierarchy's hit shares over a grid of CPU and NVMe sizes (blocks; NVMe None: no
-    NVMe tier), each CPU policy. One row per (cpu, nvme) pair."""
+    NVMe tier), each CPU policy. One row per (cpu, nvme) pair. The NVMe tier is the setup's,
+    else ``nvme_base`` (the section's defaults), resized."""
     rows = []
-    nvme_cfg = next((t for t in setup.lower if t.name == "nvme"), None)
+    nvme_cfg = next((t for t in setup.lower if t.name == "nvme"), nvme_base)
     others = tuple(t for t in setup.lower if t.name != "nvme")
     for nv in nvme_sizes:
         for c in cpu_sizes:
             lower = others
             if nv is not None:
-                base = nvme_cfg or LowerTier("nvme", nv, "write-back", 2, 1)
-                lower = (dataclasses.replace(base, capacity_blocks=nv), *others)
+                if nvme_cfg is None:
+                    raise ValueError("sweep: NVMe sizes need an NVMe tier to resize (nvme_base)")
+                lower = (dataclasses.replace(nvme_cfg, capacity_blocks=nv), *others)
             row: dict[str, Any] = {"cpu_blocks": c, "nvme_blocks": nv}
             for p in POLICIES:
                 r = simulate_tiers(trace, dataclasses.replace(setup, cpu_blocks=c, cpu_eviction=p, lower=lower))
@@ -361,6 +363,8 @@ def render_sweep(rows: list[dict[str, Any]], infinite: float) -> str:
              f"{'cpu-only Belady':>15}"]
     for r in rows:
         best = max(POLICIES, key=lambda p: r[p]["all"])
+        if all(abs(r[p]["all"] - r[best]["all"]) < 0.0005 for p in POLICIES):
+            best = "tie"
         lines.append(f"{r['cpu_blocks']:>10,}  {_blocks(r['nvme_blocks']) if r['nvme_blocks'] is not None else '-':>11}"
                      f"  {r['lru']['all']:>6.3f}  {r['s3fifo']['all']:>6.3f}  {best:>6}  {r['belady_cpu']:>15.3f}")
     return "\n".join(lines)

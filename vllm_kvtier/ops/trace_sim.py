@@ -128,6 +128,24 @@ def hash_ids_from_tokens(tokens: Sequence[int], block_tokens: int) -> list[int]:
     return ids
 
 
+def sample_conversations(records: Iterable[dict], fraction: float, seed: int = 0) -> list[dict]:
+    """The requests of about ``fraction`` of the conversations, whole: a request belongs to
+    the conversation named by its second block id (its first when it has one; the first
+    block is often a prompt every conversation shares), kept when a 64-bit BLAKE2b of that
+    id and ``seed`` falls in the fraction. Sampling requests instead would cut the reuse
+    between a conversation's turns that the tiers live on."""
+    out = []
+    for r in records:
+        ids = r["hash_ids"]
+        if not ids:
+            continue
+        group = ids[1] if len(ids) > 1 else ids[0]
+        h = hashlib.blake2b(f"{seed}:{group}".encode(), digest_size=8).digest()
+        if int.from_bytes(h, "little") < fraction * 2**64:
+            out.append(r)
+    return out
+
+
 def trace_records(trace: Trace) -> list[dict]:
     """``trace`` in the file format (hash ids only: no token of any prompt)."""
     return [{"timestamp": ts, "input_length": n, "output_length": o,
@@ -357,6 +375,10 @@ class TierSetup:
     #: blocks a request saves per engine step (vLLM's chunked prefill: max_num_batched_tokens
     #: / block tokens); None: the whole prompt in one step
     step_blocks: int | None = None
+    #: store a prompt's partial last block: True when a trace block spans several engine
+    #: blocks (their full ones are stored); False at the engine's own block size, where the
+    #: plugin stores full blocks only
+    save_partial_blocks: bool = True
     #: bytes of one trace block (0: not known; the byte figures are then 0)
     block_bytes: int = 0
 
@@ -488,10 +510,13 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             index.unpin(s)
         # 4. save every block not stored yet, a step at a time, 5. each step's writes below
         step = setup.step_blocks or max(1, len(keys))
+        n_save = len(keys)
+        if not setup.save_partial_blocks and n_save and trace.block_tokens_of(i, n_save - 1) < trace.block_tokens:
+            n_save -= 1
         for lo in range(0, max(1, len(keys)), step):
             saved: set[BlockKey] = set()
             held: list[int] = []
-            for k in keys[lo : lo + step]:
+            for k in keys[lo : min(lo + step, n_save)]:
                 if k in index:
                     index.touch(k)
                     continue
