@@ -323,3 +323,13 @@ def test_sampling_keeps_whole_conversations():
     assert len(kept) == 3 * len(groups)  # every turn of a kept conversation
     assert sample_conversations(records, 0.25, seed=1) == kept and sample_conversations(records, 0.25, seed=2) != kept
     assert simulate_infinite(make_trace(kept, 16)).hit_share > 0.3  # the turns still reuse each other
+
+
+def test_writes_in_flight_are_not_loadable_until_confirmed():
+    # [1,2] then [3,4] demotes 1 and 2; [1,2] right after finds them on NVMe at once (lag 0),
+    # or not yet (lag 1: the writes of request 2 are loadable from request 4)
+    tr = trace_of([[1, 2], [3, 4], [1, 2], [1, 2]])
+    now = simulate_tiers(tr, TierSetup(cpu_blocks=2, cpu_eviction="lru", lower=(nvme(),)))
+    late = simulate_tiers(tr, TierSetup(cpu_blocks=2, cpu_eviction="lru", lower=(nvme(),), confirm_lag_requests=1))
+    assert [t.hit_blocks for t in now.tiers] == [2, 2]  # request 3 from NVMe, request 4 from DRAM
+    assert [t.hit_blocks for t in late.tiers] == [2, 0]  # request 3 recomputes; 4 hits DRAM

@@ -379,6 +379,10 @@ class TierSetup:
     #: blocks (their full ones are stored); False at the engine's own block size, where the
     #: plugin stores full blocks only
     save_partial_blocks: bool = True
+    #: a chunk written while serving request i becomes loadable for request i + 1 + this
+    #: (0: at once, as under live traffic where the next turn comes seconds later; requests
+    #: sent back to back find the last one's writes still in flight)
+    confirm_lag_requests: int = 0
     #: bytes of one trace block (0: not known; the byte figures are then 0)
     block_bytes: int = 0
 
@@ -449,8 +453,13 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
     result = TiersResult(setup, len(trace), trace.prompt_tokens, trace.duration_s, [cpu, *lows])
     slot_of = index.slot
     t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
+    # (request index from which they are loadable, planner, report) of writes in flight
+    inflight: list[tuple[int, ChunkPlanner, WorkerReport]] = []
     for i, keys in enumerate(trace.keys):
         clock[0] = (trace.timestamps_ms[i] - t0) / 1000.0
+        while inflight and inflight[0][0] <= i:
+            _, p, report = inflight.pop(0)
+            p.on_worker_meta(report)
         # 1. lookup: the tier of each key of the leading run
         where: list[int] = []  # 0: CPU, j+1: planners[j]
         locs: list[tuple[str, int] | None] = []
@@ -535,19 +544,26 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             for s in held:
                 index.unpin(s)
             for j, p in enumerate(planners):
-                _step(p, lows[j], setup.lower[j], saved, slot_of)
+                for report in _step(p, lows[j], setup.lower[j], saved, slot_of):
+                    if setup.confirm_lag_requests:
+                        inflight.append((i + 1 + setup.confirm_lag_requests, p, report))
+                    else:
+                        p.on_worker_meta(report)
     cpu.evicted_blocks = index.evictions
     for j, p in enumerate(planners):
         lows[j].evicted_blocks = p.index.evicted_blocks
     return result
 
 
-def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey], slot_of: object) -> None:
+def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey],
+          slot_of: object) -> list[WorkerReport]:
+    """The step's writes (counted in ``res``), as the worker's reports that confirm them."""
+    reports = []
     for _ in range(1 << 16):
         demotes, through, _deletes = p.take_jobs(saved, slot_of)  # type: ignore[arg-type]
         jobs = demotes + through
         if not jobs:
-            return
+            break
         written = {}
         for job in jobs:
             res.write_ops += tier.objects_per_chunk
@@ -555,5 +571,6 @@ def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey
             if tier.block_bytes:  # the chunk's file (header and aligned blocks)
                 res.written_bytes += p.file_bytes(len(job.keys))
             written[(p.tier, job.file_id)] = 1
-        p.on_worker_meta(WorkerReport(written=written))
+        reports.append(WorkerReport(written=written))
         saved = set()
+    return reports
