@@ -148,3 +148,20 @@ def test_sample_then_save_gives_a_smaller_trace_of_whole_conversations(capsys, t
     assert 0 < len(small) < 500
     assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--sample", "0"]) == 2
     assert "--sample" in capsys.readouterr().err
+
+
+def test_the_sweeps_nvme_tier_has_the_sections_defaults(capsys):
+    """Without a config, the sweep's NVMe tier is the section's defaults, background flush
+    included (it was built with no flush: 0.227 instead of 0.290 through NVMe here)."""
+    from vllm_kvtier.ops.trace_plan import lower_tier
+    from vllm_kvtier.ops.trace_sim import TierSetup, simulate_tiers
+
+    sampled = str(Path(SAMPLE).parent / "mooncake_conversation_sampled3pct.jsonl")
+    assert main(["plan", "--trace", sampled, "--sweep", "--sweep-cpu-blocks", "50", "--sweep-nvme-blocks", "3000",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    (row,) = [r for r in rows if r["nvme_blocks"] == 3000]
+    nvme = lower_tier("nvme", 3000, trace_block_tokens=512, engine_block_tokens=16, block_bytes=0)
+    assert (nvme.mode, nvme.admit_min_seen, nvme.flush_interval_s) == ("write-back", 2, 10.0)
+    r = simulate_tiers(read_trace(sampled), TierSetup(cpu_blocks=50, cpu_eviction="lru", lower=(nvme,), step_blocks=16))
+    assert row["lru"]["nvme"] == r.share(r.tiers[1]) > 0.28
