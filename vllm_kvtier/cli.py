@@ -4,6 +4,8 @@
     kvtier check-config '<extra json>'     validate kv_connector_extra_config (or --file X.yaml)
     kvtier plan --model-config config.json --context-tokens 128K ...
                                            KV size per token and request, tier by tier
+    kvtier plan --trace FILE --cpu-blocks N [--nvme-blocks N] [--s3-blocks unbounded] [--sweep] ...
+                                           replay a request trace through the plugin's tiers
     kvtier doctor '<extra json>' --model-config config.json --context-tokens 128K ...
                                            the pre-deployment checklist: PASS / WARN / FAIL
     kvtier bench [NAMES...] [--quick] [--report-only]
@@ -36,6 +38,7 @@ from vllm_kvtier.ops.capacity import (
     PlanInput,
     PlanInputError,
     gpu_kv_budget,
+    kv_bytes_per_token,
     make_plan,
     model_from_dims,
     parse_positive,
@@ -120,7 +123,145 @@ def _common(args: argparse.Namespace, *, require_model: bool) -> dict[str, Any]:
     )
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    return [_int(v.strip(), option) for v in text.split(",") if v.strip()] or [_int("", option)]
+
+
+def _blocks_opt(text: str | None, option: str, block_bytes: int | None) -> int | None:
+    """A tier size: blocks (``30000``), or bytes with a unit (``80GB``) when the model is known."""
+    if text is None:
+        return None
+    if text.strip().isdigit():
+        return _int(text, option)
+    if block_bytes is None:
+        raise PlanInputError(option, f"{text!r}: a size in bytes needs the model (--model-config or --layers/"
+                                     "--kv-heads/--head-dim); or give blocks")
+    from vllm_kvtier.ops.trace_plan import blocks_of
+
+    return blocks_of(parse_size(text, option), block_bytes, option)
+
+
+def _run_plan_trace(args: argparse.Namespace) -> int:
+    """``kvtier plan --trace``: the tiers replayed on a trace (vllm_kvtier/ops/trace_plan.py)."""
+    from vllm_kvtier.ops.trace_plan import (
+        Hardware,
+        Prices,
+        TracePlanInput,
+        cpu_blocks_from_config,
+        lower_tier,
+        make_trace_plan,
+        render_sweep,
+        render_sweep_png,
+        render_trace_plan,
+        sweep,
+        trace_plan_to_dict,
+    )
+    from vllm_kvtier.ops.trace_sim import TierSetup, TraceError, read_trace, simulate_infinite
+
+    if args.kv_dtype not in KV_DTYPE_BYTES:
+        raise PlanInputError("--kv-dtype", f"must be one of {', '.join(KV_DTYPE_BYTES)}, got {args.kv_dtype!r}")
+    model = _model(args, required=False)
+    given_bt = _opt(_int, args.trace_block_tokens, "--trace-block-tokens")
+    engine_bt = _int(args.engine_block_tokens, "--engine-block-tokens")
+    try:
+        trace = read_trace(args.trace, given_bt)
+    except TraceError as e:
+        raise PlanInputError("--trace", str(e)) from None
+    if args.sample is not None:
+        from vllm_kvtier.ops.trace_sim import make_trace, sample_conversations, trace_records
+
+        frac = parse_positive(args.sample, "--sample", upper=1.0)
+        kept = sample_conversations(trace_records(trace), frac)
+        if not kept:
+            raise PlanInputError("--sample", f"{args.sample} of the conversations keeps no request")
+        trace = dataclasses.replace(make_trace(kept, trace.block_tokens), block_tokens_source=trace.block_tokens_source)
+    if args.save_trace:
+        from vllm_kvtier.ops.trace_sim import trace_records
+
+        try:
+            with open(args.save_trace, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in trace_records(trace))
+        except OSError as e:
+            raise PlanInputError("--save-trace", f"cannot write {args.save_trace}: {e.strerror}") from None
+        print(f"trace: {len(trace):,} requests written to {args.save_trace} ({trace.block_tokens}-token blocks)",
+              file=sys.stderr)
+    bpt = None if model is None else kv_bytes_per_token(model, args.kv_dtype)
+    block_bytes = None if bpt is None else bpt * trace.block_tokens
+    cfg = _parse_kvtier_config(args) if (args.extra or args.file or args.preset) else None
+    cpu_blocks = _blocks_opt(args.cpu_blocks, "--cpu-blocks", block_bytes)
+    if cpu_blocks is None and args.sweep and cfg is None:
+        cpu_blocks = _int_list(args.sweep_cpu_blocks, "--sweep-cpu-blocks")[0]  # the sweep sets it
+    if cpu_blocks is None:
+        if cfg is None:
+            raise PlanInputError("--cpu-blocks", "required without a kvtier config (--file, --preset or "
+                                                 "--extra-config with the model)")
+        if block_bytes is None:
+            raise PlanInputError("--model-config", "the config's capacities are bytes: give the model, or --cpu-blocks")
+        cpu_blocks = cpu_blocks_from_config(
+            cfg, block_bytes, _opt(parse_size, args.dram_bytes, "--dram-bytes"),
+            parse_size(args.dram_reserved_bytes, "--dram-reserved-bytes", allow_zero=True))
+    lower = []
+    for name in ("nvme", "s3"):
+        section = getattr(cfg, name) if cfg is not None else None
+        raw = getattr(args, f"{name}_blocks")
+        if raw == "unbounded" and name != "s3":
+            raise PlanInputError("--nvme-blocks", "an NVMe tier has a size")
+        size = None if raw == "unbounded" else _blocks_opt(raw, f"--{name}-blocks", block_bytes)
+        if size is None and section is not None and section.capacity_bytes is not None:
+            if block_bytes is None:
+                raise PlanInputError("--model-config", f"{name}.capacity_bytes is bytes: give the model, or "
+                                                       f"--{name}-blocks")
+            size = section.capacity_bytes // block_bytes
+        unbounded = name == "s3" and (raw == "unbounded" or (section is not None and size is None))
+        if size is None and not unbounded:
+            continue
+        lower.append(lower_tier(name, size, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
+                                block_bytes=block_bytes or 0, cfg=section))
+    eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "s3fifo")
+    step_blocks = max(1, _int(args.step_tokens, "--step-tokens") // trace.block_tokens)
+    setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
+                      step_blocks=step_blocks, save_partial_blocks=trace.block_tokens > engine_bt)
+    pcie = parse_positive(args.pcie_gb_per_s, "--pcie-gb-per-s") * 1e9
+    hardware = None
+    if args.prefill_tokens_per_s is not None:
+        hardware = Hardware(parse_positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s"), {
+            "cpu": pcie,
+            "nvme": min(pcie, parse_positive(args.nvme_gb_per_s, "--nvme-gb-per-s") * 1e9),
+            "s3": min(pcie, parse_positive(args.s3_gb_per_s, "--s3-gb-per-s") * 1e9)})
+    ssd = _opt(parse_size, args.ssd_bytes, "--ssd-bytes")
+    if ssd is None and cfg is not None and cfg.nvme is not None:
+        ssd = cfg.nvme.capacity_bytes
+    if ssd is None and block_bytes is not None:
+        ssd = next((t.capacity_blocks * block_bytes for t in lower if t.name == "nvme" and t.capacity_blocks), None)
+    prices = Prices(parse_positive(args.s3_put_usd_per_1000, "--s3-put-usd-per-1000"),
+                    parse_positive(args.s3_get_usd_per_1000, "--s3-get-usd-per-1000"))
+    if args.sweep:
+        cpu_sizes = _int_list(args.sweep_cpu_blocks, "--sweep-cpu-blocks")
+        nvme_sizes: list[int | None] = [None, *_int_list(args.sweep_nvme_blocks, "--sweep-nvme-blocks")] \
+            if args.sweep_nvme_blocks else [None]
+        base = lower_tier("nvme", None, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
+                          block_bytes=block_bytes or 0, cfg=cfg.nvme if cfg is not None else None)
+        rows = sweep(trace, setup, cpu_sizes, nvme_sizes, base)
+        infinite = simulate_infinite(trace).hit_share
+        png = None if args.json else render_sweep_png(rows, infinite, args.png)
+        if args.json:
+            print(json.dumps({"infinite": infinite, "rows": rows}, indent=2))
+        else:
+            print(render_sweep(rows, infinite))
+            print(f"chart: {png}" if png else
+                  "chart: not drawn (matplotlib is not installed: pip install matplotlib); the table has the figures")
+        return 0
+    plan = make_trace_plan(TracePlanInput(
+        trace=trace, setup=setup, trace_path=args.trace,
+        bytes_per_token=bpt, model_name=model.name if model is not None else "", ssd_bytes=ssd, prices=prices,
+        hardware=hardware))
+    print(json.dumps(trace_plan_to_dict(plan), indent=2) if args.json else render_trace_plan(plan))
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return _run_plan_trace(args)
     c = _common(args, require_model=True)
     gpu_kv = c["gpu_kv_bytes"]
     if gpu_kv is None and c["gpu_memory_bytes"] is not None:
@@ -300,11 +441,19 @@ def _parser() -> argparse.ArgumentParser:
                 "context length and concurrency: bytes per token and per request, how many requests of that\n"
                 "length fit in GPU memory, CPU DRAM and NVMe, the time to load a request's KV from each tier\n"
                 "against recomputing it, and the CPU tier budget to configure. Handles GQA, MQA, MLA and\n"
-                "sliding-window models, or says which it cannot. Nothing is downloaded.",
+                "sliding-window models, or says which it cannot. Nothing is downloaded.\n\n"
+                "With --trace FILE: replays a request trace (Mooncake/Alibaba JSONL, or prompt_token_ids) through\n"
+                "the plugin's own index, eviction and admission code for each tier, and prints each tier's hit\n"
+                "share with LRU and S3-FIFO, Belady's MIN and the infinite bound, SSD writes, S3 requests and\n"
+                "their cost, and the TTFT saved (docs/planning.md).",
                 "  kvtier plan --model-config ./Meta-Llama-3-70B/config.json --context-tokens 128K\n"
                 "  kvtier plan --layers 32 --kv-heads 8 --head-dim 128 --context-tokens 32K --concurrency 16 \\\n"
                 "      --gpu-memory-bytes 80GB --weights-bytes 16GB --dram-bytes 512GiB --kv-dtype fp8\n"
-                "  kvtier plan --model-config config.json --context-tokens 1M --prefill-tokens-per-s 8000 --json")
+                "  kvtier plan --model-config config.json --context-tokens 1M --prefill-tokens-per-s 8000 --json\n"
+                "  kvtier plan --trace conversation_trace.jsonl --cpu-blocks 3000 --nvme-blocks 30000\n"
+                "  kvtier plan --trace my_traffic.jsonl --preset long-context --model-config config.json \\\n"
+                "      --dram-bytes 512GiB --s3-blocks unbounded --prefill-tokens-per-s 10000\n"
+                "  kvtier plan --trace conversation_trace.jsonl --cpu-blocks 1000 --sweep --sweep-nvme-blocks 30000")
     _add_model_args(plan)
     _add_hw_args(plan)
     g = plan.add_argument_group("tiers")
@@ -315,6 +464,34 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--nvme-gb-per-s", default="7", help="NVMe read bandwidth, GB/s (default 7)")
     g.add_argument("--s3-gb-per-s", default="1.25", help="object-store bandwidth, GB/s (default 1.25 = 10 Gbit/s)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of text")
+    t = plan.add_argument_group(
+        "trace replay (--trace): the tiers replayed on your own traffic, through the plugin's index, eviction "
+        "and admission code; see docs/planning.md")
+    t.add_argument("--trace", metavar="FILE", help="JSONL trace: timestamp (ms), input_length, output_length, "
+                                                  "hash_ids (Mooncake, Alibaba, vLLM timed_trace)")
+    t.add_argument("--trace-block-tokens", help="tokens per hash id (default: inferred, 512 for Mooncake; 512 "
+                                                "for a trace of prompt_token_ids)")
+    t.add_argument("--sample", metavar="FRACTION",
+                   help="keep this fraction of the conversations, whole (with --save-trace: a smaller trace)")
+    t.add_argument("--save-trace", metavar="FILE", help="write the trace as hash ids (no tokens: shareable)")
+    t.add_argument("--engine-block-tokens", default="16", help="vLLM's block size, for chunk sizes (default 16)")
+    t.add_argument("--file", help="a kvtier config (YAML): tiers, capacities, modes, admission, eviction")
+    t.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
+    t.add_argument("--extra-config", dest="extra", metavar="JSON", help="kv_connector_extra_config as JSON")
+    t.add_argument("--cpu-blocks", help="CPU tier size: trace blocks, or bytes with a unit (needs the model)")
+    t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 2 unless the config says)")
+    t.add_argument("--s3-blocks", help="S3 tier size, or 'unbounded' (write-through, admit 1 unless the config says)")
+    t.add_argument("--step-tokens", default="8192",
+                   help="prompt tokens computed (and saved) per engine step: vLLM's max_num_batched_tokens "
+                        "(default 8192)")
+    t.add_argument("--cpu-eviction", choices=["lru", "s3fifo"], help="the CPU policy to report (default: config's)")
+    t.add_argument("--ssd-bytes", help="drive size for drive writes per day (default: the NVMe tier's size)")
+    t.add_argument("--s3-put-usd-per-1000", default=str(0.005), help="S3 PUT price per 1,000 (default 0.005)")
+    t.add_argument("--s3-get-usd-per-1000", default=str(0.0004), help="S3 GET price per 1,000 (default 0.0004)")
+    t.add_argument("--sweep", action="store_true", help="hit share over a grid of CPU and NVMe sizes, and a PNG")
+    t.add_argument("--sweep-cpu-blocks", default="1000,3000,10000,30000,100000", help="CPU sizes of the sweep")
+    t.add_argument("--sweep-nvme-blocks", default="", help="NVMe sizes of the sweep (default: none)")
+    t.add_argument("--png", default="plan-trace-sweep.png", help="the sweep's chart (default plan-trace-sweep.png)")
 
     doc = _sub(sub, "doctor", "pre-deployment checklist for a config on this machine",
                "The pre-deployment checklist against a kvtier config (JSON, --file or --preset) and this\n"

@@ -218,3 +218,20 @@ def test_key_pins_heap_stays_bounded_under_repeated_extension():
     assert len(pins) == 3
     assert pins.heap_entries <= 2 * 3 + 64 + 1
     assert sorted(pins.expire(20_000.0)) == [0, 1, 2]
+
+
+def test_a_block_reused_once_within_half_the_pool_is_kept():
+    """Conversation traffic (Mooncake's trace): a turn's blocks come back once, with the
+    next turn, after many other insertions. S3-FIFO keeps a new block on probation for about
+    as many insertions as its small queue holds: half the pool, so most blocks reused within
+    a third of the pool hit, as under LRU. (With the paper's 10%, none did here; on the first
+    half of Mooncake's trace S3-FIFO fell 1.3 points below LRU at 10k blocks.)"""
+    trace = [k for k in range(100) for _ in range(3)]  # a reused working set fills the pool
+    for i in range(200):  # then each new key is reused once, 30 insertions later
+        trace.append(1000 + i)
+        if i >= 30:
+            trace.append(1000 + i - 30)
+    warm = 200  # the working set's own hits
+    lru_hits = replay(LRUPolicy(), 100, trace)[0] - warm
+    s3_hits = replay(make_policy("s3fifo", 100), 100, trace)[0] - warm
+    assert lru_hits == 170 and s3_hits >= 0.9 * lru_hits

@@ -12,7 +12,7 @@ Two policies:
 * ``s3fifo``: S3-FIFO (Yang et al., "FIFO queues are all you need for cache eviction",
   SOSP 2023), :mod:`vllm_kvtier.index.s3fifo`. Chosen over ARC and W-TinyLFU because:
   it is scan-resistant by construction (a key seen once only ever occupies the small
-  queue, 10% of the pool, so a flood of one-off documents cannot push out a system prompt
+  queue, half of the pool, so a flood of one-off documents cannot push out a system prompt
   that was reused); it needs no tuning (ARC adapts a target that a long scan drags around;
   W-TinyLFU needs a count-min sketch, its width and an ageing period); every operation is
   O(1) amortised with FIFO queues; and its "skip this one, look at the next" loop takes

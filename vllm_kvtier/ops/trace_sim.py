@@ -1,0 +1,576 @@
+"""Replay a request trace through the plugin's own index, eviction and admission code
+(``kvtier plan --trace``).
+
+Trace format (Mooncake's FAST'25 release, Alibaba's traces, vLLM's ``timed_trace``): JSON
+Lines, one request a line: ``timestamp`` (ms from the start), ``input_length`` and
+``output_length`` (tokens), ``hash_ids`` (one id per block of ``block_tokens`` prompt tokens;
+equal ids are the same prefix block, i.e. reusable KV; the last block may be partial).
+
+What a replay does per request, in trace order, one request at a time (the model the
+figures rest on; docs/planning.md says what it leaves out):
+
+1. **lookup**: the longest run of the request's leading blocks found in the CPU tier's
+   index or, block by block, in the first lower tier that holds it (the scheduler's
+   ``_match``: CPU, then NVMe, then S3);
+2. **admission counts**: each lower tier's :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner`
+   hears of the request's blocks (``note_request``, for ``admit_min_seen``);
+3. **load**: CPU hits are touched and pinned; lower-tier hits are promoted into CPU slots
+   (an eviction this causes is offered to the lower tiers: write-back demotion), one read
+   per contiguous run of a chunk's blocks (S3: one ranged GET); a hit that finds no slot
+   to read into ends there. The load ends before the request computes (pins released);
+4. **save**, ``step_blocks`` at a time (vLLM's chunked prefill): every block not in the CPU
+   index gets a slot (the policy's victim leaves; each lower tier hears ``on_cpu_evict`` /
+   ``on_cpu_save``; the step's own blocks are held against each other), a present one is
+   touched (:class:`~vllm_kvtier.plan.save_plan.SavePlanner`'s loop);
+5. **after each step**: each lower tier's ``take_jobs`` at the request's timestamp (the
+   background flush of write-back reads this clock), repeated while it returns writes;
+   every chunk written is confirmed at once (writes never fail here).
+
+The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
+with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``), and
+:class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Bounds computed
+beside them: an infinite cache, and Belady's MIN (evict the block whose next use is furthest;
+a block used never again, or later than every held one, is not stored).
+
+A hit of ``n`` leading blocks covers ``min(n x block_tokens, input_length)`` prompt tokens.
+Pure: no vLLM, no torch, no I/O except :func:`read_trace`. Memory: the trace (ids and three
+integers a request) plus the indexes, bounded by the capacities (Belady's MIN adds one
+integer per block of the trace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from vllm_kvtier.errors import KVTierError
+from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.metrics import Counters
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+
+#: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
+MAX_TRACE_BYTES = 4 << 30
+#: Block size of the ids computed from ``prompt_token_ids`` when none is given (Mooncake's).
+DEFAULT_TOKEN_BLOCK = 512
+#: Block sizes tried when the trace does not say (the smallest that explains every request).
+_BLOCK_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class TraceError(KVTierError, ValueError):
+    """A trace that cannot be read: ``where`` names the file and line."""
+
+    def __init__(self, where: str, message: str) -> None:
+        self.where = where
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace in memory. ``keys[i]`` are request ``i``'s block ids as 8-byte keys."""
+
+    block_tokens: int
+    timestamps_ms: tuple[int, ...]
+    input_lengths: tuple[int, ...]
+    output_lengths: tuple[int, ...]
+    keys: tuple[tuple[BlockKey, ...], ...]
+    #: how the block size was found: "given", "inferred", "default for prompt_token_ids"
+    block_tokens_source: str = "given"
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.input_lengths)
+
+    @property
+    def duration_s(self) -> float:
+        """From the first request to the last (at least 1 s, so rates stay finite)."""
+        if not self.timestamps_ms:
+            return 1.0
+        return max(1.0, (self.timestamps_ms[-1] - self.timestamps_ms[0]) / 1000.0)
+
+    def block_tokens_of(self, i: int, j: int) -> int:
+        """Prompt tokens of block ``j`` of request ``i`` (the last one may be partial)."""
+        return max(0, min(self.block_tokens, self.input_lengths[i] - j * self.block_tokens))
+
+    def hit_tokens(self, i: int, n: int) -> int:
+        """Prompt tokens covered by a hit of ``n`` leading blocks of request ``i``."""
+        return min(n * self.block_tokens, self.input_lengths[i])
+
+
+def key_of(hash_id: int) -> BlockKey:
+    """The index key of a trace's block id (8 bytes, little-endian, two's complement)."""
+    return BlockKey(hash_id.to_bytes(8, "little", signed=True))
+
+
+def hash_ids_from_tokens(tokens: Sequence[int], block_tokens: int) -> list[int]:
+    """The trace's ``hash_ids`` of a prompt: one id per ``block_tokens`` tokens (the last
+    block may be partial), each a 64-bit BLAKE2b of the previous block's id and this block's
+    tokens, so equal ids mean equal prefixes (vLLM's chained block hashes, in small)."""
+    ids: list[int] = []
+    parent = 0
+    for lo in range(0, len(tokens), block_tokens):
+        h = hashlib.blake2b(parent.to_bytes(8, "little", signed=True), digest_size=8)
+        h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[lo : lo + block_tokens]))
+        parent = int.from_bytes(h.digest(), "little", signed=True)
+        ids.append(parent)
+    return ids
+
+
+def sample_conversations(records: Iterable[dict], fraction: float, seed: int = 0) -> list[dict]:
+    """The requests of about ``fraction`` of the conversations, whole: a request belongs to
+    the conversation named by its second block id (its first when it has one; the first
+    block is often a prompt every conversation shares), kept when a 64-bit BLAKE2b of that
+    id and ``seed`` falls in the fraction. Sampling requests instead would cut the reuse
+    between a conversation's turns that the tiers live on."""
+    out = []
+    for r in records:
+        ids = r["hash_ids"]
+        if not ids:
+            continue
+        group = ids[1] if len(ids) > 1 else ids[0]
+        h = hashlib.blake2b(f"{seed}:{group}".encode(), digest_size=8).digest()
+        if int.from_bytes(h, "little") < fraction * 2**64:
+            out.append(r)
+    return out
+
+
+def trace_records(trace: Trace) -> list[dict]:
+    """``trace`` in the file format (hash ids only: no token of any prompt)."""
+    return [{"timestamp": ts, "input_length": n, "output_length": o,
+             "hash_ids": [int.from_bytes(k, "little", signed=True) for k in keys]}
+            for ts, n, o, keys in zip(trace.timestamps_ms, trace.input_lengths, trace.output_lengths, trace.keys,
+                                      strict=True)]
+
+
+def make_trace(records: Iterable[dict], block_tokens: int) -> Trace:
+    """A :class:`Trace` from records already checked (``timestamp``, ``input_length``,
+    ``output_length``, ``hash_ids``), sorted by timestamp (stable)."""
+    rows = sorted(records, key=lambda r: r["timestamp"])
+    return Trace(
+        block_tokens=block_tokens,
+        timestamps_ms=tuple(int(r["timestamp"]) for r in rows),
+        input_lengths=tuple(int(r["input_length"]) for r in rows),
+        output_lengths=tuple(int(r.get("output_length", 0)) for r in rows),
+        keys=tuple(tuple(key_of(h) for h in r["hash_ids"]) for r in rows),
+    )
+
+
+def infer_block_tokens(records: Sequence[dict]) -> int | None:
+    """The block size that explains every request (``len(hash_ids) == ceil(input_length /
+    B)``), smallest first among powers of two 16..4096; None if none does."""
+    for b in _BLOCK_CANDIDATES:
+        if all(len(r["hash_ids"]) == -(-r["input_length"] // b) for r in records):
+            return b
+    return None
+
+
+def _check_record(obj: object, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise TraceError(where, f"not a JSON object but {type(obj).__name__}")
+    if "hash_ids" not in obj and "prompt_token_ids" in obj:
+        toks = obj["prompt_token_ids"]
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t < 1 << 31 for t in toks):
+            raise TraceError(where, "prompt_token_ids must be a list of token ids")
+        obj.setdefault("input_length", len(toks))
+    for name in ("timestamp", "input_length"):
+        if name not in obj:
+            raise TraceError(where, f"no {name!r} field")
+    if "hash_ids" not in obj and "prompt_token_ids" not in obj:
+        raise TraceError(where, "no 'hash_ids' field (nor 'prompt_token_ids')")
+    if "hash_ids" not in obj:
+        return obj
+    for name in ("timestamp", "input_length", "output_length"):
+        v = obj.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise TraceError(where, f"{name} must be a number >= 0, got {v!r}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise TraceError(where, "hash_ids must be a list of integers")
+    if any(not -(1 << 63) <= h < 1 << 63 for h in ids):
+        raise TraceError(where, "hash_ids must fit in 64 bits")
+    return obj
+
+
+def read_trace(path: str | Path, block_tokens: int | None = None) -> Trace:
+    """Read a JSONL trace; ``block_tokens`` None: inferred (:func:`infer_block_tokens`).
+
+    Raises :class:`TraceError` naming the file and line of the first bad record, or the
+    file when it cannot be read, is empty, or no block size explains it."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise TraceError(str(p), "not a regular file")
+        if p.stat().st_size > MAX_TRACE_BYTES:
+            raise TraceError(str(p), f"larger than {MAX_TRACE_BYTES} bytes")
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise TraceError(str(p), f"cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(str(p), "not UTF-8 text") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{p}:{n}", f"not JSON: {e.msg}") from None
+        records.append(_check_record(obj, f"{p}:{n}"))
+    if not records:
+        raise TraceError(str(p), "no request in it")
+    if block_tokens is not None and block_tokens <= 0:
+        raise TraceError(str(p), f"block size must be > 0, got {block_tokens}")
+    source = "given"
+    if block_tokens is None and any("hash_ids" not in r for r in records):
+        block_tokens, source = DEFAULT_TOKEN_BLOCK, "default for prompt_token_ids"
+    if block_tokens is not None:
+        for r in records:
+            if "hash_ids" not in r:
+                r["hash_ids"] = hash_ids_from_tokens(r.pop("prompt_token_ids"), block_tokens)
+    if block_tokens is None:
+        block_tokens, source = infer_block_tokens(records), "inferred"
+        if block_tokens is None:
+            raise TraceError(str(p), "no block size in 16..4096 gives every request ceil(input_length / B) "
+                                     "hash_ids: give the trace's block size")
+    return dataclasses.replace(make_trace(records, block_tokens), block_tokens_source=source)
+
+
+# ---- single caches: the reference figures --------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """Hits of one cache over a trace."""
+
+    name: str
+    capacity_blocks: int | None
+    hit_tokens: int
+    prompt_tokens: int
+    hit_blocks: int
+
+    @property
+    def hit_share(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def simulate_policy(trace: Trace, capacity_blocks: int, eviction: str, step_blocks: int | None = None) -> CacheResult:
+    """One CPU-like tier of ``capacity_blocks`` slots under ``eviction`` (``lru``,
+    ``s3fifo``): the hierarchy of :func:`simulate_tiers` with no tier below."""
+    r = simulate_tiers(trace, TierSetup(cpu_blocks=capacity_blocks, cpu_eviction=eviction, step_blocks=step_blocks))
+    return CacheResult(eviction, capacity_blocks, r.tiers[0].hit_tokens, r.prompt_tokens, r.tiers[0].hit_blocks)
+
+
+def simulate_infinite(trace: Trace) -> CacheResult:
+    """A cache that never evicts: the share of prompt tokens that any cache could serve."""
+    seen: set[BlockKey] = set()
+    hit_tokens = hit_blocks = 0
+    for i, keys in enumerate(trace.keys):
+        n = 0
+        for k in keys:
+            if k not in seen:
+                break
+            n += 1
+        hit_tokens += trace.hit_tokens(i, n)
+        hit_blocks += n
+        seen.update(keys)
+    return CacheResult("infinite", None, hit_tokens, trace.prompt_tokens, hit_blocks)
+
+
+def simulate_belady(trace: Trace, capacity_blocks: int) -> CacheResult:
+    """Belady's MIN at ``capacity_blocks``: on a miss with the cache full, the block whose
+    next use is furthest leaves, or the incoming block is not stored when its own next use
+    is further still (or never). Hits are prefix hits, as for the other caches."""
+    never = 1 << 62
+    # next use of each access, in the flattened order of the trace's blocks
+    flat = [k for keys in trace.keys for k in keys]
+    nxt = [never] * len(flat)
+    last: dict[BlockKey, int] = {}
+    for pos in range(len(flat) - 1, -1, -1):
+        k = flat[pos]
+        nxt[pos] = last.get(k, never)
+        last[k] = pos
+    del last, flat
+    held: dict[BlockKey, int] = {}  # key -> its next use
+    heap: list[tuple[int, BlockKey]] = []  # (-next use, key); stale entries skipped
+    hit_tokens = hit_blocks = 0
+    pos = 0
+    for i, keys in enumerate(trace.keys):
+        n = 0
+        for k in keys:
+            if k not in held:
+                break
+            n += 1
+        hit_tokens += trace.hit_tokens(i, n)
+        hit_blocks += n
+        for k in keys:
+            nu = nxt[pos]
+            pos += 1
+            if k in held:
+                held[k] = nu
+                heapq.heappush(heap, (-nu, k))
+                continue
+            if nu == never or capacity_blocks <= 0:
+                continue
+            if len(held) >= capacity_blocks:
+                while True:
+                    top, victim = heap[0]
+                    if held.get(victim) == -top:
+                        break
+                    heapq.heappop(heap)
+                if -top <= nu:
+                    continue  # everything held is used sooner than this one
+                heapq.heappop(heap)
+                del held[victim]
+            held[k] = nu
+            heapq.heappush(heap, (-nu, k))
+            if len(heap) > 4 * capacity_blocks + 1024:  # drop stale entries now and then
+                heap = [(-v, k2) for k2, v in held.items()]
+                heapq.heapify(heap)
+    return CacheResult("belady", capacity_blocks, hit_tokens, trace.prompt_tokens, hit_blocks)
+
+
+# ---- the plugin's tiers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LowerTier:
+    """A tier below CPU as the plugin's config has it, in trace blocks.
+
+    ``chunk_blocks``: trace blocks per chunk (at least 1); ``objects_per_chunk``: the
+    plugin's chunks (files, objects) one such chunk stands for, when a trace block is longer
+    than a chunk of the engine's blocks (Mooncake: 512 tokens = two chunks of 16 x 16);
+    ``block_bytes``: bytes of one trace block (0 when the model is not known)."""
+
+    name: str
+    capacity_blocks: int | None
+    mode: Literal["write-back", "write-through"]
+    admit_min_seen: int
+    chunk_blocks: int
+    flush_interval_s: float = 0.0
+    objects_per_chunk: int = 1
+    block_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TierSetup:
+    """The tiers to replay: a CPU pool of ``cpu_blocks`` slots and the tiers below, fastest
+    first."""
+
+    cpu_blocks: int
+    cpu_eviction: str = "s3fifo"
+    lower: tuple[LowerTier, ...] = ()
+    #: blocks a request saves per engine step (vLLM's chunked prefill: max_num_batched_tokens
+    #: / block tokens); None: the whole prompt in one step
+    step_blocks: int | None = None
+    #: store a prompt's partial last block: True when a trace block spans several engine
+    #: blocks (their full ones are stored); False at the engine's own block size, where the
+    #: plugin stores full blocks only
+    save_partial_blocks: bool = True
+    #: a chunk written while serving request i becomes loadable for request i + 1 + this
+    #: (0: at once, as under live traffic where the next turn comes seconds later; requests
+    #: sent back to back find the last one's writes still in flight)
+    confirm_lag_requests: int = 0
+    #: bytes of one trace block (0: not known; the byte figures are then 0)
+    block_bytes: int = 0
+
+
+@dataclass
+class TierResult:
+    """What one tier did over the trace."""
+
+    name: str
+    capacity_blocks: int | None
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    #: lower tiers: chunks written (the plugin's files or objects: PUTs on S3) and their bytes
+    write_ops: int = 0
+    written_blocks: int = 0
+    written_bytes: int = 0
+    #: lower tiers: reads (one per contiguous run of a chunk's blocks: ranged GETs on S3)
+    read_ops: int = 0
+    evicted_blocks: int = 0
+
+
+@dataclass
+class TiersResult:
+    setup: TierSetup
+    requests: int
+    prompt_tokens: int
+    duration_s: float
+    tiers: list[TierResult] = field(default_factory=list)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(t.hit_tokens for t in self.tiers)
+
+    def share(self, tier: TierResult) -> float:
+        return tier.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_to_compute(self) -> int:
+        return self.prompt_tokens - self.hit_tokens
+
+
+#: A trace block's bytes when the model is not known: large against a chunk's 4 KiB header,
+#: so that a tier's capacity in blocks is what it holds.
+_UNKNOWN_BLOCK_BYTES = 1 << 20
+
+
+def _lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
+    block_bytes = t.block_bytes or _UNKNOWN_BLOCK_BYTES
+    policy = ChunkPolicy(tier=t.name, mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
+                         capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True)
+    planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=block_bytes, counters=Counters(), found=[],
+                           clock=lambda: clock[0])
+    if t.capacity_blocks is not None:
+        # Capacity in whole chunks of this tier's own file size, so that it holds
+        # capacity_blocks blocks (headers included) whatever the block's bytes.
+        full = planner.file_bytes(t.chunk_blocks)
+        planner.index.capacity_bytes = -(-t.capacity_blocks // t.chunk_blocks) * full
+    return planner
+
+
+def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
+    """Replay ``trace`` through the CPU tier and the tiers below (module doc)."""
+    clock = [0.0]
+    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction)
+    planners = [_lower_planner(t, clock) for t in setup.lower]
+    cpu = TierResult("cpu", setup.cpu_blocks)
+    lows = [TierResult(t.name, t.capacity_blocks) for t in setup.lower]
+    result = TiersResult(setup, len(trace), trace.prompt_tokens, trace.duration_s, [cpu, *lows])
+    slot_of = index.slot
+    t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
+    # (request index from which they are loadable, planner, report) of writes in flight
+    inflight: list[tuple[int, ChunkPlanner, WorkerReport]] = []
+    for i, keys in enumerate(trace.keys):
+        clock[0] = (trace.timestamps_ms[i] - t0) / 1000.0
+        while inflight and inflight[0][0] <= i:
+            _, p, report = inflight.pop(0)
+            p.on_worker_meta(report)
+        # 1. lookup: the tier of each key of the leading run
+        where: list[int] = []  # 0: CPU, j+1: planners[j]
+        locs: list[tuple[str, int] | None] = []
+        for k in keys:
+            if k in index:
+                where.append(0)
+                locs.append(None)
+                continue
+            for j, p in enumerate(planners):
+                loc = p.locate(k)
+                if loc is not None:
+                    where.append(j + 1)
+                    locs.append(loc)
+                    break
+            else:
+                break
+        for p in planners:
+            p.note_request(keys)
+        # 3. load: pin DRAM hits first, then promote the lower-tier ones
+        pinned: list[int] = []
+        for pos, w in enumerate(where):
+            if w == 0:
+                k = keys[pos]
+                index.touch(k)
+                s = slot_of(k)
+                assert s is not None
+                index.pin(s)
+                pinned.append(s)
+        reads: dict[tuple[int, str], list[int]] = {}
+        for pos, w in enumerate(where):
+            tokens = trace.block_tokens_of(i, pos)
+            if w == 0:
+                cpu.hit_tokens += tokens
+                cpu.hit_blocks += 1
+                continue
+            k = keys[pos]
+            loc = locs[pos]
+            assert loc is not None
+            alloc = index.allocate(k)
+            if alloc is None:
+                break  # no slot to read into: the rest is recomputed
+            if alloc.evicted is not None:
+                for p in planners:
+                    p.on_cpu_evict(alloc.slot, alloc.evicted)
+            index.pin(alloc.slot)
+            pinned.append(alloc.slot)
+            reads.setdefault((w - 1, loc[0]), []).append(loc[1])
+            lows[w - 1].hit_tokens += tokens
+            lows[w - 1].hit_blocks += 1
+        for (j, fid), positions in reads.items():
+            planners[j].index.touch(fid)
+            positions.sort()
+            runs = 1 + sum(1 for a, b in zip(positions, positions[1:], strict=False) if b != a + 1)
+            lows[j].read_ops += runs * setup.lower[j].objects_per_chunk
+        # the load is done before the request computes: its slots are free to go again
+        for s in pinned:
+            index.unpin(s)
+        # 4. save every block not stored yet, a step at a time, 5. each step's writes below
+        step = setup.step_blocks or max(1, len(keys))
+        n_save = len(keys)
+        if not setup.save_partial_blocks and n_save and trace.block_tokens_of(i, n_save - 1) < trace.block_tokens:
+            n_save -= 1
+        for lo in range(0, max(1, len(keys)), step):
+            saved: set[BlockKey] = set()
+            held: list[int] = []
+            for k in keys[lo : min(lo + step, n_save)]:
+                if k in index:
+                    index.touch(k)
+                    continue
+                alloc = index.allocate(k)
+                if alloc is None:
+                    continue
+                for p in planners:
+                    if alloc.evicted is not None:
+                        p.on_cpu_evict(alloc.slot, alloc.evicted)
+                    p.on_cpu_save(alloc.slot, k)
+                # held until the step's save is planned (SavePlanner): a later block of the
+                # same step must not evict it
+                index.pin(alloc.slot)
+                held.append(alloc.slot)
+                saved.add(k)
+            for s in held:
+                index.unpin(s)
+            for j, p in enumerate(planners):
+                for report in _step(p, lows[j], setup.lower[j], saved, slot_of):
+                    if setup.confirm_lag_requests:
+                        inflight.append((i + 1 + setup.confirm_lag_requests, p, report))
+                    else:
+                        p.on_worker_meta(report)
+    cpu.evicted_blocks = index.evictions
+    for j, p in enumerate(planners):
+        lows[j].evicted_blocks = p.index.evicted_blocks
+    return result
+
+
+def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey],
+          slot_of: object) -> list[WorkerReport]:
+    """The step's writes (counted in ``res``), as the worker's reports that confirm them."""
+    reports = []
+    for _ in range(1 << 16):
+        demotes, through, _deletes = p.take_jobs(saved, slot_of)  # type: ignore[arg-type]
+        jobs = demotes + through
+        if not jobs:
+            break
+        written = {}
+        for job in jobs:
+            res.write_ops += tier.objects_per_chunk
+            res.written_blocks += len(job.keys)
+            if tier.block_bytes:  # the chunk's file (header and aligned blocks)
+                res.written_bytes += p.file_bytes(len(job.keys))
+            written[(p.tier, job.file_id)] = 1
+        reports.append(WorkerReport(written=written))
+        saved = set()
+    return reports
