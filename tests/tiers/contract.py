@@ -122,14 +122,31 @@ def fill(pool: BufferPool, first: int, n: int, authenticated: bool = False) -> W
     return wb
 
 
-class Stalled:
+class _Wrapper:
+    """A medium wrapper: deletes and failure classes are the wrapped medium's, and its
+    close is the wrapped store's business."""
+
+    def __init__(self, inner: Medium, name: str) -> None:
+        self.inner = inner
+        self.name = f"{name}-{inner.name}"
+        self.read_shape = inner.read_shape
+
+    def delete(self, chunk_id: str) -> None:
+        self.inner.delete(chunk_id)
+
+    def classify(self, exc: BaseException) -> FailureReason:
+        return self.inner.classify(exc)
+
+    def close(self) -> None:
+        pass
+
+
+class Stalled(_Wrapper):
     """A medium wrapper whose reads (and, with ``writes``, puts) block until ``go`` is set:
-    a hung disk or endpoint. Its close is the wrapped store's business."""
+    a hung disk or endpoint."""
 
     def __init__(self, inner: Medium, *, writes: bool = False) -> None:
-        self.inner = inner
-        self.name = f"stalled-{inner.name}"
-        self.read_shape = inner.read_shape
+        super().__init__(inner, "stalled")
         self.go = threading.Event()
         self.entered = threading.Event()
         self._writes = writes
@@ -145,26 +162,15 @@ class Stalled:
         self.go.wait(30)
         self.inner.read_into(chunk_id, offset, dst, deadline)
 
-    def delete(self, chunk_id: str) -> None:
-        self.inner.delete(chunk_id)
 
-    def classify(self, exc: BaseException) -> FailureReason:
-        return self.inner.classify(exc)
-
-    def close(self) -> None:
-        pass
-
-
-class Raising:
+class Raising(_Wrapper):
     """A batching medium wrapper whose first ``fail`` batch puts and reads raise instead of
     answering per item (a client library that throws), then pass through item by item."""
 
     max_batch = 4
 
     def __init__(self, inner: Medium, fail: int) -> None:
-        self.inner = inner
-        self.name = f"raising-{inner.name}"
-        self.read_shape = inner.read_shape
+        super().__init__(inner, "raising")
         self.puts_left = self.reads_left = fail
 
     def put_batch(self, items: list[tuple[str, memoryview]], deadline: float) -> list[BaseException | None]:
@@ -188,15 +194,6 @@ class Raising:
 
     def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
         raise AssertionError("a batching medium is called by batch")
-
-    def delete(self, chunk_id: str) -> None:
-        self.inner.delete(chunk_id)
-
-    def classify(self, exc: BaseException) -> FailureReason:
-        return self.inner.classify(exc)
-
-    def close(self) -> None:
-        pass
 
 
 class StoreContract:

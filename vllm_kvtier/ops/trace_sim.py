@@ -46,7 +46,7 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -273,16 +273,23 @@ def simulate_policy(trace: Trace, capacity_blocks: int, eviction: str, step_bloc
     return CacheResult(eviction, capacity_blocks, r.tiers[0].hit_tokens, r.prompt_tokens, r.tiers[0].hit_blocks)
 
 
+def _prefix_hits(keys: Sequence[BlockKey], cached: Container[BlockKey]) -> int:
+    """How many of ``keys``, from the first, are in ``cached`` (a prefix hit stops at the
+    first miss)."""
+    n = 0
+    for k in keys:
+        if k not in cached:
+            break
+        n += 1
+    return n
+
+
 def simulate_infinite(trace: Trace) -> CacheResult:
     """A cache that never evicts: the share of prompt tokens that any cache could serve."""
     seen: set[BlockKey] = set()
     hit_tokens = hit_blocks = 0
     for i, keys in enumerate(trace.keys):
-        n = 0
-        for k in keys:
-            if k not in seen:
-                break
-            n += 1
+        n = _prefix_hits(keys, seen)
         hit_tokens += trace.hit_tokens(i, n)
         hit_blocks += n
         seen.update(keys)
@@ -308,11 +315,7 @@ def simulate_belady(trace: Trace, capacity_blocks: int) -> CacheResult:
     hit_tokens = hit_blocks = 0
     pos = 0
     for i, keys in enumerate(trace.keys):
-        n = 0
-        for k in keys:
-            if k not in held:
-                break
-            n += 1
+        n = _prefix_hits(keys, held)
         hit_tokens += trace.hit_tokens(i, n)
         hit_blocks += n
         for k in keys:
