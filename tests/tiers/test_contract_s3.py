@@ -53,7 +53,8 @@ class S3Binding(StoreContract):
 
     def make_store(self, tmp_path: Path, **kw: Any) -> S3Store:
         queued = kw.pop("max_queued_writes", 64)
-        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), NS, 0, BLOCK, **kw))
+        rank = kw.pop("rank", 0)
+        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), NS, rank, BLOCK, **kw))
 
     def get_raw(self, store: S3Store, chunk_id: str) -> bytes:  # type: ignore[override]
         return bytes(self.raw.get_object(Bucket=self.bucket, Key=store.key(chunk_id))["Body"].read())

@@ -5,6 +5,10 @@ A manifest is a cache, never the truth: the bucket listing says which objects ex
 manifest entry is used only for an object the listing shows with at least the header's
 size. A lost, stale or damaged manifest costs requests (header GETs), never correctness.
 
+Signed (a key is set): the bytes below, then a trailer of :data:`SIG_MAGIC`, the key id
+and an HMAC over them bound to the namespace, rank and writer id (:func:`sign_manifest`,
+:func:`split_signature`; the S3 store verifies it before decoding).
+
 Layout (little endian)::
 
     magic b"KVTMANI1", version u32, namespace 16s, entry count u32, payload length u64
@@ -62,7 +66,7 @@ def encode_manifest(namespace: str, entries: Iterable[tuple[str, ChunkHeader]]) 
     return out + _CRC.pack(zlib.crc32(out))
 
 
-def decode_manifest(data: bytes, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
+def decode_manifest(data: bytes | memoryview, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
                     max_entries: int = MAX_ENTRIES, block_bytes: int | None = None) -> dict[str, ChunkHeader]:
     """Parse and verify a manifest. Raises ChunkFormatError on any mismatch.
 
@@ -135,3 +139,29 @@ class _Inflater:
         out = bytes(self._buf[:n])
         del self._buf[:n]
         return out
+
+
+# ---- signatures (a key is set: :meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_mac`) ------
+
+#: A signed manifest is the manifest's bytes, then this magic, the key id (8 bytes) and
+#: the MAC (32 bytes) over those bytes, bound to the namespace, rank and writer id.
+SIG_MAGIC = b"KVTMSIG1"
+SIG_BYTES = len(SIG_MAGIC) + 8 + 32
+
+
+def sign_manifest(body: bytes, key_id: bytes, mac: bytes) -> bytes:
+    """``body`` (an :func:`encode_manifest` result) with its signature trailer."""
+    if len(key_id) != 8 or len(mac) != 32:
+        raise ValueError("a manifest signature is an 8-byte key id and a 32-byte MAC")
+    return body + SIG_MAGIC + key_id + mac
+
+
+def split_signature(data: bytes | memoryview) -> tuple[bytes | memoryview, bytes, bytes]:
+    """(manifest bytes, key id, MAC) of a stored manifest; key id and MAC empty when it
+    carries no signature trailer. The manifest bytes of a signed one are a view of
+    ``data`` (no copy). Nothing here is trusted yet: the caller verifies the MAC (or
+    refuses a signed manifest it holds no key for) before decoding the bytes."""
+    if len(data) > SIG_BYTES and bytes(data[-SIG_BYTES : -SIG_BYTES + len(SIG_MAGIC)]) == SIG_MAGIC:
+        tail = bytes(data[-SIG_BYTES + len(SIG_MAGIC) :])
+        return memoryview(data)[:-SIG_BYTES], tail[:8], tail[8:]
+    return data, b"", b""

@@ -79,6 +79,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import hmac
 import logging
 import random
 import socket
@@ -104,7 +105,7 @@ from vllm_kvtier.tiers.chunkfile import (
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
+from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest, sign_manifest, split_signature
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
@@ -141,6 +142,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Why an object's own header was refused that the same bytes will always give: remembered
+#: (by listed size) so that a rescan does not fetch it again.
+_STABLE_REFUSALS = frozenset({FailureReason.UNAUTHENTICATED, FailureReason.AUTH_FAILED, FailureReason.KEY_MISMATCH,
+                              FailureReason.FORMAT, FailureReason.NAMESPACE, FailureReason.TOO_LARGE})
 
 #: The S3 store's figures (the shape every remote store reports).
 S3Stats = RemoteStats
@@ -440,6 +446,10 @@ class S3Store(StoreKernel):
         #: scans: object id -> (listed size, verified header) of earlier scans, LRU
         #: (at most ``header_cache_entries``; only objects the last listing showed)
         self._headers: OrderedDict[str, tuple[int, ChunkHeader]] = OrderedDict()
+        #: scans: object id -> (listed size, why) of objects whose own header a read would
+        #: refuse (a key not accepted, another rank, an old format version): not fetched
+        #: again while listed at that size (LRU, at most ``header_cache_entries``)
+        self._refused: OrderedDict[str, tuple[int, FailureReason]] = OrderedDict()
         #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
         self._manifest_etags: dict[str, str] = {}
         #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
@@ -450,7 +460,7 @@ class S3Store(StoreKernel):
                          buffers=buffers or shared_pool(),
                          read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
                          write_deadline_s=config.deadline_s, io_threads=config.io_threads,
-                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth)
+                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
 
     def __repr__(self) -> str:
         c = self.config
@@ -558,7 +568,11 @@ class S3Store(StoreKernel):
             with self._mlock:
                 entries = list(self._manifest.items())
                 changes = self._manifest_changes
-            self.medium.put_key(self.manifest_key(), encode_manifest(self.namespace, entries), self.medium.soon())
+            body = encode_manifest(self.namespace, entries)
+            if self.auth is not None:  # signed: bound to this namespace, rank and writer id
+                body = sign_manifest(body, self.auth.key_id,
+                                     self.auth.manifest_mac(self.namespace, self.rank, self.writer_id, body))
+            self.medium.put_key(self.manifest_key(), body, self.medium.soon())
             with self._mlock:
                 self._manifest_changes -= changes
             return True
@@ -574,7 +588,7 @@ class S3Store(StoreKernel):
         failed GET is a lost cache, never an error."""
         try:
             data = self.medium.get_bounded(self.manifest_key(), MAX_MANIFEST_BYTES)
-            old = decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
+            old = decode_manifest(self.verified_manifest(self.manifest_key(), data), self.namespace, max_blocks=self.max_chunk_blocks,
                                   block_bytes=self.block_bytes,
                                   max_entries=max(self.config.manifest_max_entries, 1 << 20))
         except Exception as e:
@@ -634,16 +648,27 @@ class S3Store(StoreKernel):
                 cached = self._headers.get(oid)
                 hit = cached is not None and cached[0] == size
                 h = cached[1] if cached is not None and hit else covered.get(oid)
-                if h is not None and h.block_bytes == self.block_bytes and size >= h.total_bytes:
+                refused = self._refused.get(oid)
+                if refused is not None and refused[0] == size and h is None:
+                    problem(refused[1])  # its own header was refused before: not fetched again
+                    continue
+                # A cached header was checked when it was first found; a manifest's entry is
+                # checked here (one HMAC over the header), and if refused the object's own
+                # header decides (a manifest entry never hides a good object).
+                if (h is not None and h.block_bytes == self.block_bytes and size >= h.total_bytes
+                        and (hit or self.refuses(oid, h) is None)):
                     found[oid] = h
                     from_cache += hit
                 else:
                     todo.append((oid, size, key))
-            for (oid, _, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
+            for (oid, size, key), got in zip(todo, pool.map(self._scan_header, todo), strict=True):
                 if isinstance(got, ChunkHeader):
                     found[oid] = got
                     continue
                 problem(got)
+                if got in _STABLE_REFUSALS:
+                    self._refused[oid] = (size, got)
+                    self._refused.move_to_end(oid)
                 if cleanup and got.damaged and got is not FailureReason.MISSING:
                     doomed.append(key)
             list(pool.map(self._delete_quietly, doomed))
@@ -661,6 +686,11 @@ class S3Store(StoreKernel):
         cache = self._headers
         for oid in [o for o in cache if o not in objects]:
             del cache[oid]
+        refused = self._refused
+        for oid in [o for o in refused if o not in objects or o in found]:
+            del refused[oid]
+        while len(refused) > self.config.header_cache_entries:
+            refused.popitem(last=False)
         for oid, h in found.items():
             cache[oid] = (objects[oid][0], h)
             cache.move_to_end(oid)
@@ -707,10 +737,31 @@ class S3Store(StoreKernel):
                           if modified < too_old and m != own and m not in doomed)
         return covered
 
+    def verified_manifest(self, key: str, data: bytes) -> bytes | memoryview:
+        """The manifest bytes of the stored manifest ``data`` at ``key``, once its signature
+        is checked: with a key, it must be signed with an accepted key for this namespace,
+        rank and the writer id its name says (else ChunkFormatError ``unauthenticated``, or
+        ``auth_failed`` for a MAC that does not verify); without one, a signed manifest is
+        refused (``unauthenticated``: its chunks are signed, this store serves none)."""
+        body, key_id, mac = split_signature(data)
+        if self.auth is None:
+            if key_id:
+                raise ChunkFormatError("a signed manifest, and this store holds no key", FailureReason.UNAUTHENTICATED)
+            return body
+        if not key_id:
+            raise ChunkFormatError("an unsigned manifest, and this store verifies MACs", FailureReason.UNAUTHENTICATED)
+        if not self.auth.accepts(key_id):
+            raise ChunkFormatError(f"a manifest signed with key id {key_id.hex()}, not accepted here",
+                                   FailureReason.UNAUTHENTICATED)
+        writer = key.rsplit("/", 1)[-1].removesuffix(MANIFEST_SUFFIX)
+        if not hmac.compare_digest(self.auth.manifest_mac(self.namespace, self.rank, writer, body, key_id), mac):
+            raise ChunkFormatError("the manifest's MAC does not verify", FailureReason.AUTH_FAILED)
+        return body
+
     def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:
         try:
             data = self.medium.get_bounded(key, MAX_MANIFEST_BYTES)
-            return decode_manifest(data, self.namespace, max_blocks=self.max_chunk_blocks,
+            return decode_manifest(self.verified_manifest(key, data), self.namespace, max_blocks=self.max_chunk_blocks,
                                    block_bytes=self.block_bytes)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
@@ -738,9 +789,12 @@ class S3Store(StoreKernel):
                 rest = bytearray(need - len(head))
                 self.medium.get_range(key, len(head), memoryview(rest), deadline)
                 head += rest
-            h = decode_header(bytes(head[:need]), self.namespace)
+            h = decode_header(bytes(head[:need]), self.namespace, rank=self.rank)
             if size < h.total_bytes:
                 raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
+            why = self.refuses(item[0], h)
+            if why is not None:  # what a read would refuse is never indexed (nor offered again)
+                raise ChunkFormatError(f"not trusted: {why}", why)
             return h
         except Exception as e:
             logger.warning("kvtier s3: ignoring %s: %s", key, e)
