@@ -67,6 +67,9 @@ COUNTERS: dict[str, str] = {
     "lora_unkeyed_requests": "Requests with a LoRA adapter whose content could not be fingerprinted: they neither "
                              "load from nor save to the tiers.",
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
+    "untrusted_chunks": "Chunks forgotten by the scheduler after a read refused them as unauthenticated (unsigned, "
+                        "or signed with a key no longer accepted, e.g. after a key rotation): their blocks are "
+                        "written again; the object is not deleted (except a key-named pool object).",
     "reclaimed_files": "Files or objects of a tier deleted at start by their owner as debris: partial writes, chunks "
                        "on only some TP ranks, misfits.",
     "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",
