@@ -403,6 +403,19 @@ class StoreContract:
         r = self.read(store, "c1", h, [0])
         assert not r.ok and r.reason is not None and r.reason.damaged
 
+    @pytest.mark.parametrize("version", [1, 2])
+    def test_a_chunk_of_an_earlier_format_version_is_a_format_miss(self, store: StoreKernel, pool: BufferPool,
+                                                                    version: int) -> None:
+        """Versions 1 and 2 (earlier builds: no rank in the header) are never read: a miss
+        (``format``, damaged), bounded like any other, never an exception."""
+        h = self.write(store, pool, "c1", 0, 2)
+        data = bytearray(self.get_raw(store, "c1"))
+        data[8:12] = version.to_bytes(4, "little")
+        self.put_raw(store, "c1", bytes(data))
+        self.assert_miss(store, pool, "c1", None, [0], FailureReason.FORMAT)
+        r = self.read(store, "c1", h, [0])  # the header read along is not the indexed one
+        assert not r.ok and r.reason is not None and r.reason.damaged and r.blocks is None, r.reason
+
     def test_read_stalled_past_its_deadline(self, store: StoreKernel, pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         slow = Stalled(store.medium)
