@@ -296,8 +296,8 @@ class StoreContract:
     def test_full_write_queue_refuses_and_the_caller_keeps_the_buffer(self, store: StoreKernel,
                                                                       pool: BufferPool) -> None:
         slow = Stalled(store.medium, writes=True)
-        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool, rank=store.rank,
-                        read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
+                        rank=store.rank, read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
         try:
             assert k.submit_write(1, "w1", fill(pool, 0, 1))
             assert slow.entered.wait(5)
@@ -419,8 +419,8 @@ class StoreContract:
     def test_read_stalled_past_its_deadline(self, store: StoreKernel, pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         slow = Stalled(store.medium)
-        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool, rank=store.rank,
-                        read_deadline_s=0.3, io_threads=1)
+        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
+                        rank=store.rank, read_deadline_s=0.3, io_threads=1)
         try:
             t0 = time.monotonic()
             k.submit_read(7, "c1", h, [1], [key(1)])

@@ -460,7 +460,8 @@ class S3Store(StoreKernel):
                          buffers=buffers or shared_pool(),
                          read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
                          write_deadline_s=config.deadline_s, io_threads=config.io_threads,
-                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
+                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth,
+                         rank=rank)
 
     def __repr__(self) -> str:
         c = self.config
@@ -588,7 +589,8 @@ class S3Store(StoreKernel):
         failed GET is a lost cache, never an error."""
         try:
             data = self.medium.get_bounded(self.manifest_key(), MAX_MANIFEST_BYTES)
-            old = decode_manifest(self.verified_manifest(self.manifest_key(), data), self.namespace, max_blocks=self.max_chunk_blocks,
+            body = self.verified_manifest(self.manifest_key(), data)  # ours, but the bucket is shared
+            old = decode_manifest(body, self.namespace, max_blocks=self.max_chunk_blocks,
                                   block_bytes=self.block_bytes,
                                   max_entries=max(self.config.manifest_max_entries, 1 << 20))
         except Exception as e:
@@ -761,7 +763,8 @@ class S3Store(StoreKernel):
     def _scan_manifest(self, key: str) -> dict[str, ChunkHeader] | FailureReason:
         try:
             data = self.medium.get_bounded(key, MAX_MANIFEST_BYTES)
-            return decode_manifest(self.verified_manifest(key, data), self.namespace, max_blocks=self.max_chunk_blocks,
+            body = self.verified_manifest(key, data)  # before any entry is trusted
+            return decode_manifest(body, self.namespace, max_blocks=self.max_chunk_blocks,
                                    block_bytes=self.block_bytes)
         except Exception as e:
             logger.warning("kvtier s3: ignoring manifest %s: %s", key, e)
