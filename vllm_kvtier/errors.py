@@ -46,7 +46,7 @@ class FailureReason(StrEnum):
     MISSING = "missing"  #: no such chunk (never stored, evicted, deleted)
     NAMESPACE = "namespace"  #: written by an engine with other bytes (model, dtype, geometry)
     FORMAT = "format"  #: not a chunk of this format, or of another block size
-    KEY_MISMATCH = "key_mismatch"  #: a well-formed chunk, but not the key asked for at a read position
+    KEY_MISMATCH = "key_mismatch"  #: a well-formed chunk, but not the key asked for at a read position (or another rank's)
     TOO_LARGE = "too_large"  #: a size read from stored bytes beyond what this engine could have written
     NOT_REGULAR = "not_regular"  #: a FIFO, device, socket or link where a chunk file should be
     BAD_REQUEST = "bad_request"  #: the medium refuses the request for this chunk (positions out of range...)
@@ -79,8 +79,9 @@ class FailureReason(StrEnum):
     LEASE_EXPIRED = "lease_expired"  #: Mooncake: the lease expired before the transfer ended
     TRANSFER = "transfer"  #: Mooncake: the transfer engine failed
     ERROR = "error"  #: anything else (logged with its traceback where it is caught)
-    #: not signed with our key: no MAC while we verify, a MAC under another key, or a MAC
-    #: we hold no key for. Never delivered, but kept: it may be another fleet's good data.
+    #: not signed with a key we accept: no MAC while we verify, a MAC under another key, or
+    #: a MAC we hold no key for. Never delivered, but kept: it may be another fleet's good
+    #: data (the reader's index forgets it, so its blocks are written again).
     UNAUTHENTICATED = "unauthenticated"
 
     # A member hashes like its string, so ``reason in {"checksum", ...}`` works both ways.

@@ -194,6 +194,10 @@ class WorkerReport:
     verify_unread: set[tuple[int, bytes]] = field(default_factory=set)
     #: (verify id, key) within the tolerance but not bitwise equal on some rank.
     verify_inexact: set[tuple[int, bytes]] = field(default_factory=set)
+    #: (tier, chunk id) refused on some rank as ``unauthenticated`` (unsigned, or signed with
+    #: a key not accepted, e.g. after a key rotation): forgotten so it can be written again,
+    #: not deleted (on a shared tier it may be another fleet's good data).
+    untrusted: set[tuple[str, str]] = field(default_factory=set)
 
     def aggregate(self: _R, other: Any) -> _R:
         """This report merged with another rank's (counts summed, sets united); of the
@@ -212,11 +216,12 @@ class WorkerReport:
                           self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
                           self.peer_done | other.peer_done, self.refused | other.refused, verified,
                           self.verify_mismatched | other.verify_mismatched,
-                          self.verify_unread | other.verify_unread, self.verify_inexact | other.verify_inexact)
+                          self.verify_unread | other.verify_unread, self.verify_inexact | other.verify_inexact,
+                          self.untrusted | other.untrusted)
 
     def is_empty(self) -> bool:
         return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
-                    or self.peer_info or self.peer_done or self.refused or self.verified)
+                    or self.peer_info or self.peer_done or self.refused or self.verified or self.untrusted)
 
     @classmethod
     def from_report(cls: type[_R], report: WorkerReport) -> _R:

@@ -70,6 +70,9 @@ COUNTERS: dict[str, str] = {
                           "namespace (model identity or KV layout seen differently by the two processes; logged "
                           "as an ERROR): the blocks are recomputed, nothing is stored.",
     "auth_failures": "Chunk reads refused by their MAC (forged or altered, unsigned, or signed with another key).",
+    "untrusted_chunks": "Chunks forgotten by the scheduler after a read refused them as unauthenticated (unsigned, "
+                        "or signed with a key no longer accepted, e.g. after a key rotation): their blocks are "
+                        "written again; the object is not deleted (except a key-named pool object).",
     "reclaimed_files": "Files or objects of a tier deleted at start by their owner as debris: partial writes, chunks "
                        "on only some TP ranks, misfits.",
     "reclaimed_bytes": "Bytes of other namespaces' directories collected at start (nvme.gc_foreign_namespaces).",

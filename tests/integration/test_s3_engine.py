@@ -229,3 +229,47 @@ def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_se
     assert c.get("auth_failures|s3", 0) >= 1 and c.get("load_failures|s3", 0) >= 1
     assert 0 < c.get("blocks_loaded|s3", 0) < 2 * LOADABLE  # the other objects still serve
     assert victim not in objects(s3_server, s3_bucket), "the forged object is deleted"
+
+
+def test_a_rolling_key_rotation(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path, monkeypatch):
+    """``auth`` key rotation on real engines sharing a bucket: A signs with k1; B (k2 signs,
+    k1 verifies: ``auth.verify_key_envs``) loads every loadable block A stored and stores a
+    new prompt with k2; once k1 is dropped, C loads B's blocks, never indexes A's chunks
+    (no load is even tried) and writes those prefixes again with k2; D loads them all."""
+    import copy
+
+    ps, ps2 = SETS[2], SETS[3]
+    kv = s3_config(s3_server.url, s3_bucket)
+    kv["kv_connector_extra_config"]["auth"] = {"required": True}
+    rotating = copy.deepcopy(kv)
+    rotating["kv_connector_extra_config"]["auth"]["verify_key_envs"] = ["KVTIER_AUTH_KEY_OLD"]
+
+    def chunks() -> set[str]:
+        return {k for k in objects(s3_server, s3_bucket) if k.endswith(".kvt")}
+
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "a1" * 32)
+    run_process(tiny_model, kv, ps, tmp_path)
+    signed_k1 = chunks()
+    assert signed_k1
+
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "b2" * 32)
+    monkeypatch.setenv("KVTIER_AUTH_KEY_OLD", "a1" * 32)
+    data = run_process(tiny_model, rotating, ps + ps2, tmp_path)
+    assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps + ps2]
+    assert data["counters"].get("blocks_loaded|s3", 0) == 2 * LOADABLE  # A's, signed with k1
+    signed_k2 = chunks() - signed_k1
+    assert signed_k2  # ps2, signed with k2
+
+    monkeypatch.delenv("KVTIER_AUTH_KEY_OLD")
+    data = run_process(tiny_model, kv, ps2 + ps, tmp_path)
+    assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps2 + ps]
+    c = data["counters"]
+    assert c.get("blocks_loaded|s3", 0) == LOADABLE  # B's only
+    assert c.get("load_failures|s3", 0) == 0 and c.get("auth_failures|s3", 0) == 0  # k1's: never offered
+    rewritten = chunks() - signed_k1 - signed_k2
+    assert rewritten  # A's prefixes, written again with k2
+
+    data = run_process(tiny_model, kv, ps, tmp_path)
+    assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps]
+    assert data["counters"].get("blocks_loaded|s3", 0) == 2 * LOADABLE
+    assert data["counters"].get("load_failures|s3", 0) == 0

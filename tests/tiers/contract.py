@@ -14,7 +14,10 @@ never through the store's private state::
             store.forge(chunk_id, data)
 
 ``make_store`` gets the kernel's knobs as keywords (``buffers``, ``read_deadline_s``,
-``max_queued_writes``, ``max_chunk_blocks``) and must pass them on. File media also derive
+``max_queued_writes``, ``max_chunk_blocks``, ``auth``) and must pass them on, and
+``rank`` (default 0): the store's rank, which names its place in the medium (``r<rank>``).
+A binding whose stores share one key space across tests may give each store a rank of its
+own instead, as long as stores asked for different ranks get different ones. File media also derive
 :class:`FileMediumContract` (sparse files, FIFOs, the start-up scan).
 
 Every adversarial case ends as a miss with a named FailureReason, and its memory is
@@ -375,7 +378,7 @@ class StoreContract:
                                                                       pool: BufferPool) -> None:
         slow = Stalled(store.medium, writes=True)
         k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+                        rank=store.rank, read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
         try:
             assert k.submit_write(1, "w1", fill(pool, 0, 1))
             assert slow.entered.wait(5)
@@ -402,7 +405,7 @@ class StoreContract:
         h = self.write(store, pool, "c1", 0, 2)
         bad = Raising(store.medium, fail=3)
         k = StoreKernel(bad, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+                        rank=store.rank, read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
         try:
             for job in (1, 2, 3):
                 assert k.submit_write(job, f"w{job}", fill(pool, job, 1))
@@ -513,11 +516,24 @@ class StoreContract:
         r = self.read(store, "c1", h, [0])
         assert not r.ok and r.reason is not None and r.reason.damaged
 
+    @pytest.mark.parametrize("version", [1, 2])
+    def test_a_chunk_of_an_earlier_format_version_is_a_format_miss(self, store: StoreKernel, pool: BufferPool,
+                                                                    version: int) -> None:
+        """Versions 1 and 2 (earlier builds: no rank in the header) are never read: a miss
+        (``format``, damaged), bounded like any other, never an exception."""
+        h = self.write(store, pool, "c1", 0, 2)
+        data = bytearray(self.get_raw(store, "c1"))
+        data[8:12] = version.to_bytes(4, "little")
+        self.put_raw(store, "c1", bytes(data))
+        self.assert_miss(store, pool, "c1", None, [0], FailureReason.FORMAT)
+        r = self.read(store, "c1", h, [0])  # the header read along is not the indexed one
+        assert not r.ok and r.reason is not None and r.reason.damaged and r.blocks is None, r.reason
+
     def test_read_stalled_past_its_deadline(self, store: StoreKernel, pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         slow = Stalled(store.medium)
         k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        read_deadline_s=0.3, io_threads=1)
+                        rank=store.rank, read_deadline_s=0.3, io_threads=1)
         try:
             t0 = time.monotonic()
             k.submit_read(7, "c1", h, [1], [key(1)])
@@ -657,6 +673,63 @@ class StoreContract:
             self.refused(other, pool, "c1", h, [0, 2], FailureReason.UNAUTHENTICATED)
         finally:
             other.close(timeout_s=10.0)
+
+
+    # ---- the store rank: every TP/PP rank stores its shard under the same chunk id -----------
+    # (keys and namespace too); only the medium's path (``r<rank>``) tells them apart, and
+    # it is not signed. A rank's chunk copied over another rank's is never served there.
+
+    def shard(self, pool: BufferPool, rank: int, n: int, authenticated: bool) -> WriteBuffer:
+        """Rank ``rank``'s shard of a chunk of keys 0..n-1 (other bytes on each rank)."""
+        wb = WriteBuffer([key(i) for i in range(n)], BLOCK, pool, authenticated=authenticated)
+        for i in range(n):
+            with wb.block(i) as b:
+                b[:] = block(100 * rank + i)
+        return wb
+
+    @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+    def test_chunk_copied_over_another_ranks_is_refused(self, tmp_path: Path, pool: BufferPool,
+                                                         signed: bool) -> None:
+        """With a key, the header's MAC covers the rank (and the block tags too): whoever can
+        write the medium cannot move a shard to another rank. Without one, the rank stored in
+        the header is checked all the same: a copy made by mistake or a misconfiguration is a
+        miss (a forger without a key can write anything there anyway)."""
+        auth = ChunkAuth(KEY) if signed else None
+        kw: dict[str, Any] = dict(buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS, auth=auth)
+        r0 = self.make_store(tmp_path, rank=0, **kw)
+        r1 = self.make_store(tmp_path, rank=1, **kw)
+        try:
+            headers = []
+            for job, st in enumerate((r0, r1), start=1):
+                assert st.submit_write(job, "c1", self.shard(pool, st is r1, 4, signed))
+                res = wait_for(st, job)
+                assert res.ok and res.header is not None, res.reason
+                assert res.header.authenticated == signed
+                headers.append(res.header)
+            h1 = headers[1]
+            r = self.read(r1, "c1", None, [2])  # before: rank 1 serves its own shard
+            assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(102), r.reason
+            r.release()
+            self.put_raw(r1, "c1", self.get_raw(r0, "c1"))  # rank 0's object over rank 1's
+            # A read that fetches the header (S3 and Mooncake workers, a probe): the rank in it
+            # is rank 0's, and with a key its MAC vouches for exactly that.
+            self.refused(r1, pool, "c1", None, [0, 2], FailureReason.KEY_MISMATCH)
+            self.refused(r1, pool, "c1", None, [3], FailureReason.KEY_MISMATCH)
+            # With rank 1's own header (indexed before the copy): the bytes are not its blocks.
+            r = self.read(r1, "c1", h1, [1, 3])
+            assert not r.ok and r.reason is not None and r.reason.damaged and r.blocks is None, r.reason
+            r = self.read(r1, "c1", h1, [0])  # the stored header read along is rank 0's
+            assert not r.ok and r.reason is not None and r.reason.damaged, r.reason
+            if hasattr(r1, "scan"):  # never indexed by a scan either
+                res = r1.scan()
+                assert "c1" not in res.found and res.problems.get(FailureReason.KEY_MISMATCH) == 1, res.problems
+            r = self.read(r0, "c1", headers[0], [2])  # rank 0's own place still serves
+            assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(2), r.reason
+            r.release()
+            assert r0.rank != r1.rank and [h.rank for h in headers] == [r0.rank, r1.rank]
+        finally:
+            r0.close(timeout_s=10.0)
+            r1.close(timeout_s=10.0)
 
 
 class FileMediumContract:

@@ -47,6 +47,7 @@ class TestMooncakeStore(StoreContract):
         cfg = self.master.config(global_segment_bytes=16 << 20, deadline_s=kw.pop("read_deadline_s"),
                                  **({"max_queued_writes": kw.pop("max_queued_writes")}
                                     if "max_queued_writes" in kw else {}))
+        kw.pop("rank", None)  # a rank of its own whatever was asked (distinct, as asked)
         return MooncakeStore(cfg, NS, next(_ranks), BLOCK, **kw)
 
     def get_raw(self, store: MooncakeStore, chunk_id: str) -> bytes:  # type: ignore[override]

@@ -25,11 +25,13 @@ class NVMeBinding(FileMediumContract, StoreContract):
         """A store on ``tmp_path/nvme``; when a store of this test still holds that
         directory's lock (a second store: another key, a reader without one), on the next
         free ``nvme-<n>`` (one engine per directory: the lock refuses a second one). A store
-        reopened after the first closed gets the first directory back."""
+        reopened after the first closed gets the first directory back. ``rank``: its rank
+        directory under the root (``r<rank>``)."""
+        rank = kw.pop("rank", 0)
         for n in range(8):
             path = tmp_path / ("nvme" if n == 0 else f"nvme-{n}")
             try:
-                return or_skip(lambda p=path: NVMeStore(p, NS, 0, BLOCK, io_engine=self.io_engine, **kw))
+                return or_skip(lambda p=path: NVMeStore(p, NS, rank, BLOCK, io_engine=self.io_engine, **kw))
             except DirectoryLocked:
                 continue
         raise AssertionError("8 stores of one test hold their directories")

@@ -18,11 +18,12 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
-from tests.tiers.contract import BLOCK, MAX_BLOCKS, NS, StoreContract, key
+from tests.tiers.contract import BLOCK, KEY, MAX_BLOCKS, NS, OTHER_KEY, StoreContract, key
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool
 from vllm_kvtier.tiers.chunkfile import encode_header, make_header
-from vllm_kvtier.tiers.manifest import MAGIC, VERSION
+from vllm_kvtier.tiers.manifest import MAGIC, SIG_BYTES, VERSION, encode_manifest, sign_manifest
 from vllm_kvtier.tiers.s3 import S3Config, S3Store
 
 pytestmark = pytest.mark.s3
@@ -53,7 +54,8 @@ class S3Binding(StoreContract):
 
     def make_store(self, tmp_path: Path, **kw: Any) -> S3Store:
         queued = kw.pop("max_queued_writes", 64)
-        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), NS, 0, BLOCK, **kw))
+        rank = kw.pop("rank", 0)
+        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), NS, rank, BLOCK, **kw))
 
     def get_raw(self, store: S3Store, chunk_id: str) -> bytes:  # type: ignore[override]
         return bytes(self.raw.get_object(Bucket=self.bucket, Key=store.key(chunk_id))["Body"].read())
@@ -126,6 +128,65 @@ class S3Binding(StoreContract):
         (what,) = res.problems
         assert what.startswith("manifest_") and FailureReason(what.removeprefix("manifest_")).damaged, what
         assert store.last_scan.header_gets == 1
+
+    @pytest.mark.parametrize("forge", ["unsigned", "other_writer", "other_rank", "other_key", "edited"])
+    def test_manifest_is_signed_and_a_forged_one_is_ignored(self, signed: S3Store, pool: BufferPool,
+                                                            forge: str) -> None:
+        """With a key, a writer's manifest is signed (bound to namespace, rank and writer
+        id) and a reader with the key trusts it (no header GET). Forged (unsigned, moved to
+        another writer's name or another rank, signed with another key, or edited), it is
+        ignored and counted; each object's own header is read instead."""
+        h = self.write_signed(signed, pool, "ok", 0, 2)
+        assert signed.flush_manifest()
+        body = self.raw.get_object(Bucket=self.bucket, Key=signed.manifest_key())["Body"].read()
+        reader = self.make_store(Path("."), max_chunk_blocks=MAX_BLOCKS, auth=ChunkAuth(KEY))
+        try:
+            res = self.scan_bounded(reader)
+            assert res.found == {"ok": h} and not res.problems
+            assert reader.last_scan.manifest_gets == 1 and reader.last_scan.header_gets == 0
+            self.raw.delete_object(Bucket=self.bucket, Key=signed.manifest_key())
+            target, expected = signed.manifest_key("forger"), "manifest_auth_failed"
+            if forge == "unsigned":
+                body, expected = encode_manifest(NS, [("ok", h)]), "manifest_unauthenticated"
+            elif forge == "other_writer":
+                pass  # the same signed bytes under another writer's name
+            elif forge == "other_rank":
+                target = signed.manifest_key().replace("/r0/", "/r1/")
+                other = self.make_store(Path("."), max_chunk_blocks=MAX_BLOCKS, auth=ChunkAuth(KEY), rank=1)
+                try:
+                    self.raw.put_object(Bucket=self.bucket, Key=other.key("ok"), Body=self.get_raw(signed, "ok"))
+                    self.raw.put_object(Bucket=self.bucket, Key=other.manifest_key(signed.writer_id), Body=body)
+                    res = self.scan_bounded(other)
+                finally:
+                    other.close(timeout_s=10)
+                assert res.found == {} and res.problems == {"manifest_auth_failed": 1, FailureReason.KEY_MISMATCH: 1}
+                return
+            elif forge == "other_key":
+                fake = ChunkAuth(OTHER_KEY)
+                plain = body[: -SIG_BYTES]
+                body = sign_manifest(plain, ChunkAuth(KEY).key_id, fake.manifest_mac(NS, 0, "forger", plain))
+            else:
+                body = body[:-1] + bytes([body[-1] ^ 1])
+                target = signed.manifest_key()
+            self.raw.put_object(Bucket=self.bucket, Key=target, Body=body)
+            fresh = self.make_store(Path("."), max_chunk_blocks=MAX_BLOCKS, auth=ChunkAuth(KEY))
+            try:
+                res = self.scan_bounded(fresh)
+                assert res.found == {"ok": h}  # found by its own header instead
+                assert res.problems == {expected: 1}, res.problems
+                assert fresh.last_scan.header_gets == 1
+            finally:
+                fresh.close(timeout_s=10)
+        finally:
+            reader.close(timeout_s=10)
+
+    def test_a_signed_manifest_is_ignored_without_a_key(self, store: S3Store, signed: S3Store,
+                                                        pool: BufferPool) -> None:
+        self.write_signed(signed, pool, "ok", 0, 2)
+        assert signed.flush_manifest()
+        res = self.scan_bounded(store)
+        assert res.found == {} and res.problems == {"manifest_unauthenticated": 1,
+                                                    FailureReason.UNAUTHENTICATED: 1}, res.problems
 
     def test_every_block_is_one_plain_get_and_a_short_object_is_truncated(self, store: S3Store,
                                                                           pool: BufferPool) -> None:

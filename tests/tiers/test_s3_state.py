@@ -310,7 +310,7 @@ def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
         and one real manifest covering the ``n`` objects, as another writer leaves it."""
         st = S3Store(config(s3_server, s3_bucket), NS, rank, BLOCK)
         s3_server.client().put_object(Bucket=s3_bucket, Key=st.manifest_key("other"), Body=encode_manifest(
-            NS, ((f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK)) for i in range(n))))
+            NS, ((f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK, rank=rank)) for i in range(n))))
         st.close()
         stamp = time.time()
 

@@ -595,7 +595,7 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
 
         proxy.delay(0.3)
         counters = Counters()
-        p = _s3_planner(S3TierConfig(store=cfg, rescan_interval_s=0), NS, 1, BLOCK, counters)
+        p = _s3_planner(S3TierConfig(store=cfg, rescan_interval_s=0), NS, 1, BLOCK, counters, None)
         try:
             assert counters.totals["scan_cut_short|s3"] == 1
             assert len(p.index) < 30

@@ -453,6 +453,11 @@ class FaultInjectionConfig:
         _in_range("fault_injection.load_error_rate", self.load_error_rate, 0, 1)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+#: Verify keys (``auth.verify_key_files`` and ``auth.verify_key_envs``) at most.
+MAX_VERIFY_KEYS = 8
+
+
 @dataclass(frozen=True)
 class AuthConfig:
     """Authenticated chunks (MACs) for the tiers below CPU: WHERE the key is, never the key.
@@ -475,12 +480,27 @@ class AuthConfig:
     local_tiers: bool = False
     #: Accept a key file that group or other can read (some secret mounts are 0644).
     allow_readable_key_file: bool = False
+    #: Key rotation: files (absolute paths, same rules as ``key_file``) each holding one more
+    #: key as hex, accepted on reads but never used to sign. Every one must hold a key.
+    verify_key_files: tuple[str, ...] = ()
+    #: Key rotation: environment variables each holding one more key as hex, accepted on
+    #: reads but never used to sign. Every one must be set.
+    verify_key_envs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", self.key_env):
+        if not _ENV_NAME.fullmatch(self.key_env):
             raise ConfigError("auth.key_env", f"must be an environment variable name, got {self.key_env!r}")
         if self.key_file is not None and ("\0" in self.key_file or not self.key_file.startswith("/")):
             raise ConfigError("auth.key_file", "must be an absolute path without NUL bytes")
+        if len(self.verify_key_files) + len(self.verify_key_envs) > MAX_VERIFY_KEYS:
+            raise ConfigError("auth.verify_key_files", f"at most {MAX_VERIFY_KEYS} verify keys in all (with "
+                                                       "auth.verify_key_envs)")
+        for i, f in enumerate(self.verify_key_files):
+            if not isinstance(f, str) or "\0" in f or not f.startswith("/"):
+                raise ConfigError(f"auth.verify_key_files[{i}]", "must be an absolute path without NUL bytes")
+        for i, e in enumerate(self.verify_key_envs):
+            if not isinstance(e, str) or not _ENV_NAME.fullmatch(e):
+                raise ConfigError(f"auth.verify_key_envs[{i}]", f"must be an environment variable name, got {e!r}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
-from vllm_kvtier.tiers.auth import load_auth
+from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, NVMeStore, other_bytes, rank_dir, scan_dir
@@ -127,24 +127,27 @@ def make_planners(
     ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``).
     Raises ConfigError when ``auth.required`` and no key is found (the scheduler only lists
     and indexes; the workers verify every chunk they read)."""
-    load_auth(cfg.auth)
+    # The scheduler verifies what it indexes with the workers' keys: a header a read would
+    # refuse (a key not accepted, a MAC that does not verify, another rank) is never indexed.
+    auth = load_auth(cfg.auth)
     planners = []
     n = cfg.nvme
     if n is not None:
         f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
-        planners.append(_nvme_planner(n, f, world_size, counters))
+        planners.append(_nvme_planner(n, f, world_size, counters, auth if cfg.auth.local_tiers else None))
     if cfg.s3 is not None:
         f = tier_format(TierName.S3, cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
                         kv_dtype=kv_dtype)
-        planners.append(_s3_planner(cfg.s3, f.namespace, world_size, f.block_bytes, counters))
+        planners.append(_s3_planner(cfg.s3, f.namespace, world_size, f.block_bytes, counters, auth))
     if cfg.mooncake is not None:
         planners.append(_mooncake_planner(cfg.mooncake, namespace, world_size, block_bytes_per_rank, counters,
                                           read_only_pool))
     return planners
 
 
-def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: Counters) -> ChunkPlanner:
+def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: Counters,
+                  auth: ChunkAuth | None) -> ChunkPlanner:
     """The NVMe planner from a read-only scan of every rank's directory. A directory held
     by another engine (its lock), or one the worker will refuse as unsafe (another user's,
     writable by others), turns the tier off here too: nothing of it is indexed, nothing is
@@ -164,7 +167,9 @@ def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: C
         counters.add("store_failures", TierName.NVME)
         return ChunkPlanner(dataclasses.replace(policy, mode="read-only"), world_size=world_size,
                             block_bytes_per_rank=f.block_bytes, counters=counters, found=[{} for _ in dirs])
-    found = [scan_dir(d, f.namespace, max_blocks=n.chunk_blocks, block_bytes=f.block_bytes)[0] for d in dirs]
+    refuses = functools.partial(refusal_reason, auth)
+    found = [scan_dir(d, f.namespace, max_blocks=n.chunk_blocks, block_bytes=f.block_bytes, rank=r, refuses=refuses)[0]
+             for r, d in enumerate(dirs)]
     # Capacity covers every byte the tier leaves in its directories, not only the chunks.
     reserved = max(other_bytes(d) for d in dirs)
     return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes, counters=counters,
@@ -252,7 +257,7 @@ def _mooncake_planner(
 
 
 def _s3_planner(
-    s3: S3TierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters
+    s3: S3TierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters, auth: ChunkAuth | None,
 ) -> ChunkPlanner:
     policy = ChunkPolicy(TierName.S3, s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes,
                          flush_interval_s=s3.flush_interval_s)
@@ -264,7 +269,8 @@ def _s3_planner(
         from vllm_kvtier.tiers.s3 import S3Store
 
         listing = dataclasses.replace(s3.store, io_engine="boto3")
-        stores = [S3Store(listing, namespace, r, block_bytes, max_chunk_blocks=s3.chunk_blocks) for r in range(world_size)]
+        stores = [S3Store(listing, namespace, r, block_bytes, max_chunk_blocks=s3.chunk_blocks, auth=auth)
+                  for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
         counters.add("store_failures", TierName.S3)

@@ -681,6 +681,8 @@ class ChunkPlanner:
                 continue
             self._written_here.discard(fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
+        for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
+            self._forget_untrusted(fid)
         for fid, n in written.items():
             if fid in failed or fid in refused or fid in self._failed_files:
                 continue
@@ -702,6 +704,24 @@ class ChunkPlanner:
         failure is the object's. A shared object found by a listing or a manifest is left to
         its writer (and a lifecycle rule)."""
         return self.policy.exclusive or fid in self._written_here
+
+    def _forget_untrusted(self, fid: str) -> None:
+        """A read refused ``fid`` as ``unauthenticated`` (signed with a key no longer
+        accepted, after a rotation; or unsigned): out of the index so that its keys are
+        written again, and kept out (a rescan that still lists it does not bring it back).
+        Not deleted from a listed tier: on a shared bucket it may be another fleet's good
+        data, and a lifecycle rule collects it. A key-named chunk (a pool) is deleted: the
+        rewrite reuses its name, and a pool keeps an existing object on a put."""
+        self._acks.pop(fid, None)
+        self._failed_files[fid] = None
+        while len(self._failed_files) > 4096:
+            self._failed_files.popitem(last=False)
+        if self.index.remove(fid):
+            logger.info("kvtier %s: forgot chunk %s (not signed with an accepted key); its blocks are written "
+                        "again", self.tier, fid)
+            self.counters.add("untrusted_chunks", self.tier)
+        if self.policy.key_named:
+            self._deletes.append(fid)
 
     def close(self) -> None:
         run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])

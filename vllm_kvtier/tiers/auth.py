@@ -1,4 +1,4 @@
-"""Authenticated chunks: the key, the tags and MACs of the version 2 chunk format.
+"""Authenticated chunks: the keys, the tags and MACs of the version 4 chunk format.
 
 Why: a CRC32 detects accidents, not intent. Anyone who can write to a shared bucket or
 join a Mooncake pool can compute our block keys offline (they are vLLM's chained hashes of
@@ -6,15 +6,24 @@ token ids) and plant a chunk with valid CRCs that every reader would serve. With
 every chunk carries a MAC that only holders of the key can make, and the store kernel
 (:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
 
-What is signed (:mod:`~vllm_kvtier.tiers.chunkfile`, version 2):
+What is signed (:mod:`~vllm_kvtier.tiers.chunkfile`, version 4):
 
-* each block: ``tag = HMAC-SHA256(key, "kvtier.block.v2" | namespace | key length | block key | block bytes)``,
+* each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``,
   stored in the block's header entry, so a read of a few blocks of a chunk verifies just
-  those (and a block moved to another position, key or namespace fails);
+  those (and a block moved to another position, key, rank or namespace fails);
 * the header: ``mac = HMAC-SHA256(key, "kvtier.header.v2" | chunk id | header bytes before the MAC)``,
-  which covers the namespace, every size, every key and every tag: a header cannot be
-  replayed under another chunk id or edited, and it vouches for the tags of the blocks it
-  lists.
+  which covers the namespace, the store rank, every size, every key and every tag: a
+  header cannot be replayed under another chunk id or edited, and it vouches for the tags
+  of the blocks it lists. The reader checks that the rank it covers is its own (every
+  TP/PP rank stores its shard under the same chunk id; only the medium's path, which is
+  not signed, tells them apart);
+* a manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
+  namespace | rank | writer id | manifest bytes)``, so a manifest cannot be forged, nor
+  moved to another rank or another writer's name.
+
+Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``); any number of
+*verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too on
+reads. A chunk names the key that signed it by its key id, so a reader picks the key.
 
 HMAC-SHA256 rather than keyed BLAKE2b: measured with Python's hashlib on this project's
 x86 machines (SHA-NI), 1.9 GB/s against 1.1 GB/s for one core on 4 MiB; both release the
@@ -37,15 +46,15 @@ import hmac
 import logging
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_kvtier.config.parse import read_small_file
 from vllm_kvtier.config.sections import AuthConfig
-from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.chunkfile import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
 
-__all__ = ["MIN_KEY_BYTES", "ChunkAuth", "load_auth", "parse_key"]
+__all__ = ["MIN_KEY_BYTES", "ChunkAuth", "load_auth", "parse_key", "refusal", "refusal_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,47 +63,121 @@ MIN_KEY_BYTES = 32
 #: The longest key accepted (a key file is a few hundred bytes at most).
 MAX_KEY_BYTES = 1024
 
-_BLOCK = b"kvtier.block.v2\0"
+_BLOCK = b"kvtier.block.v3\0"
 _HEADER = b"kvtier.header.v2"
 _KEY_ID = b"kvtier.key-id.v2"
+_MANIFEST = b"kvtier.manifest.v1"
+#: Verify keys accepted at most (a rotation needs one or two).
+MAX_VERIFY_KEYS = 8
+
+
+def _key_id(key: bytes) -> bytes:
+    return hmac.digest(key, _KEY_ID, "sha256")[:KEY_ID_BYTES]
 
 
 class ChunkAuth:
-    """A key, and what the chunk format computes with it. The key itself is private: not
-    in ``repr``, not in any log line; :attr:`key_id` is what identifies it."""
+    """The signing key and the verify keys, and what the chunk format computes with them.
+    The keys themselves are private: not in ``repr``, not in any log line; key ids
+    (:attr:`key_id`, :attr:`key_ids`) are what identify them.
 
-    __slots__ = ("_key", "key_id")
+    ``key`` signs every chunk written (and verifies); ``verify``: older (or newer) keys whose
+    chunks are accepted on reads too, never used to sign (a key rotation: see
+    docs/security.md)."""
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) < MIN_KEY_BYTES:
-            raise ValueError(f"an auth key needs at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    __slots__ = ("_key", "_keys", "key_id", "key_ids")
+
+    def __init__(self, key: bytes, verify: Sequence[bytes] = ()) -> None:
+        for k in (key, *verify):
+            if len(k) < MIN_KEY_BYTES:
+                raise ValueError(f"an auth key needs at least {MIN_KEY_BYTES} bytes, got {len(k)}")
         self._key = bytes(key)
-        #: 8 bytes derived from the key: stored in every chunk it signs, safe to log.
-        self.key_id: bytes = hmac.digest(self._key, _KEY_ID, "sha256")[:KEY_ID_BYTES]
+        #: 8 bytes derived from the signing key: stored in every chunk it signs, safe to log.
+        self.key_id: bytes = _key_id(self._key)
+        #: key id -> key, of every key accepted on reads (the signing key's first)
+        self._keys: dict[bytes, bytes] = {self.key_id: self._key}
+        for k in verify:
+            self._keys.setdefault(_key_id(bytes(k)), bytes(k))
+        #: The ids of every key accepted on reads (the signing key's and the verify keys').
+        self.key_ids: frozenset[bytes] = frozenset(self._keys)
 
     def __repr__(self) -> str:
-        return f"ChunkAuth(key_id={self.key_id.hex()})"
+        extra = [k.hex() for k in self._keys if k != self.key_id]
+        return f"ChunkAuth(key_id={self.key_id.hex()}" + (f", verify={extra}" if extra else "") + ")"
 
-    def block_tag(self, namespace: str, key: bytes, data: memoryview | bytes) -> bytes:
-        """The tag of one block's bytes under its namespace and block key."""
+    def block_tag(self, namespace: str, rank: int, key: bytes, data: memoryview | bytes,
+                  key_id: bytes | None = None) -> bytes:
+        """The tag of one block's bytes under its namespace, store rank and block key, with
+        the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
         if len(key) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
-        h = hmac.new(self._key, _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + bytes([len(key)]) + key,
-                     "sha256")
+        secret = self._key if key_id is None else self._keys[key_id]
+        h = hmac.new(secret, _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little")
+                     + bytes([len(key)]) + key, "sha256")
         h.update(data)
         return h.digest()
 
-    def header_mac(self, chunk_id: str, h: ChunkHeader) -> bytes:
-        """The MAC of header ``h`` stored as ``chunk_id`` (over :func:`signed_bytes`)."""
+    def header_mac(self, chunk_id: str, h: ChunkHeader, key_id: bytes | None = None) -> bytes:
+        """The MAC of header ``h`` stored as ``chunk_id`` (over :func:`signed_bytes`), with
+        the signing key (or the accepted key ``key_id``)."""
         cid = chunk_id.encode("ascii")
-        return hmac.digest(self._key, _HEADER + bytes([len(cid)]) + cid + signed_bytes(h), "sha256")
+        secret = self._key if key_id is None else self._keys[key_id]
+        return hmac.digest(secret, _HEADER + bytes([len(cid)]) + cid + signed_bytes(h), "sha256")
+
+    def accepts(self, key_id: bytes) -> bool:
+        """Whether chunks signed by the key ``key_id`` are accepted on reads."""
+        return key_id in self._keys
 
     def verify_header(self, chunk_id: str, h: ChunkHeader) -> bool:
-        """Whether ``h`` was signed with this key for ``chunk_id`` (constant-time compare)."""
-        return h.key_id == self.key_id and hmac.compare_digest(self.header_mac(chunk_id, h), h.mac)
+        """Whether ``h`` was signed for ``chunk_id`` with an accepted key (constant-time compare)."""
+        return h.key_id in self._keys and hmac.compare_digest(self.header_mac(chunk_id, h, h.key_id), h.mac)
 
-    def verify_block(self, namespace: str, key: bytes, data: memoryview | bytes, tag: bytes) -> bool:
-        return hmac.compare_digest(self.block_tag(namespace, key, data), tag)
+    def verify_block(self, namespace: str, rank: int, key: bytes, data: memoryview | bytes, tag: bytes,
+                     key_id: bytes) -> bool:
+        """Whether ``tag`` is the tag of the block under key ``key_id`` (False if not accepted)."""
+        if key_id not in self._keys:
+            return False
+        return hmac.compare_digest(self.block_tag(namespace, rank, key, data, key_id), tag)
+
+    def manifest_mac(self, namespace: str, rank: int, writer_id: str, body: bytes | memoryview,
+                     key_id: bytes | None = None) -> bytes:
+        """The MAC of manifest bytes ``body`` of writer ``writer_id`` for (namespace, rank),
+        with the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
+        h = self.manifest_hashers(namespace, rank, writer_id)[self.key_id if key_id is None else key_id]
+        h.update(body)
+        return h.digest()
+
+    def manifest_hashers(self, namespace: str, rank: int, writer_id: str) -> dict[bytes, hmac.HMAC]:
+        """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank),
+        one per accepted key: a reader streams the manifest's bytes through them all, and
+        the trailer's key id, read last, says which one must match."""
+        wid = writer_id.encode("ascii")
+        label = _MANIFEST + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little") + bytes([len(wid)]) + wid
+        return {kid: hmac.new(secret, label, "sha256") for kid, secret in self._keys.items()}
+
+
+def refusal(auth: ChunkAuth | None, chunk_id: str, h: ChunkHeader) -> tuple[FailureReason, str] | None:
+    """Why a store holding ``auth`` (None: no key) must not trust header ``h`` of
+    ``chunk_id`` (None: it may). Unsigned chunks are trusted only without a key; signed
+    ones only with an accepted key and a MAC that verifies. Used by every read (the store
+    kernel) and every scan before a header is indexed."""
+    if auth is None:
+        if h.authenticated:
+            return FailureReason.UNAUTHENTICATED, "a signed chunk, and this store holds no key"
+        return None
+    if not h.authenticated:
+        return FailureReason.UNAUTHENTICATED, "an unsigned chunk, and this store verifies MACs"
+    if not auth.accepts(h.key_id):
+        return FailureReason.UNAUTHENTICATED, (f"signed with key id {h.key_id.hex()}, this store accepts "
+                                               f"{sorted(k.hex() for k in auth.key_ids)}")
+    if not auth.verify_header(chunk_id, h):
+        return FailureReason.AUTH_FAILED, "the header's MAC does not verify"
+    return None
+
+
+def refusal_reason(auth: ChunkAuth | None, chunk_id: str, h: ChunkHeader) -> FailureReason | None:
+    """:func:`refusal`'s reason alone (a scan's filter)."""
+    why = refusal(auth, chunk_id, h)
+    return None if why is None else why[0]
 
 
 def parse_key(text: str, where: str) -> bytes:
@@ -113,40 +196,62 @@ def parse_key(text: str, where: str) -> bytes:
     return key
 
 
+def _read_key_file(path_text: str, where: str, allow_readable: bool) -> bytes:
+    """The key in the file ``path_text``. A key file must be a small regular file; one that
+    group or other can read is refused unless ``allow_readable``. ConfigError naming ``where``."""
+    path = Path(path_text)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ConfigError(where, f"cannot read the key file: {e.strerror}") from None
+    if stat.S_ISREG(mode) and mode & 0o077 and not allow_readable:
+        raise ConfigError(where, f"the key file is readable by group or other (mode {stat.S_IMODE(mode):o}); "
+                                 "chmod 600 it, or set auth.allow_readable_key_file")
+    try:
+        text = read_small_file(path, 4 * MAX_KEY_BYTES)
+    except ValueError as e:
+        raise ConfigError(where, str(e)) from None
+    return parse_key(text, where)
+
+
 def load_auth(cfg: AuthConfig, environ: Mapping[str, str] | None = None) -> ChunkAuth | None:
-    """The key ``cfg`` points at: ``auth.key_file`` if set, else the environment variable
-    ``auth.key_env``; None when neither holds one (unauthenticated) unless ``auth.required``,
-    which raises ConfigError. Called at start-up, once per process that builds stores.
+    """The keys ``cfg`` points at: the signing key from ``auth.key_file`` if set, else the
+    environment variable ``auth.key_env``; None when neither holds one (unauthenticated)
+    unless ``auth.required``, which raises ConfigError. Then every verify key
+    (``auth.verify_key_files``, ``auth.verify_key_envs``): each must hold a key, and they
+    need a signing key (ConfigError naming the entry). Called at start-up, once per
+    process that builds stores or scans them.
 
     A key file must be a small regular file; one that group or other can read is refused
-    (ConfigError naming ``auth.key_file``) unless ``auth.allow_readable_key_file``."""
+    (ConfigError naming the field) unless ``auth.allow_readable_key_file``."""
     env = os.environ if environ is None else environ
     key: bytes | None = None
     if cfg.key_file is not None:
-        path = Path(cfg.key_file)
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as e:
-            raise ConfigError("auth.key_file", f"cannot read the key file: {e.strerror}") from None
-        if stat.S_ISREG(mode) and mode & 0o077 and not cfg.allow_readable_key_file:
-            raise ConfigError("auth.key_file", f"the key file is readable by group or other (mode "
-                                               f"{stat.S_IMODE(mode):o}); chmod 600 it, or set "
-                                               "auth.allow_readable_key_file")
-        try:
-            text = read_small_file(path, 4 * MAX_KEY_BYTES)
-        except ValueError as e:
-            raise ConfigError("auth.key_file", str(e)) from None
-        key = parse_key(text, "auth.key_file")
+        key = _read_key_file(cfg.key_file, "auth.key_file", cfg.allow_readable_key_file)
     else:
         value = env.get(cfg.key_env)
         if value is not None and value.strip():
             key = parse_key(value, f"auth.key_env (environment variable {cfg.key_env})")
+    verify: list[bytes] = []
+    for i, f in enumerate(cfg.verify_key_files):
+        verify.append(_read_key_file(f, f"auth.verify_key_files[{i}]", cfg.allow_readable_key_file))
+    for i, name in enumerate(cfg.verify_key_envs):
+        where = f"auth.verify_key_envs[{i}] (environment variable {name})"
+        value = env.get(name)
+        if value is None or not value.strip():
+            raise ConfigError(where, "not set: a verify key named in the config must be there")
+        verify.append(parse_key(value, where))
     if key is None:
         if cfg.required:
             where = f"file {cfg.key_file}" if cfg.key_file else f"environment variable {cfg.key_env}"
             raise ConfigError("auth.required", f"no key found ({where}); refusing to run unauthenticated")
+        if verify:
+            field = "auth.verify_key_files" if cfg.verify_key_files else "auth.verify_key_envs"
+            raise ConfigError(field, "verify keys without a signing key (auth.key_file or auth.key_env): "
+                                     "set the signing key too")
         return None
-    auth = ChunkAuth(key)
-    logger.info("kvtier auth: chunks of %s are signed and verified with key id %s",
-                "every tier below CPU" if cfg.local_tiers else "the shared tiers (s3, mooncake)", auth.key_id.hex())
+    auth = ChunkAuth(key, verify)
+    logger.info("kvtier auth: chunks of %s are signed with key id %s and verified with key ids %s",
+                "every tier below CPU" if cfg.local_tiers else "the shared tiers (s3, mooncake)", auth.key_id.hex(),
+                ", ".join(sorted(k.hex() for k in auth.key_ids)))
     return auth

@@ -172,8 +172,10 @@ class ChunkStore(Protocol):
         caller's header (``checksum``); the object is complete (``truncated``). A store
         with a key (``authenticated``) also verified the header's MAC (the caller's header
         too: it is re-verified, wherever it came from) and the tag of every returned block
-        (``auth_failed``), and serves only chunks signed with its key (``unauthenticated``
-        otherwise; a store without a key serves only unsigned chunks).
+        (``auth_failed``), and serves only chunks signed with a key it accepts
+        (``unauthenticated`` otherwise; a store without a key serves only unsigned chunks).
+        Every store serves only chunks whose header names its own rank (``key_mismatch``:
+        another rank's shard, copied or moved to this rank's place).
 
         Deadline: the result arrives within the store's ``read_deadline_s`` of this call.
         If the medium has not answered by then, ``poll`` reports the read failed with
@@ -182,7 +184,8 @@ class ChunkStore(Protocol):
         Failure reasons: damaged (the caller drops the chunk) ``checksum``, ``truncated``,
         ``missing``, ``namespace``, ``format``, ``key_mismatch``, ``too_large``,
         ``not_regular``, ``bad_request`` (positions out of range), ``io_error``,
-        ``auth_failed``; transient (kept) ``unauthenticated``,
+        ``auth_failed``; kept, but the caller forgets it (so it is written again)
+        ``unauthenticated``; transient (kept)
         ``deadline``, ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``,
         ``no_buffer``, ``closed`` (a read submitted after close), ``permission``, ``error``.
         """

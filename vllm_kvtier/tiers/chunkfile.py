@@ -8,21 +8,27 @@ O_DIRECT in one I/O::
     block 1 ...
 
 Header fields (little endian): magic ``b"KVTCHNK1"``, format version, namespace (16 ASCII
-bytes), number of blocks, block bytes, stride, header bytes; per block: key length, key
-(up to 64 bytes), CRC32 of the block's bytes. Nothing here is ever unpickled: a chunk is
-data, and a block is trusted only after its CRC32 matches.
+bytes), number of blocks, block bytes, stride, header bytes; the **store rank** (u32: the
+TP/PP rank whose shard the blocks are, which the medium's path also names: ``r<rank>``);
+per block: key length, key (up to 64 bytes), CRC32 of the block's bytes. Nothing here is
+ever unpickled: a chunk is data, and a block is trusted only after its CRC32 matches.
 
 Two versions (the fixed part is the same in both, so a reader learns which before it
 parses the rest):
 
-* **1** (unauthenticated): entries of key length, key, CRC32; then the header's CRC32.
-* **2** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): entries of key length, key, CRC32
-  and a 32-byte tag (HMAC-SHA256 of the namespace, the block's key and its bytes); then
-  the key id (8 bytes: which key signed it, derived from the key, never the key); the
-  header's CRC32; and the header's MAC (HMAC-SHA256 of the chunk id and every header byte
-  before it, so of the namespace, sizes, keys, tags). A reader with the key verifies the
-  header's MAC and each wanted block's tag before a block is delivered; this module only
-  lays the fields out (:func:`signed_bytes` is what the MAC covers).
+* **3** (unauthenticated): the rank; entries of key length, key, CRC32; then the header's
+  CRC32.
+* **4** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): the rank; entries of key length,
+  key, CRC32 and a 32-byte tag (HMAC-SHA256 of the namespace, the rank, the block's key
+  and its bytes); then the key id (8 bytes: which key signed it, derived from the key,
+  never the key); the header's CRC32; and the header's MAC (HMAC-SHA256 of the chunk id
+  and every header byte before it, so of the namespace, rank, sizes, keys, tags). A reader
+  with the key verifies the header's MAC and each wanted block's tag before a block is
+  delivered; this module only lays the fields out (:func:`signed_bytes` is what the MAC
+  covers).
+
+Versions 1 and 2 (earlier releases: no rank, so a rank's chunk copied over another rank's
+was served) are refused as ``format``: a miss, never read (see docs/upgrading.md).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from dataclasses import dataclass
 from vllm_kvtier.errors import FailureReason
 
 MAGIC = b"KVTCHNK1"
-VERSION = 1
+VERSION = 3
 #: The authenticated format (per-block tags, key id, header MAC).
-VERSION_AUTH = 2
+VERSION_AUTH = 4
+#: Versions of earlier releases (no rank in the header): refused, ``format``.
+OLD_VERSIONS = (1, 2)
 #: Bytes of a tag (per block) and of the header MAC: HMAC-SHA256.
 TAG_BYTES = 32
 KEY_ID_BYTES = 8
@@ -49,6 +57,7 @@ MAX_KEY = 64
 MAX_CHUNK_BLOCKS = 256
 
 _FIXED = struct.Struct("<8sI16sIQQQ")  # magic, version, namespace, nblocks, block_bytes, stride, header_bytes
+_RANK = struct.Struct("<I")  # the store rank, right after the fixed part
 _ENTRY = struct.Struct(f"<B{MAX_KEY}sI")  # key length, key, crc32
 _ENTRY_AUTH = struct.Struct(f"<B{MAX_KEY}sI{TAG_BYTES}s")  # key length, key, crc32, tag
 _CRC = struct.Struct("<I")
@@ -83,6 +92,8 @@ class ChunkHeader:
     tags: tuple[bytes, ...] = ()
     key_id: bytes = b""
     mac: bytes = b""
+    #: The store rank the chunk was written for (its shard; the medium's ``r<rank>``).
+    rank: int = 0
 
     @property
     def nblocks(self) -> int:
@@ -118,8 +129,8 @@ def header_memory_bytes(h: ChunkHeader) -> int:
 def header_bytes_for(nblocks: int, authenticated: bool = False) -> int:
     """The header length of a chunk of ``nblocks`` (version 2 when ``authenticated``)."""
     if authenticated:
-        return align_up(_FIXED.size + nblocks * _ENTRY_AUTH.size + KEY_ID_BYTES + _CRC.size + TAG_BYTES)
-    return align_up(_FIXED.size + nblocks * _ENTRY.size + _CRC.size)
+        return align_up(_FIXED.size + _RANK.size + nblocks * _ENTRY_AUTH.size + KEY_ID_BYTES + _CRC.size + TAG_BYTES)
+    return align_up(_FIXED.size + _RANK.size + nblocks * _ENTRY.size + _CRC.size)
 
 
 #: Bytes of a header's fixed part: enough to learn (and bound) its full length.
@@ -152,7 +163,7 @@ def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: in
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, _, nblocks, bb, stride, hbytes = _FIXED.unpack_from(head, 0)
     if magic != MAGIC or version not in (VERSION, VERSION_AUTH):
-        raise ChunkFormatError("bad magic or format version", FailureReason.FORMAT)
+        raise ChunkFormatError(_version_problem(magic, version), FailureReason.FORMAT)
     if nblocks > max_blocks:
         raise ChunkFormatError(f"too large: {nblocks} blocks, at most {max_blocks}", FailureReason.TOO_LARGE)
     if block_bytes is not None and bb != block_bytes:
@@ -160,6 +171,14 @@ def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: in
     if nblocks < 1 or stride != align_up(bb) or hbytes != header_bytes_for(nblocks, version == VERSION_AUTH):
         raise ChunkFormatError("inconsistent header sizes", FailureReason.FORMAT)
     return int(hbytes)
+
+
+def _version_problem(magic: bytes, version: int) -> str:
+    if magic != MAGIC:
+        return "bad magic"
+    if version in OLD_VERSIONS:
+        return f"format version {version} of an earlier release (no rank in the header): not read"
+    return f"format version {version}, expected {VERSION} or {VERSION_AUTH}"
 
 
 def keys_match(h: ChunkHeader, positions: Iterable[int], keys: Iterable[bytes] | None) -> bool:
@@ -171,9 +190,11 @@ def keys_match(h: ChunkHeader, positions: Iterable[int], keys: Iterable[bytes] |
 
 
 def make_header(namespace: str, keys: list[bytes], crcs: list[int], block_bytes: int, *,
-                tags: list[bytes] | None = None, key_id: bytes = b"") -> ChunkHeader:
-    """A version 1 header, or version 2 with ``tags`` and ``key_id`` (its MAC still empty:
-    the signer sets it over :func:`signed_bytes`)."""
+                tags: list[bytes] | None = None, key_id: bytes = b"", rank: int = 0) -> ChunkHeader:
+    """A version 3 header of store rank ``rank``, or version 4 with ``tags`` and ``key_id``
+    (its MAC still empty: the signer sets it over :func:`signed_bytes`)."""
+    if not 0 <= rank < 1 << 32:
+        raise ValueError(f"rank {rank} out of range")
     for k in keys:
         if len(k) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
@@ -183,7 +204,7 @@ def make_header(namespace: str, keys: list[bytes], crcs: list[int], block_bytes:
         raise ValueError(f"an authenticated header needs a {KEY_ID_BYTES}-byte key id and a "
                          f"{TAG_BYTES}-byte tag per block")
     return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, align_up(block_bytes),
-                       header_bytes_for(len(keys), auth), tuple(tags or ()) if auth else (), key_id)
+                       header_bytes_for(len(keys), auth), tuple(tags or ()) if auth else (), key_id, rank=rank)
 
 
 def _pack(h: ChunkHeader) -> tuple[bytearray, int]:
@@ -193,7 +214,8 @@ def _pack(h: ChunkHeader) -> tuple[bytearray, int]:
         raise ValueError("namespace longer than 16 characters")
     buf = bytearray(h.header_bytes)
     _FIXED.pack_into(buf, 0, MAGIC, h.version, ns, h.nblocks, h.block_bytes, h.stride, h.header_bytes)
-    off = _FIXED.size
+    _RANK.pack_into(buf, _FIXED.size, h.rank)
+    off = _FIXED.size + _RANK.size
     if h.authenticated:
         for k, c, t in zip(h.keys, h.crcs, h.tags, strict=True):
             _ENTRY_AUTH.pack_into(buf, off, len(k), k, c, t)
@@ -222,25 +244,26 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
     out[: h.header_bytes] = buf
 
 
-def decode_header(data: bytes | memoryview, namespace: str) -> ChunkHeader:
-    """Parse and verify a header (either version; a version 2 header's MAC is NOT checked
+def decode_header(data: bytes | memoryview, namespace: str, *, rank: int | None = None) -> ChunkHeader:
+    """Parse and verify a header (either version; a version 4 header's MAC is NOT checked
     here: that needs the key, :mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on
-    any mismatch."""
+    any mismatch: with ``rank`` given, a header of another store rank is ``key_mismatch``
+    (a rank's shard copied or moved to another rank's place: never served there)."""
     if len(data) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, ns, nblocks, block_bytes, stride, header_bytes = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise ChunkFormatError("bad magic", FailureReason.FORMAT)
     if version not in (VERSION, VERSION_AUTH):
-        raise ChunkFormatError(f"format version {version}, expected {VERSION} or {VERSION_AUTH}",
-                               FailureReason.FORMAT)
+        raise ChunkFormatError(_version_problem(magic, version), FailureReason.FORMAT)
     auth = version == VERSION_AUTH
     if ns.rstrip(b"\0").decode("ascii", "replace") != namespace:
         raise ChunkFormatError("namespace mismatch", FailureReason.NAMESPACE)
     if (header_bytes != header_bytes_for(nblocks, auth) or stride != align_up(block_bytes)
             or len(data) < header_bytes):
         raise ChunkFormatError("inconsistent header sizes", FailureReason.FORMAT)
-    off = _FIXED.size
+    (stored_rank,) = _RANK.unpack_from(data, _FIXED.size)
+    off = _FIXED.size + _RANK.size
     keys, crcs, tags = [], [], []
     entry = _ENTRY_AUTH if auth else _ENTRY
     for _ in range(nblocks):
@@ -260,9 +283,11 @@ def decode_header(data: bytes | memoryview, namespace: str) -> ChunkHeader:
     (crc,) = _CRC.unpack_from(data, off)
     if crc != zlib.crc32(memoryview(data)[:off]):
         raise ChunkFormatError("header checksum mismatch", FailureReason.CHECKSUM)
+    if rank is not None and stored_rank != rank:
+        raise ChunkFormatError(f"a chunk of rank {stored_rank} where rank {rank}'s belong", FailureReason.KEY_MISMATCH)
     mac = bytes(data[off + _CRC.size : off + _CRC.size + TAG_BYTES]) if auth else b""
     return ChunkHeader(namespace, tuple(keys), tuple(crcs), block_bytes, stride, header_bytes, tuple(tags),
-                       key_id, mac)
+                       key_id, mac, stored_rank)
 
 
 try:  # ISA-L's CRC-32: the same function as zlib's (same values), ~12x faster (50 vs 4 GB/s)

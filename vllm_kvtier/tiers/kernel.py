@@ -15,20 +15,24 @@ What the kernel owns, for every medium:
   answer is dropped and its buffer freed; exactly one result per job (the thread's or the
   deadline's: whoever claims the job first);
 * the completion queue, the wait event and per-operation stats;
-* header stamping on write (every block's CRC32, keys, namespace: ``encode_header``);
-  with a key (``auth``, :mod:`~vllm_kvtier.tiers.auth`), the authenticated format: every
-  block's tag and the header's MAC, bound to the chunk id;
+* header stamping on write (every block's CRC32, keys, namespace, the store's rank:
+  ``encode_header``); with a key (``auth``, :mod:`~vllm_kvtier.tiers.auth`), the
+  authenticated format: every block's tag (bound to the namespace, rank and block key) and
+  the header's MAC, bound to the chunk id;
 * the ONE verified read path: every size read from stored bytes is bounded by what this
   engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``:
   :func:`~vllm_kvtier.tiers.chunkfile.bounded_header_bytes`, :func:`max_chunk_bytes`)
   BEFORE memory is sized from it (``too_large``/``format``); the key at each read position
   must be the key asked for (``key_mismatch``); a stored header read along must be the
   caller's (``checksum``); the CRC32 of every block is checked before a result is made.
-  With a key, every header (the caller's, or one read) must carry a valid MAC under this
-  store's key for this chunk id, and every wanted block its tag, before a result is made
-  (``auth_failed``: signed with our key id but not verifying; ``unauthenticated``: unsigned,
-  signed with another key, or signed while this store holds no key). Unsigned chunks are
-  served only by a store without a key; signed ones only by a store with that key.
+  With a key, every header (the caller's, or one read) must carry a valid MAC under one of
+  this store's accepted keys for this chunk id, and every wanted block its tag, before a
+  result is made (``auth_failed``: signed with an accepted key id but not verifying;
+  ``unauthenticated``: unsigned, signed with a key not accepted, or signed while this store
+  holds no key). Unsigned chunks are served only by a store without a key; signed ones
+  only by a store that accepts their key. With or without a key, a header must be of this
+  store's rank (``key_mismatch``): every TP/PP rank stores its shard of a chunk under the
+  same id, and only the medium's path (not signed) tells them apart.
 
 What a medium implements (:class:`Medium`): ``put`` (atomic), ``read_into`` (exactly the
 bytes asked for, or raise), ``delete``, ``classify`` (its exceptions to
@@ -87,7 +91,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from vllm_kvtier import cpus
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.keys import SAFE_ID
-from vllm_kvtier.tiers.auth import ChunkAuth
+from vllm_kvtier.tiers.auth import ChunkAuth, refusal
 from vllm_kvtier.tiers.base import IOResult, drain
 from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import (
@@ -275,14 +279,16 @@ class StoreKernel:
     :meth:`submit_read`. ``write_deadline_s``: handed to the medium's ``put``.
     ``io_threads`` threads serve reads first, then writes and deletes; with
     ``write_threads`` > 0, writes and deletes get threads of their own instead.
-    ``auth``: the key this store signs and verifies with (None: unauthenticated chunks);
+    ``auth``: the keys this store signs and verifies with (None: unauthenticated chunks);
     :attr:`authenticated` tells a caller which header room its write buffers need.
+    ``rank``: the store rank whose chunks the medium holds (the ``r<rank>`` of its path):
+    stamped into every header written, and required of every header read.
     """
 
     def __init__(
         self, medium: Medium, *, namespace: str, block_bytes: int, max_chunk_blocks: int,
         buffers: BufferPool, read_deadline_s: float, write_deadline_s: float = 60.0, io_threads: int = 2,
-        write_threads: int = 0, max_queued_writes: int = 64, auth: ChunkAuth | None = None,
+        write_threads: int = 0, max_queued_writes: int = 64, auth: ChunkAuth | None = None, rank: int,
     ) -> None:
         if block_bytes <= 0 or max_chunk_blocks < 1 or io_threads < 1 or read_deadline_s <= 0:
             raise ValueError(f"need block_bytes, max_chunk_blocks, io_threads, read_deadline_s > 0, got "
@@ -290,6 +296,8 @@ class StoreKernel:
         #: the byte primitives (public for tools and tests that wrap or inspect the medium)
         self.medium = medium
         self.namespace = namespace
+        #: the store rank (stamped into every header, required of every header read)
+        self.rank = rank
         self.block_bytes = block_bytes
         self.max_chunk_blocks = max_chunk_blocks
         self.buffers = buffers
@@ -432,6 +440,8 @@ class StoreKernel:
         why = self._check_auth(job.chunk_id, h)
         if why is not None:
             return why
+        if h.rank != self.rank:  # after the MAC: a signed header's rank is the signer's
+            return _Failed(FailureReason.KEY_MISMATCH, f"a chunk of rank {h.rank}, this store is rank {self.rank}")
         if h.block_bytes != self.block_bytes:
             return _Failed(FailureReason.FORMAT, f"blocks of {h.block_bytes} B, expected {self.block_bytes}")
         if not all(0 <= p < h.nblocks for p in job.positions):
@@ -444,18 +454,16 @@ class StoreKernel:
 
     def _check_auth(self, chunk_id: str, h: ChunkHeader) -> _Failed | None:
         """Why header ``h`` of ``chunk_id`` is not to be trusted by this store (None: it is)."""
-        if self.auth is None:
-            if h.authenticated:
-                return _Failed(FailureReason.UNAUTHENTICATED, "a signed chunk, and this store holds no key")
-            return None
-        if not h.authenticated:
-            return _Failed(FailureReason.UNAUTHENTICATED, "an unsigned chunk, and this store verifies MACs")
-        if h.key_id != self.auth.key_id:
-            return _Failed(FailureReason.UNAUTHENTICATED, f"signed with key id {h.key_id.hex()}, this store's is "
-                                                          f"{self.auth.key_id.hex()}")
-        if not self.auth.verify_header(chunk_id, h):
-            return _Failed(FailureReason.AUTH_FAILED, "the header's MAC does not verify")
-        return None
+        why = refusal(self.auth, chunk_id, h)
+        return None if why is None else _Failed(*why)
+
+    def refuses(self, chunk_id: str, h: ChunkHeader) -> FailureReason | None:
+        """Why a scan must not index header ``h`` of ``chunk_id`` (None: it may): what a read
+        would refuse before any byte moves (MAC and accepted key, rank). Any thread."""
+        why = refusal(self.auth, chunk_id, h)
+        if why is not None:
+            return why[0]
+        return FailureReason.KEY_MISMATCH if h.rank != self.rank else None
 
     def _plan(self, h: ChunkHeader, positions: list[int]) -> list[_Part]:
         shape = self.medium.read_shape
@@ -601,13 +609,14 @@ class StoreKernel:
                                                      f"{header_bytes_for(n, self.authenticated)}")
         crcs = [block_crc(wb.block(i)) for i in range(n)]
         if self.auth is None:
-            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes)
+            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes, rank=self.rank)
         else:
             tags = []
             for i, k in enumerate(wb.keys):
                 with wb.block(i) as b:
-                    tags.append(self.auth.block_tag(self.namespace, k, b))
-            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes, tags=tags, key_id=self.auth.key_id)
+                    tags.append(self.auth.block_tag(self.namespace, self.rank, k, b))
+            h = make_header(self.namespace, wb.keys, crcs, self.block_bytes, tags=tags, key_id=self.auth.key_id,
+                            rank=self.rank)
             h = dataclasses.replace(h, mac=self.auth.header_mac(chunk_id, h))
         encode_header(h, wb.buf.view)
         return h
@@ -775,7 +784,8 @@ class StoreKernel:
                 if block_crc(b) != h.crcs[p]:
                     return _Failed(FailureReason.CHECKSUM, f"block {p} checksum mismatch")
                 # The header (and so the tag) was verified by _check_request before this.
-                if self.auth is not None and not self.auth.verify_block(h.namespace, h.keys[p], b, h.tags[p]):
+                if self.auth is not None and not self.auth.verify_block(h.namespace, self.rank, h.keys[p], b,
+                                                                        h.tags[p], h.key_id):
                     return _Failed(FailureReason.AUTH_FAILED, f"block {p}: its tag does not verify")
         return None
 

@@ -4,10 +4,16 @@ rebuild its index with one GET per writer instead of one ranged GET per object.
 A manifest is a cache, never the truth: the bucket listing says which objects exist, and a
 manifest entry is used only for an object the listing shows with at least the header's
 size. A lost, stale or damaged manifest costs requests (header GETs), never correctness.
-A manifest is not signed: whoever can write the bucket can write one, so a reader treats
-it as hostile input. Its size is bounded before it is read (:func:`max_manifest_bytes`),
-it is decoded entry by entry as its bytes arrive (:func:`iter_manifest`), and only the
-entries a reader keeps (the listed objects) become Python objects.
+Without a key a manifest is not signed: whoever can write the bucket can write one, so a
+reader treats it as hostile input. Its size is bounded before it is read
+(:func:`max_manifest_bytes`), it is decoded entry by entry as its bytes arrive
+(:func:`iter_manifest`), and only the entries a reader keeps (the listed objects) become
+Python objects.
+
+Signed (a key is set): the bytes below, then a trailer of :data:`SIG_MAGIC`, the key id
+and an HMAC over them bound to the namespace, rank and writer id (:func:`sign_manifest`).
+A reader streams the bytes through :func:`signed_body`, which checks the trailer when they
+end: the decoded entries are kept only if it verifies (as with the CRC32, last).
 
 Layout (little endian)::
 
@@ -21,6 +27,7 @@ its own CRC32 when decoded; their zero padding is what zlib removes. Nothing is 
 
 from __future__ import annotations
 
+import hmac
 import struct
 import zlib
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -211,3 +218,58 @@ class _Inflater:
         out = bytes(self._buf[:n])
         del self._buf[:n]
         return out
+
+
+# ---- signatures (a key is set: :meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_mac`) ------
+
+#: A signed manifest is the manifest's bytes, then this magic, the key id (8 bytes) and
+#: the MAC (32 bytes) over those bytes, bound to the namespace, rank and writer id.
+SIG_MAGIC = b"KVTMSIG1"
+SIG_BYTES = len(SIG_MAGIC) + 8 + 32
+
+
+def sign_manifest(body: bytes, key_id: bytes, mac: bytes) -> bytes:
+    """``body`` (an :func:`encode_manifest` result) with its signature trailer."""
+    if len(key_id) != 8 or len(mac) != 32:
+        raise ValueError("a manifest signature is an 8-byte key id and a 32-byte MAC")
+    return body + SIG_MAGIC + key_id + mac
+
+
+def signed_body(pieces: Iterable[bytes | bytearray | memoryview],
+                hashers: dict[bytes, hmac.HMAC] | None) -> Iterator[memoryview]:
+    """The manifest bytes of a stored manifest as they arrive (``pieces``), without its
+    signature trailer, for :func:`iter_manifest`; the trailer is checked when the pieces
+    end, so an iterator over what this yields ends without raising only if it verifies.
+
+    ``hashers``: a store's running MACs by accepted key id
+    (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_hashers`): the manifest must be
+    signed with one of them (else ChunkFormatError ``unauthenticated``; a MAC that does not
+    verify: ``auth_failed``). None (no key): a signed manifest is refused
+    (``unauthenticated``: its chunks are signed, this store serves none). Holds back the
+    last :data:`SIG_BYTES` bytes at most: memory stays one piece."""
+    tail = b""
+    for piece in pieces:
+        data = tail + bytes(piece)
+        if len(data) <= SIG_BYTES:
+            tail = data
+            continue
+        out, tail = data[:-SIG_BYTES], data[-SIG_BYTES:]
+        for h in (hashers or {}).values():
+            h.update(out)
+        yield memoryview(out)
+    signed = len(tail) == SIG_BYTES and tail.startswith(SIG_MAGIC)
+    if hashers is None:
+        if signed:
+            raise ChunkFormatError("a signed manifest, and this store holds no key", FailureReason.UNAUTHENTICATED)
+        if tail:
+            yield memoryview(tail)
+        return
+    if not signed:
+        raise ChunkFormatError("an unsigned manifest, and this store verifies MACs", FailureReason.UNAUTHENTICATED)
+    key_id, mac = tail[len(SIG_MAGIC) : len(SIG_MAGIC) + 8], tail[len(SIG_MAGIC) + 8 :]
+    h = hashers.get(key_id)
+    if h is None:
+        raise ChunkFormatError(f"a manifest signed with key id {key_id.hex()}, not accepted here",
+                               FailureReason.UNAUTHENTICATED)
+    if not hmac.compare_digest(h.digest(), mac):
+        raise ChunkFormatError("the manifest's MAC does not verify", FailureReason.AUTH_FAILED)

@@ -62,11 +62,13 @@ class MemoryStore(StoreKernel):
     def __init__(
         self, namespace: str, block_bytes: int, *, max_chunk_blocks: int = 16, buffers: BufferPool | None = None,
         read_deadline_s: float = 5.0, io_threads: int = 2, max_queued_writes: int = 64, auth: ChunkAuth | None = None,
+        rank: int = 0,
     ) -> None:
+        """``rank``: the store rank (a dict has no path: each store is one rank's place)."""
         self._mem = MemoryMedium()
         super().__init__(self._mem, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes, auth=auth)
+                         max_queued_writes=max_queued_writes, auth=auth, rank=rank)
 
     def raw(self, chunk_id: str) -> bytearray | None:
         """The stored bytes of ``chunk_id`` themselves, not a copy: for fault drills (flip a

@@ -501,7 +501,7 @@ class MooncakeStore(StoreKernel):
         super().__init__(self._pool, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=config.deadline_s,
                          io_threads=config.io_threads, write_threads=config.io_threads,
-                         max_queued_writes=config.max_queued_writes, auth=auth)
+                         max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
         logger.info("kvtier mooncake: joined master %s as %s over %s (segment %d B)", config.master,
                     self.local_hostname, config.protocol, config.global_segment_bytes)
 

@@ -50,6 +50,7 @@ import mmap
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -139,10 +140,11 @@ def _check_no_hole(fd: int, start: int, end: int) -> None:
 
 
 def read_header(path: Path, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
-                block_bytes: int | None = None) -> ChunkHeader:
+                block_bytes: int | None = None, rank: int | None = None) -> ChunkHeader:
     """The verified header of one chunk file. Every size in it is bounded (``max_blocks``;
     ``block_bytes`` when given) before it sizes a read; a non-regular file is refused
-    without waiting on it; a file shorter than its chunk, or with holes, is ``truncated``."""
+    without waiting on it; a file shorter than its chunk, or with holes, is ``truncated``;
+    with ``rank``, a header of another rank is ``key_mismatch``."""
     fd = _open_regular(path, 0)
     try:
         size = os.fstat(fd).st_size
@@ -154,7 +156,7 @@ def read_header(path: Path, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCK
             raise ChunkFormatError(f"truncated header: {size} of {need} bytes", FailureReason.TRUNCATED)
         if need > len(head):
             head += os.pread(fd, need - len(head), len(head))
-        h = decode_header(head, namespace)
+        h = decode_header(head, namespace, rank=rank)
         if size < h.total_bytes:
             raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
         _check_no_hole(fd, 0, h.total_bytes)
@@ -168,8 +170,14 @@ UNREADABLE_KEPT = "unreadable_kept"
 
 
 def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_blocks: int = MAX_CHUNK_BLOCKS,
-             block_bytes: int | None = None) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
+             block_bytes: int | None = None, rank: int | None = None,
+             refuses: Callable[[str, ChunkHeader], FailureReason | None] | None = None,
+             ) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
     """Read every chunk header in ``directory``.
+
+    ``rank``: the directory's rank (a header of another is ``key_mismatch``); ``refuses``:
+    why a header must not be indexed (the store's :meth:`~vllm_kvtier.tiers.kernel.StoreKernel.refuses`:
+    not signed with an accepted key, a MAC that does not verify), or None.
 
     Returns ({file_id: header}, {problem: count}). With ``cleanup`` (the worker that owns
     the directory), leftover ``.tmp-*`` files of an interrupted write and files whose
@@ -196,8 +204,12 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
         try:
             if not e.is_file(follow_symlinks=False):  # lstat: a FIFO is never opened
                 raise NotRegularFile(errno.EINVAL, "not a regular file", e.path)
-            found[e.name[: -len(SUFFIX)]] = read_header(Path(e.path), namespace, max_blocks=max_blocks,
-                                                        block_bytes=block_bytes)
+            fid = e.name[: -len(SUFFIX)]
+            h = read_header(Path(e.path), namespace, max_blocks=max_blocks, block_bytes=block_bytes, rank=rank)
+            why = refuses(fid, h) if refuses is not None else None
+            if why is not None:  # what a read would refuse is never indexed (nor offered again)
+                raise ChunkFormatError(f"not trusted: {why}", why)
+            found[fid] = h
         except (OSError, ChunkFormatError) as err:
             reason: str = classify(err)
             damaged = isinstance(err, ChunkFormatError)
@@ -382,7 +394,7 @@ class NVMeStore(StoreKernel):
         self._files = NVMeMedium(self.dir, direct=direct, io=io, lock=lock)
         super().__init__(self._files, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes, auth=auth)
+                         max_queued_writes=max_queued_writes, auth=auth, rank=rank)
 
     def path(self, chunk_id: str) -> Path:
         """Where the chunk's file is (for tools and fault drills)."""
@@ -391,5 +403,5 @@ class NVMeStore(StoreKernel):
     def scan(self, *, cleanup: bool = False) -> ScanResult:
         """Every verified chunk file of this store's directory (see :func:`scan_dir`)."""
         found, problems = scan_dir(self.dir, self.namespace, cleanup=cleanup, max_blocks=self.max_chunk_blocks,
-                                   block_bytes=self.block_bytes)
+                                   block_bytes=self.block_bytes, rank=self.rank, refuses=self.refuses)
         return ScanResult(found, problems)

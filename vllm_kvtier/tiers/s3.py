@@ -109,7 +109,8 @@ from vllm_kvtier.tiers.chunkfile import (
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import encode_manifest, iter_manifest, max_manifest_bytes
+from vllm_kvtier.tiers.manifest import (SIG_BYTES, encode_manifest, iter_manifest, max_manifest_bytes,
+                                     sign_manifest, signed_body)
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
@@ -146,6 +147,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Why an object's own header was refused that the same bytes will always give: remembered
+#: (by listed size) so that a rescan does not fetch it again.
+_STABLE_REFUSALS = frozenset({FailureReason.UNAUTHENTICATED, FailureReason.AUTH_FAILED, FailureReason.KEY_MISMATCH,
+                              FailureReason.FORMAT, FailureReason.NAMESPACE, FailureReason.TOO_LARGE})
 
 #: The S3 store's figures (the shape every remote store reports).
 S3Stats = RemoteStats
@@ -477,6 +483,10 @@ class S3Store(StoreKernel):
         self._headers: OrderedDict[str, tuple[int, ChunkHeader, int]] = OrderedDict()
         self._headers_bytes = 0
         self._headers_overflowed = False  # the last scan's headers did not all fit
+        #: scans: object id -> (listed size, why) of objects whose own header a read would
+        #: refuse (a key not accepted, another rank, an old format version): not fetched
+        #: again while listed at that size (LRU, at most ``header_cache_entries``)
+        self._refused: OrderedDict[str, tuple[int, FailureReason]] = OrderedDict()
         #: scans: manifest key -> ETag when last read (only manifests the last listing showed)
         self._manifest_etags: dict[str, str] = {}
         #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
@@ -487,7 +497,8 @@ class S3Store(StoreKernel):
                          buffers=buffers or shared_pool(),
                          read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
                          write_deadline_s=config.deadline_s, io_threads=config.io_threads,
-                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth)
+                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth,
+                         rank=rank)
 
     def __repr__(self) -> str:
         c = self.config
@@ -600,7 +611,11 @@ class S3Store(StoreKernel):
             with self._mlock:
                 entries = list(self._manifest.items())
                 changes = self._manifest_changes
-            self.medium.put_key(self.manifest_key(), encode_manifest(self.namespace, entries), self.medium.soon())
+            body = encode_manifest(self.namespace, entries)
+            if self.auth is not None:  # signed: bound to this namespace, rank and writer id
+                body = sign_manifest(body, self.auth.key_id,
+                                     self.auth.manifest_mac(self.namespace, self.rank, self.writer_id, body))
+            self.medium.put_key(self.manifest_key(), body, self.medium.soon())
             with self._mlock:
                 self._manifest_changes -= changes
             return True
@@ -615,7 +630,7 @@ class S3Store(StoreKernel):
         next one still covers those objects; this process's writes stay the newest. A
         failed GET is a lost cache, never an error."""
         try:
-            old = self._read_manifest(self.manifest_key(), None)
+            old = self._read_manifest(self.manifest_key(), None)  # ours, but the bucket is shared: verified
         except Exception as e:
             if error_reason(e) is not FailureReason.MISSING:
                 logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
@@ -683,17 +698,28 @@ class S3Store(StoreKernel):
                 cached = self._headers.get(oid)
                 hit = cached is not None and cached[0] == size
                 h = cached[1] if cached is not None and hit else covered.get(oid)
-                if h is not None and h.block_bytes == self.block_bytes and size >= h.total_bytes:
+                refused = self._refused.get(oid)
+                if refused is not None and refused[0] == size and h is None:
+                    problem(refused[1])  # its own header was refused before: not fetched again
+                    continue
+                # A cached header was checked when it was first found; a manifest's entry is
+                # checked here (one HMAC over the header), and if refused the object's own
+                # header decides (a manifest entry never hides a good object).
+                if (h is not None and h.block_bytes == self.block_bytes and size >= h.total_bytes
+                        and (hit or self.refuses(oid, h) is None)):
                     found[oid] = h
                     from_cache += hit
                 else:
                     todo.append((oid, size, key))
             probe = functools.partial(self._scan_header, late=late)
-            for (oid, _, key), got in zip(todo, pool.map(probe, todo), strict=True):
+            for (oid, size, key), got in zip(todo, pool.map(probe, todo), strict=True):
                 if isinstance(got, ChunkHeader):
                     found[oid] = got
                     continue
                 problem(got)
+                if got in _STABLE_REFUSALS:
+                    self._refused[oid] = (size, got)
+                    self._refused.move_to_end(oid)
                 if cleanup and got.damaged and got is not FailureReason.MISSING:
                     doomed.append(key)
             list(pool.map(self._delete_quietly, doomed))
@@ -713,6 +739,11 @@ class S3Store(StoreKernel):
         cache = self._headers
         for oid in [o for o in cache if o not in objects]:
             self._headers_bytes -= cache.pop(oid)[2]
+        refused = self._refused
+        for oid in [o for o in refused if o not in objects or o in found]:
+            del refused[oid]
+        while len(refused) > self.config.header_cache_entries:
+            refused.popitem(last=False)
         for oid, h in found.items():
             old = cache.get(oid)
             cost = old[2] if old is not None and old[1] is h else header_memory_bytes(h)
@@ -773,17 +804,20 @@ class S3Store(StoreKernel):
 
     def manifest_limit_bytes(self) -> int:
         """The largest manifest this store reads: ``manifest_max_entries`` entries of
-        ``chunk_blocks``-block headers, at most :data:`MAX_MANIFEST_BYTES`."""
-        return min(MAX_MANIFEST_BYTES, max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks))
+        ``chunk_blocks``-block headers and a signature, at most :data:`MAX_MANIFEST_BYTES`."""
+        return min(MAX_MANIFEST_BYTES,
+                   max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks) + SIG_BYTES)
 
     def _read_manifest(self, key: str, keep: Container[str] | None,
                        late: Callable[[], bool] = lambda: False) -> dict[str, ChunkHeader]:
         """The entries of manifest ``key`` whose object is in ``keep`` (None: all), read and
         decoded as the body arrives: the object's length is bounded before it is read, at
         most ``manifest_max_entries`` entries, and only kept entries become objects. Raises
-        what the GET or :func:`~vllm_kvtier.tiers.manifest.iter_manifest` raise (and
-        DeadlineExceeded once ``late()`` between two pieces); nothing is returned from a
-        manifest that fails its CRC at the end."""
+        what the GET, :func:`~vllm_kvtier.tiers.manifest.iter_manifest` or
+        :func:`~vllm_kvtier.tiers.manifest.signed_body` raise (and DeadlineExceeded once
+        ``late()`` between two pieces); nothing is returned from a manifest that fails its
+        CRC or, with a key, its signature (for this namespace, rank and the writer id its
+        name says), both checked at the end."""
 
         def in_time(pieces: Iterator[memoryview]) -> Iterator[memoryview]:
             for piece in pieces:
@@ -791,8 +825,10 @@ class S3Store(StoreKernel):
                     raise DeadlineExceeded(f"manifest {key}: the scan's deadline passed")
                 yield piece
 
+        writer = key.rsplit("/", 1)[-1].removesuffix(MANIFEST_SUFFIX)
+        hashers = None if self.auth is None else self.auth.manifest_hashers(self.namespace, self.rank, writer)
         with self.medium.open_bounded(key, self.manifest_limit_bytes()) as pieces:
-            return dict(iter_manifest(in_time(pieces), self.namespace, max_blocks=self.max_chunk_blocks,
+            return dict(iter_manifest(signed_body(in_time(pieces), hashers), self.namespace, max_blocks=self.max_chunk_blocks,
                                       max_entries=self.config.manifest_max_entries,
                                       block_bytes=self.block_bytes, keep=keep))
 
@@ -831,9 +867,12 @@ class S3Store(StoreKernel):
                 rest = bytearray(need - len(head))
                 self.medium.get_range(key, len(head), memoryview(rest), deadline)
                 head += rest
-            h = decode_header(bytes(head[:need]), self.namespace)
+            h = decode_header(bytes(head[:need]), self.namespace, rank=self.rank)
             if size < h.total_bytes:
                 raise ChunkFormatError(f"truncated: {size} of {h.total_bytes} bytes", FailureReason.TRUNCATED)
+            why = self.refuses(item[0], h)
+            if why is not None:  # what a read would refuse is never indexed (nor offered again)
+                raise ChunkFormatError(f"not trusted: {why}", why)
             return h
         except Exception as e:
             logger.warning("kvtier s3: ignoring %s: %s", key, e)

@@ -32,9 +32,11 @@ chunk holding others (``key_mismatch``).
 
 A failed read is a miss either way; it marks the chunk *bad* (the scheduler forgets and
 deletes it) only when its :class:`~vllm_kvtier.errors.FailureReason` is ``damaged`` (the
-bytes are wrong or gone: checksum, truncated, missing, key mismatch...). A read that failed
-for the path to it (deadline, throttling, breaker open, timeout) leaves the chunk alone: on
-a shared bucket it is good data other instances use.
+bytes are wrong or gone: checksum, truncated, missing, key mismatch...), and *untrusted*
+(the scheduler forgets it, so that it can be written again, and does not delete it) when
+it is ``unauthenticated`` (unsigned, or signed with a key this instance no longer accepts).
+A read that failed for the path to it (deadline, throttling, breaker open, timeout) leaves
+the chunk alone: on a shared bucket it is good data other instances use.
 """
 
 from __future__ import annotations
@@ -275,6 +277,9 @@ class ChunkWorker:
                     if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.file_id))
                         self._drop_header(read.file_id)
+                    elif reason is FailureReason.UNAUTHENTICATED:  # forgotten, not deleted
+                        self._meta.untrusted.add((self.tier, read.file_id))
+                        self._drop_header(read.file_id)
                 res.release()
                 finished.append((res.job_id, read, ok))
         self._report_remote()
@@ -316,6 +321,7 @@ class ChunkWorker:
         into.failed |= m.failed
         into.bad |= m.bad
         into.refused |= m.refused
+        into.untrusted |= m.untrusted
 
     def wait_for_reads(self, timeout_s: float) -> None:
         """Idle steps only: give the I/O threads the GIL until a read may have finished."""
