@@ -6,12 +6,12 @@ those slots wait for them, and only for them."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from vllm_kvtier.config import parse_config
-import threading
-
 from vllm_kvtier.jobs import ChunkWriteJob, LoadJob, SaveJob, StepPlan
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.transfer.worker import WorkerHalf

@@ -267,9 +267,9 @@ def signed_body(pieces: Iterable[bytes | bytearray | memoryview],
     if not signed:
         raise ChunkFormatError("an unsigned manifest, and this store verifies MACs", FailureReason.UNAUTHENTICATED)
     key_id, mac = tail[len(SIG_MAGIC) : len(SIG_MAGIC) + 8], tail[len(SIG_MAGIC) + 8 :]
-    h = hashers.get(key_id)
-    if h is None:
+    running = hashers.get(key_id)
+    if running is None:
         raise ChunkFormatError(f"a manifest signed with key id {key_id.hex()}, not accepted here",
                                FailureReason.UNAUTHENTICATED)
-    if not hmac.compare_digest(h.digest(), mac):
+    if not hmac.compare_digest(running.digest(), mac):
         raise ChunkFormatError("the manifest's MAC does not verify", FailureReason.AUTH_FAILED)

@@ -109,8 +109,14 @@ from vllm_kvtier.tiers.chunkfile import (
     max_chunk_bytes,
 )
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import (SIG_BYTES, encode_manifest, iter_manifest, max_manifest_bytes,
-                                     sign_manifest, signed_body)
+from vllm_kvtier.tiers.manifest import (
+    SIG_BYTES,
+    encode_manifest,
+    iter_manifest,
+    max_manifest_bytes,
+    sign_manifest,
+    signed_body,
+)
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
