@@ -110,8 +110,7 @@ class ChunkAuth:
         the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
         if len(key) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
-        secret = self._key if key_id is None else self._keys[key_id]
-        h = hmac.new(secret, _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little")
+        h = hmac.new(self._secret(key_id), _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little")
                      + bytes([len(key)]) + key, "sha256")
         h.update(data)
         return h.digest()
@@ -120,8 +119,11 @@ class ChunkAuth:
         """The MAC of header ``h`` stored as ``chunk_id`` (over :func:`signed_bytes`), with
         the signing key (or the accepted key ``key_id``)."""
         cid = chunk_id.encode("ascii")
-        secret = self._key if key_id is None else self._keys[key_id]
-        return hmac.digest(secret, _HEADER + bytes([len(cid)]) + cid + signed_bytes(h), "sha256")
+        return hmac.digest(self._secret(key_id), _HEADER + bytes([len(cid)]) + cid + signed_bytes(h), "sha256")
+
+    def _secret(self, key_id: bytes | None) -> bytes:
+        """The signing key (None), or the accepted key ``key_id`` (KeyError if not one)."""
+        return self._key if key_id is None else self._keys[key_id]
 
     def accepts(self, key_id: bytes) -> bool:
         """Whether chunks signed by the key ``key_id`` are accepted on reads."""
@@ -142,7 +144,7 @@ class ChunkAuth:
                      key_id: bytes | None = None) -> bytes:
         """The MAC of manifest bytes ``body`` of writer ``writer_id`` for (namespace, rank),
         with the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
-        h = self.manifest_hashers(namespace, rank, writer_id)[self.key_id if key_id is None else key_id]
+        h = hmac.new(self._secret(key_id), _manifest_label(namespace, rank, writer_id), "sha256")
         h.update(body)
         return h.digest()
 
@@ -150,9 +152,14 @@ class ChunkAuth:
         """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank),
         one per accepted key: a reader streams the manifest's bytes through them all, and
         the trailer's key id, read last, says which one must match."""
-        wid = writer_id.encode("ascii")
-        label = _MANIFEST + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little") + bytes([len(wid)]) + wid
+        label = _manifest_label(namespace, rank, writer_id)
         return {kid: hmac.new(secret, label, "sha256") for kid, secret in self._keys.items()}
+
+
+def _manifest_label(namespace: str, rank: int, writer_id: str) -> bytes:
+    """What a manifest's MAC binds besides its bytes: the namespace, rank and writer id."""
+    wid = writer_id.encode("ascii")
+    return _MANIFEST + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little") + bytes([len(wid)]) + wid
 
 
 def refusal(auth: ChunkAuth | None, chunk_id: str, h: ChunkHeader) -> tuple[FailureReason, str] | None:

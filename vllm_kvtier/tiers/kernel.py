@@ -437,11 +437,9 @@ class StoreKernel:
 
     def _check_request(self, job: _Read, h: ChunkHeader) -> _Failed | None:
         """Why the wanted positions cannot be served from a chunk with header ``h``."""
-        why = self._check_auth(job.chunk_id, h)
+        why = self._check_trust(job.chunk_id, h)
         if why is not None:
             return why
-        if h.rank != self.rank:  # after the MAC: a signed header's rank is the signer's
-            return _Failed(FailureReason.KEY_MISMATCH, f"a chunk of rank {h.rank}, this store is rank {self.rank}")
         if h.block_bytes != self.block_bytes:
             return _Failed(FailureReason.FORMAT, f"blocks of {h.block_bytes} B, expected {self.block_bytes}")
         if not all(0 <= p < h.nblocks for p in job.positions):
@@ -452,18 +450,22 @@ class StoreKernel:
                                                            f"not {k.hex()[:16]}")
         return None
 
-    def _check_auth(self, chunk_id: str, h: ChunkHeader) -> _Failed | None:
-        """Why header ``h`` of ``chunk_id`` is not to be trusted by this store (None: it is)."""
+    def _check_trust(self, chunk_id: str, h: ChunkHeader) -> _Failed | None:
+        """Why header ``h`` of ``chunk_id`` is not to be trusted by this store (None: it is):
+        its MAC and key (:func:`~vllm_kvtier.tiers.auth.refusal`), then its rank (after the
+        MAC: a signed header's rank is the signer's)."""
         why = refusal(self.auth, chunk_id, h)
-        return None if why is None else _Failed(*why)
+        if why is not None:
+            return _Failed(*why)
+        if h.rank != self.rank:
+            return _Failed(FailureReason.KEY_MISMATCH, f"a chunk of rank {h.rank}, this store is rank {self.rank}")
+        return None
 
     def refuses(self, chunk_id: str, h: ChunkHeader) -> FailureReason | None:
         """Why a scan must not index header ``h`` of ``chunk_id`` (None: it may): what a read
         would refuse before any byte moves (MAC and accepted key, rank). Any thread."""
-        why = refusal(self.auth, chunk_id, h)
-        if why is not None:
-            return why[0]
-        return FailureReason.KEY_MISMATCH if h.rank != self.rank else None
+        why = self._check_trust(chunk_id, h)
+        return None if why is None else why.reason
 
     def _plan(self, h: ChunkHeader, positions: list[int]) -> list[_Part]:
         shape = self.medium.read_shape
