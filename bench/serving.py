@@ -77,6 +77,8 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "long-context": {"preset": "long-context"},
     "shared-prompt": {"preset": "shared-prompt"},
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
+    # interactive with every load async (the request waits out of the step that loads it)
+    "interactive-async": {"preset": "interactive", "load_mode": "async"},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error
@@ -603,7 +605,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if load["dataset"] == "multi-turn":
                         res = run_multiturn(load, model, server.url, work, name, args)
                     else:
-                        run_client(client_args(load, model, server.url, work, name, args),
+                        run_client(client_args(load, model, server.url, work, name, args) + ["--save-detailed"],
                                    work / f"{name}.client.log", args.client_timeout_s)
                         res = json.loads((work / f"{name}.json").read_text())
                     wall = time.monotonic() - t0

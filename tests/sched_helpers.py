@@ -232,7 +232,7 @@ class FakeWorker:
                 assert self.pool.get(slot) == key, f"async load of {rid} reads a stale slot {slot}"
             recving.add(rid)
         self.recv_done -= recving
-        return set(meta.release), recving
+        return set(), recving  # never a finished_sending: no block is held for a save
 
     def _apply_saves(self, meta: KVTierMetadata, jobs: list) -> None:
         for job in jobs:
@@ -304,7 +304,7 @@ def assert_scheduler_empty(scheduler: Scheduler, initial_free_blocks: int) -> No
     for block in scheduler.kv_cache_manager.block_pool.blocks:
         assert block.ref_cnt == 0 or block.is_null
     half = sched_half(scheduler)
-    assert not half.tracked_requests() and not half.held_requests() and not half.releasing_requests()
+    assert not half.tracked_requests() and not half.held_requests()
     assert not half.has_pending_work()
     assert not any(half.index.is_pinned(s) for s in range(half.index.num_slots))
 

@@ -125,15 +125,16 @@ class StepPlan:
 
     #: Slots of the CPU pool; the worker allocates the pool when it first sees this.
     num_slots: int
-    #: Saves run before the forward: blocks of finished requests, held for us by vLLM.
+    #: Saves run before the forward: the last blocks of finished requests (``freed``).
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     #: Saves run after the forward (in wait_for_save): blocks completed by this very step,
     #: so they are stored even if the engine never steps again (offline LLM, shutdown).
     saves_after: list[SaveJob] = field(default_factory=list)
-    #: Finished requests whose blocks the scheduler holds for us: report each in
-    #: ``finished_sending`` once all its transfers are complete.
-    release: list[str] = field(default_factory=list)
+    #: Finished requests whose blocks vLLM has freed while saves out of them were in flight
+    #: or are in ``saves``: this step's forward may rewrite those blocks, so those saves are
+    #: ordered before it (as for ``preempted``).
+    freed: list[str] = field(default_factory=list)
     #: Lower-tier writes of blocks evicted from the CPU tier: done before this step's
     #: saves overwrite their slots.
     demotes: list[ChunkWriteJob] = field(default_factory=list)

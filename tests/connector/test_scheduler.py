@@ -58,7 +58,7 @@ def lookup(sched, prompt):
 # ---- 1. first request: no hit, saves, held until finished_sending ---------------------
 
 
-def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model_dir):
+def test_first_request_saves_prompt_and_decode_blocks_and_frees_them_at_once(model_dir):
     sched, initial = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 64 * block_bytes()}})
     half = sched_half(sched)
     worker = FakeWorker()
@@ -71,31 +71,31 @@ def test_first_request_saves_prompt_and_decode_blocks_and_holds_until_sent(model
     assert out.num_scheduled_tokens == {"a": len(prompt)}
     assert not out.has_sync_kv_loads
     meta = meta_of(out)
-    assert meta.loads == [] and meta.saves == [] and meta.release == []
+    assert meta.loads == [] and meta.saves == [] and meta.freed == []
     block_ids = list(sched.kv_cache_manager.get_block_ids("a")[0])
     # The prompt blocks are saved right after the prefill forward, in the same step.
     assert [j.block_ids for j in meta.saves_after] == [tuple(block_ids[:4])]
     assert meta.saves_after[0].keys == tuple(req.block_hashes[:4])
 
     while req.status == RequestStatus.RUNNING:
+        block_ids = list(sched.kv_cache_manager.get_block_ids("a")[0])  # freed with the request
         out = worker.step(sched)
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    block_ids = list(sched.kv_cache_manager.get_block_ids("a")[0])
     assert len(block_ids) == 6
     assert req.num_computed_tokens == 6 * BS
-    # request_finished asked vLLM to keep the blocks: not freed until finished_sending.
-    assert "a" in sched.requests
-    assert "a" in half.held_requests() and "a" in half.releasing_requests()
-    assert free_blocks(sched) == initial - 6  # 192 computed tokens
-    assert sched.has_requests()  # pending push work keeps the engine stepping
+    # request_finished let vLLM free the blocks at once (the next step may schedule into
+    # them): nothing is held for our copies.
+    assert "a" not in sched.requests and not half.held_requests()
+    assert free_blocks(sched) == initial
 
-    # The last decode block was saved after the final forward; the next step only
-    # releases the request: the worker reports it in finished_sending and vLLM frees it.
+    # The last decode block was saved after the final forward; the next step names the
+    # request as freed, so the worker orders that save before the step's forward.
+    sched.add_request(make_request("b", prompt_tokens(BS + 1, seed=3), max_tokens=1))
     out = worker.step(sched)
     meta = meta_of(out)
-    assert meta.release == ["a"]
-    assert meta.saves == [] and meta.saves_after == []
-    assert not sched.has_requests()
+    assert meta.freed == ["a"]
+    assert meta.saves == []
+    worker.run_until_idle(sched)
 
     saves = all_saves(worker.metas, "a")
     saved_keys = [k for j in saves for k in j.keys]
@@ -149,7 +149,7 @@ def test_second_request_sync_hit_is_block_aligned_and_skips_last_token(model_dir
     assert b.num_output_tokens == 3
     # Nothing new to save (its 4th block is stored already), so nothing was held.
     assert all_saves(worker.metas, "b") == []
-    assert all(m.release == [] for m in worker.metas)
+    assert all(m.freed == [] for m in worker.metas)
     assert len(all_loads(worker.metas)) == 1
     assert_scheduler_empty(sched, initial)
 
@@ -386,13 +386,12 @@ def test_abort_during_async_load_frees_once(model_dir):
     aborted = sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert [r.request_id for r in aborted] == ["b"]
     # vLLM keeps the blocks under the in-flight load; the connector does not hold them
-    # too (it would free them twice) and asks for no release.
+    # too (it would free them twice) and names it in no freed list.
     assert "b" in sched.requests
     assert free_blocks(sched) == initial - 4
-    assert "b" not in half.releasing_requests()
     assert all(half.index.is_pinned(s) for s in load.slots)
     out = worker.step(sched)
-    assert meta_of(out).release == [] and meta_of(out).saves == []
+    assert meta_of(out).freed == [] and meta_of(out).saves == []
     assert "b" in sched.requests
 
     worker.complete_recv("b")
@@ -402,7 +401,7 @@ def test_abort_during_async_load_frees_once(model_dir):
     assert_scheduler_empty(sched, initial)
 
 
-def test_abort_running_request_releases_after_sending(model_dir):
+def test_abort_running_request_frees_its_blocks_and_orders_its_saves(model_dir):
     sched, initial = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 64 * block_bytes()}})
     worker = FakeWorker()
     sched.add_request(make_request("a", prompt_tokens(2 * BS + 3), max_tokens=50))
@@ -410,10 +409,9 @@ def test_abort_running_request_releases_after_sending(model_dir):
     worker.step(sched)  # prompt blocks saved
     assert all_saves(worker.metas, "a")
     sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert "a" in sched.requests  # held: its saves may still be in flight
+    assert "a" not in sched.requests  # freed at once: its saves are ordered instead
     out = worker.step(sched)
-    assert meta_of(out).release == ["a"]
-    assert "a" not in sched.requests
+    assert meta_of(out).freed == ["a"]
     assert_scheduler_empty(sched, initial)
 
 

@@ -87,7 +87,7 @@ def test_abort_during_async_load_is_not_held_even_without_pins(tmp_path):
     req.num_computed_tokens = 2 * BS  # vLLM counts the external tokens already
     assert half.request_finished(req, [7, 8]) == (False, None)
     meta = half.build_connector_meta(_Out({}))
-    assert meta.saves == [] and meta.release == []
+    assert meta.saves == [] and meta.freed == []
 
 
 @dataclass

@@ -192,7 +192,7 @@ def test_a_plan_for_group_views_goes_to_the_workers_with_vllms_ids():
         loads=[LoadJob(a0, (3,), (1,), (b"k1",), True), LoadJob(a1, (5, 6), (2, 7), (b"k2", b"k7"), True,
                                                                 reads=(read,), unloadable=(9,))],
         saves_after=[SaveJob(b1, (4,), (3,), (b"k3",))],
-        release=[a0, a1, b1], preempted=[b1],
+        freed=[a0, a1, b1], preempted=[b1],
     )
     out = to_real_ids(plan)
     assert len(out.loads) == 1
@@ -200,4 +200,4 @@ def test_a_plan_for_group_views_goes_to_the_workers_with_vllms_ids():
     assert (job.req_id, job.block_ids, job.slots, job.keys) == ("a", (3, 5, 6), (1, 2, 7), (b"k1", b"k2", b"k7"))
     assert job.asynchronous and job.reads == (read,) and job.unloadable == (9,)
     assert [j.req_id for j in out.saves_after] == ["b"]
-    assert out.release == ["a", "b"] and out.preempted == ["b"]
+    assert out.freed == ["a", "b"] and out.preempted == ["b"]

@@ -244,3 +244,31 @@ def test_the_time_of_a_step_with_a_forward_is_counted_and_an_idle_one_is_not():
     w.transfer_results(set(), idle_step=True)  # no forward: delays no token
     assert w.counters.totals[sample_key("step_calls", "cpu")] == 1
     w.shutdown()
+
+
+@pytest.mark.parametrize("why", ["freed", "preempted"])
+def test_a_finished_or_preempted_requests_saves_end_before_the_next_forward_rewrites_its_blocks(why):
+    """vLLM frees a finished request's blocks at once (nothing is held for our copies): the
+    next step's begin issues its final save and waits for the one still on the copy thread,
+    so the forward that rewrites those blocks finds every copy out of them done."""
+    w, kv, _ = _worker()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=0))
+    held = _HeldCopyThread(w)
+    save = SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))
+    _forward(w, 1, [save])
+    held.watch()
+    assert held.waited == []  # still on the copy thread
+    final = [SaveJob("r1", block_ids=(5,), slots=(2,), keys=(_key(5),))] if why == "freed" else []
+    want = {n: t[[3, 4, 5]].clone() for n, t in kv.items()}
+    w.begin_step(StepPlan(num_slots=SLOTS, step=2, saves=final, **{why: ["r1"]}))
+    assert held.waited == [save]
+    with torch.inference_mode():
+        for t in kv.values():
+            t[[3, 4, 5]] = 0  # this step's forward writes a new request's KV into them
+    assert w.transfer_results(set()) == set()  # no finished_sending: nothing was held
+    assert w.engine is not None
+    n = 3 if final else 2
+    w.engine.submit("load", [10, 11, 12][:n], [0, 1, 2][:n], background=False)
+    for name, t in kv.items():
+        assert torch.equal(t[[10, 11, 12][:n]], want[name][:n])
+    w.shutdown()

@@ -152,22 +152,23 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         # After the forward: copy out the blocks this step completed. On CUDA the copies
         # are queued on our stream and do not block; their source blocks belong to running
-        # requests or are held until the worker reports them (finished_sending).
+        # requests, and the next step's begin orders them before its forward if their
+        # request finished or was preempted meanwhile.
         assert self._worker is not None
         if self.has_connector_metadata():
             self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        sending, recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
-        return sending or None, recving or None
+        recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
+        return None, recving or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             assert self._worker is not None
-            sending, recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
-            return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+            recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
+            return KVConnectorTransferResults(finished_sending=set(), finished_recving=recving,
                                               failed_recving=self._worker.take_failed_loads())
 
     def build_connector_worker_meta(self) -> Any:

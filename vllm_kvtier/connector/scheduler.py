@@ -144,7 +144,7 @@ def to_real_ids(plan: StepPlan) -> StepPlan:
     plan.loads = [merge_loads(jobs, rid) for rid, jobs in loads.items()]
     plan.saves = [dataclasses.replace(j, req_id=real_id(j.req_id)) for j in plan.saves]
     plan.saves_after = [dataclasses.replace(j, req_id=real_id(j.req_id)) for j in plan.saves_after]
-    plan.release = list(dict.fromkeys(real_id(r) for r in plan.release))
+    plan.freed = list(dict.fromkeys(real_id(r) for r in plan.freed))
     plan.preempted = list(dict.fromkeys(real_id(r) for r in plan.preempted))
     return plan
 

@@ -130,11 +130,12 @@ class SchedulerPlanner:
         self._match_start: dict[str, int] = {}
         self._loads: list[LoadJob] = []
         self._final_saves: list[SaveJob] = []
-        self._release: list[str] = []
-        #: Requests we hold blocks for (returned True from request_finished).
+        #: Finished requests with saves out of their blocks in flight or planned: vLLM has
+        #: freed those blocks, so the worker orders the saves before the next forward.
+        self._freed: list[str] = []
+        #: Finished requests whose async load still runs (vLLM keeps their blocks until
+        #: ``finished_recving``).
         self._held: dict[str, ReqState] = {}
-        #: Held requests whose release we asked the worker for.
-        self._releasing: set[str] = set()
         #: Requests given a fresh state since the last plan_step.
         self._fresh: set[str] = set()
         self._step = 0
@@ -532,7 +533,7 @@ class SchedulerPlanner:
             self.verify.publish()
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
-            release=self._release, preempted=preempted, step=self._step, prefetches=prefetches,
+            freed=self._freed, preempted=preempted, step=self._step, prefetches=prefetches,
             verifies=verifies, namespace=self.namespace,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
@@ -550,7 +551,7 @@ class SchedulerPlanner:
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if not tier.index.knows(BlockKey(k))
                 ]
-        self._loads, self._final_saves, self._release = [], [], []
+        self._loads, self._final_saves, self._freed = [], [], []
         self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
         self.counters.add("pin_refusals", TIER, self.index.pin_refusals - self._last_pin_refusals)
@@ -630,13 +631,14 @@ class SchedulerPlanner:
             peer = self.peer_plan.params_for(request, self.block_size)
             if peer is not None:
                 params = {**(params or {}), **peer}
-        # Earlier saves may still be in flight on a CUDA stream: hold those blocks too.
-        hold = job is not None or state.saves_issued
-        if hold:
-            self._held[request.request_id] = state
-            self._release.append(request.request_id)
-            self._releasing.add(request.request_id)
-        return hold, params
+        # vLLM frees the blocks now: the first forward that may rewrite them is the next
+        # step's, and the worker orders this final save and any earlier one still in flight
+        # before it (``StepPlan.freed``), as for a preempted request. Holding them until the
+        # copies were reported instead kept them from the next step's schedule: a step of
+        # queueing for every request behind a finished one when vLLM's cache is full.
+        if job is not None or state.saves_issued:
+            self._freed.append(request.request_id)
+        return False, params
 
     def on_worker_output(self, out: WorkerOutput) -> None:
         """What the workers reported after a step (vLLM's ``update_connector_output``)."""
@@ -645,8 +647,7 @@ class SchedulerPlanner:
             if state is not None:
                 self._observe_load_done(state)
                 self._end_async_load(state)
-                if req_id in self._held and req_id not in self._releasing:
-                    del self._held[req_id]
+                self._held.pop(req_id, None)
         bad = out.invalid_block_ids
         if bad:
             for state in list(self._reqs.values()) + list(self._held.values()):
@@ -669,9 +670,6 @@ class SchedulerPlanner:
                 self.peer_plan.on_worker_meta(meta)
             if self.verify is not None:
                 self.verify.on_worker_meta(meta)
-        for req_id in out.finished_sending:
-            self._held.pop(req_id, None)
-            self._releasing.discard(req_id)
 
     def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
         """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
@@ -712,12 +710,8 @@ class SchedulerPlanner:
         return set(self._reqs)
 
     def held_requests(self) -> set[str]:
-        """Finished requests whose blocks we still hold or whose async load still runs."""
+        """Finished requests whose async load still runs."""
         return set(self._held)
-
-    def releasing_requests(self) -> set[str]:
-        """Held requests the worker was asked to report in ``finished_sending``."""
-        return set(self._releasing)
 
     def pending_final_saves(self) -> list[SaveJob]:
         return list(self._final_saves)
@@ -727,7 +721,7 @@ class SchedulerPlanner:
         releases to issue, prefetches queued or in flight (they land between requests), or
         write-back blocks to flush."""
         pf = self.prefetcher
-        return bool(self._final_saves or self._release or self._loads or self._releasing
+        return bool(self._final_saves or self._loads
                     or (pf is not None and pf.has_work())
                     or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or

@@ -17,9 +17,10 @@ Per step, in vLLM's order:
    completed. On a host KV cache those copies run on the copy thread while the step samples
    its tokens, vLLM schedules the next one and, on the next forward, computes (a token
    waits for none of them). That forward writes no block they read: vLLM frees a block
-   only when its request finishes (we hold those blocks until their saves are done,
-   ``finished_sending``) or is preempted (``begin_step`` orders those saves first), and a
-   hybrid model's sliding-window blocks are saved inline (``wait_saves``). A step that
+   only when its request finishes or is preempted, and ``begin_step`` orders the saves of
+   those requests (``StepPlan.freed``, ``preempted``) before the forward, the first that
+   can rewrite the block (vLLM never waits for our copies to reuse it); a hybrid model's
+   sliding-window blocks are saved inline (``wait_saves``). A step that
    reads or writes pool slots on the host (loads, demotions, prefetches, verification)
    first waits for every save and settles it, so a failed save's slots are never used;
    otherwise the saves of forwards before the last are waited for, so at most one
@@ -27,8 +28,8 @@ Per step, in vLLM's order:
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
-   async loads done (``finished_recving``) and held requests whose transfers are all done
-   (``finished_sending``). Failed blocks go to ``take_load_errors`` no later than the pass
+   async loads done (``finished_recving``; no block is held for a save, so there is never
+   a ``finished_sending``). Failed blocks go to ``take_load_errors`` no later than the pass
    that reports their request, so vLLM recomputes them.
 
 A load fails (and its blocks are recomputed, never served) when the slot does not hold the
@@ -123,7 +124,6 @@ class WorkerHalf:
         self._step_ended = -1
         self._meta: StepPlan | None = None
         self._inflight_saves: dict[str, list[Transfer]] = {}
-        self._pending_release: set[str] = set()
         self._async_loads: list[_AsyncLoad] = []
         self._load_errors: set[int] = set()
         #: Report a failed async load per request (``take_failed_loads``), never by block:
@@ -252,23 +252,22 @@ class WorkerHalf:
         # module's docstring). A step that uses pool slots on the host waits for them all.
         touches_slots = bool(meta.loads or meta.demotes or meta.verifies or meta.prefetches)
         self._settle_host_saves(wait_before=math.inf if touches_slots else self._step_ended)
-        for req_id in meta.preempted:
-            # Its blocks go back to vLLM's pool now; the forward must not overwrite them
-            # before our copies out of them complete.
-            for t in self._inflight_saves.pop(req_id, []):
-                self.engine.order_before_compute(t)
         # Demoted slots are copied out before this step's saves reuse them.
         for name, tier in self.lower.items():
             tier.write([j for j in meta.demotes if j.tier == name], copy_now=True)
             tier.delete([fid for t, fid in meta.deletes if t == name])
             tier.forget([fid for t, fid in meta.forgets if t == name])
         self._run_saves(meta.saves)
+        for req_id in meta.preempted + meta.freed:
+            # Its blocks went back to vLLM's pool; this step's forward must not overwrite
+            # them before our copies out of them (its final save just above) complete.
+            for t in self._inflight_saves.pop(req_id, []):
+                self.engine.order_before_compute(t)
         for pf in meta.prefetches:
             self._start_prefetch(pf)
         if self.verifier is not None:
             for vj in meta.verifies:
                 self.verifier.start(vj, self.lower)
-        self._pending_release.update(meta.release)
 
     @_step_timed
     def end_step(self) -> None:
@@ -575,8 +574,8 @@ class WorkerHalf:
             self.counters.add("bytes_loaded", TIER, nblocks * self.layout.block_bytes)
             self.counters.add("load_seconds", TIER, time.perf_counter() - t.started_s)
 
-    def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> tuple[set[str], set[str]]:
-        """Return (finished_sending, finished_recving).
+    def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> set[str]:
+        """Return the requests whose async loads ended (``finished_recving``).
 
         ``idle_step``: this step ran no forward (vLLM only waits for transfers); then we
         wait up to 2 ms for lower-tier reads instead of returning at once, so the engine's
@@ -593,7 +592,7 @@ class WorkerHalf:
                 self.counters.add("step_calls", TIER, 1)
             self._step_time = 0.0
 
-    def _transfer_results(self, idle_step: bool) -> tuple[set[str], set[str]]:
+    def _transfer_results(self, idle_step: bool) -> set[str]:
         recving: set[str] = set()
         if self.pool is not None:
             self._settle_host_saves()
@@ -629,18 +628,11 @@ class WorkerHalf:
             recving.add(a.req_id)
         self._async_loads = still
 
-        sending: set[str] = set()
         for req_id, transfers in list(self._inflight_saves.items()):
             transfers[:] = [t for t in transfers if not t.done()]
             if not transfers:
                 del self._inflight_saves[req_id]
-        for req_id in list(self._pending_release):
-            if req_id not in self._inflight_saves and not any(
-                a.req_id == req_id for a in self._async_loads
-            ):
-                sending.add(req_id)
-                self._pending_release.discard(req_id)
-        return sending, recving
+        return recving
 
     def _poll_peer(self) -> None:
         assert self.peer is not None
