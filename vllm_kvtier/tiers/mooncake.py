@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import mmap
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.config.stores import MooncakeConfig
 from vllm_kvtier.errors import FailureReason
@@ -59,7 +60,12 @@ from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.chunkfile import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.registry import install_hint
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
+
+if TYPE_CHECKING:
+    from vllm_kvtier.config.sections import MooncakeTierConfig
+    from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeMedium", "MooncakeStats", "MooncakeStore", "code_reason",
            "object_key"]
@@ -67,11 +73,7 @@ __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeMedium", "MooncakeStats", 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-INSTALL_HINT = (
-    "the Mooncake tier needs the mooncake-transfer-engine package and libibverbs: "
-    "pip install mooncake-transfer-engine (GPU hosts) or mooncake-transfer-engine-non-cuda (CPU-only), "
-    "and apt-get install libibverbs1 (tools/setup-remote.sh does both for tests)"
-)
+INSTALL_HINT = install_hint("mooncake")
 
 
 #: Mooncake's ErrorCode values (mooncake-store/include/types.h) -> our failure labels.
@@ -504,6 +506,17 @@ class MooncakeStore(StoreKernel):
                          max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
         logger.info("kvtier mooncake: joined master %s as %s over %s (segment %d B)", config.master,
                     self.local_hostname, config.protocol, config.global_segment_bytes)
+
+    @classmethod
+    def from_config(cls, section: MooncakeTierConfig, ctx: StoreContext) -> MooncakeStore:
+        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`): ``section``
+        is ``cfg.mooncake``. With ``ctx.lookup_only`` (the scheduler, which only asks what
+        exists) it is a pure client: no pool memory of its own, one I/O thread."""
+        config = section.store
+        if ctx.lookup_only:
+            config = dataclasses.replace(config, global_segment_bytes=0, transfer_buffer_bytes=1 << 20, io_threads=1)
+        return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks=section.chunk_blocks,
+                   buffers=ctx.buffers, auth=ctx.auth)
 
     def __repr__(self) -> str:
         return (f"MooncakeStore(master={self.config.master!r}, protocol={self.config.protocol!r}, "

@@ -52,7 +52,7 @@ import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
@@ -71,6 +71,10 @@ from vllm_kvtier.tiers.chunkfile import (
 from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir
+
+if TYPE_CHECKING:
+    from vllm_kvtier.config.sections import NVMeTierConfig
+    from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = ["NVMeMedium", "NVMeStore", "classify", "other_bytes", "probe_direct_io", "rank_dir", "read_header",
            "scan_dir"]
@@ -395,6 +399,15 @@ class NVMeStore(StoreKernel):
         super().__init__(self._files, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
                          buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
                          max_queued_writes=max_queued_writes, auth=auth, rank=rank)
+
+    @classmethod
+    def from_config(cls, section: NVMeTierConfig, ctx: StoreContext) -> NVMeStore:
+        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`): ``section``
+        is ``cfg.nvme``. ``ctx.replica``: see ``replica`` above."""
+        return cls(section.path, ctx.namespace, ctx.rank, ctx.block_bytes, direct_io=section.direct_io,
+                   io_threads=section.io_threads, max_queued_writes=section.max_queued_writes,
+                   io_engine=section.io_engine, max_chunk_blocks=section.chunk_blocks, buffers=ctx.buffers,
+                   auth=ctx.auth, replica=ctx.replica)
 
     def path(self, chunk_id: str) -> Path:
         """Where the chunk's file is (for tools and fault drills)."""

@@ -91,8 +91,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
@@ -136,6 +136,10 @@ from vllm_kvtier.tiers.s3_config import (
     rank_prefix,
 )
 from vllm_kvtier.tiers.s3_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
+
+if TYPE_CHECKING:
+    from vllm_kvtier.config.sections import S3TierConfig
+    from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -505,6 +509,16 @@ class S3Store(StoreKernel):
                          write_deadline_s=config.deadline_s, io_threads=config.io_threads,
                          write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth,
                          rank=rank)
+
+    @classmethod
+    def from_config(cls, section: S3TierConfig, ctx: StoreContext) -> S3Store:
+        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`): ``section``
+        is ``cfg.s3``. With ``ctx.lookup_only`` (the scheduler, which only lists and
+        reads headers, always through boto3) no NIXL agent is made, whatever
+        ``s3.io_engine`` says: the workers check that it runs."""
+        config = replace(section.store, io_engine="boto3") if ctx.lookup_only else section.store
+        return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, buffers=ctx.buffers,
+                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth)
 
     def __repr__(self) -> str:
         c = self.config
