@@ -4,8 +4,9 @@ when it comes, serves the next call asking the same keys, so that a host on whic
 lookup is slower than the timeout still finds what is in the pool (a P/D decode request
 then sees its prefilled blocks within its hand-off wait instead of recomputing them).
 
-The pool client is replaced by a stand-in whose ``exists`` takes a set time: the timing is
-what is under test, and a real master answers in about a millisecond here."""
+The pool client is replaced, in the tier registry, by a stand-in whose ``exists`` takes a
+set time: the timing is what is under test, and a real master answers in about a
+millisecond here."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.tiers.registry import TIERS, TierEntry
 
 
 class SlowPool:
@@ -30,8 +32,9 @@ class SlowPool:
     gate = threading.Event()
     answered = threading.Event()
 
-    def __init__(self, config, namespace, rank, block_bytes) -> None:
-        pass
+    @classmethod
+    def from_config(cls, section, ctx) -> SlowPool:
+        return cls()
 
     def exists(self, ids: list[str]) -> list[bool]:
         SlowPool.calls += 1
@@ -45,9 +48,7 @@ class SlowPool:
 
 @pytest.fixture
 def slow_pool(monkeypatch):
-    import vllm_kvtier.tiers.mooncake as mooncake
-
-    monkeypatch.setattr(mooncake, "MooncakeStore", SlowPool)
+    monkeypatch.setitem(TIERS, "mooncake", TierEntry("mooncake", f"{__name__}:SlowPool"))
     SlowPool.calls = 0
     SlowPool.gate = threading.Event()
     SlowPool.answered = threading.Event()

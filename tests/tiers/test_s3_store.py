@@ -571,8 +571,8 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
     request after it, indexes what it verified by then (a partial index, ``cut_short``,
     the objects left out counted as ``deadline``), and the next scan GETs only the
     headers the first did not read. The planner built on it counts ``scan_cut_short``."""
-    from vllm_kvtier.config.sections import S3TierConfig
-    from vllm_kvtier.connector.lower import _s3_planner
+    from vllm_kvtier.config.sections import KVTierConfig, S3TierConfig
+    from vllm_kvtier.connector.lower import make_planners
     from vllm_kvtier.metrics import Counters
 
     writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0), NS, 0, BLOCK)
@@ -595,7 +595,8 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
 
         proxy.delay(0.3)
         counters = Counters()
-        p = _s3_planner(S3TierConfig(store=cfg, rescan_interval_s=0), NS, 1, BLOCK, counters, None)
+        (p,) = make_planners(KVTierConfig(s3=S3TierConfig(store=cfg, rescan_interval_s=0)), namespace=NS,
+                             world_size=1, block_bytes_per_rank=BLOCK, counters=counters)
         try:
             assert counters.totals["scan_cut_short|s3"] == 1
             assert len(p.index) < 30

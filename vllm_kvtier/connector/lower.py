@@ -1,5 +1,7 @@
-"""Building the tiers below CPU (NVMe, S3) from the config: the scheduler's planners and
-each worker's stores. The one place that knows which medium backs which tier name.
+"""Building the tiers below CPU (NVMe, S3, Mooncake) from the config: the scheduler's
+planners and each worker's stores. Every store is opened through the tier registry
+(:mod:`vllm_kvtier.tiers.registry`) from its config section and one context; optional
+abilities are found with ``isinstance`` on the protocols of :mod:`vllm_kvtier.tiers.base`.
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` at construction (scheduler
 role: :func:`make_planners`; worker role: :func:`make_workers`, once the CPU pool exists).
@@ -29,19 +31,24 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
+from vllm_kvtier.config.sections import LowerTierSection
 from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
+from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.chunkfile import ChunkHeader
-from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, NVMeStore, other_bytes, rank_dir, scan_dir
+from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
+from vllm_kvtier.tiers.registry import StoreContext, open_store, tier_entry
 from vllm_kvtier.transfer.fp8 import (
     StorageDtype,
     StorageFormat,
@@ -51,6 +58,9 @@ from vllm_kvtier.transfer.fp8 import (
 )
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
+
+if TYPE_CHECKING:
+    from vllm_kvtier.tiers.s3 import S3Store
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +126,88 @@ def tier_format(tier: str, storage_dtype: StorageDtype, *, namespace: str, block
     return TierFormat(fmt, tier_namespace(namespace, fmt), size)
 
 
+@dataclass(frozen=True)
+class TierContext:
+    """What every tier below CPU is built from, beside its config section: the engine's
+    facts, the same in the scheduler and in every worker (so both derive the same
+    namespaces and sizes)."""
+
+    #: The engine's namespace; each tier's comes from it and its storage format.
+    namespace: str
+    #: Bytes of this rank's shard of one block, as the engine holds it.
+    block_bytes: int
+    #: The KV cache's element type (None: unknown; every tier stores native blocks).
+    kv_dtype: torch.dtype | None
+    counters: Counters
+    #: The key that signs and verifies chunks (None: none found).
+    auth: ChunkAuth | None
+    #: Sign and verify the private tiers' chunks too (``auth.local_tiers``); the shared
+    #: ones always are when there is a key.
+    auth_local: bool
+
+    @classmethod
+    def of(cls, cfg: KVTierConfig, *, namespace: str, block_bytes: int, kv_dtype: torch.dtype | None,
+           counters: Counters) -> TierContext:
+        """Raises ConfigError when ``auth.required`` and no key is found."""
+        return cls(namespace, block_bytes, kv_dtype, counters, load_auth(cfg.auth), cfg.auth.local_tiers)
+
+    def store_context(self, tier: str, section: LowerTierSection, *, rank: int, buffers: BufferPool | None = None,
+                      replica: bool = False, lookup_only: bool = False) -> tuple[TierFormat, StoreContext]:
+        """Tier ``tier``'s format and the context its store of ``rank`` opens with."""
+        f = tier_format(tier, section.storage_dtype, namespace=self.namespace, block_bytes=self.block_bytes,
+                        kv_dtype=self.kv_dtype)
+        auth = self.auth if tier_entry(tier).shared or self.auth_local else None
+        return f, StoreContext(f.namespace, rank, f.block_bytes, buffers=buffers, auth=auth, replica=replica,
+                               lookup_only=lookup_only)
+
+
+def _open(tier: str, section: LowerTierSection, ctx: StoreContext, counters: Counters, verb: str) -> ChunkStore | None:
+    """Tier ``tier``'s store, or None when it cannot start here: logged and counted
+    (``store_failures``), and serving goes on without it. A ConfigError (a setting that
+    cannot run here) stops start-up."""
+    try:
+        return open_store(tier, section, ctx)
+    except ConfigError:
+        raise
+    except Exception as e:  # OSError, ConnectionError, ImportError with the install hint...
+        # Nothing is touched: an unsafe or locked NVMe directory (another engine's) stays as it is.
+        logger.error("kvtier %s: tier disabled, cannot %s %s: %s", tier, verb, section.endpoint, e)
+        counters.add("store_failures", tier)
+        return None
+
+
+# ---- the scheduler's planners ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Planning:
+    """What each tier's planner is built with, beside its section."""
+
+    #: Rank 0's store context (the tier's namespace, stored block size, key).
+    ctx: StoreContext
+    #: Shards stored of each block (:func:`stored_copies`), named ``r0`` ..
+    world_size: int
+    counters: Counters
+    #: This instance never writes the Mooncake pool (``kv_consumer``).
+    read_only_pool: bool
+
+    def empty(self, policy: ChunkPolicy) -> ChunkPlanner:
+        """A planner that knows no chunk (a tier disabled at start)."""
+        return ChunkPlanner(policy, world_size=self.world_size, block_bytes_per_rank=self.ctx.block_bytes,
+                            counters=self.counters, found=[{} for _ in range(self.world_size)])
+
+    def open_ranks(self, tier: str, section: LowerTierSection) -> list[ChunkStore] | None:
+        """Every rank's store, opened for lookups; None (logged, counted) if one cannot."""
+        stores: list[ChunkStore] = []
+        for r in range(self.world_size):
+            st = _open(tier, section, dataclasses.replace(self.ctx, rank=r), self.counters, "reach")
+            if st is None:
+                run_all(functools.partial(s.close, timeout_s=1.0) for s in stores)
+                return None
+            stores.append(st)
+        return stores
+
+
 def make_planners(
     cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters,
     kv_dtype: torch.dtype | None = None, read_only_pool: bool = False,
@@ -129,34 +221,26 @@ def make_planners(
     and indexes; the workers verify every chunk they read)."""
     # The scheduler verifies what it indexes with the workers' keys: a header a read would
     # refuse (a key not accepted, a MAC that does not verify, another rank) is never indexed.
-    auth = load_auth(cfg.auth)
+    engine = TierContext.of(cfg, namespace=namespace, block_bytes=block_bytes_per_rank, kv_dtype=kv_dtype,
+                            counters=counters)
     planners = []
-    n = cfg.nvme
-    if n is not None:
-        f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
-                        kv_dtype=kv_dtype)
-        planners.append(_nvme_planner(n, f, world_size, counters, auth if cfg.auth.local_tiers else None))
-    if cfg.s3 is not None:
-        f = tier_format(TierName.S3, cfg.s3.storage_dtype, namespace=namespace, block_bytes=block_bytes_per_rank,
-                        kv_dtype=kv_dtype)
-        planners.append(_s3_planner(cfg.s3, f.namespace, world_size, f.block_bytes, counters, auth))
-    if cfg.mooncake is not None:
-        planners.append(_mooncake_planner(cfg.mooncake, namespace, world_size, block_bytes_per_rank, counters,
-                                          read_only_pool))
+    for tier, section in cfg.lower_tiers():
+        _, ctx = engine.store_context(tier, section, rank=0, lookup_only=True)
+        planners.append(_PLANNERS[tier](section, _Planning(ctx, world_size, counters, read_only_pool)))
     return planners
 
 
-def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: Counters,
-                  auth: ChunkAuth | None) -> ChunkPlanner:
+def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
     """The NVMe planner from a read-only scan of every rank's directory. A directory held
     by another engine (its lock), or one the worker will refuse as unsafe (another user's,
     writable by others), turns the tier off here too: nothing of it is indexed, nothing is
-    written (the worker refuses it as well)."""
-    dirs = [rank_dir(n.path, f.namespace, r) for r in range(world_size)]
+    written (the worker refuses it as well). No store is opened: that takes the lock."""
+    ns, world_size = p.ctx.namespace, p.world_size
+    dirs = [rank_dir(n.path, ns, r) for r in range(world_size)]
     policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
                          flush_interval_s=n.flush_interval_s, exclusive=True)
     held = [(d, who) for d in dirs if (who := lock_holder(d)) is not None]
-    unsafe = [why for r in range(world_size) if (why := unsafe_reason(n.path, f.namespace, r)) is not None]
+    unsafe = [why for r in range(world_size) if (why := unsafe_reason(n.path, ns, r)) is not None]
     if held or unsafe:
         if held:
             d, who = held[0]
@@ -164,15 +248,14 @@ def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: C
                          "share one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
         else:
             logger.error("kvtier nvme: tier disabled: %s; serving goes on without it", unsafe[0])
-        counters.add("store_failures", TierName.NVME)
-        return ChunkPlanner(dataclasses.replace(policy, mode="read-only"), world_size=world_size,
-                            block_bytes_per_rank=f.block_bytes, counters=counters, found=[{} for _ in dirs])
-    refuses = functools.partial(refusal_reason, auth)
-    found = [scan_dir(d, f.namespace, max_blocks=n.chunk_blocks, block_bytes=f.block_bytes, rank=r, refuses=refuses)[0]
+        p.counters.add("store_failures", TierName.NVME)
+        return p.empty(dataclasses.replace(policy, mode="read-only"))
+    refuses = functools.partial(refusal_reason, p.ctx.auth)
+    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses)[0]
              for r, d in enumerate(dirs)]
     # Capacity covers every byte the tier leaves in its directories, not only the chunks.
     reserved = max(other_bytes(d) for d in dirs)
-    return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=f.block_bytes, counters=counters,
+    return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=p.counters,
                         found=found, reserved_bytes_per_rank=reserved)
 
 
@@ -196,32 +279,23 @@ def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None
     counters.set_gauge("foreign_bytes", TierName.NVME, left)
 
 
-def _mooncake_planner(
-    mc: MooncakeTierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters,
-    read_only: bool,
-) -> ChunkPlanner:
+def _mooncake_planner(mc: MooncakeTierConfig, p: _Planning) -> ChunkPlanner:
     """One object per block, named by its key: lookups ask the master which exist (a pool
     cannot be listed), in a background thread bounded by ``lookup_timeout_s``."""
     from concurrent.futures import Future, ThreadPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    policy = ChunkPolicy(TierName.MOONCAKE, "read-only" if read_only else mc.mode, mc.admit_min_seen, 1, None,
-                         key_named=True)
-    common = {"world_size": world_size, "block_bytes_per_rank": block_bytes, "counters": counters,
-              "found": [{} for _ in range(world_size)]}
-    try:
-        from vllm_kvtier.tiers.mooncake import MooncakeStore
-
-        # The scheduler only asks what exists: a pure client (no pool memory of its own).
-        light = dataclasses.replace(mc.store, global_segment_bytes=0, transfer_buffer_bytes=1 << 20, io_threads=1)
-        stores = [MooncakeStore(light, namespace, r, block_bytes) for r in range(world_size)]
-    except Exception as e:
-        logger.error("kvtier mooncake: tier disabled, cannot reach master %s: %s", mc.store.master, e)
-        counters.add("store_failures", TierName.MOONCAKE)
-        return ChunkPlanner(policy, **common)  # type: ignore[arg-type]
+    policy = ChunkPolicy(TierName.MOONCAKE, "read-only" if p.read_only_pool else mc.mode, mc.admit_min_seen,
+                         mc.chunk_blocks, None, key_named=True)
+    # The scheduler only asks what exists: a pure client (no pool memory of its own).
+    opened = p.open_ranks(TierName.MOONCAKE, mc)
+    if opened is None:
+        return p.empty(policy)
+    stores = [cast(Probeable, st) for st in opened]
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
     #: a lookup that timed out: the ids it asked about, and its answer to come
     inflight: list[tuple[list[str], Future[list[bool]]]] = []
+    counters = p.counters
 
     def exists_everywhere(ids: list[str]) -> list[bool]:
         per_rank = [st.exists(ids) for st in stores]
@@ -251,31 +325,21 @@ def _mooncake_planner(
 
     def close() -> None:
         pool.shutdown(wait=False)
-        run_all(functools.partial(st.close, timeout_s=1.0) for st in stores)
+        run_all(functools.partial(st.close, timeout_s=1.0) for st in opened)
 
-    return ChunkPlanner(policy, oracle=oracle, on_close=close, **common)  # type: ignore[arg-type]
+    return ChunkPlanner(policy, world_size=p.world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=counters,
+                        found=[{} for _ in range(p.world_size)], oracle=oracle, on_close=close)
 
 
-def _s3_planner(
-    s3: S3TierConfig, namespace: str, world_size: int, block_bytes: int, counters: Counters, auth: ChunkAuth | None,
-) -> ChunkPlanner:
+def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
+    """The bucket listed at start-up (every rank's prefix), then rescanned on a thread to
+    find what other instances stored. Its stores only list and read headers (boto3)."""
     policy = ChunkPolicy(TierName.S3, s3.mode, s3.admit_min_seen, s3.chunk_blocks, s3.capacity_bytes,
                          flush_interval_s=s3.flush_interval_s)
-    try:
-        # The scheduler only lists and reads headers, which always go through boto3: no
-        # NIXL agent here whatever s3.io_engine says (the workers check that it runs).
-        import dataclasses
-
-        from vllm_kvtier.tiers.s3 import S3Store
-
-        listing = dataclasses.replace(s3.store, io_engine="boto3")
-        stores = [S3Store(listing, namespace, r, block_bytes, max_chunk_blocks=s3.chunk_blocks, auth=auth)
-                  for r in range(world_size)]
-    except Exception as e:
-        logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
-        counters.add("store_failures", TierName.S3)
-        return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes,
-                            counters=counters, found=[{} for _ in range(world_size)])
+    opened = p.open_ranks(TierName.S3, s3)
+    if opened is None:
+        return p.empty(policy)
+    stores = cast("list[S3Store]", opened)
 
     def scan() -> Found:
         """The start-up scan, within ``s3.scan_deadline_s`` for every rank together (each
@@ -307,14 +371,14 @@ def _s3_planner(
     found = scan()
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
-        counters.add("scan_cut_short", TierName.S3, len(cut))
+        p.counters.add("scan_cut_short", TierName.S3, len(cut))
         logger.warning("kvtier s3: start-up scan of rank(s) %s cut short by s3.scan_deadline_s (%.0f s): "
                        "indexed what it reached, the rescans find the rest", cut, s3.store.scan_deadline_s)
     # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
     # our own manifest names (this host, rank and namespace before the restart: no other
     # live writer) are deleted, unless a scan was cut short (then they may be on every rank).
     partial = set().union(*found) - set(common_chunks(found))
-    counters.set_gauge("partial_chunks", TierName.S3, len(partial))
+    p.counters.set_gauge("partial_chunks", TierName.S3, len(partial))
     own: set[str] = set().union(*(st.take_own_objects() for st in stores))
     ours = [] if cut else sorted(partial & own)
     for st in stores:
@@ -328,13 +392,25 @@ def _s3_planner(
     def close() -> None:
         run_all(functools.partial(st.close, timeout_s=1.0) for st in stores)
 
-    planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes, counters=counters,
-                           found=found, rescanner=rescanner, on_close=close,
+    planner = ChunkPlanner(policy, world_size=p.world_size, block_bytes_per_rank=p.ctx.block_bytes,
+                           counters=p.counters, found=found, rescanner=rescanner, on_close=close,
                            local_chunks=frozenset(own))  # KV events: the rest is REMOTE
     if ours:
         logger.info("kvtier s3: deleting %d chunk(s) a previous run left on only some ranks", len(ours))
         planner.reclaim(ours)
     return planner
+
+
+#: The scheduler's half of each medium: how its planner learns what the tier holds (a
+#: directory scan, a bucket listing and rescans, lookups by key).
+_PLANNERS: dict[TierName, Callable[[Any, _Planning], ChunkPlanner]] = {
+    TierName.NVME: _nvme_planner,
+    TierName.S3: _s3_planner,
+    TierName.MOONCAKE: _mooncake_planner,
+}
+
+
+# ---- the workers' data paths -------------------------------------------------------
 
 
 def make_workers(
@@ -353,77 +429,45 @@ def make_workers(
     Authentication (``auth``): with a key found, the shared tiers (s3, mooncake) sign and
     verify every chunk, and nvme too when ``auth.local_tiers``; ConfigError when
     ``auth.required`` and there is none."""
-    auth = load_auth(cfg.auth)
+    engine = TierContext.of(cfg, namespace=namespace, block_bytes=slots.pool.slot_bytes, kv_dtype=kv_dtype,
+                            counters=counters)
     role = role or RankRole(rank)
-    workers: dict[str, ChunkWorker] = {}
-    block_bytes = slots.pool.slot_bytes
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
-    n = cfg.nvme
-    if n is not None:
-        f = tier_format(TierName.NVME, n.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
-        nvme_store: NVMeStore | None = None
-        headers: dict[str, ChunkHeader] = {}
-        try:
-            nvme_store = NVMeStore(n.path, f.namespace, role.store_rank, f.block_bytes, direct_io=n.direct_io,
-                                   io_threads=n.io_threads, max_queued_writes=n.max_queued_writes,
-                                   io_engine=n.io_engine, max_chunk_blocks=n.chunk_blocks, buffers=buffers,
-                                   auth=auth if cfg.auth.local_tiers else None, replica=not role.writes)
-        except OSError as e:  # a ConfigError (nvme.io_engine cannot run here) stops start-up
-            # Serving goes on without the tier: every NVMe write and read is a miss. An
-            # unsafe or locked directory (another engine's) is left exactly as it is.
-            logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
-            counters.add("store_failures", TierName.NVME)
-        if nvme_store is not None and role.writes:  # a replica reader fetches headers as it reads
-            scanned = nvme_store.scan(cleanup=True)  # only now: the directory's lock is held
-            headers = scanned.found
-            for reason, count in scanned.problems.items():
-                kept = reason in ("not_regular", UNREADABLE_KEPT)  # neither is deleted (see scan_dir)
-                logger.warning("kvtier nvme: %d file(s) %s at start-up: %s", count,
-                               "skipped (kept)" if kept else "dropped", reason)
-                counters.add("load_failures", TierName.NVME, count)
-                if not kept:
-                    counters.add("reclaimed_files", TierName.NVME, count)
-            if rank == 0:
-                _foreign_namespaces(n, f.namespace, counters)
-        workers[TierName.NVME] = ChunkWorker(TierName.NVME, nvme_store, slots=slots, counters=counters, mode=n.mode,
-                                      chunk_blocks=n.chunk_blocks, flush_on_shutdown_s=n.flush_on_shutdown_s,
-                                      headers=headers, codec=make_codec(f.fmt, block_bytes, kv_dtype),
-                                      buffers=buffers, writes=role.writes)
-    s3 = cfg.s3
-    if s3 is not None:
-        f = tier_format(TierName.S3, s3.storage_dtype, namespace=namespace, block_bytes=block_bytes, kv_dtype=kv_dtype)
-        s3_store = None
-        try:
-            from vllm_kvtier.tiers.s3 import S3Store
+    return {tier: _worker(tier, section, engine, rank=rank, role=role, slots=slots, buffers=buffers)
+            for tier, section in cfg.lower_tiers()}
 
-            s3_store = S3Store(s3.store, f.namespace, role.store_rank, f.block_bytes, buffers=buffers,
-                               max_chunk_blocks=s3.chunk_blocks, auth=auth)
-        except ConfigError:  # s3.io_engine cannot run here: a configuration mistake stops start-up
-            raise
-        except Exception as e:
-            logger.error("kvtier s3: tier disabled, cannot use bucket %r: %s", s3.store.bucket, e)
-            counters.add("store_failures", TierName.S3)
-        # No listing here: the scheduler lists the bucket; a chunk's header is fetched on
-        # its first read (one ranged GET) and kept.
-        workers[TierName.S3] = ChunkWorker(TierName.S3, s3_store, slots=slots, counters=counters, mode=s3.mode,
-                                    chunk_blocks=s3.chunk_blocks, flush_on_shutdown_s=s3.flush_on_shutdown_s,
-                                    fetches_headers=True, codec=make_codec(f.fmt, block_bytes, kv_dtype),
-                                    remote_stats=s3_store.stats if s3_store is not None else None,
-                                    buffers=buffers, max_headers=s3.store.header_cache_entries,
-                                    max_header_bytes=s3.store.header_cache_bytes, writes=role.writes)
-    mc = cfg.mooncake
-    if mc is not None:
-        mc_store = None
-        try:
-            from vllm_kvtier.tiers.mooncake import MooncakeStore
 
-            mc_store = MooncakeStore(mc.store, namespace, role.store_rank, block_bytes, max_chunk_blocks=1, buffers=buffers,
-                                     auth=auth)
-        except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
-            logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
-            counters.add("store_failures", TierName.MOONCAKE)
-        workers[TierName.MOONCAKE] = ChunkWorker(TierName.MOONCAKE, mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
-                                          flush_on_shutdown_s=0.0, fetches_headers=True,
-                                          remote_stats=mc_store.stats if mc_store is not None else None,
-                                          buffers=buffers, writes=role.writes)
-    return workers
+def _worker(tier: TierName, section: LowerTierSection, engine: TierContext, *, rank: int, role: RankRole,
+            slots: SlotTable, buffers: BufferPool) -> ChunkWorker:
+    """One tier's chunk driver over its store (None if the store cannot start: every
+    write and read is a miss). A shared medium's headers are fetched on a chunk's first
+    read (one ranged GET, then kept): no listing here, the scheduler lists. A private
+    medium's writer lists and cleans it first, once its lock is held."""
+    shared = tier_entry(tier).shared
+    f, ctx = engine.store_context(tier, section, rank=role.store_rank, buffers=buffers, replica=not role.writes)
+    store = _open(tier, section, ctx, engine.counters, "use")
+    headers: dict[str, ChunkHeader] = {}
+    if not shared and role.writes and isinstance(store, Scannable):  # a replica reader fetches them
+        headers = _start_up_scan(tier, store, engine.counters)
+        if rank == 0 and isinstance(section, NVMeTierConfig):
+            _foreign_namespaces(section, f.namespace, engine.counters)
+    return ChunkWorker(tier, store, slots=slots, counters=engine.counters, mode=section.mode,
+                       chunk_blocks=section.chunk_blocks, flush_on_shutdown_s=section.flush_on_shutdown_s,
+                       headers=headers, fetches_headers=shared,
+                       codec=make_codec(f.fmt, engine.block_bytes, engine.kv_dtype), buffers=buffers,
+                       max_headers=section.header_cache_entries, max_header_bytes=section.header_cache_bytes,
+                       writes=role.writes)
+
+
+def _start_up_scan(tier: str, store: Scannable, counters: Counters) -> dict[str, ChunkHeader]:
+    """Every chunk a private medium holds, its debris deleted; what was dropped or kept
+    unread is logged and counted."""
+    scanned = store.scan(cleanup=True)
+    for reason, count in scanned.problems.items():
+        kept = reason in ("not_regular", UNREADABLE_KEPT)  # neither is deleted (see scan_dir)
+        logger.warning("kvtier %s: %d file(s) %s at start-up: %s", tier, count,
+                       "skipped (kept)" if kept else "dropped", reason)
+        counters.add("load_failures", tier, count)
+        if not kept:
+            counters.add("reclaimed_files", tier, count)
+    return scanned.found

@@ -46,13 +46,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Literal
 
+from vllm_kvtier.config.stores import HEADER_CACHE_BYTES, HEADER_CACHE_ENTRIES
 from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult
+from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult, ReportsRemoteStats
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.transfer.fp8 import BlockCodec
@@ -64,18 +65,17 @@ __all__ = ["DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEADER_BYTES", "ChunkStore", "Chu
 
 #: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 2 KB each
 #: for 16-block chunks; the S3 tier passes ``s3.header_cache_entries``.
-DEFAULT_MAX_HEADERS = 1 << 17
+DEFAULT_MAX_HEADERS = HEADER_CACHE_ENTRIES
 #: ... and the memory they hold at most (:func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes`;
 #: 256-block headers are ~29 KB each); the S3 tier passes ``s3.header_cache_bytes``.
-DEFAULT_MAX_HEADER_BYTES = 256 << 20
+DEFAULT_MAX_HEADER_BYTES = HEADER_CACHE_BYTES
 
 
 class ChunkWorker:
     def __init__(
         self, tier: str, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
-        headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
-        remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,
+        headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False, codec: BlockCodec | None = None,
         buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS, writes: bool = True,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     ) -> None:
@@ -86,7 +86,6 @@ class ChunkWorker:
         headers kept are then a cache of at most ``max_headers`` holding at most
         ``max_header_bytes`` (LRU: a header it no longer has costs one more ranged GET at
         that chunk's next read), otherwise every chunk's (the store cannot read without it).
-        ``remote_stats``: the store's request/retry/breaker figures (S3), for metrics.
         ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
         block size); None: the slot's bytes are stored as they are. ``buffers``: where write
         buffers come from (the worker's pool, shared with its stores; None: the process
@@ -128,7 +127,8 @@ class ChunkWorker:
         #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
         #: as the scheduler says (:meth:`mark_dirty`, :meth:`clean`)
         self._dirty: set[int] = set()
-        self._remote_stats = remote_stats
+        #: a remote store's request, retry and breaker figures, reported as metrics
+        self._remote_stats = store.stats if isinstance(store, ReportsRemoteStats) else None
         self._reported = (0, 0, 0)  # requests, retries, breaker opens already counted
 
     # ---- writes -------------------------------------------------------------------
