@@ -35,7 +35,7 @@ import torch
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
 from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
@@ -164,7 +164,7 @@ def _nvme_planner(n: NVMeTierConfig, f: TierFormat, world_size: int, counters: C
                          "share one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
         else:
             logger.error("kvtier nvme: tier disabled: %s; serving goes on without it", unsafe[0])
-        counters.add("store_failures", TierName.NVME)
+        counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         return ChunkPlanner(dataclasses.replace(policy, mode="read-only"), world_size=world_size,
                             block_bytes_per_rank=f.block_bytes, counters=counters, found=[{} for _ in dirs])
     refuses = functools.partial(refusal_reason, auth)
@@ -187,13 +187,13 @@ def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None
             if freed or not ns.path.exists():
                 logger.warning("kvtier nvme: collected namespace directory %s (%d files, %d bytes, %s)",
                                ns.path, ns.files, freed, age)
-                counters.add("reclaimed_bytes", TierName.NVME, freed)
+                counters.add(CounterName.RECLAIMED_BYTES, TierName.NVME, freed)
                 continue
         left += ns.nbytes
         why = ns.keep_reason or "set nvme.gc_foreign_namespaces: true to delete it"
         logger.warning("kvtier nvme: another namespace's directory %s holds %d files, %d bytes (%s): KV this "
                        "engine never reads; kept: %s", ns.path, ns.files, ns.nbytes, age, why)
-    counters.set_gauge("foreign_bytes", TierName.NVME, left)
+    counters.set_gauge(GaugeName.FOREIGN_BYTES, TierName.NVME, left)
 
 
 def _mooncake_planner(
@@ -217,7 +217,7 @@ def _mooncake_planner(
         stores = [MooncakeStore(light, namespace, r, block_bytes) for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier mooncake: tier disabled, cannot reach master %s: %s", mc.store.master, e)
-        counters.add("store_failures", TierName.MOONCAKE)
+        counters.add(CounterName.STORE_FAILURES, TierName.MOONCAKE)
         return ChunkPlanner(policy, **common)  # type: ignore[arg-type]
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
     #: a lookup that timed out: the ids it asked about, and its answer to come
@@ -246,7 +246,7 @@ def _mooncake_planner(
             return fut.result(timeout=mc.lookup_timeout_s)
         except FutureTimeout:
             inflight[:] = [(ids, fut)]
-            counters.add("lookup_timeouts", TierName.MOONCAKE)
+            counters.add(CounterName.LOOKUP_TIMEOUTS, TierName.MOONCAKE)
             return None
 
     def close() -> None:
@@ -273,7 +273,7 @@ def _s3_planner(
                   for r in range(world_size)]
     except Exception as e:
         logger.error("kvtier s3: tier disabled, cannot reach bucket %r: %s", s3.store.bucket, e)
-        counters.add("store_failures", TierName.S3)
+        counters.add(CounterName.STORE_FAILURES, TierName.S3)
         return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=block_bytes,
                             counters=counters, found=[{} for _ in range(world_size)])
 
@@ -287,8 +287,8 @@ def _s3_planner(
             out.append(st.scan(deadline=now + max(0.0, end - now) / (len(stores) - i)).found)
         return out
 
-    def rescan_counts() -> dict[str, int]:
-        return {"manifests_collected": sum(st.last_scan.manifests_collected for st in stores)}
+    def rescan_counts() -> dict[CounterName, int]:
+        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores)}
 
     def rescan() -> Found:
         """A live instance's rescan (the rescan thread): collects stale manifests, and
@@ -307,14 +307,14 @@ def _s3_planner(
     found = scan()
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
-        counters.add("scan_cut_short", TierName.S3, len(cut))
+        counters.add(CounterName.SCAN_CUT_SHORT, TierName.S3, len(cut))
         logger.warning("kvtier s3: start-up scan of rank(s) %s cut short by s3.scan_deadline_s (%.0f s): "
                        "indexed what it reached, the rescans find the rest", cut, s3.store.scan_deadline_s)
     # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
     # our own manifest names (this host, rank and namespace before the restart: no other
     # live writer) are deleted, unless a scan was cut short (then they may be on every rank).
     partial = set().union(*found) - set(common_chunks(found))
-    counters.set_gauge("partial_chunks", TierName.S3, len(partial))
+    counters.set_gauge(GaugeName.PARTIAL_CHUNKS, TierName.S3, len(partial))
     own: set[str] = set().union(*(st.take_own_objects() for st in stores))
     ours = [] if cut else sorted(partial & own)
     for st in stores:
@@ -372,7 +372,7 @@ def make_workers(
             # Serving goes on without the tier: every NVMe write and read is a miss. An
             # unsafe or locked directory (another engine's) is left exactly as it is.
             logger.error("kvtier nvme: tier disabled, cannot use %s: %s", n.path, e)
-            counters.add("store_failures", TierName.NVME)
+            counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         if nvme_store is not None and role.writes:  # a replica reader fetches headers as it reads
             scanned = nvme_store.scan(cleanup=True)  # only now: the directory's lock is held
             headers = scanned.found
@@ -380,9 +380,9 @@ def make_workers(
                 kept = reason in ("not_regular", UNREADABLE_KEPT)  # neither is deleted (see scan_dir)
                 logger.warning("kvtier nvme: %d file(s) %s at start-up: %s", count,
                                "skipped (kept)" if kept else "dropped", reason)
-                counters.add("load_failures", TierName.NVME, count)
+                counters.add(CounterName.LOAD_FAILURES, TierName.NVME, count)
                 if not kept:
-                    counters.add("reclaimed_files", TierName.NVME, count)
+                    counters.add(CounterName.RECLAIMED_FILES, TierName.NVME, count)
             if rank == 0:
                 _foreign_namespaces(n, f.namespace, counters)
         workers[TierName.NVME] = ChunkWorker(TierName.NVME, nvme_store, slots=slots, counters=counters, mode=n.mode,
@@ -402,7 +402,7 @@ def make_workers(
             raise
         except Exception as e:
             logger.error("kvtier s3: tier disabled, cannot use bucket %r: %s", s3.store.bucket, e)
-            counters.add("store_failures", TierName.S3)
+            counters.add(CounterName.STORE_FAILURES, TierName.S3)
         # No listing here: the scheduler lists the bucket; a chunk's header is fetched on
         # its first read (one ranged GET) and kept.
         workers[TierName.S3] = ChunkWorker(TierName.S3, s3_store, slots=slots, counters=counters, mode=s3.mode,
@@ -421,7 +421,7 @@ def make_workers(
                                      auth=auth)
         except Exception as e:  # ImportError (with its install hint), ConnectionError, ...
             logger.error("kvtier mooncake: tier disabled, cannot join the pool at %s: %s", mc.store.master, e)
-            counters.add("store_failures", TierName.MOONCAKE)
+            counters.add(CounterName.STORE_FAILURES, TierName.MOONCAKE)
         workers[TierName.MOONCAKE] = ChunkWorker(TierName.MOONCAKE, mc_store, slots=slots, counters=counters, mode=mc.mode, chunk_blocks=1,
                                           flush_on_shutdown_s=0.0, fetches_headers=True,
                                           remote_stats=mc_store.stats if mc_store is not None else None,
