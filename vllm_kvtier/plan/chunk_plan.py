@@ -50,6 +50,7 @@ from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.events import EventLog, Locality
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
@@ -84,7 +85,7 @@ Found = list[dict[str, ChunkHeader]]
 class ChunkPolicy:
     """What the planner needs to know of a tier's configuration."""
 
-    tier: str
+    tier: TierName
     #: "read-only": this instance never writes the tier (a P/D decode instance's pool).
     mode: Literal["write-back", "write-through", "read-only"]
     admit_min_seen: int

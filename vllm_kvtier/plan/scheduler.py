@@ -399,7 +399,7 @@ class SchedulerPlanner:
         return per_tier
 
     def _slowest(self, tiers: list[str]) -> str:
-        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        order: list[str] = [TIER, *(t.tier for t in self.lower)]  # fastest first
         return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
     def _observe_load_done(self, state: ReqState) -> None:

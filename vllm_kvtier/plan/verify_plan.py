@@ -74,7 +74,7 @@ class _Held:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)
+    tiers: list[TierName] = field(default_factory=list)
     #: (planner, chunk) -> [(position in chunk, slot, key)] read into promotion slots
     reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = field(default_factory=dict)
     #: key -> its lower-tier source, for keys being promoted (not readable from CPU yet)
@@ -151,7 +151,7 @@ class VerifyPlanner:
             if slot is not None:
                 self.index.touch(key)
                 self.index.pin(slot)
-                tier: str = TierName.CPU
+                tier: TierName = TierName.CPU
             else:
                 loc = locate(key)
                 if loc is None:
@@ -238,7 +238,7 @@ class VerifyPlanner:
 
     def _finish(self, held: _Held) -> None:
         """Every rank reported ``held``: count, drop what was wrong, quarantine, unpin."""
-        bad_tiers: list[str] = []
+        bad_tiers: list[TierName] = []
         for slot, key, tier in zip(held.slots, held.keys, held.tiers, strict=True):
             source = held.promoted.get(key)
             if source is not None:

@@ -51,6 +51,7 @@ from typing import Any, Literal
 from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
@@ -72,7 +73,7 @@ DEFAULT_MAX_HEADER_BYTES = 256 << 20
 
 class ChunkWorker:
     def __init__(
-        self, tier: str, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
+        self, tier: TierName, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False,
         remote_stats: Callable[[], Any] | None = None, codec: BlockCodec | None = None,

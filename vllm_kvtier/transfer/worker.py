@@ -284,7 +284,7 @@ class WorkerHalf:
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
                 tier.clean(job.slots)
-            tier.mark_dirty(meta.persist_slots.get(name, ()))
+            tier.mark_dirty(meta.persist_slots.get(TierName(name), ()))  # make_workers keys by TierName
             jobs = [j for j in meta.write_through if j.tier == name]
             if self._host_saves:  # they copy slots still being filled: once those are done
                 self._deferred_writes.append((meta.step, name, jobs))
