@@ -1,9 +1,8 @@
 """Prometheus metrics from the plugin's stats, on vLLM's ``/metrics`` or on a port of their own.
 
-:class:`PromMetrics` makes one Prometheus metric per declaration in
-:mod:`vllm_kvtier.metrics` (``COUNTERS``, ``GAUGES``, ``HISTOGRAMS``) and feeds them from a
-stats data dict (``KVTierStats.data``: counter deltas, last gauge values, histogram
-observations). vLLM's stat logger uses it through
+:class:`PromMetrics` makes one Prometheus metric per member of :mod:`vllm_kvtier.metrics`'
+``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds them from a stats data dict
+(``KVTierStats.data``: counter deltas, last gauge values, histogram observations). vLLM's stat logger uses it through
 :class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with vLLM's metric classes and
 names ``vllm:kvtier_...``.
 
@@ -24,7 +23,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from vllm_kvtier.metrics import COUNTERS, GAUGES, HISTOGRAMS, split_key
+from vllm_kvtier.metrics import CounterName, GaugeName, HistogramName, split_key
 
 #: Name prefix of the standalone exporter's metrics.
 STANDALONE_PREFIX = "kvtier_"
@@ -46,19 +45,20 @@ class PromMetrics:
     ) -> None:
         names = [*labelnames, "tier"]
         reg: dict[str, Any] = {} if registry is None else {"registry": registry}
-        self.counters = {
-            m: counter_cls(name=f"{prefix}{m}", documentation=doc, labelnames=names, **reg)
-            for m, doc in COUNTERS.items()
+        # keyed by member: a member equals its name, so the sample keys' plain strings find them
+        self.counters: dict[str, Any] = {
+            m: counter_cls(name=f"{prefix}{m}", documentation=m.help, labelnames=names, **reg)
+            for m in CounterName
         }
-        self.gauges = {
-            m: gauge_cls(name=f"{prefix}{m}", documentation=doc, labelnames=names,
+        self.gauges: dict[str, Any] = {
+            m: gauge_cls(name=f"{prefix}{m}", documentation=m.help, labelnames=names,
                          multiprocess_mode="mostrecent", **reg)
-            for m, doc in GAUGES.items()
+            for m in GaugeName
         }
-        self.histograms = {
-            m: histogram_cls(name=f"{prefix}{m}", documentation=spec.help, labelnames=names,
-                             buckets=list(spec.buckets), **reg)
-            for m, spec in HISTOGRAMS.items()
+        self.histograms: dict[str, Any] = {
+            m: histogram_cls(name=f"{prefix}{m}", documentation=m.help, labelnames=names,
+                             buckets=list(m.buckets), **reg)
+            for m in HistogramName
         }
 
     def zero(self, tiers: Sequence[str], labelvalues: Sequence[object] = ()) -> None:

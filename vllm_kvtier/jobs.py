@@ -5,9 +5,10 @@
 ranks by :meth:`WorkerReport.aggregate`). The jobs inside them are frozen dataclasses of
 ints, strings and bytes: cheap to pickle to every worker process, and never a sentinel
 (a block that cannot be loaded is named in :attr:`LoadJob.unloadable`, not given slot -1).
+A tier is a :class:`~vllm_kvtier.keys.TierName` (a ``StrEnum``: it equals its string).
 
-This module imports nothing of vllm_kvtier, vLLM or torch: the planners (``plan/``) build
-these values and the worker side reads them without either. The connector's thin vLLM
+This module imports only :mod:`vllm_kvtier.keys` (the bottom), and no vLLM or torch: the
+planners (``plan/``) build these values and the worker side reads them without either. The connector's thin vLLM
 subclasses (``connector/metadata.py``) add only vLLM's base classes.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
+
+from vllm_kvtier.keys import TierName
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class ChunkRead:
     """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk ``file_id`` of ``tier``
     ("nvme": a file, "s3": an object); ``keys[i]`` is the key expected there."""
 
-    tier: str
+    tier: TierName
     file_id: str
     positions: tuple[int, ...]
     slots: tuple[int, ...]
@@ -83,7 +86,7 @@ class LoadJob:
 class ChunkWriteJob:
     """Write CPU ``slots[i]`` (holding ``keys[i]``) to ``tier`` as one chunk."""
 
-    tier: str
+    tier: TierName
     file_id: str
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
@@ -111,7 +114,7 @@ class VerifyJob:
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
-    tiers: tuple[str, ...]
+    tiers: tuple[TierName, ...]
     reads: tuple[ChunkRead, ...] = ()
 
 
@@ -141,12 +144,12 @@ class StepPlan:
     #: Lower-tier writes of blocks saved in this step (write-through): after the saves.
     write_through: list[ChunkWriteJob] = field(default_factory=list)
     #: (tier, chunk id) evicted from a lower tier: delete them.
-    deletes: list[tuple[str, str]] = field(default_factory=list)
+    deletes: list[tuple[TierName, str]] = field(default_factory=list)
     #: (tier, chunk id) a rescan no longer lists (gone out of band): forget them (a
     #: writer's manifest drops them; nothing is sent to the tier).
-    forgets: list[tuple[str, str]] = field(default_factory=list)
+    forgets: list[tuple[TierName, str]] = field(default_factory=list)
     #: tier -> slots whose block may be flushed to it at shutdown (write-back, admitted).
-    persist_slots: dict[str, list[int]] = field(default_factory=dict)
+    persist_slots: dict[TierName, list[int]] = field(default_factory=dict)
     #: Requests preempted this step: their blocks may be rewritten by this step's forward,
     #: so saves still in flight from them must finish first.
     preempted: list[str] = field(default_factory=list)
@@ -171,11 +174,11 @@ class WorkerReport:
     """What a worker tells the scheduler after a step (merged over TP ranks)."""
 
     #: (tier, chunk id) -> number of ranks that wrote it durably.
-    written: dict[tuple[str, str], int] = field(default_factory=dict)
+    written: dict[tuple[TierName, str], int] = field(default_factory=dict)
     #: (tier, chunk id) whose write failed on some rank.
-    failed: set[tuple[str, str]] = field(default_factory=set)
+    failed: set[tuple[TierName, str]] = field(default_factory=set)
     #: (tier, chunk id) found unreadable (missing, truncated, bad checksum) on some rank.
-    bad: set[tuple[str, str]] = field(default_factory=set)
+    bad: set[tuple[TierName, str]] = field(default_factory=set)
     #: prefetch id -> number of ranks whose prefetch reads all succeeded.
     prefetched: dict[int, int] = field(default_factory=dict)
     #: Prefetches that failed on some rank.
@@ -186,7 +189,7 @@ class WorkerReport:
     peer_done: set[str] = field(default_factory=set)
     #: (tier, chunk id) not written because the tier's write queue was full on some rank
     #: (back-pressure: not a failure of the tier, so it does not count toward its breaker).
-    refused: set[tuple[str, str]] = field(default_factory=set)
+    refused: set[tuple[TierName, str]] = field(default_factory=set)
     #: Shadow verification: verify id -> number of ranks that finished it.
     verified: dict[int, int] = field(default_factory=dict)
     #: (verify id, key) whose stored block differed from the computed one on some rank.
@@ -198,7 +201,7 @@ class WorkerReport:
     #: (tier, chunk id) refused on some rank as ``unauthenticated`` (unsigned, or signed with
     #: a key not accepted, e.g. after a key rotation): forgotten so it can be written again,
     #: not deleted (on a shared tier it may be another fleet's good data).
-    untrusted: set[tuple[str, str]] = field(default_factory=set)
+    untrusted: set[tuple[TierName, str]] = field(default_factory=set)
 
     def aggregate(self: _R, other: Any) -> _R:
         """This report merged with another rank's (counts summed, sets united); of the

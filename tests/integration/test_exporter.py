@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_kvtier.exporter import StandaloneExporter
-from vllm_kvtier.metrics import COUNTERS, GAUGES, HISTOGRAMS, Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
 
 STEP1 = {
     "counters": {"blocks_loaded|cpu": 3, "bytes_loaded|cpu": 3 * 4096, "hit_blocks|nvme": 0},
@@ -85,13 +85,13 @@ def test_every_declared_metric_is_exposed_with_its_help(exporter):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for m, doc in COUNTERS.items():
-        assert families[f"kvtier_{m}"].type == "counter" and families[f"kvtier_{m}"].documentation == doc
-    for m, doc in GAUGES.items():
-        assert families[f"kvtier_{m}"].type == "gauge" and families[f"kvtier_{m}"].documentation == doc
-    for m, spec in HISTOGRAMS.items():
+    for m in CounterName:
+        assert families[f"kvtier_{m}"].type == "counter" and families[f"kvtier_{m}"].documentation == m.help
+    for m in GaugeName:
+        assert families[f"kvtier_{m}"].type == "gauge" and families[f"kvtier_{m}"].documentation == m.help
+    for m in HistogramName:
         assert families[f"kvtier_{m}"].type == "histogram"
-        assert families[f"kvtier_{m}"].documentation == spec.help
+        assert families[f"kvtier_{m}"].documentation == m.help
     assert not [n for n in families if not n.startswith("kvtier_") and not n.startswith(("python_", "process_"))]
 
 

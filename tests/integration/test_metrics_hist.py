@@ -19,7 +19,7 @@ from tests.connector.test_scheduler_nvme import BS, FakeRequest, _Out, key, make
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierStats
-from vllm_kvtier.metrics import HISTOGRAMS, Counters
+from vllm_kvtier.metrics import Counters, HistogramName
 
 WAIT = "request_load_wait_seconds"
 BLOCKS = "request_loaded_blocks"
@@ -63,10 +63,10 @@ def test_stats_aggregate_concatenates_observations_and_reduce_counts_them():
 
 
 def test_declared_buckets():
-    assert HISTOGRAMS[WAIT].buckets[0] == 0.001 and HISTOGRAMS[WAIT].buckets[-1] == 30
-    assert HISTOGRAMS[BLOCKS].buckets == tuple(float(2**i) for i in range(13))
-    for spec in HISTOGRAMS.values():
-        assert list(spec.buckets) == sorted(set(spec.buckets))
+    assert HistogramName(WAIT).buckets[0] == 0.001 and HistogramName(WAIT).buckets[-1] == 30
+    assert HistogramName(BLOCKS).buckets == tuple(float(2**i) for i in range(13))
+    for m in HistogramName:
+        assert list(m.buckets) == sorted(set(m.buckets))
 
 
 # ---- the scheduler half ----------------------------------------------------------------

@@ -296,9 +296,9 @@ def vllm_metric_names() -> set[str]:
 
 
 def kvtier_metric_names() -> set[str]:
-    names = {f"vllm:kvtier_{m}_total" for m in kvtier_metrics.COUNTERS}
-    names |= {f"vllm:kvtier_{m}" for m in kvtier_metrics.GAUGES}
-    for m in getattr(kvtier_metrics, "HISTOGRAMS", {}):  # once the plugin declares any
+    names = {f"vllm:kvtier_{m}_total" for m in kvtier_metrics.CounterName}
+    names |= {f"vllm:kvtier_{m}" for m in kvtier_metrics.GaugeName}
+    for m in kvtier_metrics.HistogramName:
         names |= {f"vllm:kvtier_{m}_{s}" for s in ("bucket", "sum", "count")}
     return names
 

@@ -99,8 +99,8 @@ def config_fields() -> list[str]:
 def metric_names() -> list[str]:
     from vllm_kvtier import metrics
 
-    return ([f"vllm:kvtier_{m}_total" for m in metrics.COUNTERS]
-            + [f"vllm:kvtier_{m}" for m in (*metrics.GAUGES, *metrics.HISTOGRAMS)])
+    return ([f"vllm:kvtier_{m}_total" for m in metrics.CounterName]
+            + [f"vllm:kvtier_{m}" for m in (*metrics.GaugeName, *metrics.HistogramName)])
 
 
 def missing_code_names(names: list[str], page: Path) -> list[str]:

@@ -37,6 +37,7 @@ from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.keys import TierName
+from vllm_kvtier.metrics import CounterName
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def _scheduler_timed(fn: _F) -> _F:
             return fn(self, *args, **kwargs)
         finally:
             if self._sched is not None:
-                self._sched.counters.add("scheduler_seconds", TierName.CPU, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                self._sched.counters.add(CounterName.SCHEDULER_SECONDS, TierName.CPU, seconds)
     return cast(_F, timed)
 
 

@@ -40,7 +40,7 @@ from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig,
 from vllm_kvtier.config.sections import LowerTierSection
 from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
@@ -172,7 +172,7 @@ def _open(tier: str, section: LowerTierSection, ctx: StoreContext, counters: Cou
     except Exception as e:  # OSError, ConnectionError, ImportError with the install hint...
         # Nothing is touched: an unsafe or locked NVMe directory (another engine's) stays as it is.
         logger.error("kvtier %s: tier disabled, cannot %s %s: %s", tier, verb, section.endpoint, e)
-        counters.add("store_failures", tier)
+        counters.add(CounterName.STORE_FAILURES, tier)
         return None
 
 
@@ -248,7 +248,7 @@ def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
                          "share one NVMe directory (give each its own nvme.path); serving goes on without it", d, who)
         else:
             logger.error("kvtier nvme: tier disabled: %s; serving goes on without it", unsafe[0])
-        p.counters.add("store_failures", TierName.NVME)
+        p.counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         return p.empty(dataclasses.replace(policy, mode="read-only"))
     refuses = functools.partial(refusal_reason, p.ctx.auth)
     found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses)[0]
@@ -270,13 +270,13 @@ def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None
             if freed or not ns.path.exists():
                 logger.warning("kvtier nvme: collected namespace directory %s (%d files, %d bytes, %s)",
                                ns.path, ns.files, freed, age)
-                counters.add("reclaimed_bytes", TierName.NVME, freed)
+                counters.add(CounterName.RECLAIMED_BYTES, TierName.NVME, freed)
                 continue
         left += ns.nbytes
         why = ns.keep_reason or "set nvme.gc_foreign_namespaces: true to delete it"
         logger.warning("kvtier nvme: another namespace's directory %s holds %d files, %d bytes (%s): KV this "
                        "engine never reads; kept: %s", ns.path, ns.files, ns.nbytes, age, why)
-    counters.set_gauge("foreign_bytes", TierName.NVME, left)
+    counters.set_gauge(GaugeName.FOREIGN_BYTES, TierName.NVME, left)
 
 
 def _mooncake_planner(mc: MooncakeTierConfig, p: _Planning) -> ChunkPlanner:
@@ -320,7 +320,7 @@ def _mooncake_planner(mc: MooncakeTierConfig, p: _Planning) -> ChunkPlanner:
             return fut.result(timeout=mc.lookup_timeout_s)
         except FutureTimeout:
             inflight[:] = [(ids, fut)]
-            counters.add("lookup_timeouts", TierName.MOONCAKE)
+            counters.add(CounterName.LOOKUP_TIMEOUTS, TierName.MOONCAKE)
             return None
 
     def close() -> None:
@@ -351,8 +351,8 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
             out.append(st.scan(deadline=now + max(0.0, end - now) / (len(stores) - i)).found)
         return out
 
-    def rescan_counts() -> dict[str, int]:
-        return {"manifests_collected": sum(st.last_scan.manifests_collected for st in stores)}
+    def rescan_counts() -> dict[CounterName, int]:
+        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores)}
 
     def rescan() -> Found:
         """A live instance's rescan (the rescan thread): collects stale manifests, and
@@ -371,14 +371,14 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
     found = scan()
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
-        p.counters.add("scan_cut_short", TierName.S3, len(cut))
+        p.counters.add(CounterName.SCAN_CUT_SHORT, TierName.S3, len(cut))
         logger.warning("kvtier s3: start-up scan of rank(s) %s cut short by s3.scan_deadline_s (%.0f s): "
                        "indexed what it reached, the rescans find the rest", cut, s3.store.scan_deadline_s)
     # Chunks on only some ranks (a write in flight, a crashed one) are never indexed; those
     # our own manifest names (this host, rank and namespace before the restart: no other
     # live writer) are deleted, unless a scan was cut short (then they may be on every rank).
     partial = set().union(*found) - set(common_chunks(found))
-    p.counters.set_gauge("partial_chunks", TierName.S3, len(partial))
+    p.counters.set_gauge(GaugeName.PARTIAL_CHUNKS, TierName.S3, len(partial))
     own: set[str] = set().union(*(st.take_own_objects() for st in stores))
     ours = [] if cut else sorted(partial & own)
     for st in stores:
@@ -467,7 +467,7 @@ def _start_up_scan(tier: str, store: Scannable, counters: Counters) -> dict[str,
         kept = reason in ("not_regular", UNREADABLE_KEPT)  # neither is deleted (see scan_dir)
         logger.warning("kvtier %s: %d file(s) %s at start-up: %s", tier, count,
                        "skipped (kept)" if kept else "dropped", reason)
-        counters.add("load_failures", tier, count)
+        counters.add(CounterName.LOAD_FAILURES, tier, count)
         if not kept:
-            counters.add("reclaimed_files", tier, count)
+            counters.add(CounterName.RECLAIMED_FILES, tier, count)
     return scanned.found

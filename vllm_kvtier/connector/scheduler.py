@@ -29,6 +29,7 @@ from vllm_kvtier.index.groups import GroupKeys, GroupLayout, GroupSpec, KeyOrigi
 from vllm_kvtier.index.identity import AdapterFingerprints, AdapterKeys
 from vllm_kvtier.jobs import LoadJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
+from vllm_kvtier.metrics import CounterName, HistogramName
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
 
@@ -186,7 +187,7 @@ class SchedulerHalf(SchedulerPlanner):
             adapter: bytes | None = self._adapters.get(path)
         except OSError as e:
             adapter = None
-            self.counters.add("lora_unkeyed_requests", TierName.ALL)
+            self.counters.add(CounterName.LORA_UNKEYED_REQUESTS, TierName.ALL)
             logger.warning("kvtier: LoRA adapter %r at %r cannot be fingerprinted (%s): its requests skip the "
                            "tiers", getattr(lora, "lora_name", ""), path, e)
         if len(self._views) >= MAX_VIEWS:  # looked up and never finished: forget the oldest
@@ -225,7 +226,7 @@ class SchedulerHalf(SchedulerPlanner):
         # sliding group: its window there), so a full hit still reads as 100%.
         m = max(0, (request.num_prompt_tokens - 1) // self.block_size)
         n = sum(m - spec.window_start(m) for spec in self.layout.groups)
-        self.counters.add("lookup_blocks", TierName.CPU, n)
+        self.counters.add(CounterName.LOOKUP_BLOCKS, TierName.CPU, n)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.hybrid:
@@ -295,7 +296,7 @@ class SchedulerHalf(SchedulerPlanner):
         for job in plan.loads:  # one observation per vLLM request, as for one group
             for tier, count in self._tier_counts(job).items():
                 if count > 0:
-                    self.counters.observe("request_loaded_blocks", tier, count)
+                    self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, count)
         return KVTierMetadata.from_plan(plan)
 
     def _merge_load_timing(self, req_id: str) -> None:

@@ -55,6 +55,7 @@ from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 
@@ -434,7 +435,7 @@ _UNKNOWN_BLOCK_BYTES = 1 << 20
 
 def _lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
     block_bytes = t.block_bytes or _UNKNOWN_BLOCK_BYTES
-    policy = ChunkPolicy(tier=t.name, mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
+    policy = ChunkPolicy(tier=TierName(t.name), mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
                          capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True)
     planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=block_bytes, counters=Counters(), found=[],
                            clock=lambda: clock[0])

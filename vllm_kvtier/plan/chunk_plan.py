@@ -50,7 +50,8 @@ from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.keys import TierName
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.events import EventLog, Locality
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
 
@@ -84,7 +85,7 @@ Found = list[dict[str, ChunkHeader]]
 class ChunkPolicy:
     """What the planner needs to know of a tier's configuration."""
 
-    tier: str
+    tier: TierName
     #: "read-only": this instance never writes the tier (a P/D decode instance's pool).
     mode: Literal["write-back", "write-through", "read-only"]
     admit_min_seen: int
@@ -116,7 +117,7 @@ class RescanDelta:
     #: chunk ids listed on some ranks only (a write in flight, or a crashed writer's)
     partial: int = 0
     #: counter -> increment, from the scan's own report (e.g. ``manifests_collected``)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[CounterName, int] = field(default_factory=dict)
 
 
 def common_chunks(found: Found) -> dict[str, ChunkHeader]:
@@ -142,8 +143,8 @@ class Rescanner:
     ``rescan_resyncs``), so an idle engine holds one delta's worth, not every rescan's.
     """
 
-    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *,
-                 initial: Found | None = None, counts: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *, initial: Found | None = None,
+                 counts: Callable[[], dict[CounterName, int]] | None = None) -> None:
         """``counts``: called after each scan (same thread), counters to add for it."""
         self._scan = scan
         self._counts = counts
@@ -250,8 +251,8 @@ class Rescanner:
         the bounds (``rescan_resyncs``, ``rescan_written_dropped``) since the last take."""
         with self._lock:
             p, self._pending = self._pending, None
-            extra = {k: v for k, v in (("rescan_resyncs", self._resyncs),
-                                       ("rescan_written_dropped", self._written_dropped)) if v}
+            extra = {k: v for k, v in ((CounterName.RESCAN_RESYNCS, self._resyncs),
+                                       (CounterName.RESCAN_WRITTEN_DROPPED, self._written_dropped)) if v}
             self._resyncs = self._written_dropped = 0
         if extra:
             p = p or RescanDelta({}, frozenset(), self._partial)
@@ -414,7 +415,7 @@ class ChunkPlanner:
             for fid, entry in d.added.items():
                 self._to_remove.pop(fid, None)
                 self._to_add[fid] = entry
-            self.counters.set_gauge("partial_chunks", self.tier, d.partial)
+            self.counters.set_gauge(GaugeName.PARTIAL_CHUNKS, self.tier, d.partial)
             for name, n in d.counts.items():
                 self.counters.add(name, self.tier, n)
         if (self._to_remove or self._to_add) and not self._sliced:
@@ -444,7 +445,7 @@ class ChunkPlanner:
             self._remote &= live
             self._written_here &= live
         if removed:
-            self.counters.add("rescan_removed_chunks", self.tier, removed)
+            self.counters.add(CounterName.RESCAN_REMOVED_CHUNKS, self.tier, removed)
         if n_files:
             logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
 
@@ -466,7 +467,7 @@ class ChunkPlanner:
         ``reclaimed_files``. Indexed chunks are never reclaimed."""
         fids = [f for f in file_ids if f not in self.index]
         self._deletes.extend(fids)
-        self.counters.add("reclaimed_files", self.tier, len(fids))
+        self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> None:
         """Key-named tiers: ask the oracle about ``keys`` this index does not know, and
@@ -577,7 +578,7 @@ class ChunkPlanner:
             fid = keys[0].hex() if self.policy.key_named else chunk_id_for(keys)
             evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
             if evicted is None:
-                self.counters.add("store_skipped", self.tier, len(keys))
+                self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(keys))
                 continue
             self._deletes.extend(evicted)
             self._failed_files.pop(fid, None)  # a key-named chunk may be written again
@@ -602,19 +603,19 @@ class ChunkPlanner:
         self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
         flushed = self._take_flush(cpu_slot_of, idle)
         if flushed:
-            self.counters.add("flushed_blocks", self.tier, len(flushed))
+            self.counters.add(CounterName.FLUSHED_BLOCKS, self.tier, len(flushed))
             self._through += flushed
         before = self.index.evicted_blocks
         demotes = self._chunk(self._demote)
         through = self._chunk(self._through)
-        self.counters.add("evictions", self.tier, self.index.evicted_blocks - before)
+        self.counters.add(CounterName.EVICTIONS, self.tier, self.index.evicted_blocks - before)
         deletes = self._deletes
         self._demote, self._through, self._deletes = [], [], []
         self._sliced = False  # the next step applies the next slice of a rescan
-        self.counters.set_gauge("usage_bytes", self.tier,
+        self.counters.set_gauge(GaugeName.USAGE_BYTES, self.tier,
                                 (self.index.used_bytes + self.reserved_bytes) * self.world_size)
         if self.index.capacity_bytes is not None:
-            self.counters.set_gauge("capacity_bytes", self.tier,
+            self.counters.set_gauge(GaugeName.CAPACITY_BYTES, self.tier,
                                     (self.index.capacity_bytes + self.reserved_bytes) * self.world_size)
         return demotes, through, deletes
 
@@ -648,7 +649,7 @@ class ChunkPlanner:
         self._distrusted[fid] = None
         while len(self._distrusted) > _DISTRUSTED_CHUNKS:
             self._distrusted.popitem(last=False)
-        self.counters.add("verify_forgotten_chunks", self.tier)
+        self.counters.add(CounterName.VERIFY_FORGOTTEN_CHUNKS, self.tier)
 
     def on_worker_meta(self, meta: WorkerReport) -> None:
         tier = self.tier
@@ -677,7 +678,7 @@ class ChunkPlanner:
                 # Another writer's chunk on a shared tier: what says it is bad may be our
                 # own index (keys and header from an unsigned manifest anyone can forge), not
                 # the object. Forgotten here (a miss), never deleted for every reader.
-                self.counters.add("forgotten_chunks", tier)
+                self.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
                 continue
             self._written_here.discard(fid)
             self._deletes.append(fid)  # delete whatever a rank may have left
@@ -719,7 +720,7 @@ class ChunkPlanner:
         if self.index.remove(fid):
             logger.info("kvtier %s: forgot chunk %s (not signed with an accepted key); its blocks are written "
                         "again", self.tier, fid)
-            self.counters.add("untrusted_chunks", self.tier)
+            self.counters.add(CounterName.UNTRUSTED_CHUNKS, self.tier)
         if self.policy.key_named:
             self._deletes.append(fid)
 

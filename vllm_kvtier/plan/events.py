@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from vllm_kvtier.config import EventsConfig
 from vllm_kvtier.index.keys import BlockKey
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 
 #: Where a block is relative to this instance: what it stored itself, or another writer did.
 Locality = Literal["LOCAL", "REMOTE"]
@@ -151,7 +151,7 @@ class EventLog:
             else:
                 pending[k] = (stored, locality)
         if dropped:
-            self.counters.add("events_dropped", tier, dropped)
+            self.counters.add(CounterName.EVENTS_DROPPED, tier, dropped)
 
     def announce(self, tier: str, source: Iterator[tuple[Sequence[BlockKey], Locality]]) -> None:
         """Blocks a tier holds already (found at start-up), announced over the next

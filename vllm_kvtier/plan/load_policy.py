@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_kvtier.index.cost import CostModel, Decision
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ class LoadPolicy:
         if d is None:
             return
         for tier, n in d.recomputed.items():
-            self.counters.add("recompute_chosen_blocks", tier, n)
+            self.counters.add(CounterName.RECOMPUTE_CHOSEN_BLOCKS, tier, n)
         if d.probe:
-            self.counters.add("load_probes", TierName.ALL)
+            self.counters.add(CounterName.LOAD_PROBES, TierName.ALL)
 
     def forget(self, req_id: str) -> None:
         """The request ended (it may have been looked up and never admitted)."""
@@ -90,11 +90,12 @@ class LoadPolicy:
                 rate = tokens / max(now - t0, 1e-6)
                 self.cost.observe_prefill(tokens, tokens / max(rate, 0.5 * self.cost.prefill_tokens_per_s))
         self._last_step = (now, prefill_tokens)
-        self.counters.set_gauge("estimated_prefill_tokens_per_s", "compute", self.cost.prefill_tokens_per_s)
+        estimate = self.cost.prefill_tokens_per_s
+        self.counters.set_gauge(GaugeName.ESTIMATED_PREFILL_TOKENS_PER_S, "compute", estimate)
 
     def observe_stats(self, stats: Any) -> None:
         """Worker counters of one step (``KVTierStats.data``), summed over ranks."""
         for tier in self.lower_tiers:
             est = self.cost.tier(tier)
-            self.counters.set_gauge("estimated_bandwidth_bytes_per_s", tier, est.bandwidth_Bps)
-            self.counters.set_gauge("estimated_latency_seconds", tier, est.latency_s)
+            self.counters.set_gauge(GaugeName.ESTIMATED_BANDWIDTH_BYTES_PER_S, tier, est.bandwidth_Bps)
+            self.counters.set_gauge(GaugeName.ESTIMATED_LATENCY_SECONDS, tier, est.latency_s)

@@ -54,7 +54,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class PeerPlanner:
         for s in slots:
             self.index.pin(s)
         self._holds[request.request_id] = (slots, time.monotonic() + self.hold_s)
-        self.counters.add("peer_offered_blocks", TIER, len(slots))
+        self.counters.add(CounterName.PEER_OFFERED_BLOCKS, TIER, len(slots))
         return {PARAM: {"ranks": {str(r): d for r, d in self._ranks.items()}, "slots": slots, "keys": keys,
                         "request": request.request_id}}
 
@@ -201,14 +201,14 @@ class PeerPlanner:
         now = time.monotonic()
         for req_id in [r for r, (_, t) in self._holds.items() if t <= now]:
             self.release(req_id)
-            self.counters.add("peer_hold_timeouts", TIER)
+            self.counters.add(CounterName.PEER_HOLD_TIMEOUTS, TIER)
             logger.warning("kvtier peer: request %s: no decode instance read its blocks in %.0f s; released",
                            req_id, self.hold_s)
 
     def on_worker_meta(self, meta: WorkerReport) -> None:
         self._ranks.update(meta.peer_info)
         for req_id in meta.peer_done:
-            self.counters.add("peer_released_blocks", TIER, self.release(req_id))
+            self.counters.add(CounterName.PEER_RELEASED_BLOCKS, TIER, self.release(req_id))
 
     def published(self) -> bool:
         """Whether every rank has said where its CPU tier is (or that it has no NIXL). They

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.request_params import IgnoredParams
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class PoolHandoff:
             return True
         self._since.pop(request.request_id, None)
         self._settled.add(request.request_id)
-        self.counters.add("handoff_timeouts", TierName.ALL)
+        self.counters.add(CounterName.HANDOFF_TIMEOUTS, TierName.ALL)
         logger.warning("kvtier: request %s: %d of %d prefilled blocks found in the pool after %.1f s; "
                        "recomputing the rest", request.request_id, found, expected - start, now - since)
         return False

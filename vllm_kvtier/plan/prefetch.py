@@ -32,7 +32,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions
 
@@ -102,7 +102,7 @@ class Prefetcher:
     def note_hit(self, key: BlockKey) -> None:
         if key in self.prefetched:
             del self.prefetched[key]
-            self.counters.add("prefetch_used_blocks", TIER)
+            self.counters.add(CounterName.PREFETCH_USED_BLOCKS, TIER)
 
     def take_jobs(self) -> list[PrefetchJob]:
         """Promotions to issue in this step, within the budget."""
@@ -111,11 +111,11 @@ class Prefetcher:
         while self._queue and self.inflight_blocks() < self.max_inflight_blocks:
             q = self._queue.popleft()
             if now - q.queued_s > self.max_age_s:
-                self.counters.add("prefetch_dropped", TIER, 1)
+                self.counters.add(CounterName.PREFETCH_DROPPED, TIER, 1)
                 continue
             job = self._plan(q.chain)
             if job is None:  # no slot without evicting live data: memory is needed
-                self.counters.add("prefetch_cancelled", TIER, len(self._queue) + 1)
+                self.counters.add(CounterName.PREFETCH_CANCELLED, TIER, len(self._queue) + 1)
                 self._queue.clear()
                 break
             if job.reads:
@@ -176,7 +176,7 @@ class Prefetcher:
                 self._finish(f)
                 for k in f.keys:
                     self.index.remove(k)  # its slot holds nothing valid
-                self.counters.add("prefetch_failures", TIER, len(f.keys))
+                self.counters.add(CounterName.PREFETCH_FAILURES, TIER, len(f.keys))
         for pid, n in meta.prefetched.items():
             f = self._inflight.get(pid)
             if f is None:
@@ -189,7 +189,7 @@ class Prefetcher:
                 while len(self.prefetched) > self.max_prefetched_keys:
                     self.prefetched.popitem(last=False)
                 for tier, count in f.tiers.items():
-                    self.counters.add("prefetch_blocks", tier, count)
+                    self.counters.add(CounterName.PREFETCH_BLOCKS, tier, count)
 
     def _finish(self, f: _InFlight) -> None:
         for s in f.slots:

@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm_kvtier.config import CPUTierConfig, NixlTierConfig
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,13 @@ class IgnoredParams:
     def ignore(self, param: str, tier: str, request_id: str, why: str) -> None:
         """``request_id``'s ``param`` is not acted on (``why``, for the log)."""
         if self._first("ignored", param, request_id):
-            self.counters.add("request_params_ignored", tier)
+            self.counters.add(CounterName.REQUEST_PARAMS_IGNORED, tier)
             self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} ignored: {why}")
 
     def cap(self, param: str, tier: str, request_id: str, why: str) -> None:
         """``request_id``'s ``param`` is acted on, cut to a configured limit."""
         if self._first("capped", param, request_id):
-            self.counters.add("request_params_capped", tier)
+            self.counters.add(CounterName.REQUEST_PARAMS_CAPPED, tier)
             self._warn(param, f"kvtier: request {request_id}: kv_transfer_params.{param} {why}")
 
     def _first(self, what: str, param: str, request_id: str) -> bool:

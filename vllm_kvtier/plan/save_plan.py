@@ -25,7 +25,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import SaveJob
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog
 from vllm_kvtier.plan.req_state import ReqState
@@ -83,7 +83,7 @@ class SavePlanner:
                 continue
             alloc = self.index.allocate(key)
             if alloc is None:
-                self.counters.add("store_skipped", TIER)
+                self.counters.add(CounterName.STORE_SKIPPED, TIER)
                 continue
             for tier in self.lower:
                 if alloc.evicted is not None:

@@ -67,7 +67,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
@@ -340,7 +340,7 @@ class SchedulerPlanner:
                 reads.setdefault((tier, fid), []).append((pos, s, k))
                 state.promoting.append(k)
                 state.sources[k] = (tier, fid)
-            self.counters.add("hit_blocks", tier.tier)
+            self.counters.add(CounterName.HIT_BLOCKS, tier.tier)
         blocks = [state.block_ids[p] for p in positions]
         unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
         asynchronous = self.always_async or self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
@@ -381,13 +381,13 @@ class SchedulerPlanner:
         if self.observe_loads:
             for tier, n in per_tier.items():
                 if n > 0:
-                    self.counters.observe("request_loaded_blocks", tier, n)
+                    self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, n)
         slowest = self._slowest([t for t, n in per_tier.items() if n > 0])
         if job.asynchronous:
             state.load_issued_s, state.load_tier = time.monotonic(), slowest
             state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
         else:
-            self.counters.observe("request_load_wait_seconds", slowest, 0.0)
+            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, slowest, 0.0)
 
     @staticmethod
     def _tier_counts(job: LoadJob) -> dict[str, int]:
@@ -399,13 +399,13 @@ class SchedulerPlanner:
         return per_tier
 
     def _slowest(self, tiers: list[str]) -> str:
-        order = [TIER] + [t.tier for t in self.lower]  # fastest first
+        order: list[str] = [TIER, *(t.tier for t in self.lower)]  # fastest first
         return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
     def _observe_load_done(self, state: ReqState) -> None:
         if state.load_issued_s is not None:
             waited = time.monotonic() - state.load_issued_s
-            self.counters.observe("request_load_wait_seconds", state.load_tier, waited)
+            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
             if self.load_policy is not None:
                 self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
             state.load_issued_s = None
@@ -420,7 +420,7 @@ class SchedulerPlanner:
                 self.index.touch(k)
                 self.index.pin(s)
                 slots[i] = s
-                self.counters.add("hit_blocks", TIER)
+                self.counters.add(CounterName.HIT_BLOCKS, TIER)
                 if self.prefetcher is not None:
                     self.prefetcher.note_hit(k)
         return slots
@@ -443,14 +443,14 @@ class SchedulerPlanner:
                 local.append(s)
                 wanted.append(k)
                 state.promoting.append(k)
-        self.counters.add("hit_blocks", TierName.PEER, len(wanted))
+        self.counters.add(CounterName.HIT_BLOCKS, TierName.PEER, len(wanted))
         if not plan.trusted and wanted:
             # An untrusted peer's blocks serve this request only: dropped from the CPU
             # index when the load ends (lookups skip them meanwhile: they are promotions),
             # and nothing this request computes on top of them is stored.
             state.private = True
             state.private_keys.extend(wanted)
-            self.counters.add("peer_unpromoted_blocks", TierName.PEER, len(wanted))
+            self.counters.add(CounterName.PEER_UNPROMOTED_BLOCKS, TierName.PEER, len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
         # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
         # that it frees the offer now rather than after hold_s.
@@ -466,7 +466,7 @@ class SchedulerPlanner:
         """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
         slot = self.promotions.begin(key)
         if slot is None:
-            self.counters.add("store_skipped", TIER)
+            self.counters.add(CounterName.STORE_SKIPPED, TIER)
         return slot
 
     def record_lookup(self, request: Request) -> None:
@@ -477,7 +477,7 @@ class SchedulerPlanner:
         may_be_async = (self.always_async or self.cfg.load_mode == "async" or bool(self.lower)
                         or self.peer_plan is not None)
         n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
-        self.counters.add("lookup_blocks", TIER, n)
+        self.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -552,13 +552,13 @@ class SchedulerPlanner:
                     if not tier.index.knows(BlockKey(k))
                 ]
         self._loads, self._final_saves, self._freed = [], [], []
-        self.counters.add("evictions", TIER, self.index.evictions - self._last_evictions)
+        self.counters.add(CounterName.EVICTIONS, TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
-        self.counters.add("pin_refusals", TIER, self.index.pin_refusals - self._last_pin_refusals)
+        self.counters.add(CounterName.PIN_REFUSALS, TIER, self.index.pin_refusals - self._last_pin_refusals)
         self._last_pin_refusals = self.index.pin_refusals
-        self.counters.set_gauge("pinned_blocks", TIER, self.index.pinned_keys)
-        self.counters.set_gauge("usage_bytes", TIER, len(self.index) * self.slot_bytes_total)
-        self.counters.set_gauge("capacity_bytes", TIER, self.index.num_slots * self.slot_bytes_total)
+        self.counters.set_gauge(GaugeName.PINNED_BLOCKS, TIER, self.index.pinned_keys)
+        self.counters.set_gauge(GaugeName.USAGE_BYTES, TIER, len(self.index) * self.slot_bytes_total)
+        self.counters.set_gauge(GaugeName.CAPACITY_BYTES, TIER, self.index.num_slots * self.slot_bytes_total)
         return meta
 
     def _refresh_block_ids(self, step: StepInput) -> None:

@@ -43,7 +43,7 @@ from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, VerifyJob, WorkerReport
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.plan.req_state import ReqState
@@ -74,7 +74,7 @@ class _Held:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)
+    tiers: list[TierName] = field(default_factory=list)
     #: (planner, chunk) -> [(position in chunk, slot, key)] read into promotion slots
     reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = field(default_factory=dict)
     #: key -> its lower-tier source, for keys being promoted (not readable from CPU yet)
@@ -151,7 +151,7 @@ class VerifyPlanner:
             if slot is not None:
                 self.index.touch(key)
                 self.index.pin(slot)
-                tier: str = TierName.CPU
+                tier: TierName = TierName.CPU
             else:
                 loc = locate(key)
                 if loc is None:
@@ -238,20 +238,20 @@ class VerifyPlanner:
 
     def _finish(self, held: _Held) -> None:
         """Every rank reported ``held``: count, drop what was wrong, quarantine, unpin."""
-        bad_tiers: list[str] = []
+        bad_tiers: list[TierName] = []
         for slot, key, tier in zip(held.slots, held.keys, held.tiers, strict=True):
             source = held.promoted.get(key)
             if source is not None:
                 self.promotions.end((key,))
             self.index.unpin(slot)
             if key in held.unread:
-                self.counters.add("verify_unread", tier)
+                self.counters.add(CounterName.VERIFY_UNREAD, tier)
                 if source is not None:
                     self.index.remove(key)  # its slot holds nothing
                 continue
-            self.counters.add("verify_samples", tier)
+            self.counters.add(CounterName.VERIFY_SAMPLES, tier)
             if key in held.mismatched:
-                self.counters.add("verify_mismatches", tier)
+                self.counters.add(CounterName.VERIFY_MISMATCHES, tier)
                 self.index.remove(key)  # never served again, from DRAM or (below) its tier
                 # (deleted from an exclusive tier; only forgotten by this instance on a shared one)
                 if source is not None:
@@ -262,7 +262,7 @@ class VerifyPlanner:
                 if tier not in bad_tiers:
                     bad_tiers.append(tier)
             elif key in held.inexact:
-                self.counters.add("verify_inexact", tier)
+                self.counters.add(CounterName.VERIFY_INEXACT, tier)
         for planner, fid in held.reads:
             planner.index.unpin(fid)
         for tier in bad_tiers:
@@ -277,9 +277,9 @@ class VerifyPlanner:
         logger.warning("kvtier verify: tier %s served a wrong block (request %s); it serves no hits "
                        "for %.0f s (verify.quarantine_s)", tier, req_id, q)
         self._quarantine_until[tier] = self._clock() + q
-        self.counters.add("verify_quarantines", tier)
+        self.counters.add(CounterName.VERIFY_QUARANTINES, tier)
 
     def publish(self) -> None:
         """Each step: the quarantine gauge of every tier ever quarantined."""
         for tier in self._quarantine_until:
-            self.counters.set_gauge("verify_quarantined", tier, 1 if self.quarantined(tier) else 0)
+            self.counters.set_gauge(GaugeName.VERIFY_QUARANTINED, tier, 1 if self.quarantined(tier) else 0)

@@ -49,7 +49,7 @@ import numpy as np
 from vllm_kvtier.config import NixlTierConfig
 from vllm_kvtier.jobs import PeerRead
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 
 if TYPE_CHECKING:
@@ -170,8 +170,8 @@ class PeerLink:
         except Exception as e:  # a malformed offer, or a peer that is gone (NIXL cannot connect)
             logger.warning("kvtier peer: cannot read from the prefill instance of %s: %s", read.req_id, e)
             if isinstance(e, _Refused):
-                self.counters.add("peer_refusals", TIER)
-            self.counters.add("load_failures", TIER, len(read.keys))
+                self.counters.add(CounterName.PEER_REFUSALS, TIER)
+            self.counters.add(CounterName.LOAD_FAILURES, TIER, len(read.keys))
             return None
         notif = (read.notify or read.req_id).encode()
         if not read.slots:  # every offered block was in our DRAM already: just free them there
@@ -231,7 +231,7 @@ class PeerLink:
         self._peers.pop(name, None)
         self._busy.pop(name, None)
         self.agent.remove_peer(name)
-        self.counters.add("peers_removed", TIER)
+        self.counters.add(CounterName.PEERS_REMOVED, TIER)
 
     def expire_peers(self) -> list[str]:
         """Remove peers with no read in flight whose last read ended ``nixl.hold_s`` ago
@@ -278,9 +278,9 @@ class PeerLink:
                         good.add(key)
                     else:
                         self.stamp(ls, None)
-                self.counters.add("blocks_loaded", TIER, len(good))
-                self.counters.add("bytes_loaded", TIER, len(good) * self.pool.slot_bytes)
-                self.counters.add("load_seconds", TIER, seq.seconds)
+                self.counters.add(CounterName.BLOCKS_LOADED, TIER, len(good))
+                self.counters.add(CounterName.BYTES_LOADED, TIER, len(good) * self.pool.slot_bytes)
+                self.counters.add(CounterName.LOAD_SECONDS, TIER, seq.seconds)
             else:
                 for ls in read.slots:
                     self.stamp(ls, None)
@@ -288,7 +288,7 @@ class PeerLink:
             if bad:
                 logger.warning("kvtier peer: %d of %d blocks of %s not read from the prefill instance (%s)",
                                bad, len(read.keys), read.req_id, res.reason or "not ready or reused")
-                self.counters.add("load_failures", TIER, bad)
+                self.counters.add(CounterName.LOAD_FAILURES, TIER, bad)
             out.append((rid, PeerResult(read, good)))
         self.expire_peers()
         return out

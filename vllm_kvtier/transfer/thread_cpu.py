@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 
 #: ``kvtier-<word>...`` thread names -> the tier their time is counted under
 _HOST_COPY = {"copy": TierName.CPU, "memmove": TierName.CPU}
@@ -96,7 +96,7 @@ class ThreadCPU:
                 # (less time than the old one had) counts from the new thread's start
                 delta = secs if before is None or before[0] != tier or secs < before[1] else secs - before[1]
                 if delta > 0:
-                    counters.add("background_cpu_seconds", tier, delta)
+                    counters.add(CounterName.BACKGROUND_CPU_SECONDS, tier, delta)
                 seen[t.native_id] = (tier, secs)
             self._seen = seen
 

@@ -52,7 +52,8 @@ from vllm_kvtier.config.stores import HEADER_CACHE_BYTES, HEADER_CACHE_ENTRIES
 from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
 from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.keys import TierName
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult, ReportsRemoteStats
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
 from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for, header_memory_bytes
@@ -73,7 +74,7 @@ DEFAULT_MAX_HEADER_BYTES = HEADER_CACHE_BYTES
 
 class ChunkWorker:
     def __init__(
-        self, tier: str, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
+        self, tier: TierName, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
         mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
         headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False, codec: BlockCodec | None = None,
         buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS, writes: bool = True,
@@ -169,14 +170,14 @@ class ChunkWorker:
                 if not out_of_memory(e):
                     raise
                 logger.warning("kvtier %s: no memory for a write buffer of %s: %s", self.tier, job.file_id, e)
-                self.counters.add("no_buffer", self.tier)
-                self.counters.add("store_skipped", self.tier, len(job.keys))
+                self.counters.add(CounterName.NO_BUFFER, self.tier)
+                self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # like a full queue: back-pressure, not a failing tier
                 continue
             wid = next(self._ids)
             if not self.store.submit_write(wid, job.file_id, wb):
                 wb.buf.close()
-                self.counters.add("store_skipped", self.tier, len(job.keys))
+                self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
                 continue  # still dirty: the shutdown flush may write them yet
             self._writing[wid] = len(job.keys)
@@ -262,18 +263,18 @@ class ChunkWorker:
                     if res.header is not None:
                         self._keep_header(read.file_id, res.header)
                     if not was_prefetch:
-                        self.counters.add("reads", self.tier)
-                        self.counters.add("blocks_loaded", self.tier, len(read.slots))
-                        self.counters.add("bytes_loaded", self.tier, res.nbytes)
-                        self.counters.add("load_seconds", self.tier, res.seconds)
+                        self.counters.add(CounterName.READS, self.tier)
+                        self.counters.add(CounterName.BLOCKS_LOADED, self.tier, len(read.slots))
+                        self.counters.add(CounterName.BYTES_LOADED, self.tier, res.nbytes)
+                        self.counters.add(CounterName.LOAD_SECONDS, self.tier, res.seconds)
                 else:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
                                    self.tier, read.file_id, reason, len(read.slots))
-                    self.counters.add("load_failures", self.tier, len(read.slots))
+                    self.counters.add(CounterName.LOAD_FAILURES, self.tier, len(read.slots))
                     if reason is FailureReason.NO_BUFFER:
-                        self.counters.add("no_buffer", self.tier)
+                        self.counters.add(CounterName.NO_BUFFER, self.tier)
                     if reason in AUTH_REASONS:
-                        self.counters.add("auth_failures", self.tier)
+                        self.counters.add(CounterName.AUTH_FAILURES, self.tier)
                     if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.file_id))
                         self._drop_header(read.file_id)
@@ -291,10 +292,11 @@ class ChunkWorker:
             return
         st = self._remote_stats()
         now = (sum(st.requests.values()), st.retries, st.breaker.opens)
-        for name, new, old in zip(("requests", "retries", "breaker_opens"), now, self._reported, strict=True):
+        names = (CounterName.REQUESTS, CounterName.RETRIES, CounterName.BREAKER_OPENS)
+        for name, new, old in zip(names, now, self._reported, strict=True):
             self.counters.add(name, self.tier, new - old)
         self._reported = now
-        self.counters.set_gauge("breaker_state", self.tier, int(st.breaker.state))
+        self.counters.set_gauge(GaugeName.BREAKER_STATE, self.tier, int(st.breaker.state))
 
     def _on_write(self, res: IOResult) -> None:
         ref = (self.tier, res.file_id)
@@ -303,14 +305,14 @@ class ChunkWorker:
             assert res.header is not None
             self._keep_header(res.file_id, res.header)
             self._meta.written[ref] = self._meta.written.get(ref, 0) + 1
-            self.counters.add("blocks_stored", self.tier, res.header.nblocks)
-            self.counters.add("bytes_stored", self.tier, res.nbytes)
-            self.counters.add("store_seconds", self.tier, res.seconds)
+            self.counters.add(CounterName.BLOCKS_STORED, self.tier, res.header.nblocks)
+            self.counters.add(CounterName.BYTES_STORED, self.tier, res.nbytes)
+            self.counters.add(CounterName.STORE_SECONDS, self.tier, res.seconds)
         elif res.reason == FailureReason.SUPERSEDED:  # its slots were reused before the copy: not the tier's fault
-            self.counters.add("store_skipped", self.tier, nblocks)
+            self.counters.add(CounterName.STORE_SKIPPED, self.tier, nblocks)
             self._meta.refused.add(ref)
         else:
-            self.counters.add("store_failures", self.tier)
+            self.counters.add(CounterName.STORE_FAILURES, self.tier)
             self._meta.failed.add(ref)
 
     def take_meta(self, into: KVTierWorkerMeta) -> None:
@@ -352,7 +354,7 @@ class ChunkWorker:
                 except (MemoryError, OSError) as e:
                     if not out_of_memory(e):
                         raise
-                    self.counters.add("no_buffer", self.tier)
+                    self.counters.add(CounterName.NO_BUFFER, self.tier)
                     break  # no memory: the rest stays unwritten, as past the deadline
                 while not self.store.submit_write(next(self._ids), chunk_id_for(keys), wb):
                     if time.monotonic() > deadline:

@@ -54,7 +54,7 @@ from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, LoadJob, PrefetchJob, SaveJob, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import Counters
+from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine, Transfer, _HostSave, make_copy_engine
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
@@ -198,9 +198,9 @@ class WorkerHalf:
         scheduler drops those chunks; its breaker pauses the tier), each counted."""
         for job in meta.demotes + meta.write_through:
             self._prefetch_done.failed.add((job.tier, job.file_id))  # the report being built
-            self.counters.add("namespace_mismatch", job.tier)
+            self.counters.add(CounterName.NAMESPACE_MISMATCH, job.tier)
         for read in [r for load in meta.loads for r in load.reads] + [r for pf in meta.prefetches for r in pf.reads]:
-            self.counters.add("namespace_mismatch", read.tier)
+            self.counters.add(CounterName.NAMESPACE_MISMATCH, read.tier)
 
     def _ensure_pool(self, num_slots: int) -> None:
         if self.pool is not None:
@@ -222,7 +222,7 @@ class WorkerHalf:
                 self.peer = PeerLink(self.cfg.nixl, self.pool, rank=self.rank, counters=self.counters)
             except Exception as e:  # ImportError (install hint), no UCX...: P/D falls back to recompute
                 logger.error("kvtier peer: NIXL unavailable, P/D peer transfers disabled: %s", e)
-                self.counters.add("store_failures", TierName.PEER)
+                self.counters.add(CounterName.STORE_FAILURES, TierName.PEER)
                 self._peer_unavailable = str(e)
             else:
                 self.slots.stamp_with(self.peer)
@@ -284,7 +284,7 @@ class WorkerHalf:
         for name, tier in self.lower.items():
             for job in meta.saves + meta.saves_after:
                 tier.clean(job.slots)
-            tier.mark_dirty(meta.persist_slots.get(name, ()))
+            tier.mark_dirty(meta.persist_slots.get(TierName(name), ()))  # make_workers keys by TierName
             jobs = [j for j in meta.write_through if j.tier == name]
             if self._host_saves:  # they copy slots still being filled: once those are done
                 self._deferred_writes.append((meta.step, name, jobs))
@@ -308,7 +308,7 @@ class WorkerHalf:
                 error = getattr(t, "error", None)
                 if error is not None:
                     logger.error("kvtier: save of %d blocks failed: %r", len(job.block_ids), error)
-                    self.counters.add("store_failures", TIER, len(job.block_ids))
+                    self.counters.add(CounterName.STORE_FAILURES, TIER, len(job.block_ids))
                     assert self.slots is not None
                     for s, k in zip(job.slots, job.keys, strict=True):
                         if self.slots.holds(s, k):  # not saved over since by a later save
@@ -358,8 +358,8 @@ class WorkerHalf:
                 self._unstamped.append((t, job.slots, job.keys))
             self._inflight_saves.setdefault(job.req_id, []).append(t)
             self._table.mark_busy(job.slots, t)
-            self.counters.add("blocks_stored", TIER, len(job.block_ids))
-            self.counters.add("bytes_stored", TIER, t.nbytes)
+            self.counters.add(CounterName.BLOCKS_STORED, TIER, len(job.block_ids))
+            self.counters.add(CounterName.BYTES_STORED, TIER, t.nbytes)
             if self.cfg.cpu.checksum:
                 t.wait()
                 for s in job.slots:
@@ -413,7 +413,7 @@ class WorkerHalf:
         if failed:
             logger.warning("kvtier: %d of %d blocks of request %s failed to load; recomputing",
                            len(failed), len(job.block_ids), job.req_id)
-            self.counters.add("load_failures", TIER, len(failed))
+            self.counters.add(CounterName.LOAD_FAILURES, TIER, len(failed))
         if transfer is not None:
             self._table.mark_busy(slots, transfer)
         if job.asynchronous:
@@ -434,13 +434,13 @@ class WorkerHalf:
         its attention runs (``wait_for_layer``)."""
         assert self.engine is not None
         if failed:
-            self.counters.add("load_failures", TIER, len(failed))
+            self.counters.add(CounterName.LOAD_FAILURES, TIER, len(failed))
             self._load_errors.update(failed)
         try:
             layers = self.engine.submit_layers(blocks, slots)
         except Exception:
             logger.exception("kvtier: load of %d blocks failed", len(blocks))
-            self.counters.add("load_failures", TIER, len(blocks))
+            self.counters.add(CounterName.LOAD_FAILURES, TIER, len(blocks))
             self._load_errors.update(blocks)
             return
         for name, t in layers.items():
@@ -448,8 +448,8 @@ class WorkerHalf:
         last = list(layers.values())[-1]  # layers are copied in order: the last ends last
         self._table.mark_busy(slots, last)
         if self.layout is not None:
-            self.counters.add("blocks_loaded", TIER, len(blocks))
-            self.counters.add("bytes_loaded", TIER, len(blocks) * self.layout.block_bytes)
+            self.counters.add(CounterName.BLOCKS_LOADED, TIER, len(blocks))
+            self.counters.add(CounterName.BYTES_LOADED, TIER, len(blocks) * self.layout.block_bytes)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention (``wait_for_layer_load``): its rows are in place."""
@@ -462,17 +462,18 @@ class WorkerHalf:
                 self.engine.order_before_compute(t)
             except Exception:
                 logger.exception("kvtier: layer load of %s failed", layer_name)
-                self.counters.add("load_failures", TIER, len(blocks))
+                self.counters.add(CounterName.LOAD_FAILURES, TIER, len(blocks))
                 self._load_errors.update(blocks)
-        self.counters.add("load_wait_seconds", TIER, time.perf_counter() - t0)
+        self.counters.add(CounterName.LOAD_WAIT_SECONDS, TIER, time.perf_counter() - t0)
         self._step_time += time.perf_counter() - t0
         if not self._layer_loads:
-            self.counters.add("load_seconds", TIER, max(time.perf_counter() - t.started_s for t, _ in pending))
+            seconds = max(time.perf_counter() - t.started_s for t, _ in pending)
+            self.counters.add(CounterName.LOAD_SECONDS, TIER, seconds)
 
     def _finish_layered_loads(self) -> None:
         """Layers the forward did not ask for (or no forward ran): wait for them now."""
         if self._layer_loads:
-            self.counters.add("layer_loads_unwaited", TIER, len(self._layer_loads))
+            self.counters.add(CounterName.LAYER_LOADS_UNWAITED, TIER, len(self._layer_loads))
         for name in list(self._layer_loads):
             self.wait_for_layer(name)
 
@@ -556,7 +557,7 @@ class WorkerHalf:
         blocks, slots, failed = self._verify(a.job, skip=a.failed_blocks)
         a.failed_blocks |= failed
         if failed:
-            self.counters.add("load_failures", TIER, len(failed))
+            self.counters.add(CounterName.LOAD_FAILURES, TIER, len(failed))
         a.loading_blocks = blocks
         a.pending_reads = None
         if blocks:
@@ -570,9 +571,9 @@ class WorkerHalf:
 
     def _account_load(self, t: Transfer, nblocks: int) -> None:
         if nblocks and self.layout is not None:
-            self.counters.add("blocks_loaded", TIER, nblocks)
-            self.counters.add("bytes_loaded", TIER, nblocks * self.layout.block_bytes)
-            self.counters.add("load_seconds", TIER, time.perf_counter() - t.started_s)
+            self.counters.add(CounterName.BLOCKS_LOADED, TIER, nblocks)
+            self.counters.add(CounterName.BYTES_LOADED, TIER, nblocks * self.layout.block_bytes)
+            self.counters.add(CounterName.LOAD_SECONDS, TIER, time.perf_counter() - t.started_s)
 
     def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> set[str]:
         """Return the requests whose async loads ended (``finished_recving``).
@@ -588,8 +589,8 @@ class WorkerHalf:
             return self._transfer_results(idle_step)
         finally:
             if not idle_step:
-                self.counters.add("step_seconds", TIER, self._step_time + time.perf_counter() - t0)
-                self.counters.add("step_calls", TIER, 1)
+                self.counters.add(CounterName.STEP_SECONDS, TIER, self._step_time + time.perf_counter() - t0)
+                self.counters.add(CounterName.STEP_CALLS, TIER, 1)
             self._step_time = 0.0
 
     def _transfer_results(self, idle_step: bool) -> set[str]:
@@ -619,7 +620,7 @@ class WorkerHalf:
                     self._account_load(a.transfer, max(0, len(a.loading_blocks) - a.lower_blocks))
                 except Exception:
                     logger.exception("kvtier: async load for %s failed", a.req_id)
-                    self.counters.add("load_failures", TIER, len(a.loading_blocks))
+                    self.counters.add(CounterName.LOAD_FAILURES, TIER, len(a.loading_blocks))
                     a.failed_blocks.update(a.loading_blocks)  # every block is suspect
             if self.request_level_failures and a.failed_blocks:
                 self._failed_loads.add(a.req_id)
