@@ -120,7 +120,7 @@ VLLM_COUNTERS = {"vllm:prefix_cache_hits_total": "vllm_hit_tokens", "vllm:prefix
                  "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
                  "vllm:request_queue_time_seconds_count": "timed_requests"}
 LMCACHE_DIR = ROOT / ".venv-lmcache"
-KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_loaded_blocks_total",
+KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_blocks_loaded_total",
                    "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total",
                    "vllm:kvtier_step_seconds_total", "vllm:kvtier_step_calls_total",
                    "vllm:kvtier_scheduler_seconds_total", "vllm:kvtier_background_cpu_seconds_total")
