@@ -153,8 +153,20 @@ class LowerTierSection(Protocol):
         ...
 
 
+class _FixedHeaderCache:
+    """The header cache of a medium whose section does not set one: the defaults."""
+
+    @property
+    def header_cache_entries(self) -> int:
+        return HEADER_CACHE_ENTRIES
+
+    @property
+    def header_cache_bytes(self) -> int:
+        return HEADER_CACHE_BYTES
+
+
 @dataclass(frozen=True)
-class NVMeTierConfig:
+class NVMeTierConfig(_FixedHeaderCache):
     """The NVMe tier: chunk files under ``path``, at most ``capacity_bytes`` of them.
 
     It survives restarts: a new engine pointed at the same ``path`` (and the same model
@@ -229,14 +241,6 @@ class NVMeTierConfig:
                      queues=("max_queued_writes",))
 
     @property
-    def header_cache_entries(self) -> int:
-        return HEADER_CACHE_ENTRIES
-
-    @property
-    def header_cache_bytes(self) -> int:
-        return HEADER_CACHE_BYTES
-
-    @property
     def endpoint(self) -> str:
         return self.path
 
@@ -305,7 +309,7 @@ class S3TierConfig:
 
 
 @dataclass(frozen=True)
-class MooncakeTierConfig:
+class MooncakeTierConfig(_FixedHeaderCache):
     """A Mooncake Store pool (``mooncake_master`` plus clients pooling their DRAM, TCP or
     RDMA), shared by every instance that points at the same master: the KV store pool of
     prefill/decode disaggregation (the prefill instance writes, the decode one loads).
@@ -366,14 +370,6 @@ class MooncakeTierConfig:
     def storage_dtype(self) -> Literal["native", "fp8"]:
         """Blocks are stored as they are."""
         return "native"
-
-    @property
-    def header_cache_entries(self) -> int:
-        return HEADER_CACHE_ENTRIES
-
-    @property
-    def header_cache_bytes(self) -> int:
-        return HEADER_CACHE_BYTES
 
     @property
     def endpoint(self) -> str:
