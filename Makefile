@@ -7,8 +7,8 @@ venv:
 test:
 	@tests/run.sh
 
-test-fast: venv   ## skip the multiprocess and API-server tests
-	@tests/run.sh -m "not slow"
+test-fast: venv   ## no vLLM engine: unit, connector and store-contract tests, in-process only
+	@KVTIER_TEST_PATHS="tests/unit tests/connector tests/tiers" tests/run.sh -m "not slow"
 
 demo: venv
 	@VLLM_LOGGING_LEVEL=WARNING .venv/bin/python examples/demo.py
