@@ -37,9 +37,9 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # after PYTHONPATH: the tree it names is the one measured
 
 from bench._common import save_json  # noqa: E402
+from vllm_kvtier.chunkformat import ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.metrics import Counters  # noqa: E402
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Rescanner  # noqa: E402
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for  # noqa: E402
 
 NS = "bench00000000000"
 BLOCK = 64 << 10

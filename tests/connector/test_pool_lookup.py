@@ -17,7 +17,7 @@ import pytest
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.registry import TIERS, TierEntry
 

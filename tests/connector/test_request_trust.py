@@ -25,8 +25,8 @@ from tests.sched_helpers import (
     prompt_tokens,
     sched_half,
 )
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.plan.inputs import WorkerOutput
 
 BS = BLOCK_SIZE

@@ -22,11 +22,11 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.chunkformat import ChunkHeader, make_header
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, make_header
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3 import S3Store
 
@@ -549,7 +549,7 @@ def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket:
     """The scan's header cache holds at most ``header_cache_bytes`` of headers (by
     header_memory_bytes) whatever ``header_cache_entries`` allows; a cache that overflowed
     makes the next scan read the unchanged manifest again instead of GETting headers."""
-    from vllm_kvtier.tiers.chunkfile import header_memory_bytes
+    from vllm_kvtier.chunkformat import header_memory_bytes
 
     writer = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
     for i in range(12):

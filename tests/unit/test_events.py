@@ -10,18 +10,18 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from vllm_kvtier.chunkformat import align_up, header_bytes_for, make_header
 from vllm_kvtier.config import EventsConfig, parse_config
 from vllm_kvtier.connector.events import to_vllm
 from vllm_kvtier.index.chunk_index import ChunkIndex
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Rescanner
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block
 from vllm_kvtier.plan.inputs import StepInput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
-from vllm_kvtier.tiers.chunkfile import align_up, header_bytes_for, make_header
 
 BS = 4
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
 from vllm_kvtier.config.sections import LowerTierSection
 from vllm_kvtier.errors import ConfigError, run_all
@@ -45,7 +46,6 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescan
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
 from vllm_kvtier.tiers.registry import StoreContext, open_store, tier_entry

@@ -46,14 +46,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vllm_kvtier.chunkformat import ChunkHeader, align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.chunk_index import ChunkIndex
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.events import EventLog, Locality
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
 
 logger = logging.getLogger(__name__)
 

@@ -50,10 +50,9 @@ from typing import Any
 from vllm_kvtier.config import NixlTierConfig
 from vllm_kvtier.config.parse import read_small_file
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 

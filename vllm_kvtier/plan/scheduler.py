@@ -63,10 +63,9 @@ from typing import Any
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
