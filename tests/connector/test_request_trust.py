@@ -332,8 +332,8 @@ def test_a_short_or_unreadable_secret_fails_at_start(tiny_model, monkeypatch, tm
     import pytest
 
     from vllm_kvtier.config import parse_config
+    from vllm_kvtier.config.secrets import load_remote_decode_secret
     from vllm_kvtier.errors import ConfigError
-    from vllm_kvtier.plan.peer_plan import load_remote_decode_secret
 
     cfg = parse_config({"nixl": {"accept_remote_decode": True}}).nixl
     assert load_remote_decode_secret(cfg, {}) is None

@@ -61,6 +61,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.config.secrets import load_remote_decode_secret
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.slot_index import SlotIndex
@@ -71,7 +72,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner, load_remote_decode_secret
+from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
