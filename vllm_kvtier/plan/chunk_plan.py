@@ -1,13 +1,16 @@
-"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3): admission,
-demotion, chunking, eviction, and what other instances stored (S3 rescans).
+"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake):
+admission, demotion, chunking, eviction, and what other instances stored.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
-scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
-shared bucket run on a background thread (:class:`Rescanner`), which also computes each
-listing's difference from the last one; the scheduler thread applies only that delta, in
-slices of :data:`_MERGE_SLICE` chunks per step. The listing is authoritative: a chunk it no
+scheduler thread. No I/O and no thread here: the connector lists the tier at start-up and
+hands the listing in (``found``); later changes come from a catalog
+(:mod:`vllm_kvtier.catalog`), which lists or asks on its own thread. A shared bucket's
+rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`), applied in slices
+of :data:`_MERGE_SLICE` chunks per step. The listing is authoritative: a chunk it no
 longer shows (deleted out of band, expired by a lifecycle rule) leaves the index (a chunk
-a load is reading, at its unpin); one shown on only some ranks is never indexed.
+a load is reading, at its unpin); one shown on only some ranks is never indexed. A pool's
+lookups are submitted and answered on a later step
+(:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
   requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
@@ -39,15 +42,14 @@ a load is reading, at its unpin); one shown on only some ranks is never indexed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from vllm_kvtier.chunkformat import ChunkHeader, align_up, chunk_id_for, header_bytes_for
-from vllm_kvtier.errors import run_all
+from vllm_kvtier.catalog.base import Catalog, Found, PoolLookups, Rescans, common_chunks
+from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
@@ -63,9 +65,6 @@ _SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at mo
 #: Chunks of a rescan's delta applied per step at most (each way): a listing that changed
 #: by 400k objects costs the scheduler thread ~3 ms a step instead of one long stall.
 _MERGE_SLICE = 4096
-#: Rescans: chunks of the deltas not taken yet kept at most (an idle engine takes none),
-#: and chunk ids of our writes kept for the next listing while listings fail.
-_MAX_PENDING_CHUNKS = 1 << 18
 #: Circuit breaker on writes: after this many write failures in a row, stop for a while.
 _BREAKER_FAILURES = 8
 _BREAKER_PAUSE_S = 30.0
@@ -75,10 +74,8 @@ _FAILED_READ_COOLDOWN_S = 10.0
 #: Shared-tier chunks shadow verification found wrong, remembered so that no rescan or pool
 #: lookup indexes them again (ids, ~100 B each; the oldest is forgotten beyond this).
 _DISTRUSTED_CHUNKS = 4096
-
-#: One index per TP rank: chunk id -> header, as found in the tier.
-Found = list[dict[str, ChunkHeader]]
-
+#: Pool lookups: ids answered in one step remembered at most (~100 B each).
+_ANSWERED_IDS = 1 << 16
 
 @dataclass(frozen=True)
 class ChunkPolicy:
@@ -103,177 +100,16 @@ class ChunkPolicy:
     exclusive: bool = False
 
 
-@dataclass(frozen=True)
-class RescanDelta:
-    """What changed between two listings of a tier, computed on the rescan thread: the
-    chunks present on every rank that the previous listing did not show (``added``: chunk
-    id -> (keys, bytes per rank, block bytes), oldest first) and the chunks the previous
-    listing (or this instance's own confirmed writes) showed that this one does not
-    (``removed``: deleted out of band, expired by a lifecycle rule)."""
-
-    added: dict[str, tuple[tuple[BlockKey, ...], int, int]]
-    removed: frozenset[str]
-    #: chunk ids listed on some ranks only (a write in flight, or a crashed writer's)
-    partial: int = 0
-    #: counter -> increment, from the scan's own report (e.g. ``manifests_collected``)
-    counts: dict[CounterName, int] = field(default_factory=dict)
-
-
-def common_chunks(found: Found) -> dict[str, ChunkHeader]:
-    """The chunks of ``found`` present on every rank, rank 0's headers, in rank 0's order."""
-    if not found:
-        return {}
-    rest = found[1:]
-    return {fid: h for fid, h in found[0].items() if all(fid in r for r in rest)}
-
-
-class Rescanner:
-    """Runs ``scan`` every ``interval_s`` on a daemon thread and turns each listing into a
-    :class:`RescanDelta` there, so the scheduler thread only applies deltas.
-
-    ``scan`` may block for seconds (it lists a bucket); it never runs on the scheduler
-    thread. A failed scan (it raises: a listing that could not complete must not read as
-    "everything was deleted") is logged and skipped. ``initial``: the start-up listing the
-    planner was built from (the first delta is against it). The thread keeps the set of
-    chunk ids of the last listing (about 100 B each), and the deltas not taken yet merged
-    into one (by chunk id: a chunk added then removed before a take is in neither), at
-    most :data:`_MAX_PENDING_CHUNKS` chunks: beyond, they are dropped and the next rescan
-    computes one delta against what the planner last took (a resync, counted as
-    ``rescan_resyncs``), so an idle engine holds one delta's worth, not every rescan's.
-    """
-
-    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *, initial: Found | None = None,
-                 counts: Callable[[], dict[CounterName, int]] | None = None) -> None:
-        """``counts``: called after each scan (same thread), counters to add for it."""
-        self._scan = scan
-        self._counts = counts
-        self._interval_s = interval_s
-        self._listed: set[str] = set(common_chunks(initial or []))
-        self._lock = threading.Lock()
-        #: chunk ids this instance wrote (all ranks durable) since the last listing began
-        #: (at most :data:`_MAX_PENDING_CHUNKS`; beyond, ``rescan_written_dropped``)
-        self._written: dict[str, None] = {}
-        self._written_dropped = 0
-        #: the deltas not taken yet, merged (None: none)
-        self._pending: RescanDelta | None = None
-        self._partial = 0  # the last listing's RescanDelta.partial
-        self._resyncs = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
-        self._thread.start()
-
-    def note_written(self, file_id: str) -> None:
-        """``file_id`` is durable on every rank (scheduler thread): a listing that starts
-        after this and does not show it means it was deleted. Bounded: past
-        :data:`_MAX_PENDING_CHUNKS` ids waiting (listings failing) the id is dropped and
-        counted; such a chunk, if deleted out of band, leaves the index at its first read."""
-        with self._lock:
-            if len(self._written) < _MAX_PENDING_CHUNKS:
-                self._written[file_id] = None
-            else:
-                self._written_dropped += 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.rescan_once()
-            except Exception:
-                logger.exception("kvtier: rescan failed")
-
-    def rescan_once(self) -> RescanDelta:
-        """One listing and its delta, merged into what :meth:`take` returns (the rescan
-        thread; blocks for the listing; a test may call it from its own thread). Raises
-        what ``scan`` raises, queueing nothing."""
-        with self._lock:
-            written, self._written = list(self._written), {}
-        try:
-            found = self._scan()
-        except BaseException:
-            with self._lock:  # still to be checked by the next listing
-                for fid in written:
-                    if len(self._written) >= _MAX_PENDING_CHUNKS:
-                        break
-                    self._written.setdefault(fid, None)
-            raise
-        delta = self.diff(found, written)
-        if self._counts is not None:
-            delta.counts.update(self._counts())
-        with self._lock:
-            self._partial = delta.partial
-            self._merge(delta)
-        return delta
-
-    def _merge(self, d: RescanDelta) -> None:
-        """Fold ``d`` into the pending delta (lock held). Invariant: the planner's view is
-        ``(listed - pending.added) | pending.removed``; past the bound the pending delta is
-        dropped and ``listed`` set back to that view (the next diff is a resync)."""
-        p = self._pending
-        if p is None:
-            self._pending = d  # whatever its size: one delta always gets through
-            return
-        added, removed = dict(p.added), set(p.removed)
-        for fid in d.removed:
-            if added.pop(fid, None) is None:
-                removed.add(fid)
-        for fid, entry in d.added.items():
-            if fid in removed:
-                removed.discard(fid)  # back before the planner saw it go
-            else:
-                added[fid] = entry
-        counts = dict(p.counts)
-        for k, n in d.counts.items():
-            counts[k] = counts.get(k, 0) + n
-        if len(added) + len(removed) > _MAX_PENDING_CHUNKS:
-            self._listed = (self._listed - added.keys()) | removed
-            self._pending = None
-            self._resyncs += 1
-            logger.info("kvtier: %d rescan changes not taken; the next rescan resyncs", len(added) + len(removed))
-            return
-        self._pending = RescanDelta(added, frozenset(removed), d.partial, counts)
-
-    def diff(self, found: Found, written: Sequence[str] = ()) -> RescanDelta:
-        """The delta of listing ``found`` against the previous one (and ``written``: our
-        writes confirmed before the listing began); ``found`` becomes the previous one."""
-        common = common_chunks(found)
-        listed = set(common)
-        before = self._listed
-        before.update(written)
-        removed = frozenset(before - listed)
-        added = {fid: (tuple(BlockKey(k) for k in h.keys), h.total_bytes, h.block_bytes)
-                 for fid, h in common.items() if fid not in before}
-        partial = len(set().union(*found) - listed) if found else 0
-        self._listed = listed
-        return RescanDelta(added, removed, partial)
-
-    def take(self) -> list[RescanDelta]:
-        """The deltas not taken yet, merged into one (none: empty), with the counters of
-        the bounds (``rescan_resyncs``, ``rescan_written_dropped``) since the last take."""
-        with self._lock:
-            p, self._pending = self._pending, None
-            extra = {k: v for k, v in ((CounterName.RESCAN_RESYNCS, self._resyncs),
-                                       (CounterName.RESCAN_WRITTEN_DROPPED, self._written_dropped)) if v}
-            self._resyncs = self._written_dropped = 0
-        if extra:
-            p = p or RescanDelta({}, frozenset(), self._partial)
-            for k, v in extra.items():
-                p.counts[k] = p.counts.get(k, 0) + v
-        return [] if p is None else [p]
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 class ChunkPlanner:
     def __init__(
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
-        found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
-        oracle: Callable[[list[str]], list[bool] | None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        found: Found, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
         reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
     ) -> None:
-        """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
-        listed), or None when it could not tell in time; it must not block for long.
-        ``reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an NVMe
+        """``found``: what the start-up listing found. ``catalog``: where later changes come
+        from (:mod:`vllm_kvtier.catalog`): a listed tier's rescans (changes pushed), a
+        pool's lookups (answered asynchronously), or None (nothing changes but by this
+        planner's own writes); closed by :meth:`close`. ``reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an NVMe
         rank directory's lock file and anything else found in it), taken off the
         capacity so that it bounds every byte on the medium. ``local_chunks``: the chunks of
         ``found`` this instance wrote (a shared tier's own manifest); None: all of them on an
@@ -301,15 +137,19 @@ class ChunkPlanner:
         self._paused_until = 0.0
         #: chunk id -> monotonic time until which lookups skip it (a read of it failed).
         self._cooling: dict[str, float] = {}
-        self._rescanner = rescanner
+        self._catalog = catalog
+        self._rescans = catalog if isinstance(catalog, Rescans) else None
+        self._lookups = catalog if isinstance(catalog, PoolLookups) else None
+        #: pool lookups: ids answered in this step and the one before (present or not):
+        #: not asked again meanwhile, so a request deferred for its lookup finds the answer
+        self._answered: dict[str, None] = {}
+        self._answered_before: dict[str, None] = {}
         #: rescan deltas not applied yet (applied :data:`_MERGE_SLICE` chunks per step)
         self._to_add: OrderedDict[str, tuple[tuple[BlockKey, ...], int, int]] = OrderedDict()
         self._to_remove: OrderedDict[str, None] = OrderedDict()
         self._sliced = False  # a slice of them was applied in this step already
         #: chunks a rescan no longer lists, for the writers' manifests (:meth:`take_forgets`)
         self._forgets: list[str] = []
-        self._on_close = on_close
-        self._oracle = oracle
         #: indexed chunks another writer stored (KV events say REMOTE); a set of ids, no
         #: per-block state
         self._remote: set[str] = set()
@@ -400,14 +240,17 @@ class ChunkPlanner:
         return walk()
 
     def refresh(self) -> None:
-        """Apply finished background rescans (a queue poll, then, once per step, at most
+        """Take what the catalog pushed: pool answers (indexed at once), and finished
+        background rescans (a queue poll, then, once per step, at most
         :data:`_MERGE_SLICE` chunks added and as many removed; the rest at the next steps).
         Called before lookups, so a request sees what other instances stored, and no longer
         offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
         one goes at its unpin)."""
-        if self._rescanner is None:
+        if self._lookups is not None:
+            self._take_answers()
+        if self._rescans is None:
             return
-        for d in self._rescanner.take():
+        for d in self._rescans.take():
             for fid in d.removed:
                 self._to_add.pop(fid, None)
                 self._to_remove[fid] = None
@@ -468,22 +311,41 @@ class ChunkPlanner:
         self._deletes.extend(fids)
         self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
-    def discover(self, keys: Sequence[BlockKey]) -> None:
-        """Key-named tiers: ask the oracle about ``keys`` this index does not know, and
-        index the ones that exist (scheduler thread; bounded by the oracle's timeout)."""
-        if self._oracle is None:
-            return
-        unknown = [k for k in keys if self.index.locate(k) is None and not self.index.knows(k)]
-        if not unknown:
-            return
-        got = self._oracle([k.hex() for k in unknown])
-        if got is None:
-            return
+    def discover(self, keys: Sequence[BlockKey]) -> bool:
+        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know
+        (scheduler thread; never waits for the pool). True while an answer about one of
+        them is still to come within the lookup's deadline: the caller may ask again next
+        step (vLLM's ``None``); until then they are a miss. An answer that comes is
+        indexed by :meth:`refresh`, whoever asked."""
+        lookups = self._lookups
+        if lookups is None:
+            return False
+        self._take_answers()
+        ids = [k.hex() for k in keys if self._unknown(k)]
+        ids = [i for i in ids if i not in self._answered and i not in self._answered_before]
+        if not ids:
+            return False
+        if not lookups.waiting(ids):
+            lookups.submit(ids)  # refused while the pool hangs: a miss
+            self._take_answers()  # a pool answered from memory has answered already
+        return lookups.waiting(ids)
+
+    def _unknown(self, key: BlockKey) -> bool:
+        return self.index.locate(key) is None and not self.index.knows(key)
+
+    def _take_answers(self) -> None:
+        """Index the chunks the pool's answers found (each one block, named by its key)."""
+        assert self._lookups is not None
         nbytes = self.file_bytes(1)
-        for k, present in zip(unknown, got, strict=True):
-            if present:
-                self._failed_files.pop(k.hex(), None)  # it is there again (rewritten)
-                self._add_found(k.hex(), [k], nbytes, remote=True)
+        for answer in self._lookups.take_answers():
+            for fid, present in zip(answer.ids, answer.present, strict=True):
+                self._answered[fid] = None
+                key = BlockKey(bytes.fromhex(fid))
+                if present and self._unknown(key):
+                    self._failed_files.pop(fid, None)  # it is there again (rewritten)
+                    self._add_found(fid, [key], nbytes, remote=True)
+        while len(self._answered) > _ANSWERED_IDS:
+            del self._answered[next(iter(self._answered))]
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
@@ -597,6 +459,7 @@ class ChunkPlanner:
         slot), or a write-through key whose slot was reused later in the step. Background
         flushes go with the write-through writes (the slot holds its key after the saves).
         """
+        self._answered_before, self._answered = self._answered, {}
         self.refresh()
         self._demote = [(s, k) for s, k in self._demote if k not in saved_this_step]
         self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
@@ -694,8 +557,8 @@ class ChunkPlanner:
                     self._written_here.add(fid)
                 self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
                 self.index.confirm(fid)
-                if self._rescanner is not None:
-                    self._rescanner.note_written(fid)
+                if self._rescans is not None:
+                    self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
         """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
@@ -724,4 +587,6 @@ class ChunkPlanner:
             self._deletes.append(fid)
 
     def close(self) -> None:
-        run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])
+        """Shutdown (scheduler thread): close the catalog (its thread and stores)."""
+        if self._catalog is not None:
+            self._catalog.close()
