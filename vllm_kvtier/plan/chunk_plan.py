@@ -6,14 +6,14 @@ scheduler thread. No I/O and no thread here: the connector lists the tier at sta
 hands the listing in (``found``); later changes come from a catalog
 (:mod:`vllm_kvtier.catalog`), which lists or asks on its own thread. A shared bucket's
 rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`), applied in slices
-of :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks per step. The listing is authoritative: a chunk it no
-longer shows (deleted out of band, expired by a lifecycle rule) leaves the index (a chunk
-a load is reading, at its unpin); one shown on only some ranks is never indexed. A pool's
-lookups are submitted and answered on a later step
+(:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative: a
+chunk it no longer shows (deleted out of band, expired by a lifecycle rule) leaves the
+index (a chunk a load is reading, at its unpin); one shown on only some ranks is never
+indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
-  requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
+  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). NVMe defaults to 2 (SSD
   endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
 * **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
   copies the slot out before the same step's saves reuse it. So that a restart (or an
@@ -295,9 +295,8 @@ class ChunkPlanner:
         ids = [i for i in ids if i not in self.answered]
         if not ids:
             return False
-        if not lookups.waiting(ids):
-            lookups.submit(ids)  # refused while the pool hangs: a miss
-            self._take_answers()  # a pool answered from memory has answered already
+        lookups.submit(ids)  # queued with any lookup under way; refused while the pool hangs
+        self._take_answers()  # a pool answered from memory has answered already
         return lookups.waiting(ids)
 
     def _unknown(self, key: BlockKey) -> bool:
