@@ -66,17 +66,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
-from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
-from vllm_kvtier.tiers.base import IOResult  # noqa: E402
-from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
-from vllm_kvtier.tiers.chunkfile import (  # noqa: E402
+from vllm_kvtier.chunkformat import (  # noqa: E402
     align_up,
     block_crc,
     encode_header,
     header_bytes_for,
     make_header,
 )
+from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
+from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
+from vllm_kvtier.tiers.base import IOResult  # noqa: E402
+from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.nvme import NVMeStore, scan_dir  # noqa: E402
 
 MB = 1e6

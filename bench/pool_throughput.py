@@ -68,8 +68,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import save_json  # noqa: E402
 from testkit.mooncake_server import MooncakeMaster  # noqa: E402
+from vllm_kvtier.chunkformat import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
-from vllm_kvtier.tiers.chunkfile import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
 
 MB = 1e6

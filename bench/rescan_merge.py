@@ -37,9 +37,16 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # after PYTHONPATH: the tree it names is the one measured
 
 from bench._common import save_json  # noqa: E402
+from vllm_kvtier.chunkformat import ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.metrics import Counters  # noqa: E402
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Rescanner  # noqa: E402
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for  # noqa: E402
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy  # noqa: E402
+
+try:  # the catalog of issue 34 (this tree); before it, the rescanner stood in plan/
+    from vllm_kvtier.catalog.rescan import Rescanner
+    CATALOG = True
+except ImportError:
+    from vllm_kvtier.plan.chunk_plan import Rescanner  # type: ignore[attr-defined,no-redef]
+    CATALOG = False
 
 NS = "bench00000000000"
 BLOCK = 64 << 10
@@ -77,7 +84,7 @@ def run(objects: int, churn: float, blocks: int) -> dict[str, Any]:
     rescanner = Rescanner("s3", scan, 0.01, **kw)
     policy = ChunkPolicy("s3", "write-through", 1, blocks, None)
     planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=BLOCK, counters=Counters(), found=[start],
-                           rescanner=rescanner)
+                           **{"catalog" if CATALOG else "rescanner": rescanner})
     want_in = next(iter(listing(objects + gone - 1, 1, blocks).values())).keys[0]
     want_out = next(iter(start.values())).keys[0] if gone else None
     gc.collect()

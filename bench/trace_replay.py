@@ -65,8 +65,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
-from vllm_kvtier.index.keys import BlockKey  # noqa: E402
 from vllm_kvtier.index.slot_index import SlotIndex  # noqa: E402
+from vllm_kvtier.keys import BlockKey  # noqa: E402
 
 CONFIGS = ("none", "lru", "s3fifo", "s3fifo+pin")
 

@@ -22,7 +22,7 @@ from tests.sched_helpers import (
 )
 from vllm_kvtier.connector.scheduler import view_id
 from vllm_kvtier.index.groups import group_key
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import BlockKey
 
 BS = BLOCK_SIZE
 WINDOW = 2 * BS  # a hit of m blocks needs the sliding group's blocks [m-2, m)

@@ -22,14 +22,14 @@ from testkit import mooncake_server as mcsrv
 from testkit import s3_server as s3srv
 from testkit.mooncake_server import MooncakeMaster
 from testkit.s3_server import MotoServer
+from vllm_kvtier.chunkformat import ALIGN, align_up, header_bytes_for
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.ops.capacity import kv_bytes_per_token, model_from_hf_config
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
-from vllm_kvtier.tiers.chunkfile import ALIGN, align_up, header_bytes_for
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme import rank_dir
 from vllm_kvtier.transfer.slots import SlotTable

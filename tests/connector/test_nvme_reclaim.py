@@ -12,8 +12,8 @@ from pathlib import Path
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkRead, WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.buffers import WriteBuffer

@@ -25,8 +25,8 @@ from tests.sched_helpers import (
     prompt_tokens,
     sched_half,
 )
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.plan.inputs import WorkerOutput
 
 BS = BLOCK_SIZE
@@ -332,8 +332,8 @@ def test_a_short_or_unreadable_secret_fails_at_start(tiny_model, monkeypatch, tm
     import pytest
 
     from vllm_kvtier.config import parse_config
+    from vllm_kvtier.config.secrets import load_remote_decode_secret
     from vllm_kvtier.errors import ConfigError
-    from vllm_kvtier.plan.peer_plan import load_remote_decode_secret
 
     cfg = parse_config({"nixl": {"accept_remote_decode": True}}).nixl
     assert load_remote_decode_secret(cfg, {}) is None

@@ -107,8 +107,8 @@ def same(a: Result, b: Result, tol: float = 1e-4) -> None:
 
 def test_mla_blocks_round_trip_through_cpu_and_nvme(mla_model: Path, references: dict[str, Result],
                                                      tmp_path: Path) -> None:
+    from vllm_kvtier.chunkformat import header_bytes_for
     from vllm_kvtier.ops.capacity import kv_bytes_per_token, read_model_config
-    from vllm_kvtier.tiers.chunkfile import header_bytes_for
     from vllm_kvtier.tiers.nvme import read_header
 
     nvme = {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
@@ -154,7 +154,7 @@ def test_tp2_engine_stores_the_latent_once_and_both_ranks_load_it(
     cache (rank 0's directory, rank 0's writes, one copy in the usage gauge); after a restart
     both ranks load every block from it (rank 1 through the read-only replica of rank 0's
     directory) and the tokens are those of the first engine's load from its CPU tier."""
-    from vllm_kvtier.tiers.chunkfile import ALIGN
+    from vllm_kvtier.chunkformat import ALIGN
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's CPU TP needs its process executor
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)

@@ -246,7 +246,7 @@ def test_signed_nvme_chunks_with_auth_local_tiers(tiny_model, baseline_of, tmp_p
     so they are deleted, as a rotation's retired key's would be) and the prompts are
     recomputed with the baseline's tokens; with ``auth.required`` and no key the engine
     refuses to start, naming the field."""
-    from vllm_kvtier.tiers.chunkfile import decode_header
+    from vllm_kvtier.chunkformat import decode_header
 
     ps = SETS[2]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")

@@ -200,7 +200,7 @@ def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_se
     write it)."""
     from dataclasses import replace
 
-    from vllm_kvtier.tiers.chunkfile import block_crc, decode_header, encode_header
+    from vllm_kvtier.chunkformat import block_crc, decode_header, encode_header
 
     monkeypatch.setenv("KVTIER_AUTH_KEY", "5c" * 32)
     ps = SETS[2]

@@ -23,7 +23,7 @@ from tests.conftest import (
     rand_tokens,
 )
 from tests.integration.test_nvme_engine import run_process
-from vllm_kvtier.tiers.chunkfile import (
+from vllm_kvtier.chunkformat import (
     FIXED_BYTES,
     block_crc,
     bounded_header_bytes,

@@ -39,11 +39,11 @@ from typing import Any
 
 import pytest
 
+from vllm_kvtier.chunkformat import ChunkHeader, block_crc, decode_header, encode_header, make_header
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ChunkStore, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, block_crc, decode_header, encode_header, make_header
 from vllm_kvtier.tiers.kernel import Medium, StoreKernel
 
 BLOCK = 3000  # deliberately not a multiple of 4096: the format pads it

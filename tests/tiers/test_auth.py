@@ -86,9 +86,9 @@ def test_signed_header_longer_than_a_page_and_the_buffer_room() -> None:
     one (69 B) does not, so a read without a header fetches it in two steps, and a write
     buffer built for the unsigned format is refused (its blocks would sit elsewhere)."""
     from tests.tiers.contract import wait_for
+    from vllm_kvtier.chunkformat import header_bytes_for
     from vllm_kvtier.errors import FailureReason
     from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-    from vllm_kvtier.tiers.chunkfile import header_bytes_for
     from vllm_kvtier.tiers.memory import MemoryStore
 
     n, bb = 48, 512

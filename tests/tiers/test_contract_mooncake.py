@@ -20,9 +20,9 @@ import pytest
 from testkit import mooncake_server as mcsrv
 from testkit.mooncake_server import MooncakeMaster, raw_client
 from tests.tiers.contract import BLOCK, MAX_BLOCKS, NS, SMALL, StoreContract, block, key, wait_for
+from vllm_kvtier.chunkformat import ChunkHeader, max_chunk_bytes
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, max_chunk_bytes
 from vllm_kvtier.tiers.mooncake import MooncakeStore
 
 pytestmark = pytest.mark.mooncake

@@ -19,10 +19,10 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
 from tests.tiers.contract import BLOCK, KEY, MAX_BLOCKS, NS, OTHER_KEY, StoreContract, key
+from vllm_kvtier.chunkformat import encode_header, make_header
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool
-from vllm_kvtier.tiers.chunkfile import encode_header, make_header
 from vllm_kvtier.tiers.manifest import MAGIC, SIG_BYTES, VERSION, encode_manifest, sign_manifest
 from vllm_kvtier.tiers.s3 import S3Config, S3Store
 

@@ -21,8 +21,8 @@ from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import NS, config
 from vllm_kvtier.config.sections import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth

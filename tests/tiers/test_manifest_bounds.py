@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from vllm_kvtier.chunkformat import ChunkFormatError, make_header
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError, make_header
 from vllm_kvtier.tiers.manifest import MAGIC, VERSION, decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3 import S3Store
 
@@ -192,8 +192,8 @@ def test_forged_manifest_naming_real_objects_gets_nothing_deleted(s3_server: Any
     chunk leaves the reader's index: a miss, counted, and the object stays for everyone
     else. Before, the scheduler deleted it."""
     from tests.tiers.test_s3_store import BLOCK, config, read, write
-    from vllm_kvtier.index.keys import BlockKey
     from vllm_kvtier.jobs import WorkerReport
+    from vllm_kvtier.keys import BlockKey
     from vllm_kvtier.metrics import Counters
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 

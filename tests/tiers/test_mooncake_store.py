@@ -12,10 +12,10 @@ import pytest
 
 from testkit import mooncake_server as mcsrv
 from testkit.mooncake_server import MooncakeMaster, requires_mooncake
+from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore
 
 mooncake_master = mcsrv.mooncake_master  # fixture: one master for this module

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from tests.nixl_env import HAVE_NIXL, nixl_engine_env, nixl_env, requires_nixl
+from vllm_kvtier.chunkformat import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.tiers.nvme import NVMeStore
 from vllm_kvtier.tiers.nvme_dir import (
     LOCK_NAME,

@@ -22,11 +22,13 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.catalog.base import Found
+from vllm_kvtier.catalog.rescan import Rescanner
+from vllm_kvtier.chunkformat import ChunkHeader, make_header
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, make_header
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3 import S3Store
 
@@ -51,7 +53,7 @@ def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Re
     rescanner = Rescanner("s3", scan, 3600.0, initial=found)
     policy = ChunkPolicy("s3", "write-through", 1, 16, None)
     p = ChunkPlanner(policy, world_size=len(stores), block_bytes_per_rank=BLOCK, counters=counters, found=found,
-                     rescanner=rescanner)
+                     catalog=rescanner)
     return p, rescanner
 
 
@@ -107,7 +109,7 @@ def test_pinned_chunk_listed_again_before_unpin_stays() -> None:
     listing: list[Found] = [[{"a": h}], [{}], [{"a": h}]]
     r = Rescanner("s3", lambda: listing.pop(0), 3600.0, initial=[{"a": h}])
     p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], rescanner=r)
+                     counters=Counters(), found=[{"a": h}], catalog=r)
     p.index.pin("a")
     for _ in range(2):  # unchanged, then gone
         r.rescan_once()
@@ -145,7 +147,7 @@ def test_a_failed_listing_removes_nothing() -> None:
 
     r = Rescanner("s3", scan, 3600.0, initial=[{"a": h}])
     p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], rescanner=r)
+                     counters=Counters(), found=[{"a": h}], catalog=r)
     r.note_written("b")
     with pytest.raises(RuntimeError):
         r.rescan_once()
@@ -160,7 +162,7 @@ def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
     found: Found = [{f"f{i}": make_header(NS, [key(i)], [0], BLOCK) for i in range(n)}]
     r = Rescanner("s3", lambda: found, 3600.0, initial=[{}])
     p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{}], rescanner=r)
+                     counters=Counters(), found=[{}], catalog=r)
     r.rescan_once()
     sizes = []
     while True:
@@ -466,11 +468,11 @@ def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: py
     (a chunk listed then expired before a take is in neither), so 40 rescans of a bucket
     that turns over 500 chunks each hold about 500 chunks' entries, not 40 x 500. Before:
     every delta was queued until the next step (retained memory measured)."""
-    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    monkeypatch.setattr("vllm_kvtier.catalog.rescan._MAX_PENDING_CHUNKS", 2000)
     rounds = iter(range(1, 41))
     r = Rescanner("s3", lambda: [_churn_listing(500 * next(rounds), 500)], 3600.0, initial=[_churn_listing(0, 500)])
     p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[_churn_listing(0, 500)], rescanner=r)
+                     counters=Counters(), found=[_churn_listing(0, 500)], catalog=r)
     gc.collect()
     tracemalloc.start()
     try:
@@ -494,12 +496,12 @@ def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.Monkey
     """A bucket that grows by 500 chunks a rescan while the engine is idle: past the bound
     the pending changes are dropped and the next rescan sends one delta against what the
     planner last took; once the engine steps, its index is the listing."""
-    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 2000, raising=False)
+    monkeypatch.setattr("vllm_kvtier.catalog.rescan._MAX_PENDING_CHUNKS", 2000)
     rounds = iter(range(1, 11))
     r = Rescanner("s3", lambda: [_churn_listing(0, 500 * next(rounds))], 3600.0, initial=[{}])
     counters = Counters()
     p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{}], rescanner=r)
+                     counters=counters, found=[{}], catalog=r)
     for _ in range(10):
         r.rescan_once()
     while True:
@@ -515,7 +517,7 @@ def test_our_writes_waiting_for_a_listing_are_bounded(monkeypatch: pytest.Monkey
     """While listings fail, the chunk ids of our writes waiting to be checked by the next
     listing stay bounded (the rest are dropped and counted). Before: every id written was
     queued until a listing succeeded."""
-    monkeypatch.setattr("vllm_kvtier.plan.chunk_plan._MAX_PENDING_CHUNKS", 1000, raising=False)
+    monkeypatch.setattr("vllm_kvtier.catalog.rescan._MAX_PENDING_CHUNKS", 1000)
     results: list[Any] = [RuntimeError("listing failed")] * 3 + [[{}]]
 
     def scan() -> Found:
@@ -549,7 +551,7 @@ def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket:
     """The scan's header cache holds at most ``header_cache_bytes`` of headers (by
     header_memory_bytes) whatever ``header_cache_entries`` allows; a cache that overflowed
     makes the next scan read the unchanged manifest again instead of GETting headers."""
-    from vllm_kvtier.tiers.chunkfile import header_memory_bytes
+    from vllm_kvtier.chunkformat import header_memory_bytes
 
     writer = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
     for i in range(12):

@@ -24,10 +24,10 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import ACCESS_KEY_ID, SECRET_ACCESS_KEY, FaultProxy, MotoServer, aws_test_env
 from tests.nixl_env import nixl_engine_env, nixl_env, requires_nixl
+from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.resilience import BreakerState, CircuitBreaker
 from vllm_kvtier.tiers.s3 import S3Config, S3Store
@@ -505,7 +505,7 @@ def test_breaker_opens_fails_fast_and_probes_after_cooldown() -> None:
 
 
 def test_manifest_round_trip_and_damage() -> None:
-    from vllm_kvtier.tiers.chunkfile import ChunkFormatError, make_header
+    from vllm_kvtier.chunkformat import ChunkFormatError, make_header
 
     rng = random.Random(0)
     entries = [(f"obj-{i}", make_header(NS, [key(i * 10 + j) for j in range(1 + i % 70)],
@@ -544,7 +544,7 @@ def test_missing_nixl_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> 
 def test_block_crc_is_zlib_crc32_whatever_the_implementation() -> None:
     import zlib
 
-    from vllm_kvtier.tiers.chunkfile import block_crc
+    from vllm_kvtier.chunkformat import block_crc
 
     data = os.urandom(1 << 20)
     assert block_crc(data) == block_crc(memoryview(data)) == zlib.crc32(data)
@@ -554,7 +554,7 @@ def test_block_crc_is_zlib_crc32_whatever_the_implementation() -> None:
 def test_read_body_into_without_urllib3_layers_goes_through_readinto() -> None:
     import io
 
-    from vllm_kvtier.tiers.chunkfile import ChunkFormatError
+    from vllm_kvtier.chunkformat import ChunkFormatError
     from vllm_kvtier.tiers.s3 import read_body_into
 
     out = bytearray(10)

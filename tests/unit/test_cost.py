@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.index.cost import CostModel
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 

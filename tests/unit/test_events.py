@@ -10,18 +10,20 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from vllm_kvtier.catalog.base import MemoryLookups
+from vllm_kvtier.catalog.rescan import Rescanner
+from vllm_kvtier.chunkformat import align_up, header_bytes_for, make_header
 from vllm_kvtier.config import EventsConfig, parse_config
 from vllm_kvtier.connector.events import to_vllm
 from vllm_kvtier.index.chunk_index import ChunkIndex
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Rescanner
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block
 from vllm_kvtier.plan.inputs import StepInput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
-from vllm_kvtier.tiers.chunkfile import align_up, header_bytes_for, make_header
 
 BS = 4
 
@@ -114,7 +116,7 @@ def test_chunk_index_reports_only_loadability_changes():
 
 def _chunk_planner(found=None, rescanner=None, local=None, exclusive=False) -> ChunkPlanner:
     return ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None, exclusive=exclusive), world_size=1,
-                        block_bytes_per_rank=64, counters=Counters(), found=found or [{}], rescanner=rescanner,
+                        block_bytes_per_rank=64, counters=Counters(), found=found or [{}], catalog=rescanner,
                         local_chunks=local)
 
 
@@ -257,7 +259,7 @@ def test_a_pool_lookup_finds_another_instances_block_remote_and_our_write_local(
     present = {key(1).hex()}
     p = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), world_size=1,
                      block_bytes_per_rank=64, counters=Counters(), found=[{}],
-                     oracle=lambda ids: [i in present for i in ids])
+                     catalog=MemoryLookups(lambda ids: [i in present for i in ids]))
     ev = log()
     p.attach_events(ev)
     p.discover([key(1), key(2)])

@@ -27,7 +27,7 @@ from vllm_kvtier.index.groups import (
     sliding_hit,
     window_start,
 )
-from vllm_kvtier.index.keys import NamespaceFields, namespace
+from vllm_kvtier.keys import NamespaceFields, namespace
 from vllm_kvtier.transfer.layout import build_layout
 
 BS = 32

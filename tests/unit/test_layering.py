@@ -6,7 +6,9 @@ inside functions, under ``TYPE_CHECKING``: all of them) and checked against the 
 * vLLM is imported only in ``connector/``;
 * torch is never imported by the bottom (keys, errors, jobs), config, ``index/`` or ``plan/``;
 * each layer imports only the layers below it (``ALLOWED``); ``cli``/``ops`` (the
-  ``kvtier`` tools) are never imported by serving code and never import ``connector/``.
+  ``kvtier`` tools) are never imported by serving code and never import ``connector/``;
+* ``plan/`` does no I/O: it imports no thread, process, socket, file or remote-client
+  module (``NO_IO_IN_PLAN``) and never calls ``open``.
 
 ``KNOWN_VIOLATIONS`` lists the edges of today's tree that break a rule and the step of
 issue 12 that removes each: the test fails on any edge not listed, and on a listed edge
@@ -34,20 +36,30 @@ ALLOWED: dict[str, set[str]] = {
     "sysmem": set(),
     "cpus": set(),  # where the plugin's own threads run: imports nothing of the package
     "chunkformat": {"keys", "errors"},
+    # what the tiers below CPU hold, learned on the catalog's own threads: below plan (which
+    # takes its deltas and answers), beside tiers (the connector hands it the listing)
+    "catalog": {"keys", "errors", "metrics", "chunkformat"},
     "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus"},
-    "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat"},
+    "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat", "catalog"},
     # design.md lists "tiers, jobs, keys, config"; metrics (plain counters, importing nothing
     # internal) is allowed too: the tiers below transfer may import it, so transfer may
     "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics", "cpus"},
     "exporter": {"keys", "errors", "metrics"},
-    "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "tiers",
-                  "plan", "transfer", "exporter"},
-    "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "tiers",
-              "plan", "transfer", "exporter"},
+    "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
+                  "tiers", "plan", "transfer", "exporter"},
+    "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
+              "tiers", "plan", "transfer", "exporter"},
     "root": set(),
 }
 #: layers that may not import torch
-NO_TORCH = {"keys", "errors", "jobs", "config", "index", "plan"}
+NO_TORCH = {"keys", "errors", "jobs", "config", "index", "catalog", "plan"}
+#: What the planner never imports: threads, processes, sockets, files, remote clients. It
+#: decides; the catalog lists and asks, the tiers move bytes (docs/architecture.md).
+NO_IO_IN_PLAN = frozenset({
+    "threading", "_thread", "concurrent", "multiprocessing", "subprocess", "asyncio", "selectors", "select",
+    "socket", "ssl", "http", "urllib", "requests", "boto3", "botocore", "mooncake", "nixl",
+    "os", "io", "pathlib", "shutil", "tempfile", "mmap", "fcntl", "glob",
+})
 
 #: (importer, imported) edges of today's tree that break a rule, with the step that removes
 #: each. Keep it short: a new edge fails the test; an edge that disappears must go too.
@@ -63,12 +75,8 @@ def layer_of(module: str) -> str | None:
     if not parts:
         return "root"
     head = parts[0]
-    if module in (f"{PKG}.keys", f"{PKG}.index.keys"):
-        return "keys"
-    if module == f"{PKG}.tiers.chunkfile":
-        return "chunkformat"
-    if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "tiers", "plan", "transfer",
-                "exporter", "connector"):
+    if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
+                "tiers", "plan", "transfer", "exporter", "connector"):
         return head
     if head in ("cli", "ops", "doctor"):
         return "tools"
@@ -126,6 +134,23 @@ def violations(sources: dict[str, tuple[str, bool]]) -> dict[tuple[str, str], st
     return out
 
 
+def plan_io(sources: dict[str, tuple[str, bool]]) -> dict[str, str]:
+    """module -> what it does that a planner must not, for the modules of ``plan/``: an
+    import of :data:`NO_IO_IN_PLAN` (lazy or under ``TYPE_CHECKING`` too), or a call of
+    the builtin ``open``."""
+    out: dict[str, str] = {}
+    for module, (source, is_package) in sorted(sources.items()):
+        if layer_of(module) != "plan":
+            continue
+        for name, line in imports_of(module, source, is_package=is_package):
+            if name.split(".")[0] in NO_IO_IN_PLAN:
+                out[module] = f"line {line}: imports {name}"
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                out[module] = f"line {node.lineno}: calls open()"
+    return out
+
+
 def package_sources() -> dict[str, tuple[str, bool]]:
     sources = {}
     for path in sorted(ROOT.rglob("*.py")):
@@ -154,15 +179,15 @@ def test_the_checker_catches_each_kind_of_violation():
         "vllm_kvtier.jobs": ("from vllm_kvtier.errors import KVTierError\n", False),
         "vllm_kvtier.errors": ("", False),
         "vllm_kvtier.index": ("", True),
-        "vllm_kvtier.index.keys": ("", False),
+        "vllm_kvtier.keys": ("", False),
         "vllm_kvtier.index.slots": ("def f():\n    from ..plan import scheduler\n", False),
         "vllm_kvtier.plan": ("", True),
         "vllm_kvtier.plan.scheduler": ("def f():\n    import torch\n", False),
         "vllm_kvtier.plan.saves": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                    "    from vllm.v1.request import Request\n", False),
-        "vllm_kvtier.plan.ok": ("from vllm_kvtier.tiers import chunkfile\nfrom . import saves\n", False),
+        "vllm_kvtier.plan.ok": ("from vllm_kvtier import chunkformat\nfrom . import saves\n", False),
+        "vllm_kvtier.chunkformat": ("from vllm_kvtier.tiers import disk\n", False),
         "vllm_kvtier.tiers": ("", True),
-        "vllm_kvtier.tiers.chunkfile": ("", False),
         "vllm_kvtier.tiers.disk": ("from vllm_kvtier.transfer.copier import Copy\n", False),
         "vllm_kvtier.transfer": ("", True),
         "vllm_kvtier.transfer.copier": ("import torch\n", False),
@@ -175,7 +200,37 @@ def test_the_checker_catches_each_kind_of_violation():
         ("vllm_kvtier.plan.scheduler", "torch"),  # a planner imports torch (lazily)
         ("vllm_kvtier.plan.saves", "vllm"),  # vLLM outside connector/ (even for typing)
         ("vllm_kvtier.tiers.disk", "vllm_kvtier.transfer.copier"),  # tiers under transfer
+        ("vllm_kvtier.chunkformat", "vllm_kvtier.tiers.disk"),  # the chunk format under the tiers
         ("vllm_kvtier.cli", "vllm_kvtier.connector"),  # the tools never import the connector
+    }
+
+
+def test_the_planner_does_no_io():
+    """No module of ``plan/`` starts a thread or touches a file, a socket or a remote
+    store: listings and pool lookups run in ``catalog/``, bytes move in ``tiers/``."""
+    found = plan_io(package_sources())
+    assert not found, "plan/ does I/O:\n" + "\n".join(f"  {m}: {why}" for m, why in sorted(found.items()))
+
+
+def test_the_io_check_catches_each_kind():
+    """A synthetic plan/ that does I/O each way once (lazily, relatively, for typing);
+    the same imports outside plan/ are fine."""
+    synthetic = {
+        "vllm_kvtier": ("", True),
+        "vllm_kvtier.plan": ("", True),
+        "vllm_kvtier.plan.rescan": ("import threading\n", False),
+        "vllm_kvtier.plan.pool": ("def f():\n    from concurrent.futures import ThreadPoolExecutor\n", False),
+        "vllm_kvtier.plan.paths": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from pathlib import Path\n", False),
+        "vllm_kvtier.plan.s3": ("import boto3.session\n", False),
+        "vllm_kvtier.plan.reads": ("def f(p):\n    return open(p).read()\n", False),
+        "vllm_kvtier.plan.ok": ("import time\nfrom . import rescan\nfrom vllm_kvtier.catalog import base\n", False),
+        "vllm_kvtier.catalog": ("", True),
+        "vllm_kvtier.catalog.base": ("import threading\nimport os\n", False),
+    }
+    assert set(plan_io(synthetic)) == {
+        "vllm_kvtier.plan.rescan", "vllm_kvtier.plan.pool", "vllm_kvtier.plan.paths", "vllm_kvtier.plan.s3",
+        "vllm_kvtier.plan.reads",
     }
 
 

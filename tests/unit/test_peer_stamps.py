@@ -159,7 +159,7 @@ def test_a_complete_block_is_read(links):
 def test_a_tier_read_unstamps_its_slots_before_their_bytes_change():
     """Prefill side: a read from a lower tier into a slot that a peer may read clears the
     slot's stamp before the first byte lands, and stamps the new key after the last."""
-    from vllm_kvtier.tiers.chunkfile import chunk_id_for
+    from vllm_kvtier.chunkformat import chunk_id_for
     from vllm_kvtier.tiers.memory import MemoryStore
     from vllm_kvtier.transfer.slots import SlotTable
     from vllm_kvtier.transfer.tier_io import ChunkWorker

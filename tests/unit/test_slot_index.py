@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvtier.index.keys import BlockKey, NamespaceFields, namespace
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.keys import BlockKey, NamespaceFields, namespace
 
 
 def k(i: int) -> BlockKey:

@@ -9,10 +9,10 @@ import time
 
 import torch
 
+from vllm_kvtier.chunkformat import chunk_id_for
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.buffers import AlignedBuffer, BufferPool
-from vllm_kvtier.tiers.chunkfile import chunk_id_for
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
 from vllm_kvtier.transfer.slots import SlotTable

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.chunkformat import chunk_id_for, header_memory_bytes, make_header
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
-from vllm_kvtier.tiers.chunkfile import chunk_id_for, header_memory_bytes, make_header
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
 from vllm_kvtier.transfer.slots import SlotTable

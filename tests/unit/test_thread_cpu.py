@@ -47,13 +47,15 @@ class _Clock:
 
 
 def test_tier_of_the_plugins_thread_names() -> None:
-    # the names the plugin gives its threads (copier.py, kernel.py, chunk_plan.py, lower.py)
+    # the names the plugin gives its threads (copier.py, kernel.py, catalog/, lower.py)
     assert tier_of_thread("kvtier-copy_0") == "cpu"
     assert tier_of_thread("kvtier-memmove_1") == "cpu"
     assert tier_of_thread("kvtier-nvme-3") == "nvme"
     assert tier_of_thread("kvtier-s3-0") == "s3"
     assert tier_of_thread("kvtier-s3-scan_2") == "s3"
     assert tier_of_thread("kvtier-mooncake-lookup_0") == "mooncake"
+    assert tier_of_thread("kvtier-mooncake-lookup") == "mooncake"
+    assert tier_of_thread("kvtier-s3-rescan") == "s3"
     for other in ("MainThread", "Thread-3 (worker)", "kvtier-unknown-0", "xkvtier-nvme-0"):
         assert tier_of_thread(other) is None
 

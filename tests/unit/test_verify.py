@@ -11,8 +11,8 @@ import torch
 
 from vllm_kvtier.config import KVTierConfig, VerifyConfig, parse_config
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import WorkerReport
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.plan.inputs import StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
 from vllm_kvtier.plan.verify_plan import Sampler
@@ -314,9 +314,9 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     """A prefix only on a lower tier ("nvme", a real ChunkPlanner over a found chunk): the
     check reads it into promotion slots; a mismatch drops that chunk and quarantines the
     tier; the blocks that matched stay in DRAM, and the tier's lookups answer miss."""
+    from vllm_kvtier.chunkformat import make_header
     from vllm_kvtier.metrics import Counters
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
-    from vllm_kvtier.tiers.chunkfile import make_header
 
     keys = [bytes([i]) * 8 for i in range(4)]
     counters = Counters()
@@ -345,10 +345,11 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
 
 def _one_chunk_tier(name: str, *, exclusive: bool, key_named: bool = False):
     """A lower tier holding the prompt's 4 blocks in one chunk (key-named: one chunk per
-    block, found through an oracle that always says present, as a pool does)."""
+    block, found by lookups that always say present, as a pool does)."""
+    from vllm_kvtier.catalog.base import MemoryLookups
+    from vllm_kvtier.chunkformat import make_header
     from vllm_kvtier.metrics import Counters
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
-    from vllm_kvtier.tiers.chunkfile import make_header
 
     keys = [bytes([i]) * 8 for i in range(4)]
     counters = Counters()
@@ -356,7 +357,7 @@ def _one_chunk_tier(name: str, *, exclusive: bool, key_named: bool = False):
     tier = ChunkPlanner(ChunkPolicy(name, "write-back", 1, 1 if key_named else 4, None, key_named=key_named,
                                     exclusive=exclusive),
                         world_size=1, block_bytes_per_rank=1024, counters=counters, found=found,
-                        oracle=(lambda ids: [True] * len(ids)) if key_named else None)
+                        catalog=MemoryLookups(lambda ids: [True] * len(ids)) if key_named else None)
     return tier, keys, counters
 
 

@@ -328,11 +328,12 @@ class MooncakeTierConfig(_FixedHeaderCache):
     #: DRAM eviction.
     mode: Literal["write-back", "write-through"] = "write-through"
     admit_min_seen: int = 1
-    #: A lookup asks the master whether blocks exist; the scheduler thread waits at most
-    #: this long (a dead master is a miss, never a stalled scheduler; ``lookup_timeouts``).
-    #: A late answer is not lost: the next lookup of the same keys uses it, so a host on
-    #: which every lookup is slower than this still finds its blocks (a loaded 2-core host:
-    #: 1-5 ms, a process's first lookup 38-101 ms).
+    #: A lookup asks the master whether blocks exist, on a lookup thread; the request
+    #: waits for the answer at most this long, asked again each step (the scheduler thread
+    #: never waits; past it, a miss counted in ``lookup_timeouts``). A late answer is not
+    #: lost: it is indexed when it comes, so a host on which every lookup is slower than
+    #: this still finds its blocks (a loaded 2-core host: 1-5 ms, a process's first lookup
+    #: 38-101 ms).
     lookup_timeout_s: float = 0.05
     #: Decode side of P/D: when the prefill instance says (``kv_transfer_params``) that it
     #: stored N blocks, wait up to this long for them to appear in the pool before

@@ -36,16 +36,19 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from vllm_kvtier.catalog.base import Found, Listed, common_chunks
+from vllm_kvtier.catalog.pool import PoolLookup
+from vllm_kvtier.catalog.rescan import Rescanner
+from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.config import KVTierConfig, MooncakeTierConfig, NVMeTierConfig, S3TierConfig
 from vllm_kvtier.config.sections import LowerTierSection
 from vllm_kvtier.errors import ConfigError, run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, Found, Rescanner, common_chunks
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
 from vllm_kvtier.tiers.registry import StoreContext, open_store, tier_entry
@@ -280,11 +283,9 @@ def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None
 
 
 def _mooncake_planner(mc: MooncakeTierConfig, p: _Planning) -> ChunkPlanner:
-    """One object per block, named by its key: lookups ask the master which exist (a pool
-    cannot be listed), in a background thread bounded by ``lookup_timeout_s``."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-    from concurrent.futures import TimeoutError as FutureTimeout
-
+    """One object per block, named by its key: the planner's lookups ask the master which
+    exist (a pool cannot be listed), on the lookup thread
+    (:class:`~vllm_kvtier.catalog.pool.PoolLookup`), each bounded by ``lookup_timeout_s``."""
     policy = ChunkPolicy(TierName.MOONCAKE, "read-only" if p.read_only_pool else mc.mode, mc.admit_min_seen,
                          mc.chunk_blocks, None, key_named=True)
     # The scheduler only asks what exists: a pure client (no pool memory of its own).
@@ -292,43 +293,18 @@ def _mooncake_planner(mc: MooncakeTierConfig, p: _Planning) -> ChunkPlanner:
     if opened is None:
         return p.empty(policy)
     stores = [cast(Probeable, st) for st in opened]
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-lookup")
-    #: a lookup that timed out: the ids it asked about, and its answer to come
-    inflight: list[tuple[list[str], Future[list[bool]]]] = []
-    counters = p.counters
 
     def exists_everywhere(ids: list[str]) -> list[bool]:
         per_rank = [st.exists(ids) for st in stores]
         return [all(col) for col in zip(*per_rank, strict=True)]
 
-    def oracle(ids: list[str]) -> list[bool] | None:
-        if inflight:
-            asked, fut = inflight[0]
-            if not fut.done():
-                # The previous lookup still hangs (master gone?): a miss, not counted again. Its
-                # timeout was; vLLM steps a waiting request thousands of times a second, and a
-                # count per step would say more about the step rate than about the pool.
-                return None
-            inflight.clear()
-            if asked == ids and fut.exception() is None:
-                # It timed out here but has answered since: use that answer (on a loaded host
-                # every lookup may take longer than lookup_timeout_s; asking afresh each time
-                # would never see one, and a P/D decode request would wait out its hand-off).
-                return fut.result()
-        fut = pool.submit(exists_everywhere, ids)
-        try:
-            return fut.result(timeout=mc.lookup_timeout_s)
-        except FutureTimeout:
-            inflight[:] = [(ids, fut)]
-            counters.add(CounterName.LOOKUP_TIMEOUTS, TierName.MOONCAKE)
-            return None
-
     def close() -> None:
-        pool.shutdown(wait=False)
         run_all(functools.partial(st.close, timeout_s=1.0) for st in opened)
 
-    return ChunkPlanner(policy, world_size=p.world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=counters,
-                        found=[{} for _ in range(p.world_size)], oracle=oracle, on_close=close)
+    lookups = PoolLookup(TierName.MOONCAKE, exists_everywhere, timeout_s=mc.lookup_timeout_s, counters=p.counters,
+                         on_close=close)
+    return ChunkPlanner(policy, world_size=p.world_size, block_bytes_per_rank=p.ctx.block_bytes,
+                        counters=p.counters, found=[{} for _ in range(p.world_size)], catalog=lookups)
 
 
 def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
@@ -386,14 +362,15 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         logger.info("kvtier s3: rank %d: %d objects in the bucket (%d LIST, %d manifest GET, %d header GET)%s",
                     st.rank, r.objects, r.list_requests, r.manifest_gets, r.header_gets,
                     f"; problems {r.problems}" if r.problems else "")
-    rescanner = (Rescanner(TierName.S3, rescan, s3.rescan_interval_s, initial=found, counts=rescan_counts)
-                 if s3.rescan_interval_s > 0 else None)
 
     def close() -> None:
         run_all(functools.partial(st.close, timeout_s=1.0) for st in stores)
 
+    catalog = (Rescanner(TierName.S3, rescan, s3.rescan_interval_s, initial=found, counts=rescan_counts,
+                         on_close=close)
+               if s3.rescan_interval_s > 0 else Listed(close))
     planner = ChunkPlanner(policy, world_size=p.world_size, block_bytes_per_rank=p.ctx.block_bytes,
-                           counters=p.counters, found=found, rescanner=rescanner, on_close=close,
+                           counters=p.counters, found=found, catalog=catalog,
                            local_chunks=frozenset(own))  # KV events: the rest is REMOTE
     if ours:
         logger.info("kvtier s3: deleting %d chunk(s) a previous run left on only some ranks", len(ours))

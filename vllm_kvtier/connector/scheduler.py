@@ -241,6 +241,12 @@ class SchedulerHalf(SchedulerPlanner):
         bs = self.block_size
         start = num_computed_tokens // bs
         hit = min(max(0, (request.num_prompt_tokens - 1) // bs), len(request.block_hashes))
+        # Every group's pool lookups in one round, so no group's answer expires while
+        # another group's is awaited.
+        for tier in self.lower:
+            tier.refresh()
+        if any([self.lookups_pending(v, self._lookup_from(g, start), hit) for g, v in enumerate(views)]):
+            return None, False
         for g in self.layout.full_groups:
             n, _ = self.lookup(views[g], num_computed_tokens)
             if n is None:
@@ -259,6 +265,12 @@ class SchedulerHalf(SchedulerPlanner):
         if hit - start < max(1, self.cfg.min_load_blocks):
             return 0, False
         return (hit - start) * bs, True
+
+    def _lookup_from(self, group: int, start: int) -> int:
+        """The first block of group ``group`` a hit starting at block ``start`` may need:
+        ``start``, or the start of a sliding window ending there."""
+        spec = self.layout.groups[group]
+        return spec.window_start(start + 1) if spec.kind == "sliding" else start
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         self.on_alloc(self._view(request), block_ids, num_external_tokens)

@@ -32,7 +32,7 @@ from vllm_kvtier.index.identity import (
     describe_line,
     fingerprint_weights,
 )
-from vllm_kvtier.index.keys import NamespaceFields, namespace
+from vllm_kvtier.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.sysmem import available_memory, budget_overrun
 from vllm_kvtier.transfer.worker import WorkerHalf

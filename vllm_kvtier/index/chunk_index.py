@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import BlockKey
 
 
 @dataclass

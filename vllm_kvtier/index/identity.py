@@ -1,6 +1,6 @@
 """Model identity: a fingerprint of what the engine computes with, for the namespace.
 
-The namespace digest (:func:`vllm_kvtier.index.keys.namespace`) must change whenever the
+The namespace digest (:func:`vllm_kvtier.keys.namespace`) must change whenever the
 bytes of a KV block would: new weights under the same path, another quantization, other
 ``hf_overrides``/rope settings, another model dtype, a ``namespace_salt``. This module
 holds the pure-Python parts (no vLLM): the weights sampler, the :class:`ModelIdentity`
@@ -433,7 +433,7 @@ def canonical(value: Any) -> str:
 @dataclass(frozen=True)
 class ModelIdentity:
     """Everything about the model that changes the bytes of a KV block, besides its
-    geometry (which :class:`~vllm_kvtier.index.keys.NamespaceFields` holds).
+    geometry (which :class:`~vllm_kvtier.keys.NamespaceFields` holds).
 
     ``weights`` is the weights fingerprint of a local model, or ``""`` where none could be
     taken (a hub id): then ``model`` (id@revision) stands for the weights. A fingerprinted

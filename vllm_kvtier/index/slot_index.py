@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_kvtier.index.key_pins import KeyPins, PinOutcome
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.policy import EvictionPolicy, make_policy
+from vllm_kvtier.keys import BlockKey
 
 __all__ = ["Allocation", "PinOutcome", "SlotIndex"]
 

@@ -1,16 +1,19 @@
-"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3): admission,
-demotion, chunking, eviction, and what other instances stored (S3 rescans).
+"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake):
+admission, demotion, chunking, eviction, and what other instances stored.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
-scheduler thread. No I/O on that thread except the index rebuild at start-up; rescans of a
-shared bucket run on a background thread (:class:`Rescanner`), which also computes each
-listing's difference from the last one; the scheduler thread applies only that delta, in
-slices of :data:`_MERGE_SLICE` chunks per step. The listing is authoritative: a chunk it no
-longer shows (deleted out of band, expired by a lifecycle rule) leaves the index (a chunk
-a load is reading, at its unpin); one shown on only some ranks is never indexed.
+scheduler thread. No I/O and no thread here: the connector lists the tier at start-up and
+hands the listing in (``found``); later changes come from a catalog
+(:mod:`vllm_kvtier.catalog`), which lists or asks on its own thread. A shared bucket's
+rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`), applied in slices
+(:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative: a
+chunk it no longer shows (deleted out of band, expired by a lifecycle rule) leaves the
+index (a chunk a load is reading, at its unpin); one shown on only some ranks is never
+indexed. A pool's lookups are submitted and answered on a later step
+(:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
-  requests' prompts (counted here, in a bounded table). NVMe defaults to 2 (SSD
+  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). NVMe defaults to 2 (SSD
   endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
 * **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
   copies the slot out before the same step's saves reuse it. So that a restart (or an
@@ -39,47 +42,32 @@ a load is reading, at its unpin); one shown on only some ranks is never indexed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from vllm_kvtier.errors import run_all
+from vllm_kvtier.catalog.base import Catalog, Found, PoolLookups, Rescans, common_chunks
+from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.index.chunk_index import ChunkIndex
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
+from vllm_kvtier.plan.admission import Admission
+from vllm_kvtier.plan.chunk_origins import ChunkOrigins
 from vllm_kvtier.plan.events import EventLog, Locality
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, align_up, chunk_id_for, header_bytes_for
+from vllm_kvtier.plan.lookup_state import AnsweredIds, CoolDown
+from vllm_kvtier.plan.rescan_merge import Added, RescanMerge
 
 logger = logging.getLogger(__name__)
 
 #: Background flushes planned per step at most, in chunks (a bound on one step's writes).
 _FLUSH_BLOCKS_PER_STEP = 4
 
-_SEEN_TABLE_SIZE = 1 << 18  # keys whose request count we remember (~30 MB at most)
-#: Chunks of a rescan's delta applied per step at most (each way): a listing that changed
-#: by 400k objects costs the scheduler thread ~3 ms a step instead of one long stall.
-_MERGE_SLICE = 4096
-#: Rescans: chunks of the deltas not taken yet kept at most (an idle engine takes none),
-#: and chunk ids of our writes kept for the next listing while listings fail.
-_MAX_PENDING_CHUNKS = 1 << 18
-#: Circuit breaker on writes: after this many write failures in a row, stop for a while.
-_BREAKER_FAILURES = 8
-_BREAKER_PAUSE_S = 30.0
-#: A chunk whose read just failed is not offered to lookups for this long (a chunk with
-#: bad bytes is dropped outright; this covers a tier that is slow, throttling or down).
-_FAILED_READ_COOLDOWN_S = 10.0
 #: Shared-tier chunks shadow verification found wrong, remembered so that no rescan or pool
 #: lookup indexes them again (ids, ~100 B each; the oldest is forgotten beyond this).
 _DISTRUSTED_CHUNKS = 4096
-
-#: One index per TP rank: chunk id -> header, as found in the tier.
-Found = list[dict[str, ChunkHeader]]
-
 
 @dataclass(frozen=True)
 class ChunkPolicy:
@@ -104,181 +92,27 @@ class ChunkPolicy:
     exclusive: bool = False
 
 
-@dataclass(frozen=True)
-class RescanDelta:
-    """What changed between two listings of a tier, computed on the rescan thread: the
-    chunks present on every rank that the previous listing did not show (``added``: chunk
-    id -> (keys, bytes per rank, block bytes), oldest first) and the chunks the previous
-    listing (or this instance's own confirmed writes) showed that this one does not
-    (``removed``: deleted out of band, expired by a lifecycle rule)."""
-
-    added: dict[str, tuple[tuple[BlockKey, ...], int, int]]
-    removed: frozenset[str]
-    #: chunk ids listed on some ranks only (a write in flight, or a crashed writer's)
-    partial: int = 0
-    #: counter -> increment, from the scan's own report (e.g. ``manifests_collected``)
-    counts: dict[CounterName, int] = field(default_factory=dict)
-
-
-def common_chunks(found: Found) -> dict[str, ChunkHeader]:
-    """The chunks of ``found`` present on every rank, rank 0's headers, in rank 0's order."""
-    if not found:
-        return {}
-    rest = found[1:]
-    return {fid: h for fid, h in found[0].items() if all(fid in r for r in rest)}
-
-
-class Rescanner:
-    """Runs ``scan`` every ``interval_s`` on a daemon thread and turns each listing into a
-    :class:`RescanDelta` there, so the scheduler thread only applies deltas.
-
-    ``scan`` may block for seconds (it lists a bucket); it never runs on the scheduler
-    thread. A failed scan (it raises: a listing that could not complete must not read as
-    "everything was deleted") is logged and skipped. ``initial``: the start-up listing the
-    planner was built from (the first delta is against it). The thread keeps the set of
-    chunk ids of the last listing (about 100 B each), and the deltas not taken yet merged
-    into one (by chunk id: a chunk added then removed before a take is in neither), at
-    most :data:`_MAX_PENDING_CHUNKS` chunks: beyond, they are dropped and the next rescan
-    computes one delta against what the planner last took (a resync, counted as
-    ``rescan_resyncs``), so an idle engine holds one delta's worth, not every rescan's.
-    """
-
-    def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *, initial: Found | None = None,
-                 counts: Callable[[], dict[CounterName, int]] | None = None) -> None:
-        """``counts``: called after each scan (same thread), counters to add for it."""
-        self._scan = scan
-        self._counts = counts
-        self._interval_s = interval_s
-        self._listed: set[str] = set(common_chunks(initial or []))
-        self._lock = threading.Lock()
-        #: chunk ids this instance wrote (all ranks durable) since the last listing began
-        #: (at most :data:`_MAX_PENDING_CHUNKS`; beyond, ``rescan_written_dropped``)
-        self._written: dict[str, None] = {}
-        self._written_dropped = 0
-        #: the deltas not taken yet, merged (None: none)
-        self._pending: RescanDelta | None = None
-        self._partial = 0  # the last listing's RescanDelta.partial
-        self._resyncs = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
-        self._thread.start()
-
-    def note_written(self, file_id: str) -> None:
-        """``file_id`` is durable on every rank (scheduler thread): a listing that starts
-        after this and does not show it means it was deleted. Bounded: past
-        :data:`_MAX_PENDING_CHUNKS` ids waiting (listings failing) the id is dropped and
-        counted; such a chunk, if deleted out of band, leaves the index at its first read."""
-        with self._lock:
-            if len(self._written) < _MAX_PENDING_CHUNKS:
-                self._written[file_id] = None
-            else:
-                self._written_dropped += 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.rescan_once()
-            except Exception:
-                logger.exception("kvtier: rescan failed")
-
-    def rescan_once(self) -> RescanDelta:
-        """One listing and its delta, merged into what :meth:`take` returns (the rescan
-        thread; blocks for the listing; a test may call it from its own thread). Raises
-        what ``scan`` raises, queueing nothing."""
-        with self._lock:
-            written, self._written = list(self._written), {}
-        try:
-            found = self._scan()
-        except BaseException:
-            with self._lock:  # still to be checked by the next listing
-                for fid in written:
-                    if len(self._written) >= _MAX_PENDING_CHUNKS:
-                        break
-                    self._written.setdefault(fid, None)
-            raise
-        delta = self.diff(found, written)
-        if self._counts is not None:
-            delta.counts.update(self._counts())
-        with self._lock:
-            self._partial = delta.partial
-            self._merge(delta)
-        return delta
-
-    def _merge(self, d: RescanDelta) -> None:
-        """Fold ``d`` into the pending delta (lock held). Invariant: the planner's view is
-        ``(listed - pending.added) | pending.removed``; past the bound the pending delta is
-        dropped and ``listed`` set back to that view (the next diff is a resync)."""
-        p = self._pending
-        if p is None:
-            self._pending = d  # whatever its size: one delta always gets through
-            return
-        added, removed = dict(p.added), set(p.removed)
-        for fid in d.removed:
-            if added.pop(fid, None) is None:
-                removed.add(fid)
-        for fid, entry in d.added.items():
-            if fid in removed:
-                removed.discard(fid)  # back before the planner saw it go
-            else:
-                added[fid] = entry
-        counts = dict(p.counts)
-        for k, n in d.counts.items():
-            counts[k] = counts.get(k, 0) + n
-        if len(added) + len(removed) > _MAX_PENDING_CHUNKS:
-            self._listed = (self._listed - added.keys()) | removed
-            self._pending = None
-            self._resyncs += 1
-            logger.info("kvtier: %d rescan changes not taken; the next rescan resyncs", len(added) + len(removed))
-            return
-        self._pending = RescanDelta(added, frozenset(removed), d.partial, counts)
-
-    def diff(self, found: Found, written: Sequence[str] = ()) -> RescanDelta:
-        """The delta of listing ``found`` against the previous one (and ``written``: our
-        writes confirmed before the listing began); ``found`` becomes the previous one."""
-        common = common_chunks(found)
-        listed = set(common)
-        before = self._listed
-        before.update(written)
-        removed = frozenset(before - listed)
-        added = {fid: (tuple(BlockKey(k) for k in h.keys), h.total_bytes, h.block_bytes)
-                 for fid, h in common.items() if fid not in before}
-        partial = len(set().union(*found) - listed) if found else 0
-        self._listed = listed
-        return RescanDelta(added, removed, partial)
-
-    def take(self) -> list[RescanDelta]:
-        """The deltas not taken yet, merged into one (none: empty), with the counters of
-        the bounds (``rescan_resyncs``, ``rescan_written_dropped``) since the last take."""
-        with self._lock:
-            p, self._pending = self._pending, None
-            extra = {k: v for k, v in ((CounterName.RESCAN_RESYNCS, self._resyncs),
-                                       (CounterName.RESCAN_WRITTEN_DROPPED, self._written_dropped)) if v}
-            self._resyncs = self._written_dropped = 0
-        if extra:
-            p = p or RescanDelta({}, frozenset(), self._partial)
-            for k, v in extra.items():
-                p.counts[k] = p.counts.get(k, 0) + v
-        return [] if p is None else [p]
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 class ChunkPlanner:
     def __init__(
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
-        found: Found, rescanner: Rescanner | None = None, on_close: Callable[[], None] | None = None,
-        oracle: Callable[[list[str]], list[bool] | None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        found: Found, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
         reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
     ) -> None:
-        """``oracle(chunk ids)``: which chunks exist (a key-value pool that cannot be
-        listed), or None when it could not tell in time; it must not block for long.
-        ``reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an NVMe
-        rank directory's lock file and anything else found in it), taken off the
-        capacity so that it bounds every byte on the medium. ``local_chunks``: the chunks of
-        ``found`` this instance wrote (a shared tier's own manifest); None: all of them on an
-        exclusive tier, none on a shared one (KV events' locality)."""
+        """``found``: what the start-up listing found. ``catalog``: where later changes come
+        from (:mod:`vllm_kvtier.catalog`): a listed tier's rescans (changes pushed), a
+        pool's lookups (answered asynchronously), or None (nothing changes but by this
+        planner's own writes); closed by :meth:`close`. ``reserved_bytes_per_rank``: bytes
+        the tier holds that are not chunks (an NVMe rank directory's lock file and anything
+        else found in it), taken off the capacity so that it bounds every byte on the
+        medium. ``local_chunks``: the chunks of ``found`` this instance wrote (a shared
+        tier's own manifest); None: all of them on an exclusive tier, none on a shared one
+        (KV events' locality).
+
+        The planner's jobs, each its own object: :attr:`admission` (which blocks are
+        written; the write breaker), :attr:`merge` (rescan deltas, sliced),
+        :attr:`cooling` (chunks whose read failed), :attr:`answered` (pool answers),
+        :attr:`origins` (who wrote each chunk: KV events' locality, what a failed read
+        deletes); the write queues and the index stay here."""
         self.policy = policy
         self.tier = policy.tier
         self._clock = clock  # the background flush's ages (a test passes its own)
@@ -289,7 +123,7 @@ class ChunkPlanner:
         cap = policy.capacity_bytes
         self.reserved_bytes = reserved_bytes_per_rank
         self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved_bytes_per_rank))
-        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
+        self.admission = Admission(policy.tier, policy.admit_min_seen)
         self._demote: list[tuple[int, BlockKey]] = []
         #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
         self._dirty: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
@@ -298,44 +132,30 @@ class ChunkPlanner:
         self._acks: dict[str, int] = {}
         #: Chunks that failed on some rank: a late "written" from another rank is ignored.
         self._failed_files: OrderedDict[str, None] = OrderedDict()
-        self._failures_in_a_row = 0
-        self._paused_until = 0.0
-        #: chunk id -> monotonic time until which lookups skip it (a read of it failed).
-        self._cooling: dict[str, float] = {}
-        self._rescanner = rescanner
-        #: rescan deltas not applied yet (applied :data:`_MERGE_SLICE` chunks per step)
-        self._to_add: OrderedDict[str, tuple[tuple[BlockKey, ...], int, int]] = OrderedDict()
-        self._to_remove: OrderedDict[str, None] = OrderedDict()
-        self._sliced = False  # a slice of them was applied in this step already
-        #: chunks a rescan no longer lists, for the writers' manifests (:meth:`take_forgets`)
-        self._forgets: list[str] = []
-        self._on_close = on_close
-        self._oracle = oracle
-        #: indexed chunks another writer stored (KV events say REMOTE); a set of ids, no
-        #: per-block state
-        self._remote: set[str] = set()
-        #: shared tiers: indexed chunks this process wrote (durable on every rank), the only
-        #: ones a failed read deletes (see :meth:`on_worker_meta`)
-        self._written_here: set[str] = set()
-        self._local_chunks = local_chunks
+        self.cooling = CoolDown()
+        self._catalog = catalog
+        self._rescans = catalog if isinstance(catalog, Rescans) else None
+        self._lookups = catalog if isinstance(catalog, PoolLookups) else None
+        self.answered = AnsweredIds()
+        self.merge = RescanMerge()
+        self.origins = ChunkOrigins()
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
-        n_blocks, n_files = self._adopt(found, delete_unfit=True)
+        n_blocks, n_files = self._adopt(found, local_chunks)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
 
     # ---- what the tier holds -------------------------------------------------------
 
-    def _adopt(self, found: Found, *, delete_unfit: bool) -> tuple[int, int]:
-        """Index chunks present on every rank and not known yet; (blocks, chunks) added.
-
-        ``delete_unfit`` (our own start-up): a chunk that does not fit the capacity is
-        deleted; on an exclusive tier (:attr:`ChunkPolicy.exclusive`) so are chunks present
-        on only some ranks (a write that did not reach every rank) and chunks of another
-        block size, by the ranks that hold them (counted as ``reclaimed_files``). After a
-        rescan they are only ignored (another instance may be using or still writing them)."""
-        reclaim = delete_unfit and self.policy.exclusive
+    def _adopt(self, found: Found, local_chunks: frozenset[str] | None) -> tuple[int, int]:
+        """Index the start-up listing's chunks present on every rank; (blocks, chunks)
+        added. A chunk that does not fit the capacity is deleted; on an exclusive tier
+        (:attr:`ChunkPolicy.exclusive`) so are chunks present on only some ranks (a write
+        that did not reach every rank) and chunks of another block size, by the ranks that
+        hold them (counted as ``reclaimed_files``). A rescan's chunks are only ignored
+        then (:meth:`_apply_slice`: another instance may be using or still writing them)."""
+        reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
         if reclaim:
@@ -351,13 +171,12 @@ class ChunkPlanner:
                 continue
             if h.block_bytes != self.block_bytes or fid in self._failed_files:
                 continue
-            ours = self.policy.exclusive if self._local_chunks is None else fid in self._local_chunks
+            ours = self.policy.exclusive if local_chunks is None else fid in local_chunks
             if self._add_found(fid, [BlockKey(k) for k in h.keys], h.total_bytes, remote=not ours):
                 n_blocks += h.nblocks
                 n_files += 1
-            elif delete_unfit:
+            else:
                 self._deletes.append(fid)
-        self._local_chunks = None  # only the start-up listing's
         return n_blocks, n_files
 
     def _add_found(self, fid: str, keys: Sequence[BlockKey], nbytes: int, *, remote: bool) -> bool:
@@ -365,10 +184,10 @@ class ChunkPlanner:
         if fid in self._distrusted:
             return False
         if remote:
-            self._remote.add(fid)  # before: indexing it reports its keys
+            self.origins.mark_remote(fid)  # before: indexing it reports its keys
         if self.index.add_existing(fid, keys, nbytes):
             return True
-        self._remote.discard(fid)
+        self.origins.forget(fid, written=False)
         return False
 
     # ---- KV events -------------------------------------------------------------------
@@ -381,7 +200,7 @@ class ChunkPlanner:
         log.announce(self.tier, self._holdings())
 
     def _locality(self, fid: str) -> Locality:
-        return "REMOTE" if fid in self._remote else "LOCAL"
+        return "REMOTE" if self.origins.is_remote(fid) else "LOCAL"
 
     def _watched(self, fid: str, keys: Sequence[BlockKey], loadable: bool) -> None:
         assert self._events is not None
@@ -401,37 +220,33 @@ class ChunkPlanner:
         return walk()
 
     def refresh(self) -> None:
-        """Apply finished background rescans (a queue poll, then, once per step, at most
-        :data:`_MERGE_SLICE` chunks added and as many removed; the rest at the next steps).
+        """Take what the catalog pushed: pool answers (indexed at once), and finished
+        background rescans (a queue poll, then, once per step, at most
+        :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks added and as many
+        removed; the rest at the next steps).
         Called before lookups, so a request sees what other instances stored, and no longer
         offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
         one goes at its unpin)."""
-        if self._rescanner is None:
+        if self._lookups is not None:
+            self._take_answers()
+        if self._rescans is None:
             return
-        for d in self._rescanner.take():
-            for fid in d.removed:
-                self._to_add.pop(fid, None)
-                self._to_remove[fid] = None
-            for fid, entry in d.added.items():
-                self._to_remove.pop(fid, None)
-                self._to_add[fid] = entry
+        for d in self._rescans.take():
+            self.merge.queue(d)
             self.counters.set_gauge(GaugeName.PARTIAL_CHUNKS, self.tier, d.partial)
             for name, n in d.counts.items():
                 self.counters.add(name, self.tier, n)
-        if (self._to_remove or self._to_add) and not self._sliced:
-            self._sliced = True
-            self._apply_slice()
+        piece = self.merge.next_slice()
+        if piece is not None:
+            self._apply_slice(*piece)
 
-    def _apply_slice(self) -> None:
+    def _apply_slice(self, to_remove: list[str], to_add: list[Added]) -> None:
         removed = 0
-        for _ in range(min(_MERGE_SLICE, len(self._to_remove))):
-            fid, _ = self._to_remove.popitem(last=False)
-            self._forgets.append(fid)
+        for fid in to_remove:
             if fid in self.index:
                 removed += self.index.retire(fid)
         n_blocks = n_files = 0
-        for _ in range(min(_MERGE_SLICE, len(self._to_add))):
-            fid, (keys, nbytes, block_bytes) = self._to_add.popitem(last=False)
+        for fid, (keys, nbytes, block_bytes) in to_add:
             if fid in self.index:
                 self.index.unretire(fid)
                 continue
@@ -440,10 +255,7 @@ class ChunkPlanner:
             if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
-        if len(self._remote) + len(self._written_here) > 2 * len(self.index) + 1024:  # (keys: >= chunks)
-            live = set(self.index.file_ids())  # forget removed ones, now and then
-            self._remote &= live
-            self._written_here &= live
+        self.origins.prune(len(self.index), self.index.file_ids)  # (keys: >= chunks)
         if removed:
             self.counters.add(CounterName.RESCAN_REMOVED_CHUNKS, self.tier, removed)
         if n_files:
@@ -453,13 +265,13 @@ class ChunkPlanner:
         """Chunks the rescans applied since the last call no longer list (deleted or expired
         out of band), for this step's metadata: each rank's store drops them from its
         writer's manifest (no request is sent; a chunk of another writer is not in it).
-        At most :data:`_MERGE_SLICE` a step, as the slices that found them."""
-        out, self._forgets = self._forgets, []
-        return out
+        At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` a step, as the slices
+        that found them."""
+        return self.merge.take_forgets()
 
     def rescan_pending(self) -> int:
         """Chunks of finished rescans not applied yet (added or removed)."""
-        return len(self._to_add) + len(self._to_remove)
+        return self.merge.pending()
 
     def reclaim(self, file_ids: Sequence[str]) -> None:
         """Delete these chunks (ours, left unusable: on only some ranks by a crashed
@@ -469,59 +281,62 @@ class ChunkPlanner:
         self._deletes.extend(fids)
         self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
-    def discover(self, keys: Sequence[BlockKey]) -> None:
-        """Key-named tiers: ask the oracle about ``keys`` this index does not know, and
-        index the ones that exist (scheduler thread; bounded by the oracle's timeout)."""
-        if self._oracle is None:
-            return
-        unknown = [k for k in keys if self.index.locate(k) is None and not self.index.knows(k)]
-        if not unknown:
-            return
-        got = self._oracle([k.hex() for k in unknown])
-        if got is None:
-            return
+    def discover(self, keys: Sequence[BlockKey]) -> bool:
+        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know
+        (scheduler thread; never waits for the pool). True while an answer about one of
+        them is still to come within the lookup's deadline: the caller may ask again next
+        step (vLLM's ``None``); until then they are a miss. An answer that comes is
+        indexed by :meth:`refresh`, whoever asked."""
+        lookups = self._lookups
+        if lookups is None:
+            return False
+        self._take_answers()
+        ids = [k.hex() for k in keys if self._unknown(k)]
+        ids = [i for i in ids if i not in self.answered]
+        if not ids:
+            return False
+        lookups.submit(ids)  # queued with any lookup under way; refused while the pool hangs
+        self._take_answers()  # a pool answered from memory has answered already
+        return lookups.waiting(ids)
+
+    def _unknown(self, key: BlockKey) -> bool:
+        return self.index.locate(key) is None and not self.index.knows(key)
+
+    def _take_answers(self) -> None:
+        """Index the chunks the pool's answers found (each one block, named by its key)."""
+        assert self._lookups is not None
         nbytes = self.file_bytes(1)
-        for k, present in zip(unknown, got, strict=True):
-            if present:
-                self._failed_files.pop(k.hex(), None)  # it is there again (rewritten)
-                self._add_found(k.hex(), [k], nbytes, remote=True)
+        for answer in self._lookups.take_answers():
+            for fid, present in zip(answer.ids, answer.present, strict=True):
+                self.answered.add(fid)
+                key = BlockKey(bytes.fromhex(fid))
+                if present and self._unknown(key):
+                    self._failed_files.pop(fid, None)  # it is there again (rewritten)
+                    self._add_found(fid, [key], nbytes, remote=True)
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
         loc = self.index.locate(key)
-        if loc is not None and self._to_remove and loc[0] in self._to_remove:
+        if loc is not None and self.merge.removing(loc[0]):
             return None  # gone from the tier; its removal is applied over the next steps
-        if loc is not None and self._cooling:
-            until = self._cooling.get(loc[0])
-            if until is not None:
-                if time.monotonic() < until:
-                    return None
-                del self._cooling[loc[0]]
+        if loc is not None and self.cooling.cooling(loc[0]):
+            return None
         return loc
 
     def cool_down(self, file_id: str) -> None:
         """A read of ``file_id`` failed: skip it in lookups for a while."""
-        self._cooling[file_id] = time.monotonic() + _FAILED_READ_COOLDOWN_S
-        if len(self._cooling) > 4096:
-            now = time.monotonic()
-            self._cooling = {f: t for f, t in self._cooling.items() if t > now}
+        self.cooling.start(file_id)
 
     # ---- admission -----------------------------------------------------------------
 
     def note_request(self, keys: Sequence[bytes]) -> None:
         """Count one more request whose prompt holds ``keys``."""
-        seen = self._seen
-        for k in keys:
-            key = BlockKey(k)
-            seen[key] = seen.get(key, 0) + 1
-            seen.move_to_end(key)
-        while len(seen) > _SEEN_TABLE_SIZE:
-            seen.popitem(last=False)
+        self.admission.note_request(keys)
 
     def admitted(self, key: BlockKey) -> bool:
-        if self._paused():
+        if self.admission.paused():
             return False  # the breaker is open: the tier keeps failing
-        return self._seen.get(key, 0) >= self.policy.admit_min_seen and not self.index.knows(key)
+        return self.admission.seen_enough(key) and not self.index.knows(key)
 
     # ---- events from the CPU tier ----------------------------------------------------
 
@@ -540,15 +355,12 @@ class ChunkPlanner:
     def has_flush_work(self) -> bool:
         """Blocks only in DRAM that an idle engine should write now, or deletes to send
         (start-up reclaim: debris goes at the first step, not at the first request)."""
-        return bool(self._deletes) or (bool(self._dirty) and not self._paused())
-
-    def _paused(self) -> bool:
-        return bool(self._paused_until) and time.monotonic() < self._paused_until
+        return bool(self._deletes) or (bool(self._dirty) and not self.admission.paused())
 
     def _take_flush(self, cpu_slot_of: Callable[[BlockKey], int | None], idle: bool) -> list[tuple[int, BlockKey]]:
         """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step;
         a block no longer in its slot (evicted, or its slot reused) is forgotten."""
-        if not self._dirty or self._paused():
+        if not self._dirty or self.admission.paused():
             return []
         due = self._clock() - self.policy.flush_interval_s
         budget = _FLUSH_BLOCKS_PER_STEP * self.policy.chunk_blocks
@@ -598,6 +410,7 @@ class ChunkPlanner:
         slot), or a write-through key whose slot was reused later in the step. Background
         flushes go with the write-through writes (the slot holds its key after the saves).
         """
+        self.answered.new_step()
         self.refresh()
         self._demote = [(s, k) for s, k in self._demote if k not in saved_this_step]
         self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
@@ -611,7 +424,7 @@ class ChunkPlanner:
         self.counters.add(CounterName.EVICTIONS, self.tier, self.index.evicted_blocks - before)
         deletes = self._deletes
         self._demote, self._through, self._deletes = [], [], []
-        self._sliced = False  # the next step applies the next slice of a rescan
+        self.merge.new_step()  # the next step applies the next slice of a rescan
         self.counters.set_gauge(GaugeName.USAGE_BYTES, self.tier,
                                 (self.index.used_bytes + self.reserved_bytes) * self.world_size)
         if self.index.capacity_bytes is not None:
@@ -645,7 +458,7 @@ class ChunkPlanner:
             return
         self.index.remove(fid)
         self._acks.pop(fid, None)
-        self._to_add.pop(fid, None)
+        self.merge.drop(fid)
         self._distrusted[fid] = None
         while len(self._distrusted) > _DISTRUSTED_CHUNKS:
             self._distrusted.popitem(last=False)
@@ -658,15 +471,7 @@ class ChunkPlanner:
         refused = {fid for t, fid in meta.refused if t == tier}  # dropped like failures, but
         # a full queue is back-pressure: it does not count toward the write breaker
         written = {fid: n for (t, fid), n in meta.written.items() if t == tier}
-        if failed:
-            self._failures_in_a_row += len(failed)
-            if self._failures_in_a_row >= _BREAKER_FAILURES:
-                logger.warning("kvtier %s: %d writes failed in a row; pausing writes for %.0f s",
-                               tier, self._failures_in_a_row, _BREAKER_PAUSE_S)
-                self._paused_until = time.monotonic() + _BREAKER_PAUSE_S
-                self._failures_in_a_row = 0
-        elif written:
-            self._failures_in_a_row = 0
+        self.admission.on_writes(len(failed), len(written))
         for fid in failed | bad | refused:
             self._acks.pop(fid, None)
             self._failed_files[fid] = None
@@ -680,7 +485,7 @@ class ChunkPlanner:
                 # the object. Forgotten here (a miss), never deleted for every reader.
                 self.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
                 continue
-            self._written_here.discard(fid)
+            self.origins.forget(fid, remote=False)
             self._deletes.append(fid)  # delete whatever a rank may have left
         for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
             self._forget_untrusted(fid)
@@ -690,13 +495,12 @@ class ChunkPlanner:
             self._acks[fid] = self._acks.get(fid, 0) + n
             if self._acks[fid] >= self.world_size:
                 del self._acks[fid]
-                self._remote.discard(fid)  # ours now (a key-named chunk we rewrote)
-                if not self.policy.exclusive:
-                    self._written_here.add(fid)
+                # ours now (a key-named chunk we rewrote)
+                self.origins.mark_ours(fid, shared=not self.policy.exclusive)
                 self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
                 self.index.confirm(fid)
-                if self._rescanner is not None:
-                    self._rescanner.note_written(fid)
+                if self._rescans is not None:
+                    self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
         """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
@@ -704,7 +508,7 @@ class ChunkPlanner:
         a chunk this process wrote, whose header and keys came from its own write, so the
         failure is the object's. A shared object found by a listing or a manifest is left to
         its writer (and a lifecycle rule)."""
-        return self.policy.exclusive or fid in self._written_here
+        return self.policy.exclusive or self.origins.written_here(fid)
 
     def _forget_untrusted(self, fid: str) -> None:
         """A read refused ``fid`` as ``unauthenticated`` (signed with a key no longer
@@ -725,4 +529,6 @@ class ChunkPlanner:
             self._deletes.append(fid)
 
     def close(self) -> None:
-        run_all([self._rescanner.close if self._rescanner is not None else None, self._on_close])
+        """Shutdown (scheduler thread): close the catalog (its thread and stores)."""
+        if self._catalog is not None:
+            self._catalog.close()

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from vllm_kvtier.config import EventsConfig
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import CounterName, Counters
 
 #: Where a block is relative to this instance: what it stored itself, or another writer did.

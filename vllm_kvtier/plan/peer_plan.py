@@ -17,7 +17,7 @@ Trust (prefill side): an offer hands out every rank's NIXL agent metadata (memor
 registration keys, pool addresses) and pins slots, and vLLM's OpenAI server forwards
 ``kv_transfer_params`` from clients. So ``do_remote_decode`` is answered only with
 ``nixl.accept_remote_decode`` on and, when a shared secret is configured
-(:func:`load_remote_decode_secret`), only if the request carries it
+(:func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`), only if the request carries it
 (``kvtier_pd_secret``, compared in constant time); otherwise the request gets no offer,
 pins nothing, and is counted (``request_params_ignored{tier="peer"}``). The answer itself
 must reach only the proxy, never a client (docs/security.md).
@@ -39,21 +39,15 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-import stat
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from vllm_kvtier.config import NixlTierConfig
-from vllm_kvtier.config.parse import read_small_file
-from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.index.keys import BlockKey
+from vllm_kvtier.config.secrets import MAX_SECRET_CHARS
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 
@@ -63,40 +57,6 @@ TIER = TierName.PEER
 PARAM = "kvtier_peer"
 #: The shared secret a P/D proxy adds to the prefill call's ``kv_transfer_params``.
 SECRET_PARAM = "kvtier_pd_secret"
-MIN_SECRET_CHARS = 16
-MAX_SECRET_CHARS = 4096
-
-
-def load_remote_decode_secret(cfg: NixlTierConfig, environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The prefill side's shared secret: ``nixl.remote_decode_secret_file`` if set (a small
-    regular file, not readable by group or other), else the environment variable
-    ``nixl.remote_decode_secret_env``; None when neither holds one. Surrounding whitespace
-    is dropped. Raises ConfigError (naming the field, never the value) for a secret that
-    cannot be read or is shorter than :data:`MIN_SECRET_CHARS`."""
-    env = os.environ if environ is None else environ
-    if cfg.remote_decode_secret_file is not None:
-        where = "nixl.remote_decode_secret_file"
-        path = Path(cfg.remote_decode_secret_file)
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as e:
-            raise ConfigError(where, f"cannot read the secret file: {e.strerror}") from None
-        if not stat.S_ISREG(mode) or mode & 0o077:
-            raise ConfigError(where, f"must be a regular file readable by its owner only (chmod 600), mode "
-                                     f"{stat.S_IMODE(mode):o}")
-        try:
-            value: str | None = read_small_file(path, MAX_SECRET_CHARS)
-        except ValueError as e:
-            raise ConfigError(where, str(e)) from None
-    else:
-        where = f"nixl.remote_decode_secret_env (environment variable {cfg.remote_decode_secret_env})"
-        value = env.get(cfg.remote_decode_secret_env)
-    value = (value or "").strip()
-    if not value:
-        return None
-    if len(value) < MIN_SECRET_CHARS:
-        raise ConfigError(where, f"the secret must have at least {MIN_SECRET_CHARS} characters")
-    return value.encode()
 
 
 @dataclass(frozen=True)
@@ -117,7 +77,7 @@ class PeerPlanner:
     def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, cfg: NixlTierConfig,
                  ignored: IgnoredParams | None = None, secret: bytes | None = None) -> None:
         """``secret``: the shared secret a ``do_remote_decode`` must carry (None: none is
-        asked for; see :func:`load_remote_decode_secret`)."""
+        asked for; see :func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`)."""
         self.index = index
         self._secret = secret
         self.counters = counters

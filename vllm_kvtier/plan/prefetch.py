@@ -28,10 +28,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions

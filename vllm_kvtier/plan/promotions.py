@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
+from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 

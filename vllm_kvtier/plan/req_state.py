@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvtier.index.keys import BlockKey
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 
 if TYPE_CHECKING:
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner

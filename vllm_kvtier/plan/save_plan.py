@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import SaveJob
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog

@@ -61,18 +61,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.config.secrets import load_remote_decode_secret
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner, load_remote_decode_secret
+from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
@@ -197,6 +197,10 @@ class SchedulerPlanner:
         :meth:`on_alloc` needs (vLLM sets ``request.num_computed_tokens`` only
         after that call).
 
+        A pool tier (Mooncake): while the pool's answer about the request's blocks may still
+        come, ``None`` (vLLM asks again next step; :meth:`lookups_pending`). The scheduler
+        thread never waits for it.
+
         P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
         blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
         all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
@@ -216,9 +220,9 @@ class SchedulerPlanner:
                           if BlockKey(h) in self.promotions), n)
             if n is not None and n >= self.cfg.min_load_blocks:
                 return n * self.block_size, True  # read from the prefill instance over NIXL
+        if self.lookups_pending(request, start, limit):
+            return None, False  # a pool lookup of its blocks is under way: ask again next step
         keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
-        for tier in self.lower:
-            tier.discover([k for k in keys if k not in self.index])
         tiers = self._match(request.block_hashes, start, limit)
         if self.handoff.should_wait(request, start, limit, len(tiers)):
             return None, False
@@ -236,16 +240,26 @@ class SchedulerPlanner:
             return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
 
+    def lookups_pending(self, request: Request, lo: int, hi: int) -> bool:
+        """Submit pool lookups (:meth:`ChunkPlanner.discover`) of the keys of ``request``
+        at positions ``[lo, hi)`` that DRAM does not hold. True while an answer about one
+        of them is still to come: the caller answers vLLM ``None`` (ask again next step).
+        Never waits for a pool; every tier is asked."""
+        keys = [k for h in request.block_hashes[lo:hi] if (k := BlockKey(h)) not in self.index]
+        if not keys:
+            return False
+        return any([tier.discover(keys) for tier in self.lower])
+
     def present(self, request: Request, lo: int, hi: int) -> list[bool]:
         """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
-        (in DRAM, or in a lower tier after its refresh/discovery), for a hit that needs
-        keys at scattered positions (a sliding-window group's window)."""
+        (in DRAM, or in a lower tier after its refresh), for a hit that needs keys at
+        scattered positions (a sliding-window group's window). A key whose pool lookup is
+        still under way is absent for now (:meth:`lookups_pending` first to wait for it)."""
         hashes = request.block_hashes
         hi = min(hi, len(hashes))
-        keys = [BlockKey(h) for h in hashes[lo:hi]]
         for tier in self.lower:
             tier.refresh()
-            tier.discover([k for k in keys if k not in self.index])
+        self.lookups_pending(request, lo, hi)
         return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
 
     def note_match_start(self, request: Request, num_computed_tokens: int) -> None:

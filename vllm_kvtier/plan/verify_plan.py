@@ -39,10 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_kvtier.config import VerifyConfig
-from vllm_kvtier.index.keys import BlockKey
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, VerifyJob, WorkerReport
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.promotions import Promotions

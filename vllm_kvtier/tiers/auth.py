@@ -6,7 +6,7 @@ token ids) and plant a chunk with valid CRCs that every reader would serve. With
 every chunk carries a MAC that only holders of the key can make, and the store kernel
 (:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
 
-What is signed (:mod:`~vllm_kvtier.tiers.chunkfile`, version 4):
+What is signed (:mod:`~vllm_kvtier.chunkformat`, version 4):
 
 * each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``,
   stored in the block's header entry, so a read of a few blocks of a chunk verifies just
@@ -49,10 +49,10 @@ import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from vllm_kvtier.chunkformat import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
 from vllm_kvtier.config.parse import read_small_file
 from vllm_kvtier.config.sections import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
-from vllm_kvtier.tiers.chunkfile import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
 
 __all__ = ["MIN_KEY_BYTES", "ChunkAuth", "load_auth", "parse_key", "refusal", "refusal_reason"]
 

@@ -1,9 +1,9 @@
 """THE store contract: what every chunk medium (memory, NVMe, S3, Mooncake) offers the
 worker's data path, and what it promises.
 
-A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.tiers.chunkfile`
+A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.chunkformat`
 (a header with every block's key and CRC32, then the blocks at a fixed stride), stored
-under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.tiers.chunkfile.chunk_id_for`).
+under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.chunkformat.chunk_id_for`).
 Every store is a :class:`~vllm_kvtier.tiers.kernel.StoreKernel` over a medium's byte
 primitives, so the guarantees below are written once; ``tests/tiers/contract.py`` checks
 them for every medium and :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both the
@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.buffers import Releasable, WriteBuffer
-from vllm_kvtier.tiers.chunkfile import ChunkHeader
 from vllm_kvtier.tiers.resilience import RemoteStats
 
 __all__ = [

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vllm_kvtier.tiers.chunkfile import align_up, header_bytes_for
+from vllm_kvtier.chunkformat import align_up, header_bytes_for
 
 __all__ = ["AlignedBuffer", "BufferPool", "Releasable", "WriteBuffer", "shared_pool"]
 

@@ -25,7 +25,7 @@ Engines (:data:`FILE_IO_ENGINES`, name -> import path, imported on first use):
 Failure: ``write``/``read_into`` raise :class:`OSError` (with an errno as precise as the
 engine can know: NIXL reports only "failed", so the NIXL engines say ENOSPC when the
 filesystem is full and EIO otherwise) or
-:class:`~vllm_kvtier.tiers.chunkfile.ChunkFormatError` ``truncated`` when the file ends
+:class:`~vllm_kvtier.chunkformat.ChunkFormatError` ``truncated`` when the file ends
 before the range. The store turns either into a failed result (a miss) and a counter.
 """
 
@@ -35,8 +35,8 @@ import importlib
 import os
 from typing import Protocol
 
+from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import ConfigError, FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 
 __all__ = ["FILE_IO_ENGINES", "FileIO", "PosixFileIO", "make_file_io"]
 

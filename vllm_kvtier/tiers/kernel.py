@@ -21,7 +21,7 @@ What the kernel owns, for every medium:
   the header's MAC, bound to the chunk id;
 * the ONE verified read path: every size read from stored bytes is bounded by what this
   engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``:
-  :func:`~vllm_kvtier.tiers.chunkfile.bounded_header_bytes`, :func:`max_chunk_bytes`)
+  :func:`~vllm_kvtier.chunkformat.bounded_header_bytes`, :func:`max_chunk_bytes`)
   BEFORE memory is sized from it (``too_large``/``format``); the key at each read position
   must be the key asked for (``key_mismatch``); a stored header read along must be the
   caller's (``checksum``); the CRC32 of every block is checked before a result is made.
@@ -89,12 +89,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from vllm_kvtier import cpus
-from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.keys import SAFE_ID
-from vllm_kvtier.tiers.auth import ChunkAuth, refusal
-from vllm_kvtier.tiers.base import IOResult, drain
-from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer, out_of_memory
-from vllm_kvtier.tiers.chunkfile import (
+from vllm_kvtier.chunkformat import (
     ALIGN,
     ChunkFormatError,
     ChunkHeader,
@@ -107,6 +102,11 @@ from vllm_kvtier.tiers.chunkfile import (
     make_header,
     max_chunk_bytes,
 )
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.keys import SAFE_ID
+from vllm_kvtier.tiers.auth import ChunkAuth, refusal
+from vllm_kvtier.tiers.base import IOResult, drain
+from vllm_kvtier.tiers.buffers import BufferPool, Releasable, WriteBuffer, out_of_memory
 
 __all__ = [
     "AllocatingMedium", "BatchingMedium", "KernelStats", "Medium", "ReadShape", "SizedMedium", "StoreKernel",
@@ -128,7 +128,7 @@ class Medium(Protocol):
     range and buffer; a call blocks its thread until done or failed (``deadline`` is a
     ``time.monotonic()`` time: a medium that can bound its requests by it should).
     Failures RAISE; the kernel turns them into results with :meth:`classify` (and
-    :class:`~vllm_kvtier.tiers.chunkfile.ChunkFormatError`'s own ``reason``)."""
+    :class:`~vllm_kvtier.chunkformat.ChunkFormatError`'s own ``reason``)."""
 
     #: label in logs ("memory", "nvme", "s3", "mooncake")
     name: str

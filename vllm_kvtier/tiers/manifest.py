@@ -21,7 +21,7 @@ Layout (little endian)::
     payload: zlib( per entry: id length u16, id (ASCII), header length u32, header bytes )
     CRC32 of everything above, u32
 
-The header bytes are exactly the chunk's own header (``chunkfile``), verified again with
+The header bytes are exactly the chunk's own header (``chunkformat``), verified again with
 its own CRC32 when decoded; their zero padding is what zlib removes. Nothing is unpickled.
 """
 
@@ -32,8 +32,7 @@ import struct
 import zlib
 from collections.abc import Callable, Container, Iterable, Iterator
 
-from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.chunkfile import (
+from vllm_kvtier.chunkformat import (
     MAX_CHUNK_BLOCKS,
     ChunkFormatError,
     ChunkHeader,
@@ -42,6 +41,7 @@ from vllm_kvtier.tiers.chunkfile import (
     encode_header,
     header_bytes_for,
 )
+from vllm_kvtier.errors import FailureReason
 
 MAGIC = b"KVTMANI1"
 VERSION = 1

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 
+from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 
 __all__ = ["MemoryMedium", "MemoryStore"]

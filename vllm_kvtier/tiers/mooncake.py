@@ -13,7 +13,7 @@ codes), joining and leaving the pool, :meth:`MooncakeStore.exists`
 constructor (connects to the master) and :meth:`MooncakeStore.close` block their caller.
 
 Objects: key ``kvtier/<namespace>/r<rank>/<chunk_id>``; the value is a chunk in the format
-of :mod:`~vllm_kvtier.tiers.chunkfile`. A read of a chunk this process has no header for
+of :mod:`~vllm_kvtier.chunkformat`. A read of a chunk this process has no header for
 asks the master for the object's size first (``get_size``), which the kernel bounds by the
 largest chunk this engine writes before any memory is taken; then the whole object is read
 and its header, the key at every position and every block's CRC32 are verified. Nothing
@@ -54,11 +54,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
 from vllm_kvtier.config.stores import MooncakeConfig
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.chunkfile import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 from vllm_kvtier.tiers.registry import install_hint
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats

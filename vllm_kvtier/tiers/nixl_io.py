@@ -60,8 +60,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import ConfigError, FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.nixl_agent import AGENT_CREATION, INSTALL_HINT, nixl_api
 from vllm_kvtier.tiers.s3_config import S3Config
 

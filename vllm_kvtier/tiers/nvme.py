@@ -54,11 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
-from vllm_kvtier.tiers.base import ScanResult
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.chunkfile import (
+from vllm_kvtier.chunkformat import (
     ALIGN,
     FIXED_BYTES,
     MAX_CHUNK_BLOCKS,
@@ -68,6 +64,10 @@ from vllm_kvtier.tiers.chunkfile import (
     bounded_header_bytes,
     decode_header,
 )
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
+from vllm_kvtier.tiers.base import ScanResult
+from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
-#: A namespace directory's name (:func:`vllm_kvtier.index.keys.namespace`: 16 hex digits).
+#: A namespace directory's name (:func:`vllm_kvtier.keys.namespace`: 16 hex digits).
 NAMESPACE_NAME = re.compile(r"^[0-9a-f]{16}$")
 RANK_NAME = re.compile(r"^r\d{1,6}$")
 #: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler or

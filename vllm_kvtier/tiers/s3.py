@@ -12,7 +12,7 @@ circuit breaker and request counts), the key layout, manifests and the start-up 
 half builds stores only to list (``scan``). :meth:`S3Store.scan` and :meth:`S3Store.close`
 block their caller.
 
-Objects: the chunk format of :mod:`~vllm_kvtier.tiers.chunkfile` (a header with every
+Objects: the chunk format of :mod:`~vllm_kvtier.chunkformat` (a header with every
 block's key and CRC32, then the blocks at a fixed stride), so one object holds many blocks
 and a load fetches exactly the byte ranges it needs: one ranged GET per contiguous run of
 needed blocks (the kernel's ``read_shape`` "runs"; a plain GET of the whole object when
@@ -94,11 +94,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
-from vllm_kvtier.tiers.base import ScanResult
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.chunkfile import (
+from vllm_kvtier.chunkformat import (
     FIXED_BYTES,
     MAX_CHUNK_BLOCKS,
     ChunkFormatError,
@@ -108,6 +104,10 @@ from vllm_kvtier.tiers.chunkfile import (
     header_memory_bytes,
     max_chunk_bytes,
 )
+from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.auth import ChunkAuth
+from vllm_kvtier.tiers.base import ScanResult
+from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
 from vllm_kvtier.tiers.manifest import (
     SIG_BYTES,
@@ -600,7 +600,7 @@ class S3Store(StoreKernel):
 
     def header_cache_bytes(self) -> int:
         """Memory the headers kept from earlier scans hold (at most ``header_cache_bytes``,
-        as :func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes` counts it)."""
+        as :func:`~vllm_kvtier.chunkformat.header_memory_bytes` counts it)."""
         return self._headers_bytes
 
     def stats(self) -> S3Stats:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 
+from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.config.stores import IO_ENGINES, SAFE_ID, IOEngineName, S3Config
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 from vllm_kvtier.tiers.registry import install_hint
 from vllm_kvtier.tiers.resilience import BreakerOpen, DeadlineExceeded
 

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.chunkfile import ChunkFormatError
 
 logger = logging.getLogger("vllm_kvtier.tiers.s3")
 

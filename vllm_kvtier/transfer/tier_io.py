@@ -48,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Literal
 
+from vllm_kvtier.chunkformat import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.config.stores import HEADER_CACHE_BYTES, HEADER_CACHE_ENTRIES
 from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
@@ -56,7 +57,6 @@ from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult, ReportsRemoteStats
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
-from vllm_kvtier.tiers.chunkfile import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.transfer.fp8 import BlockCodec
 from vllm_kvtier.transfer.slots import SlotTable
 
@@ -67,7 +67,7 @@ __all__ = ["DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEADER_BYTES", "ChunkStore", "Chu
 #: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 2 KB each
 #: for 16-block chunks; the S3 tier passes ``s3.header_cache_entries``.
 DEFAULT_MAX_HEADERS = HEADER_CACHE_ENTRIES
-#: ... and the memory they hold at most (:func:`~vllm_kvtier.tiers.chunkfile.header_memory_bytes`;
+#: ... and the memory they hold at most (:func:`~vllm_kvtier.chunkformat.header_memory_bytes`;
 #: 256-block headers are ~29 KB each); the S3 tier passes ``s3.header_cache_bytes``.
 DEFAULT_MAX_HEADER_BYTES = HEADER_CACHE_BYTES
 
