@@ -3,13 +3,23 @@
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the worker role, from the
 worker's main thread; the copy engine may use one background thread of its own. It reads
 plain :class:`~vllm_kvtier.jobs.StepPlan` values and returns a
-:class:`~vllm_kvtier.jobs.WorkerReport` (no vLLM here); the tiers below CPU are built by
-the ``make_tiers`` the connector hands in (its wiring, ``connector/lower.py``).
+:class:`~vllm_kvtier.jobs.WorkerReport` (no vLLM here). No failure raises into vLLM.
+
+It is the per-step orchestrator: it calls its parts in vLLM's order and forwards.
+
+- :class:`~.datapath.DataPath`: pool, copy engine, slot table, peer link, verifier and
+  the tiers below CPU, built once by :func:`~.datapath.build_datapath` at the first step
+  (the pool size arrives in the first plan; :mod:`.datapath` says why). The lower tiers
+  are built only when the scheduler's namespace agrees with ours (``make_tiers``, the
+  connector's wiring, ``connector/lower.py``).
+- :class:`~.saves.Saves`, :class:`~.loads.Loads`, :class:`~.prefetches.Prefetches`:
+  what is in flight, in small typed records. A finished lower-tier read is routed by
+  ``(tier, read id)``: to the verifier, a prefetch or a load.
 
 Per step, in vLLM's order:
 
 1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): allocate the pool on first use, settle the host
+   at the latest from ``start_load_kv``): build the data path on first use, settle the host
    saves that finished and queue their lower-tier writes, then issue this step's
    **saves**. Saves come first so a load in the same step can read a block saved in it,
    and before the forward so no block is overwritten before it is copied.
@@ -24,7 +34,8 @@ Per step, in vLLM's order:
    reads or writes pool slots on the host (loads, demotions, prefetches, verification)
    first waits for every save and settles it, so a failed save's slots are never used;
    otherwise the saves of forwards before the last are waited for, so at most one
-   forward's saves are queued.
+   forward's saves are queued. Lower-tier writes of slots still being filled are held
+   until their saves settle. With a peer link, a slot is stamped only once its copy is done.
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
@@ -34,7 +45,7 @@ Per step, in vLLM's order:
 
 A load fails (and its blocks are recomputed, never served) when the slot does not hold the
 expected key, when its checksum does not match (``cpu.checksum``), when the copy raises, or
-when fault injection says so. No failure raises into vLLM.
+when fault injection says so.
 """
 
 from __future__ import annotations
@@ -54,7 +65,6 @@ from vllm_kvtier.errors import run_all
 from vllm_kvtier.jobs import ChunkRead, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters
-from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.transfer.copier import CopyEngine
 from vllm_kvtier.transfer.datapath import DataPath, build_datapath
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
@@ -149,10 +159,6 @@ class WorkerHalf:
         self.saves.wait = on
 
     # ---- parts of the data path (None, or empty, until the first step) -----------------
-
-    @property
-    def pool(self) -> CPUPool | None:
-        return self.path.pool if self.path is not None else None
 
     @property
     def engine(self) -> CopyEngine | None:
