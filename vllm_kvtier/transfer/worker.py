@@ -119,9 +119,8 @@ class WorkerHalf:
         self.namespace = namespace
         self.rank = rank
         self.counters = Counters()
-        #: builds the data path, with what it needs besides the layout and the pool size
-        self._build = functools.partial(build_datapath, cfg, namespace=namespace, rank=rank,
-                                        counters=self.counters, cache_dtype=cache_dtype, make_tiers=make_tiers)
+        #: builds the data path, with the inputs given here and nowhere else
+        self._build = functools.partial(build_datapath, cfg, cache_dtype=cache_dtype, make_tiers=make_tiers)
         #: this rank's KV cache tensors, seen as block rows (``register_kv_caches``)
         self.layout: KVLayout | None = None
         #: built in the first ``begin_step`` (why then: :mod:`.datapath`)
@@ -216,7 +215,8 @@ class WorkerHalf:
             self.path.check_size(num_slots)
             return self.path
         assert self.layout is not None, "register_kv_caches was not called"
-        self.path = self._build(self.layout, num_slots, with_lower=not self.namespace_conflict)
+        self.path = self._build(self.layout, num_slots, namespace=self.namespace, rank=self.rank,
+                                counters=self.counters, with_lower=not self.namespace_conflict)
         if self.path.peer_info is not None:  # published once, so that the scheduler can reach this rank
             self._report.peer_info[self.rank] = self.path.peer_info
         return self.path
