@@ -7,6 +7,7 @@ those slots wait for them, and only for them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ class _RecordingTier:
             slots = self.worker.slots
             assert slots is not None
             held = all(slots.holds(s, k) for s, k in zip(j.slots, j.keys, strict=True))
-            filling = {s for _, save, _ in self.worker._host_saves for s in save.slots}
+            filling = {s for h in self.worker.saves.in_flight() for s in h.job.slots}
             self.written.append((j, held and not filling & set(j.slots)))
 
     def clean(self, slots) -> None: ...
@@ -49,14 +50,19 @@ class _RecordingTier:
     def close(self) -> None: ...
 
 
-def _worker() -> tuple[WorkerHalf, dict[str, torch.Tensor], _RecordingTier]:
-    w = WorkerHalf(parse_config({"cpu": {"capacity_bytes": 1 << 26}}), num_blocks=NUM_BLOCKS)
+def _worker(others: Callable[[WorkerHalf], dict] = lambda w: {}
+            ) -> tuple[WorkerHalf, dict[str, torch.Tensor], _RecordingTier]:
+    """A worker whose lower tiers are ``others(worker)`` and a recording "nvme" tier."""
+    tiers: dict = {}
+    w = WorkerHalf(parse_config({"cpu": {"capacity_bytes": 1 << 26}}), num_blocks=NUM_BLOCKS,
+                   make_tiers=lambda *a, **k: tiers)
     with torch.inference_mode():
         kv = {f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 2, 32, 128)).to(torch.bfloat16)
               for i in range(2)}
     w.register_kv_caches(kv)
     tier = _RecordingTier(w)
-    w._make_tiers = lambda *a, **k: {"nvme": tier}
+    tiers.update(others(w))
+    tiers["nvme"] = tier
     return w, kv, tier
 
 
@@ -77,7 +83,8 @@ class _HeldCopyThread:
 
     def watch(self) -> None:
         """Make the host saves issued so far release the copy thread when waited for."""
-        for t, job, _ in self.worker._host_saves:
+        for h in self.worker.saves.in_flight():
+            t, job = h.transfer, h.job
             if "wait" in vars(t):
                 continue
             orig = t.wait
@@ -90,8 +97,7 @@ class _HeldCopyThread:
 
 
 def _forward(w: WorkerHalf, step: int, saves: list[SaveJob], wt: list[ChunkWriteJob] = (), **plan) -> None:
-    w.begin_step(StepPlan(num_slots=SLOTS, step=step, **plan))
-    w._meta = StepPlan(num_slots=SLOTS, step=step, saves_after=saves, write_through=list(wt), **plan)
+    w.begin_step(StepPlan(num_slots=SLOTS, step=step, saves_after=saves, write_through=list(wt), **plan))
     w.end_step()
     w.transfer_results(set())
 
@@ -105,15 +111,15 @@ def test_saves_after_a_forward_run_on_through_the_next_one_and_are_waited_for_by
     _forward(w, 1, [save], [wt])
     held.watch()
     # Handed to the copy thread (the step goes on to sample); its lower-tier write waits.
-    assert [j for _, j, _ in w._host_saves] == [save] and tier.written == []
+    assert [h.job for h in w.saves.in_flight()] == [save] and tier.written == []
     # The next forward does not wait for it: it writes none of its blocks.
     _forward(w, 2, [])
     assert held.waited == [] and not held.release.is_set()
-    assert [j for _, j, _ in w._host_saves] == [save] and tier.written == []
+    assert [h.job for h in w.saves.in_flight()] == [save] and tier.written == []
     # The forward after that waits for it (at most one forward's saves in flight), then
     # its lower-tier write is queued.
     w.begin_step(StepPlan(num_slots=SLOTS, step=3))
-    assert held.waited == [save] and not w._host_saves
+    assert held.waited == [save] and not w.saves.in_flight()
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
     assert tier.copy_now == {"f1": False}  # a write-through: copied on the store's thread
     assert w.slots is not None
@@ -166,10 +172,10 @@ def test_a_lower_tier_write_waits_only_for_the_saves_issued_up_to_its_step():
     _forward(w, 2, [s2], [ChunkWriteJob("nvme", "f2", s2.slots, s2.keys)])
     assert tier.written == []
     held.release.set()
-    w._host_saves[0][0].wait()  # step 1's save is done; step 2's is held
+    w.saves.in_flight()[0].transfer.wait()  # step 1's save is done; step 2's is held
     w.transfer_results(set())
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
-    assert [j for _, j, _ in w._host_saves] == [s2]
+    assert [h.job for h in w.saves.in_flight()] == [s2]
     held2.release.set()
     w.shutdown()
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True), ("f2", True)]
@@ -177,10 +183,9 @@ def test_a_lower_tier_write_waits_only_for_the_saves_issued_up_to_its_step():
 
 def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     w, _, tier = _worker()
-    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
     bad = SaveJob("r1", block_ids=(NUM_BLOCKS + 1,), slots=(3,), keys=(_key(9),))  # block out of range
     wt = ChunkWriteJob("nvme", "f9", slots=(3,), keys=bad.keys)
-    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[bad], write_through=[wt])
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[bad], write_through=[wt]))
     w.end_step()  # does not raise into vLLM
     w.transfer_results(set())
     w.begin_step(StepPlan(num_slots=SLOTS, step=2))
@@ -210,19 +215,18 @@ def test_at_shutdown_a_failing_tier_stops_neither_the_others_writes_nor_their_cl
     """Held-back writes of two tiers settle at shutdown; the first tier's write and close
     raise: the second's write is still queued and it is still closed, and the first failure
     comes out with the later one in its notes."""
-    w, _, good = _worker()
-    bad = _FailingTier(w)
+    w, _, good = _worker(lambda w: {"s3": _FailingTier(w)})
     closes: list[str] = []
     good.close = lambda: closes.append("good")  # type: ignore[method-assign]
-    w._make_tiers = lambda *a, **k: {"s3": bad, "nvme": good}
     save = SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))
-    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
-    assert set(w.lower) == {"s3", "nvme"}
-    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[save], write_through=[
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[save], write_through=[
         ChunkWriteJob("s3", "f-s3", slots=save.slots, keys=save.keys),
-        ChunkWriteJob("nvme", "f-nvme", slots=save.slots, keys=save.keys)])
+        ChunkWriteJob("nvme", "f-nvme", slots=save.slots, keys=save.keys)]))
+    assert list(w.lower) == ["s3", "nvme"]
+    bad = w.lower["s3"]
+    assert isinstance(bad, _FailingTier)
     w.end_step()
-    assert w._deferred_writes, "held back behind the save on the copy thread"
+    assert w.saves.held_writes(), "held back behind the save on the copy thread"
     with pytest.raises(OSError, match="write refused") as info:
         w.shutdown()
     assert [(j.file_id, ok) for j, ok in good.written] == [("f-nvme", True)]
@@ -234,8 +238,7 @@ def test_at_shutdown_a_failing_tier_stops_neither_the_others_writes_nor_their_cl
 def test_the_time_of_a_step_with_a_forward_is_counted_and_an_idle_one_is_not():
     w, _, _ = _worker()
     save = SaveJob("r1", block_ids=(3,), slots=(0,), keys=(_key(3),))
-    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
-    w._meta = StepPlan(num_slots=SLOTS, step=1, saves_after=[save])
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[save]))
     w.end_step()
     w.transfer_results(set())  # a step that ran a forward
     assert w.counters.totals[sample_key("step_calls", "cpu")] == 1

@@ -256,7 +256,8 @@ def worker_rank() -> int:
 
 
 def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
-    """Number of CPU slots for the configured budget (whole engine, all ranks)."""
+    """Number of CPU slots for the configured budget (whole engine, all ranks). Computed by
+    the scheduler only; the workers get it in every plan (``StepPlan.num_slots``)."""
     if cfg.cpu.capacity_bytes is not None:
         # Checked here, before serving: the worker's pool is touched at its first step, and
         # an oversized one would kill the server at its first request.
@@ -515,8 +516,9 @@ def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
 
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
                 vllm_config: VllmConfig | None = None) -> WorkerHalf:
-    """The worker role's half of this rank; its pool and lower tiers are built on its first
-    step (the scheduler sends the pool size). ``vllm_config``: to tell a replicated (MLA)
+    """The worker role's half of this rank. Its data path (pool, copy engine, lower tiers)
+    is built at its first step: the scheduler sends the pool size, which only it can compute
+    (:func:`pool_slots` reads the memory available in its process). ``vllm_config``: to tell a replicated (MLA)
     cache, whose lower-tier copy only the TP group's first rank writes (None: not replicated)."""
     rank = worker_rank()
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)

@@ -1,7 +1,7 @@
 """The CPU pool's slots as the worker's data path sees them.
 
-Who uses it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf` owns one per rank (made
-with the pool) and hands it once to each tier driver
+Who uses it: the worker's :class:`~vllm_kvtier.transfer.datapath.DataPath` holds one per
+rank (made with the pool); it is handed once to each tier driver
 (:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`) and to the P/D peer link. All calls
 come from the worker's main thread (but reads of a key and a generation, below); nothing here blocks except :meth:`SlotTable.wait`,
 which waits for a device copy still using a slot (CUDA, or a save on the host copy
