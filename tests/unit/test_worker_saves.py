@@ -71,15 +71,24 @@ def _key(i: int) -> bytes:
 
 
 class _HeldCopyThread:
-    """Holds the worker's copy thread until a save submitted behind it is waited for: the
-    saves stay in flight exactly until the worker waits for one of them (no timing)."""
+    """Holds the worker's copy thread until a save submitted behind it is waited for, or
+    until a copy on the calling thread drains the copy thread's queue: the saves stay in
+    flight exactly until the worker waits for them (no timing)."""
 
     def __init__(self, w: WorkerHalf) -> None:
         assert w.engine is not None
         self.worker = w
         self.release = threading.Event()
         self.waited: list[SaveJob] = []
+        self.drained = False
         w.engine._bg.submit(self.release.wait, 60)  # a deadline, never reached in a pass
+        drain = w.engine.drain
+
+        def drained() -> None:
+            self.drained = True
+            self.release.set()
+            drain()
+        w.engine.drain = drained  # type: ignore[method-assign]
 
     def watch(self) -> None:
         """Make the host saves issued so far release the copy thread when waited for."""
@@ -188,7 +197,11 @@ def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[bad], write_through=[wt]))
     w.end_step()  # does not raise into vLLM
     w.transfer_results(set())
+    # The next begin waits only for the saves of forwards before the last: after a second
+    # forward the failed save is settled whatever the copy thread's speed.
     w.begin_step(StepPlan(num_slots=SLOTS, step=2))
+    w.end_step()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=3))
     assert w.slots is not None and w.slots.key(3) is None
     assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
@@ -265,6 +278,8 @@ def test_a_finished_or_preempted_requests_saves_end_before_the_next_forward_rewr
     want = {n: t[[3, 4, 5]].clone() for n, t in kv.items()}
     w.begin_step(StepPlan(num_slots=SLOTS, step=2, saves=final, **{why: ["r1"]}))
     assert held.waited == [save]
+    # A final save runs on the calling thread, behind the copy thread's queue.
+    assert held.drained == bool(final)
     with torch.inference_mode():
         for t in kv.values():
             t[[3, 4, 5]] = 0  # this step's forward writes a new request's KV into them
