@@ -158,7 +158,7 @@ class Workload:
         # the same pattern for every block except an 8-byte tag at the start.
         self.pattern = (os.urandom(min(block_bytes, 1 << 16)) * (-(-block_bytes // (1 << 16))))[:block_bytes]
         self.tag = tag
-        self.file_ids = [f"{tag:08x}{c:08x}" for c in range(self.nchunks)]
+        self.chunk_ids = [f"{tag:08x}{c:08x}" for c in range(self.nchunks)]
 
     def keys(self, c: int) -> list[bytes]:
         return [struct.pack("<QQ", self.tag, c * self.chunk_blocks + i) for i in range(self.chunk_blocks)]
@@ -197,7 +197,7 @@ def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float
             if pending is None:
                 pending = bufs[nxt] if bufs is not None else None
                 pending = pending or w.make_buffer(nxt, store.authenticated)
-            if not store.submit_write(nxt, w.file_ids[nxt], pending):
+            if not store.submit_write(nxt, w.chunk_ids[nxt], pending):
                 refused += 1
                 break
             if bufs is not None:
@@ -208,9 +208,9 @@ def time_ours_write(store: NVMeStore, w: Workload, prefill: bool) -> tuple[float
             done += 1
             busy_s += r.seconds
             if r.ok:
-                headers[r.file_id] = r.header
+                headers[r.chunk_id] = r.header
             else:
-                failed.append(f"{r.file_id}: {r.reason}")
+                failed.append(f"{r.chunk_id}: {r.reason}")
     secs = time.perf_counter() - t0
     cpu = time.process_time() - c0
     if failed:
@@ -225,7 +225,7 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tu
     bad_tag = 0
     c0 = time.process_time()
     t0 = time.perf_counter()
-    for c, fid in enumerate(w.file_ids):
+    for c, fid in enumerate(w.chunk_ids):
         store.submit_read(c, fid, headers[fid], positions, [headers[fid].keys[p] for p in positions])
     done = 0
     while done < w.nchunks:
@@ -233,7 +233,7 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tu
             done += 1
             busy_s += r.seconds
             if not r.ok:
-                failed.append(f"{r.file_id}: {r.reason}")
+                failed.append(f"{r.chunk_id}: {r.reason}")
                 continue
             # The store verified every CRC; check the tag too (the right block came back).
             for i, b in enumerate(r.blocks or []):
@@ -248,7 +248,7 @@ def time_ours_read(store: NVMeStore, w: Workload, headers: dict[str, Any]) -> tu
 
 
 def delete_ours(store: NVMeStore, w: Workload) -> None:
-    for fid in w.file_ids:
+    for fid in w.chunk_ids:
         with contextlib.suppress(FileNotFoundError):
             store.path(fid).unlink()
 

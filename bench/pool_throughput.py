@@ -178,9 +178,9 @@ def ours_store(store: MooncakeStore, w: Workload, ids: list[str]) -> tuple[float
 
     def on_result(r: Any) -> None:
         if r.ok and r.header is not None:
-            headers[r.file_id] = r.header
+            headers[r.chunk_id] = r.header
         else:
-            failed.append(f"{r.file_id}: {r.reason}")
+            failed.append(f"{r.chunk_id}: {r.reason}")
 
     t0 = time.perf_counter()
     for c, wb in enumerate(bufs):
@@ -201,7 +201,7 @@ def ours_load(store: MooncakeStore, w: Workload, ids: list[str], headers: dict[s
     def on_result(r: Any) -> None:
         nonlocal wrong
         if not r.ok:
-            failed.append(f"{r.file_id}: {r.reason}")
+            failed.append(f"{r.chunk_id}: {r.reason}")
             return
         for i, b in enumerate(r.blocks or []):  # CRCs are verified by the store; the tag says which block
             wrong += struct.unpack_from("<Q", b, 0)[0] != r.job_id * w.chunk_blocks + i

@@ -149,9 +149,9 @@ def ours_store(store: S3Store, w: Workload, ids: list[str]) -> tuple[float, dict
         for r in res:
             done += 1
             if r.ok and r.header is not None:
-                headers[r.file_id] = r.header
+                headers[r.chunk_id] = r.header
             else:
-                failed.append(f"{r.file_id}: {r.reason}")
+                failed.append(f"{r.chunk_id}: {r.reason}")
         if not res:
             time.sleep(0.0005)
     secs = time.perf_counter() - t0
@@ -172,7 +172,7 @@ def ours_load(store: S3Store, w: Workload, ids: list[str], headers: dict[str, Ch
         for r in res:
             done += 1
             if not r.ok:
-                failed.append(f"{r.file_id}: {r.reason}")
+                failed.append(f"{r.chunk_id}: {r.reason}")
                 continue
             for i, b in enumerate(r.blocks or []):  # CRCs are verified by the store; the tag says which block
                 wrong += struct.unpack_from("<Q", b, 0)[0] != r.job_id * w.chunk_blocks + i

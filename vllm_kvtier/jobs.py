@@ -32,11 +32,11 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk ``file_id`` of ``tier``
+    """Fill CPU ``slots[i]`` from block ``positions[i]`` of chunk ``chunk_id`` of ``tier``
     ("nvme": a file, "s3": an object); ``keys[i]`` is the key expected there."""
 
     tier: TierName
-    file_id: str
+    chunk_id: str
     positions: tuple[int, ...]
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
@@ -87,7 +87,7 @@ class ChunkWriteJob:
     """Write CPU ``slots[i]`` (holding ``keys[i]``) to ``tier`` as one chunk."""
 
     tier: TierName
-    file_id: str
+    chunk_id: str
     slots: tuple[int, ...]
     keys: tuple[bytes, ...]
 

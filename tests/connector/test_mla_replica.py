@@ -117,7 +117,7 @@ class Ranks:
 
     def load(self, job: ChunkWriteJob, into: list[int]) -> list[list[bytes]]:
         """Every rank reads ``job``'s chunk into its slots ``into``; each rank's bytes of them."""
-        read = ChunkRead(self.tier, job.file_id, tuple(range(len(job.keys))), tuple(into), job.keys)
+        read = ChunkRead(self.tier, job.chunk_id, tuple(range(len(job.keys))), tuple(into), job.keys)
         for w in self.workers:
             assert w.start_read(read) is not None
         finished: list[list[bool]] = [[] for _ in self.workers]
@@ -167,11 +167,11 @@ def test_nvme_stores_one_copy_and_both_ranks_load_it(tmp_path: Path) -> None:
         jobs = eng.save([0, 1, 2, 3])
         assert len(jobs) == 2  # two chunks of two blocks
         files = sorted(p.name for p in rank_dir(tmp_path, NS, 0).glob("*.kvt"))
-        assert files == sorted(f"{j.file_id}.kvt" for j in jobs)  # one file per block set, rank 0's name
+        assert files == sorted(f"{j.chunk_id}.kvt" for j in jobs)  # one file per block set, rank 0's name
         assert not rank_dir(tmp_path, NS, 1).exists()  # no second copy
         per_file = header_bytes_for(2) + 2 * align_up(SLOT)
         assert {p.stat().st_size for p in rank_dir(tmp_path, NS, 0).glob("*.kvt")} == {per_file}
-        assert eng.planner.locate(BlockKey(key(3))) == (jobs[1].file_id, 1)  # confirmed on one ack
+        assert eng.planner.locate(BlockKey(key(3))) == (jobs[1].chunk_id, 1)  # confirmed on one ack
         assert eng.usage() == 2 * per_file + ALIGN  # one copy (and its lock file), not one per rank
         assert eng.rank_counters[0].totals["blocks_stored|nvme"] == 4
         assert eng.rank_counters[1].totals["blocks_stored|nvme"] == 0
@@ -182,13 +182,13 @@ def test_nvme_stores_one_copy_and_both_ranks_load_it(tmp_path: Path) -> None:
 
         # A delete is the writer's: the file goes once, and the reader only forgets it.
         for w in eng.workers:
-            w.delete([jobs[0].file_id])
+            w.delete([jobs[0].chunk_id])
         eng.workers[0].store.wait(0.5)  # type: ignore[union-attr]
         deadline = time.monotonic() + 5
-        while (rank_dir(tmp_path, NS, 0) / f"{jobs[0].file_id}.kvt").exists() and time.monotonic() < deadline:
+        while (rank_dir(tmp_path, NS, 0) / f"{jobs[0].chunk_id}.kvt").exists() and time.monotonic() < deadline:
             eng.workers[0].poll()
             time.sleep(0.01)
-        assert not (rank_dir(tmp_path, NS, 0) / f"{jobs[0].file_id}.kvt").exists()
+        assert not (rank_dir(tmp_path, NS, 0) / f"{jobs[0].chunk_id}.kvt").exists()
     finally:
         eng.close()
 
@@ -205,7 +205,7 @@ def test_nvme_restart_finds_the_one_copy_for_every_rank(tmp_path: Path) -> None:
         first.close()
     again = Ranks(cfg, "nvme", replicated=True)
     try:
-        assert again.planner.locate(BlockKey(key(1))) == (jobs[0].file_id, 1)
+        assert again.planner.locate(BlockKey(key(1))) == (jobs[0].chunk_id, 1)
         assert again.load(jobs[0], [4, 5]) == [[latent(0), latent(1)]] * TP
     finally:
         again.close()
@@ -219,8 +219,8 @@ def test_sharded_model_keeps_one_chunk_per_rank(tmp_path: Path) -> None:
     try:
         jobs = eng.save([0, 1])
         for r in range(TP):
-            assert [p.name for p in rank_dir(tmp_path, NS, r).glob("*.kvt")] == [f"{jobs[0].file_id}.kvt"]
-        assert eng.planner.locate(BlockKey(key(0))) == (jobs[0].file_id, 0)
+            assert [p.name for p in rank_dir(tmp_path, NS, r).glob("*.kvt")] == [f"{jobs[0].chunk_id}.kvt"]
+        assert eng.planner.locate(BlockKey(key(0))) == (jobs[0].chunk_id, 0)
         per_file = header_bytes_for(2) + 2 * align_up(SLOT)
         assert eng.usage() == TP * (per_file + ALIGN)
     finally:
@@ -255,8 +255,8 @@ def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: 
     probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0), NS, r, SLOT) for r in range(TP)]
     try:
         jobs = eng.save([0, 1])
-        assert [j.file_id for j in jobs] == [key(0).hex(), key(1).hex()]  # one object per block, by its key
-        ids = [j.file_id for j in jobs]
+        assert [j.chunk_id for j in jobs] == [key(0).hex(), key(1).hex()]  # one object per block, by its key
+        ids = [j.chunk_id for j in jobs]
         assert probe[0].exists(ids) == [True, True]  # rank 0's keys
         assert probe[1].exists(ids) == [False, False]  # no second copy under rank 1
         assert eng.load(jobs[1], [5]) == [[latent(1)]] * TP

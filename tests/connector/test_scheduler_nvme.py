@@ -62,7 +62,7 @@ def test_promotions_never_evict_dram_blocks_of_the_same_load(tmp_path):
     (load,) = meta.loads
     assert load.asynchronous and not load.unloadable
     assert [r.keys for r in load.reads] == [(key(0), key(1))]
-    assert {r.file_id for r in load.reads} == {"f0"}
+    assert {r.chunk_id for r in load.reads} == {"f0"}
     # The evicted DRAM blocks were admitted, so they are demoted to NVMe in this step.
     assert sorted(k for job in meta.demotes for k in job.keys) == [key(100), key(101)]
 
@@ -128,7 +128,7 @@ def test_lookup_prefers_the_fastest_lower_tier_and_continues_into_s3(tmp_path):
     half.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
     meta = half.build_connector_meta(_Out({}))
     (load,) = meta.loads
-    by_tier = {(r.tier, r.file_id): (r.positions, r.keys) for r in load.reads}
+    by_tier = {(r.tier, r.chunk_id): (r.positions, r.keys) for r in load.reads}
     assert by_tier == {("nvme", "n0"): ((0, 1), (key(0), key(1))), ("s3", "o0"): ((1, 2), (key(2), key(3)))}
     assert load.asynchronous and not load.unloadable
     # A chunk being read is pinned: neither tier may evict it until the load ends.

@@ -213,7 +213,7 @@ def test_a_key_named_chunk_refused_as_unauthenticated_is_deleted_for_its_rewrite
     planner.note_request([k])
     planner.on_cpu_save(0, k)
     _, through, deletes = planner.take_jobs(set(), {k: 0}.get)
-    assert deletes == [k.hex()] and [j.file_id for j in through] == [k.hex()]
+    assert deletes == [k.hex()] and [j.chunk_id for j in through] == [k.hex()]
 
 
 def test_verify_keys_config(tmp_path: Any) -> None:

@@ -73,25 +73,25 @@ def wait_for(store: NVMeStore, job: int, timeout_s: float = 10.0) -> IOResult:
     raise AssertionError(f"job {job} gave no result within {timeout_s} s")
 
 
-def submit_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int) -> IOResult:
+def submit_chunk(store: NVMeStore, chunk_id: str, first: int, n: int, job: int) -> IOResult:
     wb = WriteBuffer([key(first + i) for i in range(n)], BLOCK)
     for i in range(n):
         with wb.block(i) as b:
             b[:] = block(first + i)
-    assert store.submit_write(job, file_id, wb)
+    assert store.submit_write(job, chunk_id, wb)
     return wait_for(store, job)
 
 
-def write_chunk(store: NVMeStore, file_id: str, first: int, n: int, job: int = 1) -> ChunkHeader:
-    r = submit_chunk(store, file_id, first, n, job)
+def write_chunk(store: NVMeStore, chunk_id: str, first: int, n: int, job: int = 1) -> ChunkHeader:
+    r = submit_chunk(store, chunk_id, first, n, job)
     assert r.ok and r.header is not None, r.reason
     return r.header
 
 
-def read_blocks(store: NVMeStore, file_id: str, header: ChunkHeader | None, positions: list[int],
+def read_blocks(store: NVMeStore, chunk_id: str, header: ChunkHeader | None, positions: list[int],
                 first: int = 0, job: int = 100) -> list[bytes] | FailureReason:
     """The blocks' bytes, or the reason the read failed."""
-    store.submit_read(job, file_id, header, positions, [key(first + p) for p in positions])
+    store.submit_read(job, chunk_id, header, positions, [key(first + p) for p in positions])
     r = wait_for(store, job)
     if not r.ok:
         assert r.reason is not None

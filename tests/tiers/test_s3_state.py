@@ -449,10 +449,10 @@ def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
     p.note_request([key(2)])
     p.on_cpu_save(0, BlockKey(key(2)))
     (job,) = p.take_jobs(set(), lambda k: 0)[1]
-    p.on_worker_meta(WorkerReport(written={("s3", job.file_id): 1}))
-    assert p.locate(BlockKey(key(2))) == (job.file_id, 0) and p.locate(BlockKey(key(1))) == ("theirs", 0)
-    p.on_worker_meta(WorkerReport(bad={("s3", "theirs"), ("s3", job.file_id)}))
-    assert p.take_jobs(set(), lambda k: None)[2] == [job.file_id]
+    p.on_worker_meta(WorkerReport(written={("s3", job.chunk_id): 1}))
+    assert p.locate(BlockKey(key(2))) == (job.chunk_id, 0) and p.locate(BlockKey(key(1))) == ("theirs", 0)
+    p.on_worker_meta(WorkerReport(bad={("s3", "theirs"), ("s3", job.chunk_id)}))
+    assert p.take_jobs(set(), lambda k: None)[2] == [job.chunk_id]
     assert p.locate(BlockKey(key(1))) is None and p.locate(BlockKey(key(2))) is None
     assert counters.totals["forgotten_chunks|s3"] == 1
     p.close()
@@ -488,7 +488,7 @@ def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: py
         step(p)
         if not p.rescan_pending():
             break
-    assert set(p.index.file_ids()) == set(_churn_listing(500 * 40, 500))
+    assert set(p.index.chunk_ids()) == set(_churn_listing(500 * 40, 500))
     p.close()
 
 
@@ -508,7 +508,7 @@ def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.Monkey
         step(p)
         if not p.rescan_pending():
             break
-    assert set(p.index.file_ids()) == set(_churn_listing(0, 5000))
+    assert set(p.index.chunk_ids()) == set(_churn_listing(0, 5000))
     assert counters.totals["rescan_resyncs|s3"] >= 1
     p.close()
 

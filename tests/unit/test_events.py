@@ -149,9 +149,9 @@ def test_lower_tier_write_is_announced_at_the_ack_and_eviction_removes_it():
     _, through, _ = p.take_jobs(set(), lambda k: 0)
     (job,) = through
     assert ev.take() == []  # reserved, being written
-    p.on_worker_meta(WorkerReport(written={("nvme", job.file_id): 1}))
+    p.on_worker_meta(WorkerReport(written={("nvme", job.chunk_id): 1}))
     assert ev.take() == []  # one rank of two
-    p.on_worker_meta(WorkerReport(written={("nvme", job.file_id): 1}))
+    p.on_worker_meta(WorkerReport(written={("nvme", job.chunk_id): 1}))
     assert flat(ev.take()) == [(True, "nvme", "LOCAL", key(1))]
     p.on_cpu_save(1, key(2))  # the next write evicts the first (capacity: one chunk a rank)
     p.take_jobs(set(), lambda k: 1)
@@ -267,7 +267,7 @@ def test_a_pool_lookup_finds_another_instances_block_remote_and_our_write_local(
     p.note_request([key(2)])
     p.on_cpu_save(0, key(2))
     (job,) = p.take_jobs(set(), lambda k: 0)[1]
-    p.on_worker_meta(WorkerReport(written={("mooncake", job.file_id): 1}))
+    p.on_worker_meta(WorkerReport(written={("mooncake", job.chunk_id): 1}))
     assert flat(ev.take()) == [(True, "mooncake", "LOCAL", key(2))]
     p.on_worker_meta(WorkerReport(bad={("mooncake", key(1).hex())}))  # unreadable: dropped
     assert flat(ev.take()) == [(False, "mooncake", "REMOTE", key(1))]

@@ -330,7 +330,7 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     (job,) = plan.verifies
     assert job.tiers == ("nvme",) * 4
     (read,) = job.reads
-    assert (read.tier, read.file_id, read.positions, read.keys) == ("nvme", "c1", (0, 1, 2, 3), tuple(keys))
+    assert (read.tier, read.chunk_id, read.positions, read.keys) == ("nvme", "c1", (0, 1, 2, 3), tuple(keys))
     assert read.slots == job.slots
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
                                                         verify_mismatched={(job.verify_id, keys[2])})))

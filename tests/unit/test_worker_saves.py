@@ -33,7 +33,7 @@ class _RecordingTier:
 
     def write(self, jobs: list[ChunkWriteJob], *, copy_now: bool = False) -> None:
         for j in jobs:
-            self.copy_now[j.file_id] = copy_now
+            self.copy_now[j.chunk_id] = copy_now
             slots = self.worker.slots
             assert slots is not None
             held = all(slots.holds(s, k) for s, k in zip(j.slots, j.keys, strict=True))
@@ -129,7 +129,7 @@ def test_saves_after_a_forward_run_on_through_the_next_one_and_are_waited_for_by
     # its lower-tier write is queued.
     w.begin_step(StepPlan(num_slots=SLOTS, step=3))
     assert held.waited == [save] and not w.saves.in_flight()
-    assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
+    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True)]
     assert tier.copy_now == {"f1": False}  # a write-through: copied on the store's thread
     assert w.slots is not None
     assert all(w.slots.holds(s, k) for s, k in zip(save.slots, save.keys, strict=True))
@@ -160,7 +160,7 @@ def test_a_step_that_uses_pool_slots_first_waits_for_the_last_forwards_saves_and
         assert w.take_load_errors() == {7}
     else:
         w.begin_step(StepPlan(num_slots=SLOTS, step=2, demotes=[ChunkWriteJob("nvme", "f9", (3,), (_key(9),))]))
-        assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
+        assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f9", False)]
         assert tier.copy_now == {"f9": True}  # a demotion: copied before this step's saves reuse the slot
     assert held.waited == [bad] and w.slots.key(3) is None
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
@@ -183,11 +183,11 @@ def test_a_lower_tier_write_waits_only_for_the_saves_issued_up_to_its_step():
     held.release.set()
     w.saves.in_flight()[0].transfer.wait()  # step 1's save is done; step 2's is held
     w.transfer_results(set())
-    assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True)]
+    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True)]
     assert [h.job for h in w.saves.in_flight()] == [s2]
     held2.release.set()
     w.shutdown()
-    assert [(j.file_id, ok) for j, ok in tier.written] == [("f1", True), ("f2", True)]
+    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True), ("f2", True)]
 
 
 def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
@@ -203,7 +203,7 @@ def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     w.end_step()
     w.begin_step(StepPlan(num_slots=SLOTS, step=3))
     assert w.slots is not None and w.slots.key(3) is None
-    assert [(j.file_id, ok) for j, ok in tier.written] == [("f9", False)]
+    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f9", False)]
     assert w.counters.totals[sample_key("store_failures", "cpu")] == 1
     w.shutdown()
 
@@ -242,7 +242,7 @@ def test_at_shutdown_a_failing_tier_stops_neither_the_others_writes_nor_their_cl
     assert w.saves.held_writes(), "held back behind the save on the copy thread"
     with pytest.raises(OSError, match="write refused") as info:
         w.shutdown()
-    assert [(j.file_id, ok) for j, ok in good.written] == [("f-nvme", True)]
+    assert [(j.chunk_id, ok) for j, ok in good.written] == [("f-nvme", True)]
     assert bad.closed and closes == ["good"]
     assert any("close failed" in n for n in info.value.__notes__)
     assert w.lower == {}

@@ -79,8 +79,8 @@ class Rescans(Catalog, Protocol):
         blocks. Counters of the catalog's own bounds ride in :attr:`RescanDelta.counts`."""
         ...
 
-    def note_written(self, file_id: str) -> None:
-        """``file_id`` is durable on every rank: a listing that starts after this call and
+    def note_written(self, chunk_id: str) -> None:
+        """``chunk_id`` is durable on every rank: a listing that starts after this call and
         does not show it means it was deleted. Never blocks; bounded (an id past the bound
         is dropped and counted)."""
         ...

@@ -63,14 +63,14 @@ class Rescanner:
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-rescan", daemon=True)
         self._thread.start()
 
-    def note_written(self, file_id: str) -> None:
-        """``file_id`` is durable on every rank (scheduler thread): a listing that starts
+    def note_written(self, chunk_id: str) -> None:
+        """``chunk_id`` is durable on every rank (scheduler thread): a listing that starts
         after this and does not show it means it was deleted. Bounded: past
         :data:`_MAX_PENDING_CHUNKS` ids waiting (listings failing) the id is dropped and
         counted; such a chunk, if deleted out of band, leaves the index at its first read."""
         with self._lock:
             if len(self._written) < _MAX_PENDING_CHUNKS:
-                self._written[file_id] = None
+                self._written[chunk_id] = None
             else:
                 self._written_dropped += 1
 

@@ -13,9 +13,9 @@ an authoritative listing no longer shows it) is :meth:`retire`-d: forgotten at o
 a load is reading it (pinned), no longer offered to lookups and forgotten when its last
 pin goes (:meth:`unpin`).
 
-**Watching** (KV events): :attr:`ChunkIndex.watch`, when set, is called as ``watch(file_id,
+**Watching** (KV events): :attr:`ChunkIndex.watch`, when set, is called as ``watch(chunk_id,
 keys, True)`` when keys become loadable from a file (confirmed, found, listed again) and
-``watch(file_id, keys, False)`` when they stop being loadable (evicted, removed, retired),
+``watch(chunk_id, keys, False)`` when they stop being loadable (evicted, removed, retired),
 synchronously, on the caller's thread; None (the default) costs nothing.
 """
 
@@ -54,20 +54,20 @@ class ChunkIndex:
         return len(self._loc)
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
-        """(file_id, position) of a loadable key."""
+        """(chunk_id, position) of a loadable key."""
         return self._loc.get(key)
 
     def knows(self, key: BlockKey) -> bool:
         """Stored or being written: no need to write it again."""
         return key in self._loc or key in self._pending
 
-    def reserve(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> list[str] | None:
+    def reserve(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int) -> list[str] | None:
         """Account for a file about to be written, evicting LRU files to make room.
 
         Returns the evicted file ids (the caller deletes them), or None if it cannot fit
         (everything else pinned or in flight; nothing is changed then)."""
         if self.capacity_bytes is None:
-            self._add(file_id, keys, nbytes)
+            self._add(chunk_id, keys, nbytes)
             return []
         if nbytes > self.capacity_bytes:
             return None
@@ -84,60 +84,60 @@ class ChunkIndex:
         for fid in victims:
             self.evicted_blocks += len(self._files[fid].keys)
             self.remove(fid)
-        self._add(file_id, keys, nbytes)
+        self._add(chunk_id, keys, nbytes)
         return victims
 
-    def _add(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> None:
-        self._files[file_id] = _File(tuple(keys), nbytes)
+    def _add(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int) -> None:
+        self._files[chunk_id] = _File(tuple(keys), nbytes)
         self._pending.update(keys)
         self.used_bytes += nbytes
 
-    def confirm(self, file_id: str) -> None:
-        f = self._files.get(file_id)
+    def confirm(self, chunk_id: str) -> None:
+        f = self._files.get(chunk_id)
         if f is None or f.confirmed:
             return
         f.confirmed = True
         self._pending.difference_update(f.keys)
-        self._locate_keys(file_id, f)
+        self._locate_keys(chunk_id, f)
 
-    def _locate_keys(self, file_id: str, f: _File) -> None:
+    def _locate_keys(self, chunk_id: str, f: _File) -> None:
         new = []
         for pos, k in enumerate(f.keys):
             if k not in self._loc:
-                self._loc[k] = (file_id, pos)
+                self._loc[k] = (chunk_id, pos)
                 new.append(k)
         if new and self.watch is not None:
-            self.watch(file_id, new, True)
+            self.watch(chunk_id, new, True)
 
-    def _unlocate_keys(self, file_id: str, f: _File) -> None:
+    def _unlocate_keys(self, chunk_id: str, f: _File) -> None:
         gone = []
         for pos, k in enumerate(f.keys):
-            if self._loc.get(k) == (file_id, pos):
+            if self._loc.get(k) == (chunk_id, pos):
                 del self._loc[k]
                 gone.append(k)
         if gone and self.watch is not None:
-            self.watch(file_id, gone, False)
+            self.watch(chunk_id, gone, False)
 
-    def add_existing(self, file_id: str, keys: Sequence[BlockKey], nbytes: int) -> bool:
+    def add_existing(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int) -> bool:
         """A file found on disk at start-up. False if it does not fit (caller deletes it)."""
         if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
             return False
-        self._files[file_id] = _File(tuple(keys), nbytes)
+        self._files[chunk_id] = _File(tuple(keys), nbytes)
         self.used_bytes += nbytes
-        self.confirm(file_id)
+        self.confirm(chunk_id)
         return True
 
-    def cancel(self, file_id: str) -> None:
+    def cancel(self, chunk_id: str) -> None:
         """A reserved write failed: forget it."""
-        self.remove(file_id)
+        self.remove(chunk_id)
 
-    def remove(self, file_id: str) -> tuple[BlockKey, ...]:
-        f = self._files.pop(file_id, None)
+    def remove(self, chunk_id: str) -> tuple[BlockKey, ...]:
+        f = self._files.pop(chunk_id, None)
         if f is None:
             return ()
         self.used_bytes -= f.nbytes
         self._pending.difference_update(f.keys)
-        self._unlocate_keys(file_id, f)
+        self._unlocate_keys(chunk_id, f)
         return f.keys
 
     def file_holding(self, key: BlockKey) -> str | None:
@@ -149,50 +149,50 @@ class ChunkIndex:
             return next((fid for fid, f in self._files.items() if not f.confirmed and key in f.keys), None)
         return None
 
-    def touch(self, file_id: str) -> None:
-        if file_id in self._files:
-            self._files.move_to_end(file_id)
+    def touch(self, chunk_id: str) -> None:
+        if chunk_id in self._files:
+            self._files.move_to_end(chunk_id)
 
-    def pin(self, file_id: str) -> None:
-        self._files[file_id].pins += 1
+    def pin(self, chunk_id: str) -> None:
+        self._files[chunk_id].pins += 1
 
-    def unpin(self, file_id: str) -> None:
-        f = self._files.get(file_id)
+    def unpin(self, chunk_id: str) -> None:
+        f = self._files.get(chunk_id)
         if f is not None and f.pins > 0:
             f.pins -= 1
             if f.pins == 0 and f.retired:
-                self.remove(file_id)
+                self.remove(chunk_id)
 
-    def retire(self, file_id: str) -> bool:
-        """The tier no longer holds ``file_id``: forget it now, or at its last unpin if a load
+    def retire(self, chunk_id: str) -> bool:
+        """The tier no longer holds ``chunk_id``: forget it now, or at its last unpin if a load
         is reading it. A file still being written (reserved, not confirmed) is ours in
         flight and is kept. True if it is forgotten (now, or at its last unpin)."""
-        f = self._files.get(file_id)
+        f = self._files.get(chunk_id)
         if f is None or not f.confirmed:
             return False
         if f.pins:  # no new lookup finds it; the loads reading it finish
             f.retired = True
-            self._unlocate_keys(file_id, f)
+            self._unlocate_keys(chunk_id, f)
         else:
-            self.remove(file_id)
+            self.remove(chunk_id)
         return True
 
-    def unretire(self, file_id: str) -> None:
-        """The tier holds ``file_id`` again (listed again before its last unpin)."""
-        f = self._files.get(file_id)
+    def unretire(self, chunk_id: str) -> None:
+        """The tier holds ``chunk_id`` again (listed again before its last unpin)."""
+        f = self._files.get(chunk_id)
         if f is not None and f.retired:
             f.retired = False
-            self._locate_keys(file_id, f)
+            self._locate_keys(chunk_id, f)
 
-    def __contains__(self, file_id: object) -> bool:
-        return file_id in self._files
+    def __contains__(self, chunk_id: object) -> bool:
+        return chunk_id in self._files
 
-    def file_ids(self) -> list[str]:
+    def chunk_ids(self) -> list[str]:
         return list(self._files)
 
-    def loadable_keys(self, file_id: str) -> list[BlockKey]:
-        """The keys lookups find in ``file_id`` now (none while it is written or retired)."""
-        f = self._files.get(file_id)
+    def loadable_keys(self, chunk_id: str) -> list[BlockKey]:
+        """The keys lookups find in ``chunk_id`` now (none while it is written or retired)."""
+        f = self._files.get(chunk_id)
         if f is None:
             return []
-        return [k for pos, k in enumerate(f.keys) if self._loc.get(k) == (file_id, pos)]
+        return [k for pos, k in enumerate(f.keys) if self._loc.get(k) == (chunk_id, pos)]

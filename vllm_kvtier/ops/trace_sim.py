@@ -573,7 +573,7 @@ def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey
             res.written_blocks += len(job.keys)
             if tier.block_bytes:  # the chunk's file (header and aligned blocks)
                 res.written_bytes += p.file_bytes(len(job.keys))
-            written[(p.tier, job.file_id)] = 1
+            written[(p.tier, job.chunk_id)] = 1
         reports.append(WorkerReport(written=written))
         saved = set()
     return reports

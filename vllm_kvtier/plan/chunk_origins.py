@@ -17,27 +17,27 @@ class ChunkOrigins:
         #: shared tiers: indexed chunks this process wrote (durable on every rank)
         self._written_here: set[str] = set()
 
-    def is_remote(self, file_id: str) -> bool:
-        return file_id in self._remote
+    def is_remote(self, chunk_id: str) -> bool:
+        return chunk_id in self._remote
 
-    def mark_remote(self, file_id: str) -> None:
-        self._remote.add(file_id)
+    def mark_remote(self, chunk_id: str) -> None:
+        self._remote.add(chunk_id)
 
-    def mark_ours(self, file_id: str, *, shared: bool) -> None:
-        """This process wrote ``file_id`` (every rank acknowledged it); ``shared``: on a
+    def mark_ours(self, chunk_id: str, *, shared: bool) -> None:
+        """This process wrote ``chunk_id`` (every rank acknowledged it); ``shared``: on a
         tier other instances read (remembered as written here)."""
-        self._remote.discard(file_id)
+        self._remote.discard(chunk_id)
         if shared:
-            self._written_here.add(file_id)
+            self._written_here.add(chunk_id)
 
-    def written_here(self, file_id: str) -> bool:
-        return file_id in self._written_here
+    def written_here(self, chunk_id: str) -> bool:
+        return chunk_id in self._written_here
 
-    def forget(self, file_id: str, *, remote: bool = True, written: bool = True) -> None:
+    def forget(self, chunk_id: str, *, remote: bool = True, written: bool = True) -> None:
         if remote:
-            self._remote.discard(file_id)
+            self._remote.discard(chunk_id)
         if written:
-            self._written_here.discard(file_id)
+            self._written_here.discard(chunk_id)
 
     def prune(self, indexed: int, live: Callable[[], Iterable[str]]) -> None:
         """Forget removed chunks once the sets outgrow the index (``indexed`` chunks;

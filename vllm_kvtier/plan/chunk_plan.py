@@ -209,7 +209,7 @@ class ChunkPlanner:
     def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
         """The chunks indexed now (a snapshot of their ids, ~100 B each; what is indexed
         later is reported by the watch), each as it is when the iterator reaches it."""
-        fids = self.index.file_ids()
+        fids = self.index.chunk_ids()
 
         def walk() -> Iterator[tuple[Sequence[BlockKey], Locality]]:
             for fid in fids:
@@ -255,7 +255,7 @@ class ChunkPlanner:
             if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
-        self.origins.prune(len(self.index), self.index.file_ids)  # (keys: >= chunks)
+        self.origins.prune(len(self.index), self.index.chunk_ids)  # (keys: >= chunks)
         if removed:
             self.counters.add(CounterName.RESCAN_REMOVED_CHUNKS, self.tier, removed)
         if n_files:
@@ -273,11 +273,11 @@ class ChunkPlanner:
         """Chunks of finished rescans not applied yet (added or removed)."""
         return self.merge.pending()
 
-    def reclaim(self, file_ids: Sequence[str]) -> None:
+    def reclaim(self, chunk_ids: Sequence[str]) -> None:
         """Delete these chunks (ours, left unusable: on only some ranks by a crashed
         predecessor, of another block size) with the next step's deletes; counted as
         ``reclaimed_files``. Indexed chunks are never reclaimed."""
-        fids = [f for f in file_ids if f not in self.index]
+        fids = [f for f in chunk_ids if f not in self.index]
         self._deletes.extend(fids)
         self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
@@ -323,9 +323,9 @@ class ChunkPlanner:
             return None
         return loc
 
-    def cool_down(self, file_id: str) -> None:
-        """A read of ``file_id`` failed: skip it in lookups for a while."""
-        self.cooling.start(file_id)
+    def cool_down(self, chunk_id: str) -> None:
+        """A read of ``chunk_id`` failed: skip it in lookups for a while."""
+        self.cooling.start(chunk_id)
 
     # ---- admission -----------------------------------------------------------------
 

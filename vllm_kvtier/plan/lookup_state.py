@@ -25,23 +25,23 @@ class CoolDown:
         #: chunk id -> monotonic time until which lookups skip it
         self._until: dict[str, float] = {}
 
-    def start(self, file_id: str) -> None:
-        """A read of ``file_id`` failed: skip it for :data:`FAILED_READ_COOLDOWN_S`."""
-        self._until[file_id] = time.monotonic() + FAILED_READ_COOLDOWN_S
+    def start(self, chunk_id: str) -> None:
+        """A read of ``chunk_id`` failed: skip it for :data:`FAILED_READ_COOLDOWN_S`."""
+        self._until[chunk_id] = time.monotonic() + FAILED_READ_COOLDOWN_S
         if len(self._until) > _COOLING_SWEEP:
             now = time.monotonic()
             self._until = {f: t for f, t in self._until.items() if t > now}
 
-    def cooling(self, file_id: str) -> bool:
-        """Whether lookups skip ``file_id`` now (a chunk whose time is up is forgotten)."""
+    def cooling(self, chunk_id: str) -> bool:
+        """Whether lookups skip ``chunk_id`` now (a chunk whose time is up is forgotten)."""
         if not self._until:
             return False
-        until = self._until.get(file_id)
+        until = self._until.get(chunk_id)
         if until is None:
             return False
         if time.monotonic() < until:
             return True
-        del self._until[file_id]
+        del self._until[chunk_id]
         return False
 
 
@@ -54,13 +54,13 @@ class AnsweredIds:
         self._now: dict[str, None] = {}
         self._before: dict[str, None] = {}
 
-    def add(self, file_id: str) -> None:
-        self._now[file_id] = None
+    def add(self, chunk_id: str) -> None:
+        self._now[chunk_id] = None
         if len(self._now) > ANSWERED_IDS:
             del self._now[next(iter(self._now))]
 
-    def __contains__(self, file_id: str) -> bool:
-        return file_id in self._now or file_id in self._before
+    def __contains__(self, chunk_id: str) -> bool:
+        return chunk_id in self._now or chunk_id in self._before
 
     def new_step(self) -> None:
         """A step begins: the answers of the step before last are forgotten."""

@@ -56,13 +56,13 @@ class RescanMerge:
         """A step begins: the next slice may be handed out."""
         self._sliced = False
 
-    def removing(self, file_id: str) -> bool:
-        """Whether a rescan no longer lists ``file_id`` and its removal waits for a slice."""
-        return bool(self._to_remove) and file_id in self._to_remove
+    def removing(self, chunk_id: str) -> bool:
+        """Whether a rescan no longer lists ``chunk_id`` and its removal waits for a slice."""
+        return bool(self._to_remove) and chunk_id in self._to_remove
 
-    def drop(self, file_id: str) -> None:
-        """Never add ``file_id`` from the deltas taken so far."""
-        self._to_add.pop(file_id, None)
+    def drop(self, chunk_id: str) -> None:
+        """Never add ``chunk_id`` from the deltas taken so far."""
+        self._to_add.pop(chunk_id, None)
 
     def take_forgets(self) -> list[str]:
         out, self._forgets = self._forgets, []

@@ -94,11 +94,6 @@ class IOResult:
         if not self.ok and self.reason is None:
             self.reason = FailureReason.ERROR
 
-    @property
-    def file_id(self) -> str:
-        """The chunk id (its name before the store contract was written down)."""
-        return self.chunk_id
-
     def release(self) -> None:
         if self.blocks is not None:
             for b in self.blocks:

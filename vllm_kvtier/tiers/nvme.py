@@ -8,7 +8,7 @@ this module is only the medium's byte primitives (:class:`NVMeMedium`) and the s
 scan. The scheduler half only reads file headers at start-up (:func:`scan_dir`) to rebuild
 its index.
 
-Directory layout: ``<path>/<namespace>/r<rank>/<file_id>.kvt`` where ``namespace`` digests
+Directory layout: ``<path>/<namespace>/r<rank>/<chunk_id>.kvt`` where ``namespace`` digests
 everything that changes the bytes (model, dtype, geometry, TP size, format), so two
 engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
 checked and locked before use (one engine per rank directory): see
@@ -183,7 +183,7 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
     why a header must not be indexed (the store's :meth:`~vllm_kvtier.tiers.kernel.StoreKernel.refuses`:
     not signed with an accepted key, a MAC that does not verify), or None.
 
-    Returns ({file_id: header}, {problem: count}). With ``cleanup`` (the worker that owns
+    Returns ({chunk_id: header}, {problem: count}). With ``cleanup`` (the worker that owns
     the directory), leftover ``.tmp-*`` files of an interrupted write and files whose
     bytes fail to verify (bad magic, CRC, sizes, truncated: a ChunkFormatError) are
     deleted; the scheduler scans read-only. A file that could not be read (an OSError:

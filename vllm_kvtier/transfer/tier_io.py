@@ -152,7 +152,7 @@ class ChunkWorker:
         if not self.writes:
             return
         for job in jobs:
-            ref = (self.tier, job.file_id)
+            ref = (self.tier, job.chunk_id)
             if not all(self.slots.holds(s, k) for s, k in zip(job.slots, job.keys, strict=True)):
                 self._meta.failed.add(ref)
                 continue
@@ -169,13 +169,13 @@ class ChunkWorker:
             except (MemoryError, OSError) as e:  # no memory for the buffer: not written now
                 if not out_of_memory(e):
                     raise
-                logger.warning("kvtier %s: no memory for a write buffer of %s: %s", self.tier, job.file_id, e)
+                logger.warning("kvtier %s: no memory for a write buffer of %s: %s", self.tier, job.chunk_id, e)
                 self.counters.add(CounterName.NO_BUFFER, self.tier)
                 self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # like a full queue: back-pressure, not a failing tier
                 continue
             wid = next(self._ids)
-            if not self.store.submit_write(wid, job.file_id, wb):
+            if not self.store.submit_write(wid, job.chunk_id, wb):
                 wb.buf.close()
                 self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
@@ -183,42 +183,42 @@ class ChunkWorker:
             self._writing[wid] = len(job.keys)
             self.clean(job.slots)
 
-    def delete(self, file_ids: list[str]) -> None:
-        for fid in file_ids:
+    def delete(self, chunk_ids: list[str]) -> None:
+        for fid in chunk_ids:
             self._drop_header(fid)
             if self.store is not None and self.writes:  # the writer's file: it deletes it
                 self.store.submit_delete(fid)
 
-    def forget(self, file_ids: list[str]) -> None:
+    def forget(self, chunk_ids: list[str]) -> None:
         """Chunks a rescan no longer lists: their cached headers go, and a store that keeps
         a writer's manifest (S3) prunes them from it. No request is sent."""
-        for fid in file_ids:
+        for fid in chunk_ids:
             self._drop_header(fid)
-        if file_ids and self.writes and isinstance(self.store, Forgets):
-            self.store.forget(file_ids)
+        if chunk_ids and self.writes and isinstance(self.store, Forgets):
+            self.store.forget(chunk_ids)
 
     # ---- reads --------------------------------------------------------------------
 
     def start_read(self, read: ChunkRead, *, prefetch: bool = False) -> int | None:
         """Queue a read; its id, or None if it cannot be read here (a miss)."""
-        header = self.headers.get(read.file_id)
+        header = self.headers.get(read.chunk_id)
         if self.store is None or (header is None and not self.fetches_headers):
-            self._meta.bad.add((self.tier, read.file_id))
+            self._meta.bad.add((self.tier, read.chunk_id))
             return None
         rid = next(self._ids)
         self._reads[rid] = read
         if prefetch:  # counted by the scheduler as prefetch_blocks, not as a request's load
             self._prefetch_reads.add(rid)
         # header None only for a store that fetches it (see fetches_headers).
-        self.store.submit_read(rid, read.file_id, header, list(read.positions), list(read.keys))
+        self.store.submit_read(rid, read.chunk_id, header, list(read.positions), list(read.keys))
         return rid
 
-    def _keep_header(self, file_id: str, header: ChunkHeader) -> None:
+    def _keep_header(self, chunk_id: str, header: ChunkHeader) -> None:
         if not self.fetches_headers:
-            self.headers[file_id] = header
+            self.headers[chunk_id] = header
             return
-        self._drop_header(file_id)
-        self.headers[file_id] = header
+        self._drop_header(chunk_id)
+        self.headers[chunk_id] = header
         self._header_bytes += header_memory_bytes(header)
         self._trim_headers()
 
@@ -227,8 +227,8 @@ class ChunkWorker:
         while self.headers and (len(self.headers) > self.max_headers or self._header_bytes > self.max_header_bytes):
             self._header_bytes -= header_memory_bytes(self.headers.popitem(last=False)[1])
 
-    def _drop_header(self, file_id: str) -> None:
-        h = self.headers.pop(file_id, None)
+    def _drop_header(self, chunk_id: str) -> None:
+        h = self.headers.pop(chunk_id, None)
         if h is not None and self.fetches_headers:
             self._header_bytes -= header_memory_bytes(h)
 
@@ -257,11 +257,11 @@ class ChunkWorker:
                             self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
                             self._fill(slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
-                        logger.warning("kvtier %s: %s: %s", self.tier, read.file_id, e)
+                        logger.warning("kvtier %s: %s: %s", self.tier, read.chunk_id, e)
                         ok, reason = False, FailureReason.FORMAT
                 if ok:
                     if res.header is not None:
-                        self._keep_header(read.file_id, res.header)
+                        self._keep_header(read.chunk_id, res.header)
                     if not was_prefetch:
                         self.counters.add(CounterName.READS, self.tier)
                         self.counters.add(CounterName.BLOCKS_LOADED, self.tier, len(read.slots))
@@ -269,18 +269,18 @@ class ChunkWorker:
                         self.counters.add(CounterName.LOAD_SECONDS, self.tier, res.seconds)
                 else:
                     logger.warning("kvtier %s: read of %s failed (%s); recomputing %d blocks",
-                                   self.tier, read.file_id, reason, len(read.slots))
+                                   self.tier, read.chunk_id, reason, len(read.slots))
                     self.counters.add(CounterName.LOAD_FAILURES, self.tier, len(read.slots))
                     if reason is FailureReason.NO_BUFFER:
                         self.counters.add(CounterName.NO_BUFFER, self.tier)
                     if reason in AUTH_REASONS:
                         self.counters.add(CounterName.AUTH_FAILURES, self.tier)
                     if reason is not None and reason.damaged:
-                        self._meta.bad.add((self.tier, read.file_id))
-                        self._drop_header(read.file_id)
+                        self._meta.bad.add((self.tier, read.chunk_id))
+                        self._drop_header(read.chunk_id)
                     elif reason is FailureReason.UNAUTHENTICATED:  # forgotten, not deleted
-                        self._meta.untrusted.add((self.tier, read.file_id))
-                        self._drop_header(read.file_id)
+                        self._meta.untrusted.add((self.tier, read.chunk_id))
+                        self._drop_header(read.chunk_id)
                 res.release()
                 finished.append((res.job_id, read, ok))
         self._report_remote()
@@ -299,11 +299,11 @@ class ChunkWorker:
         self.counters.set_gauge(GaugeName.BREAKER_STATE, self.tier, int(st.breaker.state))
 
     def _on_write(self, res: IOResult) -> None:
-        ref = (self.tier, res.file_id)
+        ref = (self.tier, res.chunk_id)
         nblocks = self._writing.pop(res.job_id, 0)
         if res.ok:
             assert res.header is not None
-            self._keep_header(res.file_id, res.header)
+            self._keep_header(res.chunk_id, res.header)
             self._meta.written[ref] = self._meta.written.get(ref, 0) + 1
             self.counters.add(CounterName.BLOCKS_STORED, self.tier, res.header.nblocks)
             self.counters.add(CounterName.BYTES_STORED, self.tier, res.nbytes)

@@ -202,7 +202,7 @@ class WorkerHalf:
         """A namespace conflict: the step's lower-tier writes are reported failed (the
         scheduler drops those chunks; its breaker pauses the tier), each counted."""
         for job in meta.demotes + meta.write_through:
-            self._report.failed.add((job.tier, job.file_id))
+            self._report.failed.add((job.tier, job.chunk_id))
             self.counters.add(CounterName.NAMESPACE_MISMATCH, job.tier)
         for read in [r for load in meta.loads for r in load.reads] + [r for pf in meta.prefetches for r in pf.reads]:
             self.counters.add(CounterName.NAMESPACE_MISMATCH, read.tier)
