@@ -141,7 +141,7 @@ def compare(base: list[dict], run: list[dict]) -> dict[str, Any]:
 
 
 def payload_bytes(nvme_dir: Path) -> int:
-    from vllm_kvtier.tiers.nvme import read_header
+    from vllm_kvtier.tiers.nvme.store import read_header
 
     files = sorted(nvme_dir.rglob("*.kvt"))
     sizes = {read_header(f, f.parent.parent.name).block_bytes for f in files}

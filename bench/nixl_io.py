@@ -29,7 +29,7 @@ completion, MB = 1e6 bytes; after ``--warmup`` untimed rounds, tables show media
 rounds, the ratio of medians, the paired ratio (median over rounds of the ratio within a
 round) and in how many rounds NIXL was the faster (about half: no evidence either way). The process CPU time of the
 store sides (all threads, median) is kept too. ``UCX_MODULES=^ib`` is set unless the caller
-set it (see vllm_kvtier/tiers/nixl_agent.py).
+set it (see vllm_kvtier/tiers/nixl/agent.py).
 
     python bench/nixl_io.py                                  # both tiers, defaults
     python bench/nixl_io.py --only nvme --dir /mnt/nvme/tmp --total-mib 4096
@@ -61,8 +61,8 @@ sys.path.insert(0, str(ROOT))
 from bench import nvme_throughput as nv  # noqa: E402
 from bench import s3_throughput as s3b  # noqa: E402
 from bench._common import save_json  # noqa: E402
-from vllm_kvtier.tiers.nvme import NVMeStore  # noqa: E402
-from vllm_kvtier.tiers.s3 import S3Config, S3Store  # noqa: E402
+from vllm_kvtier.tiers.nvme.store import NVMeStore  # noqa: E402
+from vllm_kvtier.tiers.s3.store import S3Config, S3Store  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import save_json  # noqa: E402
-from vllm_kvtier.tiers.nixl_agent import NixlAgent, NixlConfig, PeerInfo  # noqa: E402
+from vllm_kvtier.tiers.nixl.agent import NixlAgent, NixlConfig, PeerInfo  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20

@@ -77,7 +77,7 @@ from vllm_kvtier.config import NVMeTierConfig  # noqa: E402
 from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.base import IOResult  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
-from vllm_kvtier.tiers.nvme import NVMeStore, scan_dir  # noqa: E402
+from vllm_kvtier.tiers.nvme.store import NVMeStore, scan_dir  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20

@@ -70,7 +70,7 @@ from bench._common import save_json  # noqa: E402
 from testkit.mooncake_server import MooncakeMaster  # noqa: E402
 from vllm_kvtier.chunkformat import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
-from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore  # noqa: E402
+from vllm_kvtier.tiers.mooncake.store import MooncakeConfig, MooncakeStore  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20

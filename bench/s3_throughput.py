@@ -55,7 +55,7 @@ from testkit.s3_server import MotoServer, aws_test_env  # noqa: E402
 from vllm_kvtier.chunkformat import ChunkHeader  # noqa: E402
 from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
-from vllm_kvtier.tiers.s3 import S3Config, S3Store  # noqa: E402
+from vllm_kvtier.tiers.s3.store import S3Config, S3Store  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20

@@ -555,7 +555,7 @@ def main() -> int:
     nvme_kv["kv_connector_extra_config"]["nvme"] = {
         "path": str(nvme_dir), "capacity_bytes": 2**30, "mode": "write-through",
         "admit_min_seen": 1}
-    from vllm_kvtier.tiers.nvme import probe_direct_io
+    from vllm_kvtier.tiers.nvme.store import probe_direct_io
     direct, why = probe_direct_io(nvme_dir)
     nvme_io = "O_DIRECT" if direct else f"buffered + fadvise(DONTNEED) ({why})"
     # The restart rows: each its own fresh directory, so B finds only what its A stored.

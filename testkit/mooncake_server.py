@@ -141,7 +141,7 @@ class MooncakeMaster:
 
     def config(self, **overrides: Any) -> Any:
         """A MooncakeConfig for this master, sized for tests (small segment and arena)."""
-        from vllm_kvtier.tiers.mooncake import MooncakeConfig
+        from vllm_kvtier.tiers.mooncake.store import MooncakeConfig
 
         kw: dict[str, Any] = dict(
             master=self.address, local_hostname="127.0.0.1", global_segment_bytes=64 * MiB,

@@ -18,7 +18,7 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def serve(conn: Connection, name: str, nbytes: int, seed: int) -> None:
-    from vllm_kvtier.tiers.nixl_agent import NixlAgent
+    from vllm_kvtier.tiers.nixl.agent import NixlAgent
 
     pool = pattern(nbytes, seed)
     agent = NixlAgent(name)

@@ -31,7 +31,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.ops.capacity import kv_bytes_per_token, model_from_hf_config
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import rank_dir
+from vllm_kvtier.tiers.nvme.store import rank_dir
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 
@@ -247,7 +247,7 @@ def test_s3_stores_one_object_and_both_ranks_load_it(s3_server: MotoServer, s3_b
 
 @pytest.mark.mooncake
 def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: MooncakeMaster) -> None:
-    from vllm_kvtier.tiers.mooncake import MooncakeStore
+    from vllm_kvtier.tiers.mooncake.store import MooncakeStore
 
     pool = {"master": mooncake_master.address, "local_hostname": "127.0.0.1", "global_segment_bytes": 16 * 2**20,
             "local_buffer_bytes": 4 * 2**20, "transfer_buffer_bytes": 4 * 2**20, "lookup_timeout_s": 2.0}

@@ -18,7 +18,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import NVMeStore, rank_dir
+from vllm_kvtier.tiers.nvme.store import NVMeStore, rank_dir
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 

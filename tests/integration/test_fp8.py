@@ -19,7 +19,7 @@ from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import read_header
+from vllm_kvtier.tiers.nvme.store import read_header
 from vllm_kvtier.transfer.fp8 import (
     FP8_FORMAT,
     GROUP,

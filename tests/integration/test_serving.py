@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.conftest import BLOCK_SIZE, Result, assert_same_tokens, kvtier_config, reuse_scenario
-from vllm_kvtier.tiers.nvme import read_header
+from vllm_kvtier.tiers.nvme.store import read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 P1_BLOCKS = (320 - 1) // BLOCK_SIZE  # a sync load (DRAM) stops before the block of the last token

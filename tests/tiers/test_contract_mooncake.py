@@ -23,7 +23,7 @@ from tests.tiers.contract import BLOCK, MAX_BLOCKS, NS, SMALL, StoreContract, bl
 from vllm_kvtier.chunkformat import ChunkHeader, max_chunk_bytes
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.mooncake import MooncakeStore
+from vllm_kvtier.tiers.mooncake.store import MooncakeStore
 
 pytestmark = pytest.mark.mooncake
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
 from tests.tiers.contract import BLOCK, NS, FileMediumContract, StoreContract
-from vllm_kvtier.tiers.nvme import NVMeStore
-from vllm_kvtier.tiers.nvme_dir import DirectoryLocked
+from vllm_kvtier.tiers.nvme.dirs import DirectoryLocked
+from vllm_kvtier.tiers.nvme.store import NVMeStore
 
 nixl_env = nixl_env  # fixtures: the UCX/NIXL environment of the nixl binding
 nixl_engine_env = nixl_engine_env

@@ -23,8 +23,8 @@ from vllm_kvtier.chunkformat import encode_header, make_header
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool
-from vllm_kvtier.tiers.manifest import MAGIC, SIG_BYTES, VERSION, encode_manifest, sign_manifest
-from vllm_kvtier.tiers.s3 import S3Config, S3Store
+from vllm_kvtier.tiers.s3.manifest import MAGIC, SIG_BYTES, VERSION, encode_manifest, sign_manifest
+from vllm_kvtier.tiers.s3.store import S3Config, S3Store
 
 pytestmark = pytest.mark.s3
 s3_server = s3srv.s3_server  # fixtures: a moto server for this module, a fresh bucket per test

@@ -28,7 +28,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
-from vllm_kvtier.tiers.s3 import S3Store
+from vllm_kvtier.tiers.s3.store import S3Store
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 

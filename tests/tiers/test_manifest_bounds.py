@@ -17,8 +17,8 @@ import pytest
 
 from vllm_kvtier.chunkformat import ChunkFormatError, make_header
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.manifest import MAGIC, VERSION, decode_manifest, encode_manifest
-from vllm_kvtier.tiers.s3 import S3Store
+from vllm_kvtier.tiers.s3.manifest import MAGIC, VERSION, decode_manifest, encode_manifest
+from vllm_kvtier.tiers.s3.store import S3Store
 
 NS = "manifest00000000"
 SMALL = 2 << 20  # one step of inflated payload plus an entry

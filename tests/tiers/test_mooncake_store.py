@@ -16,7 +16,7 @@ from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.mooncake import MooncakeConfig, MooncakeStore
+from vllm_kvtier.tiers.mooncake.store import MooncakeConfig, MooncakeStore
 
 mooncake_master = mcsrv.mooncake_master  # fixture: one master for this module
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.nixl_peer import pattern, serve
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.tiers.nixl_agent import NixlAgent, NixlConfig, PeerInfo, Region, XferResult
+from vllm_kvtier.tiers.nixl.agent import NixlAgent, NixlConfig, PeerInfo, Region, XferResult
 
 HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12"))
 requires_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="nixl is not installed (run tools/setup-remote.sh)")
@@ -36,7 +36,7 @@ BLK = 64 * 1024
 def ucx_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No RDMA here: keep UCX's InfiniBand module out, or a process that used UCX can crash
     at exit where libibverbs' provider plugins are installed (see the module doc of
-    vllm_kvtier.tiers.nixl_agent). The spawned peer inherits it."""
+    vllm_kvtier.tiers.nixl.agent). The spawned peer inherits it."""
     monkeypatch.setenv("UCX_MODULES", "^ib")
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
 

@@ -29,8 +29,7 @@ from vllm_kvtier.chunkformat import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.nvme import NVMeStore
-from vllm_kvtier.tiers.nvme_dir import (
+from vllm_kvtier.tiers.nvme.dirs import (
     LOCK_NAME,
     DirectoryLocked,
     UnsafeDirectory,
@@ -38,6 +37,7 @@ from vllm_kvtier.tiers.nvme_dir import (
     foreign_namespaces,
     lock_holder,
 )
+from vllm_kvtier.tiers.nvme.store import NVMeStore
 
 BLOCK = 3000
 FILE = header_bytes_for(1) + align_up(BLOCK)  # one one-block chunk on disk
@@ -278,7 +278,7 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import resource, signal, sys, time
         from vllm_kvtier.tiers.buffers import WriteBuffer
-        from vllm_kvtier.tiers.nvme import NVMeStore
+        from vllm_kvtier.tiers.nvme.store import NVMeStore
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         t = NVMeStore(sys.argv[1], "ns", 0, {BLOCK})
         def result(job):
@@ -523,7 +523,7 @@ def test_owner_scan_keeps_a_chunk_it_could_not_read(tmp_path: Path, monkeypatch:
     descriptors, an I/O error, a permission) says nothing about its bytes: the file is
     skipped and counted, not deleted; a damaged file (bad magic) still is, and the next
     scan finds the kept one."""
-    import vllm_kvtier.tiers.nvme as nvme_mod
+    import vllm_kvtier.tiers.nvme.store as nvme_mod
 
     a = NVMeStore(tmp_path, NS, 0, BLOCK)
     h = write_chunk(a, "good", 1, 1, job=1)

@@ -28,7 +28,7 @@ KEY = bytes(range(32))
 
 @pytest.fixture(autouse=True)
 def _ucx_env(monkeypatch):
-    monkeypatch.setenv("UCX_MODULES", "^ib")  # no RDMA NIC here (see tiers/nixl_agent.py)
+    monkeypatch.setenv("UCX_MODULES", "^ib")  # no RDMA NIC here (see tiers/nixl/agent.py)
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
 
 

@@ -29,8 +29,8 @@ from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
-from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
-from vllm_kvtier.tiers.s3 import S3Store
+from vllm_kvtier.tiers.s3.manifest import decode_manifest, encode_manifest
+from vllm_kvtier.tiers.s3.store import S3Store
 
 pytestmark = pytest.mark.s3
 s3_server = s3srv.s3_server

@@ -28,9 +28,9 @@ from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
-from vllm_kvtier.tiers.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.resilience import BreakerState, CircuitBreaker
-from vllm_kvtier.tiers.s3 import S3Config, S3Store
+from vllm_kvtier.tiers.s3.manifest import decode_manifest, encode_manifest
+from vllm_kvtier.tiers.s3.store import S3Config, S3Store
 
 pytestmark = pytest.mark.s3
 s3_server = s3srv.s3_server  # fixtures: a moto server for this module, a fresh bucket per test
@@ -555,7 +555,7 @@ def test_read_body_into_without_urllib3_layers_goes_through_readinto() -> None:
     import io
 
     from vllm_kvtier.chunkformat import ChunkFormatError
-    from vllm_kvtier.tiers.s3 import read_body_into
+    from vllm_kvtier.tiers.s3.store import read_body_into
 
     out = bytearray(10)
     read_body_into(io.BytesIO(b"0123456789"), memoryview(out))

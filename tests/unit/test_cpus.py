@@ -16,7 +16,7 @@ from vllm_kvtier import cpus
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nvme import NVMeStore
+from vllm_kvtier.tiers.nvme.store import NVMeStore
 from vllm_kvtier.transfer.copier import HostCopyEngine
 from vllm_kvtier.transfer.layout import build_layout
 

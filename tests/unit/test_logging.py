@@ -19,8 +19,8 @@ def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging
         configure_logging(LoggingConfig())  # as an engine does at start
-        logging.getLogger("vllm_kvtier.tiers.nvme").info("kvtier-probe-info")
-        logging.getLogger("vllm_kvtier.tiers.nvme").debug("kvtier-probe-debug")
+        logging.getLogger("vllm_kvtier.tiers.nvme.store").info("kvtier-probe-info")
+        logging.getLogger("vllm_kvtier.tiers.nvme.store").debug("kvtier-probe-debug")
         """
     )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **env_extra}

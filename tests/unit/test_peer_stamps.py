@@ -16,7 +16,7 @@ from vllm_kvtier.config import NixlConfig, NixlTierConfig
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, PeerRead
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.cpu import CPUPool
-from vllm_kvtier.tiers.nixl_agent import PeerInfo, Region, XferResult
+from vllm_kvtier.tiers.nixl.agent import PeerInfo, Region, XferResult
 from vllm_kvtier.transfer.peer import STAMP
 
 PLANES = (4096, 4096)
@@ -79,7 +79,7 @@ class FakeAgent:
 
 @pytest.fixture
 def links(monkeypatch):
-    import vllm_kvtier.tiers.nixl_agent as agent_mod
+    import vllm_kvtier.tiers.nixl.agent as agent_mod
     from vllm_kvtier.transfer.peer import PeerLink
 
     monkeypatch.setattr(agent_mod, "NixlAgent", FakeAgent)

@@ -18,7 +18,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.tiers.base import Forgets, Probeable, ReportsRemoteStats, Scannable
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
-from vllm_kvtier.tiers.mooncake import MooncakeStore
+from vllm_kvtier.tiers.mooncake.store import MooncakeStore
 from vllm_kvtier.tiers.registry import TIERS, StoreContext, install_hint, open_store, store_class, tier_entry
 from vllm_kvtier.tiers.resilience import BreakerSnapshot, BreakerState, RemoteStats
 from vllm_kvtier.transfer.slots import SlotTable

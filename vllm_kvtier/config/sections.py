@@ -207,7 +207,7 @@ class NVMeTierConfig(_FixedHeaderCache):
     #: Each setting has its own namespace: neither ever reads the other's blocks.
     storage_dtype: Literal["native", "fp8"] = "native"
     #: What moves the bytes between the chunk buffers and the files
-    #: (:mod:`vllm_kvtier.tiers.file_io`). "posix" (default): ``pwrite``/``preadv`` in the
+    #: (:mod:`vllm_kvtier.tiers.nvme.file_io`). "posix" (default): ``pwrite``/``preadv`` in the
     #: I/O threads. "nixl": NIXL's POSIX backend (Linux AIO; needs the nixl package).
     #: "nixl-gds": NIXL's GDS backend (cuFile; only where that plugin loads, i.e. a CUDA host
     #: with libcufile). File names, syncs, headers and checksums are the same for all three,
@@ -250,7 +250,7 @@ class S3TierConfig:
     """The object-store tier: chunk objects in ``store.bucket`` under ``store.prefix``.
 
     In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.s3_config.S3Config` (bucket, prefix, region, endpoint_url,
+    :class:`~vllm_kvtier.tiers.s3.config.S3Config` (bucket, prefix, region, endpoint_url,
     path_style, ca_bundle, profile, timeouts, retries, breaker, threads, multipart,
     manifests, io_engine) next to the policy fields below. No credential field exists: credentials
     come from the standard AWS chain (environment, profile, IRSA, instance metadata).
@@ -315,7 +315,7 @@ class MooncakeTierConfig(_FixedHeaderCache):
     prefill/decode disaggregation (the prefill instance writes, the decode one loads).
 
     In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.mooncake.MooncakeConfig` (master, metadata_server,
+    :class:`~vllm_kvtier.tiers.mooncake.store.MooncakeConfig` (master, metadata_server,
     local_hostname, protocol, device_name, segment and buffer sizes, deadline_s, threads,
     replicas, breaker) next to the policy fields below. One object per block, named by the
     block's chained hash, so any instance finds a prefix from its own block hashes; leases
@@ -382,7 +382,7 @@ class NixlTierConfig:
     """Prefill/decode disaggregation peer to peer: the decode instance reads a prompt's
     blocks straight out of the prefill instance's CPU tier over NIXL (UCX: RDMA, or TCP /
     shared memory on one host), using the ``kv_transfer_params`` vLLM passes through the
-    request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl_agent.NixlConfig`'s
+    request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl.agent.NixlConfig`'s
     fields (backends, deadline_s, num_threads, progress_thread) next to ``hold_s``."""
 
     store: NixlConfig

@@ -93,7 +93,7 @@ class S3Config:
     #: manifest instead of adding one. Set one per instance when two instances of the same
     #: model and rank share a host name.
     writer_id: str = ""
-    #: What moves chunk objects' bytes (:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`).
+    #: What moves chunk objects' bytes (:class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO`).
     #: "boto3" (default): boto3 requests from the I/O threads. "nixl": NIXL's OBJ backend
     #: (aws-sdk-cpp; needs the nixl-cu12 package) for chunk PUTs up to
     #: ``multipart_threshold_bytes`` and for every chunk GET, whole or ranged; listing,

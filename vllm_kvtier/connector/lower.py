@@ -49,8 +49,8 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
-from vllm_kvtier.tiers.nvme import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
-from vllm_kvtier.tiers.nvme_dir import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
+from vllm_kvtier.tiers.nvme.dirs import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
+from vllm_kvtier.tiers.nvme.store import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.registry import StoreContext, open_store, tier_entry
 from vllm_kvtier.transfer.fp8 import (
     StorageDtype,
@@ -63,7 +63,7 @@ from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 
 if TYPE_CHECKING:
-    from vllm_kvtier.tiers.s3 import S3Store
+    from vllm_kvtier.tiers.s3.store import S3Store
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ How the media map onto it:
 
 * **memory** (:mod:`~vllm_kvtier.tiers.memory`): a dict of bytearrays; ``read_shape``
   "span"; the reference implementation.
-* **NVMe** (:mod:`~vllm_kvtier.tiers.nvme`): one file per chunk; ``put`` = tmp file +
+* **NVMe** (:mod:`~vllm_kvtier.tiers.nvme.store`): one file per chunk; ``put`` = tmp file +
   fdatasync + rename; ``read_into`` = open (O_NONBLOCK, refuses non-regular files; O_DIRECT
   when probed), a hole check (SEEK_HOLE), then the ``nvme.io_engine``'s read;
   ``read_shape`` "span" (one aligned range from the first to the last wanted block: one
@@ -63,9 +63,9 @@ How the media map onto it:
   A read with no header (another writer's chunk) probes the first 4 KiB through
   ``read_into`` (the kernel bounds the announced header before fetching the rest). A read
   of every block is one plain GET of the whole object (:class:`WholeObjectMedium`).
-  ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.manifest.decode_manifest`'s
+  ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.s3.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
-* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake`): ``SizedMedium.size_of`` = ``get_size``
+* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake.store`): ``SizedMedium.size_of`` = ``get_size``
   from the master (the kernel bounds it by :func:`max_chunk_bytes` before it takes memory);
   ``AllocatingMedium.take_buffer`` = a slice of the registered arena (None: ``no_buffer``);
   ``BatchingMedium.read_batch`` = ``batch_get_into`` of whole objects, ``put_batch`` = copy

@@ -89,10 +89,10 @@ class TierEntry:
 TIERS: dict[str, TierEntry] = {
     entry.name: entry
     for entry in (
-        TierEntry("nvme", "vllm_kvtier.tiers.nvme:NVMeStore", shared=False),
-        TierEntry("s3", "vllm_kvtier.tiers.s3:S3Store", requires=("boto3",),
+        TierEntry("nvme", "vllm_kvtier.tiers.nvme.store:NVMeStore", shared=False),
+        TierEntry("s3", "vllm_kvtier.tiers.s3.store:S3Store", requires=("boto3",),
                   install_hint="the S3 tier needs boto3: pip install 'vllm-kvtier[s3]'"),
-        TierEntry("mooncake", "vllm_kvtier.tiers.mooncake:MooncakeStore", requires=("mooncake.store",),
+        TierEntry("mooncake", "vllm_kvtier.tiers.mooncake.store:MooncakeStore", requires=("mooncake.store",),
                   install_hint=(
                       "the Mooncake tier needs the mooncake-transfer-engine package and libibverbs: "
                       "pip install mooncake-transfer-engine (GPU hosts) or mooncake-transfer-engine-non-cuda "

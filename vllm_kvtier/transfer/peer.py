@@ -53,7 +53,7 @@ from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 
 if TYPE_CHECKING:
-    from vllm_kvtier.tiers.nixl_agent import PeerInfo
+    from vllm_kvtier.tiers.nixl.agent import PeerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class PeerLink:
     def __init__(self, cfg: NixlTierConfig, pool: CPUPool, *, rank: int, counters: Counters,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: monotonic seconds, for peers' idle times (tests pass their own)."""
-        from vllm_kvtier.tiers.nixl_agent import NixlAgent
+        from vllm_kvtier.tiers.nixl.agent import NixlAgent
 
         self.cfg = cfg
         self.pool = pool
@@ -154,7 +154,7 @@ class PeerLink:
         """Post the read of ``read``'s blocks and stamps; its id, or None if the peer's
         description is unusable here (a miss) or there is nothing to read (then the prefill
         side is only told that it may free the offer)."""
-        from vllm_kvtier.tiers.nixl_agent import PeerInfo
+        from vllm_kvtier.tiers.nixl.agent import PeerInfo
 
         try:
             desc = read.peer["ranks"][str(self.rank)]

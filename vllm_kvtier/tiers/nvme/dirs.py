@@ -1,7 +1,7 @@
 """The NVMe tier's directories: created private, checked before use, locked per rank, and
 what other namespaces left under ``nvme.path`` (reported, collected on request).
 
-Who calls it: :class:`~vllm_kvtier.tiers.nvme.NVMeStore` at construction (the worker of
+Who calls it: :class:`~vllm_kvtier.tiers.nvme.store.NVMeStore` at construction (the worker of
 each rank: :func:`open_rank_dir`), the scheduler's start-up scan (:func:`lock_holder`: is a
 rank directory held by another engine?), and rank 0's worker at start
 (:func:`foreign_namespaces`, :func:`collect_namespace`). Everything here blocks briefly

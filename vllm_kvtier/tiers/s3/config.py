@@ -1,6 +1,6 @@
 """The S3 tier's key layout and failure labels (no boto3 needed to import).
 
-Who uses it: :mod:`vllm_kvtier.tiers.s3` (the store). The connection settings,
+Who uses it: :mod:`vllm_kvtier.tiers.s3.store` (the store). The connection settings,
 :class:`~vllm_kvtier.config.stores.S3Config`, live in the config package (re-exported
 here for the store's callers).
 """

@@ -12,7 +12,7 @@ Directory layout: ``<path>/<namespace>/r<rank>/<chunk_id>.kvt`` where ``namespac
 everything that changes the bytes (model, dtype, geometry, TP size, format), so two
 engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
 checked and locked before use (one engine per rank directory): see
-:mod:`~vllm_kvtier.tiers.nvme_dir`. An MLA model's TP ranks share one directory, their TP
+:mod:`~vllm_kvtier.tiers.nvme.dirs`. An MLA model's TP ranks share one directory, their TP
 group's first rank's: it writes and locks it, the others read it through a ``replica`` store
 (no lock, no writes).
 
@@ -33,7 +33,7 @@ I/O: O_DIRECT with page-aligned buffers when the filesystem accepts it (probed o
 start; the reason is logged when it does not), so a large cache does not push the rest of
 the machine out of the page cache; otherwise buffered I/O followed by
 ``posix_fadvise(DONTNEED)``. The bytes themselves move through a swappable engine
-(``nvme.io_engine``, :mod:`~vllm_kvtier.tiers.file_io`: ``pwrite``/``preadv``, or NIXL's
+(``nvme.io_engine``, :mod:`~vllm_kvtier.tiers.nvme.file_io`: ``pwrite``/``preadv``, or NIXL's
 POSIX or GDS backend); names, syncs, headers and checksums are this module's whatever the
 engine, so every engine reads what any other wrote. Reads are served before writes (the kernel's priority queue): a load is
 on a request's critical path, a store is not. Queued writes are bounded; when the disk
@@ -68,9 +68,9 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.file_io import FileIO, make_file_io
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.nvme_dir import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir
+from vllm_kvtier.tiers.nvme.dirs import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir
+from vllm_kvtier.tiers.nvme.file_io import FileIO, make_file_io
 
 if TYPE_CHECKING:
     from vllm_kvtier.config.sections import NVMeTierConfig
@@ -345,16 +345,16 @@ class NVMeStore(StoreKernel):
         replica: bool = False,
     ) -> None:
         """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
-        (:mod:`~vllm_kvtier.tiers.nvme_dir`: an OSError, ``UnsafeDirectory`` or
+        (:mod:`~vllm_kvtier.tiers.nvme.dirs`: an OSError, ``UnsafeDirectory`` or
         ``DirectoryLocked``, names the path and the reason), probes O_DIRECT, builds the I/O engine
-        (``io_engine``: a name of :data:`~vllm_kvtier.tiers.file_io.FILE_IO_ENGINES`;
+        (``io_engine``: a name of :data:`~vllm_kvtier.tiers.nvme.file_io.FILE_IO_ENGINES`;
         ConfigError naming ``nvme.io_engine`` if it cannot run here), starts the threads.
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
         count); ``buffers``: the worker's pool (None: the process default).
 
         ``replica``: this store only reads ``rank``'s directory, which another worker owns
         (an MLA model's TP rank reading its group's one copy, see
-        :func:`~vllm_kvtier.tiers.nvme_dir.open_replica_dir`): no lock is taken and nothing
+        :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`): no lock is taken and nothing
         is written there by this store's owner (its driver never submits writes or deletes);
         reads are buffered (no O_DIRECT probe file in a directory another process cleans)
         unless ``direct_io`` is "on"."""

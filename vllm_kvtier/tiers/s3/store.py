@@ -26,16 +26,16 @@ multipart upload; bodies are sent from the caller's buffer without a copy. Uploa
 threads of their own (``write_threads`` = ``io_threads``), so they never hold a load back.
 
 Engines: chunk PUTs and GETs go through ``s3.io_engine``
-(:class:`~vllm_kvtier.tiers.s3_io.ObjectIO`): boto3 (default) or NIXL's OBJ backend
-(:mod:`~vllm_kvtier.tiers.nixl_io`), which also does ranged GETs, so a load fetches the
+(:class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO`): boto3 (default) or NIXL's OBJ backend
+(:mod:`~vllm_kvtier.tiers.nixl.io_engine`), which also does ranged GETs, so a load fetches the
 same ranges either way. Listing, header probes at scan, manifests, deletes and multipart
 uploads always use boto3. Keys, headers, CRC32 checks, retries, breaker and deadlines are
 the same for both, so an object written through one engine reads through the other.
 
 Modules: configuration, key layout and the failure classifier in
-:mod:`~vllm_kvtier.tiers.s3_config`; request bodies in :mod:`~vllm_kvtier.tiers.s3_io`;
+:mod:`~vllm_kvtier.tiers.s3.config`; request bodies in :mod:`~vllm_kvtier.tiers.s3.object_io`;
 retries and the breaker in :mod:`~vllm_kvtier.tiers.resilience`; manifests in
-:mod:`~vllm_kvtier.tiers.manifest`.
+:mod:`~vllm_kvtier.tiers.s3.manifest`.
 
 Keys: ``<prefix><namespace>/r<rank>/<hh>/<object_id>.kvt``; ``hh`` is two hex characters of
 a hash of the object id, so writes spread over 256 prefixes that S3 can partition
@@ -45,7 +45,7 @@ the bytes (as for NVMe), so instances sharing a bucket never read incompatible K
 
 Index: :meth:`S3Store.scan` lists the rank's prefix (one LIST request per 1,000 keys) and
 needs each object's header. Each writer keeps a manifest object
-(``.../r<rank>/manifest/<writer_id>.kvm``, :mod:`~vllm_kvtier.tiers.manifest`) holding the
+(``.../r<rank>/manifest/<writer_id>.kvm``, :mod:`~vllm_kvtier.tiers.s3.manifest`) holding the
 headers of its latest ``manifest_max_entries`` writes; the writer id is stable across
 restarts (a digest of host name, rank and namespace, or ``s3.writer_id``), so a restarted
 writer merges and replaces its predecessor's manifest instead of adding one. It is
@@ -62,7 +62,7 @@ this engine could have written (``max_chunk_blocks`` blocks of ``block_bytes``) 
 sizes anything. A manifest is unsigned input: one longer than ``manifest_max_entries``
 entries can need is refused by its ContentLength, and it is decoded as its body arrives,
 only the entries of listed objects kept (:meth:`S3Store.manifest_limit_bytes`,
-:func:`~vllm_kvtier.tiers.manifest.iter_manifest`). The start-up scan has an overall
+:func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest`). The start-up scan has an overall
 deadline (``scan(deadline=)``, ``s3.scan_deadline_s``).
 
 Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
@@ -71,7 +71,7 @@ and connection errors, within the request's deadline; a per-store circuit breake
 its submission and the kernel reports a read past it as failed (``deadline``) even while a
 request is still on the wire, so a slow endpoint is a miss, never a stall. A single PUT
 gets ``s3.deadline_s``; each request of a multipart upload gets its own. Every failure is
-an ``IOResult(ok=False, reason=...)`` labelled by :func:`~vllm_kvtier.tiers.s3_config.error_reason`.
+an ``IOResult(ok=False, reason=...)`` labelled by :func:`~vllm_kvtier.tiers.s3.config.error_reason`.
 
 Credentials: only the standard AWS chain (environment, shared profile, web identity/IRSA,
 container and instance metadata), resolved by boto3. They are never in :class:`S3Config`,
@@ -109,14 +109,6 @@ from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.manifest import (
-    SIG_BYTES,
-    encode_manifest,
-    iter_manifest,
-    max_manifest_bytes,
-    sign_manifest,
-    signed_body,
-)
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
@@ -124,7 +116,7 @@ from vllm_kvtier.tiers.resilience import (
     RetryPolicy,
     call_with_retries,
 )
-from vllm_kvtier.tiers.s3_config import (
+from vllm_kvtier.tiers.s3.config import (
     HEAD_PROBE_BYTES,
     INSTALL_HINT,
     MANIFEST_SUFFIX,
@@ -135,7 +127,15 @@ from vllm_kvtier.tiers.s3_config import (
     object_key,
     rank_prefix,
 )
-from vllm_kvtier.tiers.s3_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
+from vllm_kvtier.tiers.s3.manifest import (
+    SIG_BYTES,
+    encode_manifest,
+    iter_manifest,
+    max_manifest_bytes,
+    sign_manifest,
+    signed_body,
+)
+from vllm_kvtier.tiers.s3.object_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
 
 if TYPE_CHECKING:
     from vllm_kvtier.config.sections import S3TierConfig
@@ -169,7 +169,7 @@ S3Stats = RemoteStats
 #: The largest manifest object a scan reads, whatever the config: a store refuses one
 #: above :meth:`S3Store.manifest_limit_bytes` (what ``manifest_max_entries`` entries of
 #: ``chunk_blocks`` blocks can need), and this, by its ``ContentLength`` before reading it.
-#: A manifest is decoded as it arrives (:func:`~vllm_kvtier.tiers.manifest.iter_manifest`,
+#: A manifest is decoded as it arrives (:func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest`,
 #: which bounds its own fields), so its size costs transfer, not memory.
 MAX_MANIFEST_BYTES = 1 << 30
 #: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
@@ -202,7 +202,7 @@ class S3Medium:
     """The byte primitives of one (bucket prefix, namespace, rank), for the store kernel:
     ``put`` (a PUT, or a multipart upload above ``multipart_threshold_bytes``),
     ``read_into`` (one ranged GET through ``s3.io_engine``), ``read_whole_into`` (one plain
-    GET), ``delete``, ``classify`` (:func:`~vllm_kvtier.tiers.s3_config.error_reason`).
+    GET), ``delete``, ``classify`` (:func:`~vllm_kvtier.tiers.s3.config.error_reason`).
 
     Every request goes through :meth:`call`: retries with backoff on transient failures,
     the circuit breaker, and the deadline it is given. Who calls it: the kernel's I/O
@@ -257,7 +257,7 @@ class S3Medium:
         #: it cannot run here)
         self.data: ObjectIO = self.boto
         if config.io_engine == "nixl":
-            from vllm_kvtier.tiers.nixl_io import NixlObjectIO
+            from vllm_kvtier.tiers.nixl.io_engine import NixlObjectIO
 
             self.data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
 
@@ -833,8 +833,8 @@ class S3Store(StoreKernel):
         """The entries of manifest ``key`` whose object is in ``keep`` (None: all), read and
         decoded as the body arrives: the object's length is bounded before it is read, at
         most ``manifest_max_entries`` entries, and only kept entries become objects. Raises
-        what the GET, :func:`~vllm_kvtier.tiers.manifest.iter_manifest` or
-        :func:`~vllm_kvtier.tiers.manifest.signed_body` raise (and DeadlineExceeded once
+        what the GET, :func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest` or
+        :func:`~vllm_kvtier.tiers.s3.manifest.signed_body` raise (and DeadlineExceeded once
         ``late()`` between two pieces); nothing is returned from a manifest that fails its
         CRC or, with a key, its signature (for this namespace, rank and the writer id its
         name says), both checked at the end."""

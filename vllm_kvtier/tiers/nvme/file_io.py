@@ -1,7 +1,7 @@
 """How the NVMe tier moves a chunk's bytes between host memory and an open file: the
 ``nvme.io_engine`` plug point.
 
-Who calls it: :class:`~vllm_kvtier.tiers.nvme.NVMeStore`'s I/O threads, several at once,
+Who calls it: :class:`~vllm_kvtier.tiers.nvme.store.NVMeStore`'s I/O threads, several at once,
 each call on its own file descriptor and buffer. A call blocks its thread until every byte
 moved or the transfer failed. The store builds the engine once, at start-up (where a
 missing library or plugin is a :class:`~vllm_kvtier.errors.ConfigError` naming
@@ -17,7 +17,7 @@ Engines (:data:`FILE_IO_ENGINES`, name -> import path, imported on first use):
 
 * ``posix`` (default): ``pwrite``/``preadv`` loops in the calling thread.
 * ``nixl``: NIXL's POSIX backend (Linux AIO), one transfer per call, split into
-  :data:`~vllm_kvtier.tiers.nixl_io.PIECE_BYTES` pieces so several are in flight.
+  :data:`~vllm_kvtier.tiers.nixl.io_engine.PIECE_BYTES` pieces so several are in flight.
 * ``nixl-gds``: NIXL's GDS backend (cuFile); accepted only where that plugin loads (a CUDA
   host with libcufile). Our buffers are host memory, so it changes the I/O path, not where
   the bytes land.
@@ -42,9 +42,9 @@ __all__ = ["FILE_IO_ENGINES", "FileIO", "PosixFileIO", "make_file_io"]
 
 #: ``nvme.io_engine`` value -> "module:factory"; the factory takes no argument.
 FILE_IO_ENGINES: dict[str, str] = {
-    "posix": "vllm_kvtier.tiers.file_io:PosixFileIO",
-    "nixl": "vllm_kvtier.tiers.nixl_io:NixlPosixFileIO",
-    "nixl-gds": "vllm_kvtier.tiers.nixl_io:NixlGdsFileIO",
+    "posix": "vllm_kvtier.tiers.nvme.file_io:PosixFileIO",
+    "nixl": "vllm_kvtier.tiers.nixl.io_engine:NixlPosixFileIO",
+    "nixl-gds": "vllm_kvtier.tiers.nixl.io_engine:NixlGdsFileIO",
 }
 
 

@@ -1,7 +1,7 @@
 """The S3 medium's request plumbing: the object I/O engine contract (:class:`ObjectIO`)
 and its boto3 engine, request bodies over memoryviews, and reading a GET body straight
 into a buffer. No boto3 import (the engine is handed a client); used only by
-:mod:`vllm_kvtier.tiers.s3` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl_io`).
+:mod:`vllm_kvtier.tiers.s3.store` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl.io_engine`).
 Checksums are not this module's: the store kernel verifies every block once its bytes
 landed (:mod:`vllm_kvtier.tiers.kernel`).
 """
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import FailureReason
 
-logger = logging.getLogger("vllm_kvtier.tiers.s3")
+logger = logging.getLogger("vllm_kvtier.tiers.s3.store")
 
 #: Bytes per socket read of a GET body: few enough reads that Python's per-call cost is noise.
 READ_STEP_BYTES = 1 << 20
@@ -33,7 +33,7 @@ class ObjectIO(Protocol):
     The store keeps everything else (keys, headers, CRC32s, multipart uploads, listing,
     manifests), so the objects are the same whichever engine wrote them.
 
-    Failure: raises; :func:`~vllm_kvtier.tiers.s3_config.error_reason` labels it (botocore's
+    Failure: raises; :func:`~vllm_kvtier.tiers.s3.config.error_reason` labels it (botocore's
     errors, ChunkFormatError for a short body, TimeoutError, ConnectionError). After a
     failed GET the bytes in ``view`` are undefined."""
 

@@ -4,8 +4,8 @@ the object tier (OBJ backend, ``s3.io_engine``).
 Each class here only moves bytes between a host buffer and a file range or an object; the
 stores keep everything else (file names and renames, syncs, headers, CRC32 checks, retries,
 breaker, deadlines), so the stored bytes are the same whichever engine wrote them. See
-:mod:`~vllm_kvtier.tiers.file_io` (the file contract) and
-:class:`~vllm_kvtier.tiers.s3_io.ObjectIO` (the object contract).
+:mod:`~vllm_kvtier.tiers.nvme.file_io` (the file contract) and
+:class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO` (the object contract).
 
 Who calls it: the stores' I/O threads, several at once; every call blocks its thread until
 the transfer ended (file engines) or ended or reached its deadline (object engine).
@@ -26,7 +26,7 @@ them afterwards (~0.15 ms each; our transfers are MiBs). An OBJ transfer still i
 at its deadline cannot be cancelled (releasing NIXL's handle does not stop aws-sdk-cpp,
 which would go on writing into, or reading from, the buffer), so the engine keeps the
 handle, the registrations and a view of the buffer until NIXL reports it ended: the
-buffer then cannot return to the pool (:class:`~vllm_kvtier.tiers.nvme.AlignedBuffer`
+buffer then cannot return to the pool (:class:`~vllm_kvtier.tiers.nvme.store.AlignedBuffer`
 refuses to pool memory that still has a view) and is freed once the engine lets go of it.
 
 What NIXL's OBJ backend does not tell us, and how it is handled:
@@ -62,8 +62,8 @@ import numpy as np
 
 from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import ConfigError, FailureReason
-from vllm_kvtier.tiers.nixl_agent import AGENT_CREATION, INSTALL_HINT, nixl_api
-from vllm_kvtier.tiers.s3_config import S3Config
+from vllm_kvtier.tiers.nixl.agent import AGENT_CREATION, INSTALL_HINT, nixl_api
+from vllm_kvtier.tiers.s3.config import S3Config
 
 __all__ = ["PIECE_BYTES", "NixlGdsFileIO", "NixlObjectIO", "NixlPosixFileIO", "NixlTransferError", "obj_params"]
 
@@ -140,7 +140,7 @@ def _quietly(fn: Callable[[], Any], what: str) -> None:
 
 
 class NixlFileIO:
-    """A :class:`~vllm_kvtier.tiers.file_io.FileIO` over a NIXL file backend (POSIX or GDS).
+    """A :class:`~vllm_kvtier.tiers.nvme.file_io.FileIO` over a NIXL file backend (POSIX or GDS).
     See the module doc for threads and memory."""
 
     def __init__(self, backend: str, name: str) -> None:
@@ -278,7 +278,7 @@ class _Unfinished:
 
 
 class NixlObjectIO:
-    """An :class:`~vllm_kvtier.tiers.s3_io.ObjectIO` over NIXL's OBJ backend: whole-object
+    """An :class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO` over NIXL's OBJ backend: whole-object
     PUTs and (ranged) GETs straight between a host buffer and the bucket.
 
     ``size_of(key)``: the object's size by one HEAD through the store's boto3 client
