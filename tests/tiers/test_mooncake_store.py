@@ -192,6 +192,7 @@ def test_closed_store_refuses_work(mooncake_master: MooncakeMaster) -> None:
     s.close()  # idempotent
 
 
+@pytest.mark.slow  # waits out the client's own RPC timeouts (~14 s)
 @pytest.mark.mooncake
 @requires_mooncake
 def test_master_gone_reads_fail_within_the_deadline(tmp_path: Path) -> None:

@@ -292,6 +292,7 @@ def test_stale_manifests_collected_and_unchanged_ones_not_fetched_again(
 N_OBJECTS = 100_000
 
 
+@pytest.mark.slow  # a scale test (20 s): the full suite runs it, make test-fast does not
 def test_scan_header_cache_and_manifest_table_bounded_at_100k_objects(
         s3_server: MotoServer, s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """100k listed objects (fake listing pages), all covered by one real manifest: the

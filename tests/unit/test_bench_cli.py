@@ -219,6 +219,7 @@ def test_a_failing_script_is_reported_with_its_log(tmp_path):
     assert rep.rows[0].value == 0.9 and rep.rows[0].note == "from an earlier run" and not rep.ok
 
 
+@pytest.mark.slow  # runs a benchmark in a subprocess (~12 s)
 def test_real_run_of_a_cheap_benchmark(tmp_path, capsys):
     rc = main(["bench", "cpu_tier_throughput", "--quick", "--results-dir", str(tmp_path)])
     out = capsys.readouterr().out
