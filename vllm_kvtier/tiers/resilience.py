@@ -1,6 +1,6 @@
 """Retries with jittered exponential backoff under a deadline, and a circuit breaker.
 
-Used by the object-store tier (:mod:`vllm_kvtier.tiers.s3.store`); nothing here knows about S3,
+Used by the object-store tier (:mod:`vllm_kvtier.tiers.s3.medium`); nothing here knows about S3,
 so it is tested with a fake clock and plain exceptions.
 
 Who calls it: the store's I/O threads, concurrently. :class:`CircuitBreaker` is thread-safe

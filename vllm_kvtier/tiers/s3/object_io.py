@@ -1,7 +1,7 @@
 """The S3 medium's request plumbing: the object I/O engine contract (:class:`ObjectIO`)
 and its boto3 engine, request bodies over memoryviews, and reading a GET body straight
 into a buffer. No boto3 import (the engine is handed a client); used only by
-:mod:`vllm_kvtier.tiers.s3.store` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl.io_engine`).
+:mod:`vllm_kvtier.tiers.s3.medium` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl.io_engine`).
 Checksums are not this module's: the store kernel verifies every block once its bytes
 landed (:mod:`vllm_kvtier.tiers.kernel`).
 """

@@ -1,57 +1,48 @@
-"""The object-store tier: chunk objects in an S3 bucket (or any S3-compatible endpoint:
-MinIO, Ceph RGW, GCS interoperability).
+"""The object-store tier: chunk objects in an S3 bucket, or any S3-compatible endpoint
+(MinIO, Ceph RGW, GCS interoperability).
 
-Who calls it: the worker half (one store per TP rank), from the worker's main thread:
-the :class:`~vllm_kvtier.tiers.base.ChunkStore` contract, implemented once by
-:class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, claiming, stats, header
-stamping and the one verified read path). This module is only what is S3's: the byte
-primitives (:class:`S3Medium`: PUT or multipart, ranged GET, DELETE, with retries, the
-circuit breaker and request counts), the key layout, manifests and the start-up listing
-(:meth:`S3Store.scan`, :class:`~vllm_kvtier.tiers.base.Scannable`) and the request figures
-(:meth:`S3Store.stats`, :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`). The scheduler
-half builds stores only to list (``scan``). :meth:`S3Store.scan` and :meth:`S3Store.close`
-block their caller.
+Who calls it: the worker half, one store per TP rank, from the worker's main thread. The
+scheduler half builds stores only to list (``scan``). :meth:`S3Store.scan` and
+:meth:`S3Store.close` block their caller.
 
-Objects: the chunk format of :mod:`~vllm_kvtier.chunkformat` (a header with every
-block's key and CRC32, then the blocks at a fixed stride), so one object holds many blocks
-and a load fetches exactly the byte ranges it needs: one ranged GET per contiguous run of
-needed blocks (the kernel's ``read_shape`` "runs"; a plain GET of the whole object when
-every block is wanted, :class:`~vllm_kvtier.tiers.kernel.WholeObjectMedium`), the runs of a
-load fetched in parallel on the read threads straight into a pooled buffer; the kernel
-checks every block's CRC32 once its bytes landed (a mismatch is a miss, ``checksum``).
-Fewer, bigger objects is the point: S3 bills and rate-limits per request (about 3,500
-writes and 5,500 reads per second per key prefix), so a 16-block chunk costs 1/16 of the
-requests of one object per block. Objects above ``multipart_threshold_bytes`` go up as a
-multipart upload; bodies are sent from the caller's buffer without a copy. Uploads run on
-threads of their own (``write_threads`` = ``io_threads``), so they never hold a load back.
+What it is: :class:`S3Store` is the :class:`~vllm_kvtier.tiers.base.ChunkStore` contract,
+implemented once by :class:`~vllm_kvtier.tiers.kernel.StoreKernel`. The kernel owns the
+queues, deadlines, claiming, stats, header stamping and the one verified read path. The
+store is also :class:`~vllm_kvtier.tiers.base.Scannable` (:meth:`S3Store.scan`) and
+:class:`~vllm_kvtier.tiers.base.ReportsRemoteStats` (:meth:`S3Store.stats`). This module
+holds what is S3's above the bytes: the key layout, manifests and the start-up listing,
+and the request figures.
 
-Engines: chunk PUTs and GETs go through ``s3.io_engine``
-(:class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO`): boto3 (default) or NIXL's OBJ backend
-(:mod:`~vllm_kvtier.tiers.nixl.io_engine`), which also does ranged GETs, so a load fetches the
-same ranges either way. Listing, header probes at scan, manifests, deletes and multipart
-uploads always use boto3. Keys, headers, CRC32 checks, retries, breaker and deadlines are
-the same for both, so an object written through one engine reads through the other.
-
-Modules: configuration, key layout and the failure classifier in
-:mod:`~vllm_kvtier.tiers.s3.config`; request bodies in :mod:`~vllm_kvtier.tiers.s3.object_io`;
-retries and the breaker in :mod:`~vllm_kvtier.tiers.resilience`; manifests in
+Modules: the byte primitives (PUT or multipart, ranged GET, DELETE, retries, the circuit
+breaker, request counts) are in :mod:`~vllm_kvtier.tiers.s3.medium`. Configuration, key
+layout and the failure classifier are in :mod:`~vllm_kvtier.tiers.s3.config`. Request bodies are in
+:mod:`~vllm_kvtier.tiers.s3.object_io`. Retries and the breaker are in
+:mod:`~vllm_kvtier.tiers.resilience`. The manifest format is in
 :mod:`~vllm_kvtier.tiers.s3.manifest`.
 
-Keys: ``<prefix><namespace>/r<rank>/<hh>/<object_id>.kvt``; ``hh`` is two hex characters of
-a hash of the object id, so writes spread over 256 prefixes that S3 can partition
-independently instead of all landing on one. ``namespace`` digests everything that changes
-the bytes (as for NVMe), so instances sharing a bucket never read incompatible KV. A PUT
-(and a multipart completion) is atomic: an object with its final key is always complete.
+Threads: uploads run on threads of their own (``write_threads`` = ``io_threads``). So they
+never hold a load back.
+
+Deadlines: a read's deadline (``s3.deadline_s``) counts from its submission. The kernel
+reports a read past it as failed (``deadline``), even while a request is still on the
+wire. So a slow endpoint is a miss, never a stall. Every failure is an
+``IOResult(ok=False, reason=...)``.
+
+Keys: ``<prefix><namespace>/r<rank>/<hh>/<object_id>.kvt``. ``hh`` is two hex characters
+of a hash of the object id. So writes spread over 256 prefixes that S3 can partition
+independently, instead of all landing on one. ``namespace`` digests everything that
+changes the bytes (as for NVMe). So instances sharing a bucket never read incompatible KV.
+
+Manifests: each writer keeps a manifest object
+(``.../r<rank>/manifest/<writer_id>.kvm``). It holds the headers of the writer's latest
+``manifest_max_entries`` writes. The writer id is stable across restarts: a digest of host
+name, rank and namespace, or ``s3.writer_id``. So a restarted writer merges and replaces
+its predecessor's manifest instead of adding one. The manifest is rewritten after
+``manifest_every_writes`` writes, or after an eighth of its entries once that is more. So
+the bytes uploaded per write stay bounded. It is rewritten at close too.
 
 Index: :meth:`S3Store.scan` lists the rank's prefix (one LIST request per 1,000 keys) and
-needs each object's header. Each writer keeps a manifest object
-(``.../r<rank>/manifest/<writer_id>.kvm``, :mod:`~vllm_kvtier.tiers.s3.manifest`) holding the
-headers of its latest ``manifest_max_entries`` writes; the writer id is stable across
-restarts (a digest of host name, rank and namespace, or ``s3.writer_id``), so a restarted
-writer merges and replaces its predecessor's manifest instead of adding one. It is
-rewritten after ``manifest_every_writes`` writes, or an eighth of its entries once that is
-more (so the bytes uploaded per write stay bounded), and at close. A scan costs
-``ceil(keys / 1000)`` LISTs + one GET per manifest whose ETag changed since this store's
+needs each object's header. A scan costs ``ceil(keys / 1000)`` LISTs + one GET per manifest whose ETag changed since this store's
 last scan + one ranged GET (first 4 KiB) per object that neither a manifest nor the store's
 header cache of earlier scans (``header_cache_entries``, LRU, listed objects only) covers.
 The listing is the truth; a manifest entry is used only for an object the listing shows,
@@ -64,27 +55,13 @@ entries can need is refused by its ContentLength, and it is decoded as its body 
 only the entries of listed objects kept (:meth:`S3Store.manifest_limit_bytes`,
 :func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest`). The start-up scan has an overall
 deadline (``scan(deadline=)``, ``s3.scan_deadline_s``).
-
-Failures: retries with jittered exponential backoff on 5xx, SlowDown/throttling, timeouts
-and connection errors, within the request's deadline; a per-store circuit breaker
-(:mod:`~vllm_kvtier.tiers.resilience`). A read's deadline (``s3.deadline_s``) counts from
-its submission and the kernel reports a read past it as failed (``deadline``) even while a
-request is still on the wire, so a slow endpoint is a miss, never a stall. A single PUT
-gets ``s3.deadline_s``; each request of a multipart upload gets its own. Every failure is
-an ``IOResult(ok=False, reason=...)`` labelled by :func:`~vllm_kvtier.tiers.s3.config.error_reason`.
-
-Credentials: only the standard AWS chain (environment, shared profile, web identity/IRSA,
-container and instance metadata), resolved by boto3. They are never in :class:`S3Config`,
-a repr or a log line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
-import random
 import socket
 import threading
 import time
@@ -92,7 +69,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_kvtier.chunkformat import (
     FIXED_BYTES,
@@ -108,17 +85,14 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.kernel import StoreKernel
 from vllm_kvtier.tiers.resilience import (
     CircuitBreaker,
     DeadlineExceeded,
     RemoteStats,
-    RetryPolicy,
-    call_with_retries,
 )
 from vllm_kvtier.tiers.s3.config import (
     HEAD_PROBE_BYTES,
-    INSTALL_HINT,
     MANIFEST_SUFFIX,
     SUFFIX,
     S3Config,
@@ -135,7 +109,8 @@ from vllm_kvtier.tiers.s3.manifest import (
     sign_manifest,
     signed_body,
 )
-from vllm_kvtier.tiers.s3.object_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
+from vllm_kvtier.tiers.s3.medium import S3Medium
+from vllm_kvtier.tiers.s3.object_io import read_body_into
 
 if TYPE_CHECKING:
     from vllm_kvtier.config.sections import S3TierConfig
@@ -172,253 +147,12 @@ S3Stats = RemoteStats
 #: A manifest is decoded as it arrives (:func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest`,
 #: which bounds its own fields), so its size costs transfer, not memory.
 MAX_MANIFEST_BYTES = 1 << 30
-#: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
-MANIFEST_STEP_BYTES = 256 << 10
-
-
 def default_writer_id(namespace: str, rank: int) -> str:
     """A writer id stable across restarts: a digest of the host name (a pod's name in
     Kubernetes), the rank and the namespace. Two instances of one model and rank on one
     host name share it: they then overwrite each other's manifest (costing header GETs,
     never correctness) unless ``s3.writer_id`` tells them apart."""
     return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
-
-
-def _body_pieces(body: Any, nbytes: int, step: int) -> Iterator[memoryview]:
-    """``nbytes`` of a GET body, ``step`` at a time, into one reused buffer."""
-    buf = memoryview(bytearray(min(nbytes, step)))
-    got = 0
-    while got < nbytes:
-        k = min(step, nbytes - got)
-        read_body_into(body, buf[:k])
-        got += k
-        yield buf[:k]
-
-
-# ---- the medium ---------------------------------------------------------------------------
-
-
-class S3Medium:
-    """The byte primitives of one (bucket prefix, namespace, rank), for the store kernel:
-    ``put`` (a PUT, or a multipart upload above ``multipart_threshold_bytes``),
-    ``read_into`` (one ranged GET through ``s3.io_engine``), ``read_whole_into`` (one plain
-    GET), ``delete``, ``classify`` (:func:`~vllm_kvtier.tiers.s3.config.error_reason`).
-
-    Every request goes through :meth:`call`: retries with backoff on transient failures,
-    the circuit breaker, and the deadline it is given. Who calls it: the kernel's I/O
-    threads and the store's scan, several threads at once."""
-
-    name = "s3"
-    #: one ranged GET per contiguous run of wanted blocks, the runs in parallel
-    read_shape: ReadShape = "runs"
-
-    def __init__(self, config: S3Config, namespace: str, rank: int) -> None:
-        try:
-            import boto3
-            from botocore.config import Config as BotoConfig
-        except ImportError as e:
-            raise ImportError(INSTALL_HINT) from e
-        self.config = config
-        self.namespace = namespace
-        self.rank = rank
-        #: every key of this medium starts with it
-        self.prefix = rank_prefix(config, namespace, rank)
-        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
-        self._policy = RetryPolicy(config.max_attempts, config.backoff_base_s, config.backoff_max_s)
-        self._rng = random.Random()
-        self._lock = threading.Lock()
-        self._requests: dict[str, int] = {}
-        self._retries = 0
-        session = boto3.session.Session(region_name=config.region, profile_name=config.profile)
-        self.client: Any = session.client(
-            "s3",
-            endpoint_url=config.endpoint_url,
-            verify=config.ca_bundle,  # None: the default CA store
-            config=BotoConfig(
-                connect_timeout=config.connect_timeout_s,
-                read_timeout=config.read_timeout_s,
-                retries={"total_max_attempts": 1},  # ours: backoff, deadline, breaker
-                # reads and writes have io_threads threads each; the scan a pool of its own
-                max_pool_connections=3 * config.io_threads + 2,
-                s3={"addressing_style": "path" if config.path_style else "auto"},
-                # Every block carries its own CRC32, verified on read. botocore's default
-                # (>= 1.36) adds an aws-chunked CRC trailer to each PUT, which several
-                # S3-compatible servers (GCS interop, older MinIO/Ceph) reject or store
-                # mangled; "when_required" sends plain Content-Length bodies.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                user_agent_extra="vllm-kvtier",
-            ),
-        )
-        self.client.meta.events.register("before-send.s3", self._count_request)
-        #: listing, header probes, manifests, deletes, multipart: always boto3
-        self.boto = Boto3ObjectIO(self.client, config.bucket)
-        #: chunk PUTs and GETs: the configured engine (ConfigError naming s3.io_engine if
-        #: it cannot run here)
-        self.data: ObjectIO = self.boto
-        if config.io_engine == "nixl":
-            from vllm_kvtier.tiers.nixl.io_engine import NixlObjectIO
-
-            self.data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
-
-    def key(self, chunk_id: str) -> str:
-        return object_key(self.config, self.namespace, self.rank, chunk_id)
-
-    def soon(self) -> float:
-        """The deadline of a request started now."""
-        return time.monotonic() + self.config.deadline_s
-
-    # the Medium protocol
-
-    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
-        self.put_key(self.key(chunk_id), view, deadline, self.data)
-
-    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
-        self._get(self.key(chunk_id), offset, dst, deadline)
-
-    def read_whole_into(self, chunk_id: str, dst: memoryview, deadline: float) -> None:
-        """A GET without a Range: same request count, and spares servers that serve a range
-        by copying it out of the object (moto does)."""
-        self._get(self.key(chunk_id), None, dst, deadline)
-
-    def delete(self, chunk_id: str) -> None:
-        self.delete_key(self.key(chunk_id))
-
-    def explain_damage(self, chunk_id: str, end: int, deadline: float) -> BaseException | None:
-        """NIXL's OBJ engine does not tell a short GET (an object shorter than the range)
-        from a full one: a HEAD tells (``truncated``). boto3 checks every body's length."""
-        if self.data is self.boto:
-            return None
-        size = self.call(lambda: self._size_of(self.key(chunk_id)), deadline)
-        if size < end:
-            return ChunkFormatError(f"truncated: the object has {size} of {end} bytes", FailureReason.TRUNCATED)
-        return None
-
-    def classify(self, exc: BaseException) -> FailureReason:
-        return error_reason(exc)
-
-    def close(self) -> None:
-        self.data.close()
-
-    # requests
-
-    def call(self, fn: Callable[[], Any], deadline: float) -> Any:
-        """``fn()`` with retries, backoff and the breaker, no attempt started past ``deadline``."""
-        return call_with_retries(fn, transient=is_transient, policy=self._policy, breaker=self.breaker,
-                                 deadline=deadline, rng=self._rng, on_retry=self._on_retry)
-
-    def _get(self, key: str, start: int | None, dst: memoryview, deadline: float) -> None:
-        try:
-            self.call(lambda: self.data.get_into(key, start, dst, deadline), deadline)
-        except Exception as e:
-            if time.monotonic() >= deadline and error_reason(e) is FailureReason.TIMEOUT:
-                # An engine that waits no longer than the deadline (NIXL's) gave up at it:
-                # the same outcome as the kernel's expiry, under the same name.
-                raise DeadlineExceeded(f"GET of {key}: {e}") from e
-            raise
-
-    def get_range(self, key: str, start: int, dst: memoryview, deadline: float) -> None:
-        """One ranged GET through boto3 (header probes at scan)."""
-        self.call(functools.partial(self.boto.get_into, key, start, dst, deadline), deadline)
-
-    @contextlib.contextmanager
-    def open_bounded(self, key: str, max_bytes: int, step: int = MANIFEST_STEP_BYTES) -> Iterator[Iterator[memoryview]]:
-        """A GET of a whole object of at most ``max_bytes``, its body handed out in pieces of
-        at most ``step`` bytes as it arrives (each piece is a view of one reused buffer,
-        valid until the next is asked for). ``ContentLength`` above ``max_bytes`` is
-        ``too_large`` before a byte of the body is read; never more than ``ContentLength``
-        bytes are read (a body that ends sooner is ``truncated``), so a length that lies
-        cannot make the reader hold more. The body is closed on leaving the block."""
-        r = self.call(lambda: self.client.get_object(Bucket=self.config.bucket, Key=key), self.soon())
-        with contextlib.closing(r["Body"]) as body:
-            n = int(r.get("ContentLength") or 0)
-            if n > max_bytes:
-                raise ChunkFormatError(f"too large: an object of {n} B, at most {max_bytes}", FailureReason.TOO_LARGE)
-            yield _body_pieces(body, n, step)
-
-    def get_bounded(self, key: str, max_bytes: int) -> bytes:
-        """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""
-        with self.open_bounded(key, max_bytes) as pieces:
-            return b"".join(bytes(p) for p in pieces)
-
-    def put_key(self, key: str, body: memoryview | bytes, deadline: float, engine: ObjectIO | None = None) -> None:
-        """PUT ``body`` (through ``engine``, default boto3) within ``deadline``, or a
-        multipart upload through boto3 above ``multipart_threshold_bytes`` (the NIXL engine
-        only does single PUTs)."""
-        view = memoryview(body)
-        io_ = engine or self.boto
-        if view.nbytes > self.config.multipart_threshold_bytes:
-            self._put_multipart(key, view)
-        else:
-            self.call(lambda: io_.put(key, view, deadline), deadline)
-
-    def _put_multipart(self, key: str, view: memoryview) -> None:
-        """Create, upload parts in order (each its own deadline and retries), complete.
-        On failure the upload is aborted (best effort; a lifecycle rule with
-        AbortIncompleteMultipartUpload removes what an abort could not)."""
-        c, bucket, part = self.client, self.config.bucket, self.config.multipart_part_bytes
-        upload_id = self.call(lambda: c.create_multipart_upload(Bucket=bucket, Key=key), self.soon())["UploadId"]
-
-        def upload(number: int, chunk: memoryview) -> str:
-            reader = ViewReader(chunk)
-            try:
-                return str(c.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=reader,
-                                         ContentLength=chunk.nbytes)["ETag"])
-            finally:
-                reader.close()
-
-        try:
-            parts = []
-            for i, off in enumerate(range(0, view.nbytes, part)):
-                etag = self.call(functools.partial(upload, i + 1, view[off : off + part]), self.soon())
-                parts.append({"ETag": etag, "PartNumber": i + 1})
-            self.call(lambda: c.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
-                                                          MultipartUpload={"Parts": parts}), self.soon())
-        except Exception:
-            with contextlib.suppress(Exception):
-                self.call(lambda: c.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id), self.soon())
-            raise
-
-    def delete_key(self, key: str) -> None:
-        """Delete any key of this medium's prefix (absent is fine)."""
-        if not key.startswith(self.prefix):
-            raise ValueError(f"{key!r} is outside this store's prefix")
-        self.call(lambda: self.client.delete_object(Bucket=self.config.bucket, Key=key), self.soon())
-
-    def list_pages(self) -> Iterator[dict[str, Any]]:
-        """LIST the prefix, page by page (each page one request)."""
-        token: str | None = None
-        while True:
-            kw: dict[str, Any] = {"Bucket": self.config.bucket, "Prefix": self.prefix}
-            if token:
-                kw["ContinuationToken"] = token
-            page = self.call(functools.partial(self.client.list_objects_v2, **kw), self.soon())
-            yield page
-            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
-            if not token:
-                return
-
-    def _size_of(self, key: str) -> int:
-        """One HEAD (botocore's error if the object is gone or the endpoint unreachable)."""
-        return int(self.client.head_object(Bucket=self.config.bucket, Key=key)["ContentLength"])
-
-    # figures
-
-    def _count_request(self, event_name: str = "", **_: Any) -> None:
-        self._count_op(event_name.rsplit(".", 1)[-1])
-
-    def _count_op(self, op: str) -> None:
-        with self._lock:
-            self._requests[op] = self._requests.get(op, 0) + 1
-
-    def _on_retry(self, e: BaseException) -> None:
-        with self._lock:
-            self._retries += 1
-
-    def request_counts(self) -> tuple[dict[str, int], int]:
-        """(requests sent by operation, attempts retried) so far."""
-        with self._lock:
-            return dict(self._requests), self._retries
 
 
 # ---- the store ----------------------------------------------------------------------------
