@@ -1,7 +1,7 @@
 """The S3 tier's key layout and failure labels (no boto3 needed to import).
 
-Who uses it: the S3 tier's store and medium (:mod:`vllm_kvtier.tiers.s3.store`,
-:mod:`~vllm_kvtier.tiers.s3.medium`). The connection settings,
+Who uses it: the S3 tier's store, medium and scan (:mod:`vllm_kvtier.tiers.s3.store`,
+:mod:`~vllm_kvtier.tiers.s3.medium`, :mod:`~vllm_kvtier.tiers.s3.scan`). The connection settings,
 :class:`~vllm_kvtier.config.stores.S3Config`, live in the config package (re-exported
 here for the store's callers).
 """
