@@ -164,10 +164,10 @@ class SchedulerHalf(SchedulerPlanner):
         self.layout = layout if layout is not None else GroupLayout((GroupSpec("full", self.block_size),))
         self.hybrid = self.layout.hybrid
         #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
-        self.always_async = self.hybrid
-        self.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
-        self.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
-        self.views_per_request = len(self.layout.groups)
+        self.load_options.always_async = self.hybrid
+        self.load_options.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
+        self.load_options.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
+        self.load_options.views_per_request = len(self.layout.groups)
         self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
         #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
         self.key_origins = KeyOrigins()
@@ -306,7 +306,7 @@ class SchedulerHalf(SchedulerPlanner):
             self.group_loaded_blocks[g] += len(job.block_ids)
         plan = to_real_ids(plan)
         for job in plan.loads:  # one observation per vLLM request, as for one group
-            for tier, count in self._tier_counts(job).items():
+            for tier, count in self.loads.tier_counts(job).items():
                 if count > 0:
                     self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, count)
         return KVTierMetadata.from_plan(plan)
@@ -320,7 +320,7 @@ class SchedulerHalf(SchedulerPlanner):
             return
         first = states[0]
         first.load_issued_s = min(st.load_issued_s for st in states)
-        first.load_tier = self._slowest([st.load_tier for st in states])
+        first.load_tier = self.loads.slowest([st.load_tier for st in states])
         first.load_lower_blocks = sum(st.load_lower_blocks for st in states)
         for st in states[1:]:
             st.load_issued_s = None

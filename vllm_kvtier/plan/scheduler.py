@@ -15,7 +15,7 @@ What it decides each step (``plan_step``):
 * **loads**: for a new request, the longest run of its prompt's block keys present in the
   CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
   must compute at least one token to produce logits). Slots read by a load are pinned until
-  the load is known to be done.
+  the load is known to be done: :mod:`~vllm_kvtier.plan.load_plan`.
 * **saves**: every block whose KV is complete once this step's forward ran and whose key
   is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
   worker copies them right after the forward (``wait_for_save``), so they are stored even
@@ -40,7 +40,8 @@ What it decides each step (``plan_step``):
   request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
   and decides the hit every group can serve; here, positions holding vLLM's null block
   are neither loaded nor saved (``skip_null_blocks``), every load is async
-  (``always_async``), a request's ``keep`` filter limits what a sliding-window group
+  (``always_async``; both :class:`~vllm_kvtier.plan.load_plan.LoadOptions`), a request's
+  ``keep`` filter limits what a sliding-window group
   saves, and a load failed as a whole (``WorkerOutput.failed_loads``) drops every block
   that request loaded.
 
@@ -56,23 +57,22 @@ step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.secrets import load_remote_decode_secret
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.slot_index import SlotIndex
-from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
+from vllm_kvtier.jobs import SaveJob, StepPlan
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
+from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
+from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
@@ -84,8 +84,6 @@ from vllm_kvtier.plan.verify_plan import VerifyPlanner
 logger = logging.getLogger(__name__)
 
 TIER = TierName.CPU
-#: vLLM's null block: held by sliding-window groups outside the window; never loaded or saved.
-NULL_BLOCK = 0
 
 
 class SchedulerPlanner:
@@ -128,7 +126,6 @@ class SchedulerPlanner:
         self.promotions = Promotions(self.index, self.lower)
         self._reqs: dict[str, ReqState] = {}
         self._match_start: dict[str, int] = {}
-        self._loads: list[LoadJob] = []
         self._final_saves: list[SaveJob] = []
         #: Finished requests with saves out of their blocks in flight or planned: vLLM has
         #: freed those blocks, so the worker orders the saves before the next forward.
@@ -140,19 +137,8 @@ class SchedulerPlanner:
         self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
-        #: Every load is async (hybrid models: a failed load is reported per request, which
-        #: vLLM supports for async loads only; vLLM's V2 model runner with the recompute
-        #: policy: a rejected sync load gives wrong output there, see
-        #: :func:`~vllm_kvtier.connector.wiring.sync_load_failures_unsafe`). Set by the connector.
-        self.always_async = False
-        #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
-        #: window: never loaded or saved (hybrid models; set by the connector).
-        self.skip_null_blocks = False
-        #: Observe the per-request load histogram per load job (off: the connector observes
-        #: merged jobs, hybrid models). Requests per vLLM request (hybrid: one per group),
-        #: to count each prefill token once for load-or-recompute.
-        self.observe_loads = True
-        self.views_per_request = 1
+        #: Set by the connector (hybrid models, vLLM's V2 model runner).
+        self.load_options = LoadOptions()
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -173,6 +159,10 @@ class SchedulerPlanner:
         if cfg.verify.sample_rate > 0:
             self.verify = VerifyPlanner(cfg.verify, self.index, self.promotions, self.counters,
                                         world_size=world_size, lower=self.lower)
+        self.loads = LoadPlanner(
+            self.index, self.lower, self.counters, self.promotions, self.load_options, load_mode=cfg.load_mode,
+            locate=self._locate, prefetcher=self.prefetcher, load_policy=self.load_policy, events=events,
+        )
 
     # ---- lookups ---------------------------------------------------------------
 
@@ -231,7 +221,7 @@ class SchedulerPlanner:
             return None, False  # its next block is being prefetched into DRAM: ask again next step
         if self.load_policy is not None:
             tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        asynchronous = self.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
+        asynchronous = self.load_options.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
         if not asynchronous:
             tiers = tiers[: max(0, self._sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
@@ -326,169 +316,19 @@ class SchedulerPlanner:
             if self.verify is not None:
                 self.verify.begin(state, start, self._locate)  # a sampled hit: hold its stored blocks
             return
+        n = num_external_tokens // self.block_size
         plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
         if plan is not None:
-            self._peer_load(state, plan, start, num_external_tokens // self.block_size)
-            return
-        bs = self.block_size
-        n = num_external_tokens // bs
-        # A sliding-window group holds the null block outside the window: nothing to load there.
-        positions = [p for p in range(start, min(start + n, len(state.block_ids)))
-                     if not (self.skip_null_blocks and state.block_ids[p] == NULL_BLOCK)]
-        keys = [BlockKey(request.block_hashes[p]) for p in positions]
-        # (planner, chunk) -> [(position, slot, key)]
-        reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
-        # Pin every key already in DRAM first: promoting the lower-tier ones below
-        # allocates slots, and must not evict a key this same load reads from DRAM.
-        slots = self._pin_dram_hits(keys)
-        for i, k in enumerate(keys):
-            if slots[i] is not None:
-                continue
-            loc = self._locate(k)
-            if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
-                continue
-            tier, fid, pos = loc
-            s = self._promote(k)
-            slots[i] = s
-            if s is not None:
-                reads.setdefault((tier, fid), []).append((pos, s, k))
-                state.promoting.append(k)
-                state.sources[k] = (tier, fid)
-            self.counters.add(CounterName.HIT_BLOCKS, tier.tier)
-        blocks = [state.block_ids[p] for p in positions]
-        unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
-        asynchronous = self.always_async or self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
-        chunk_reads = tuple(
-            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
-                      tuple(k for _, _, k in items))
-            for (tier, fid), items in reads.items()
-        )
-        for tier, fid in reads:
-            tier.index.pin(fid)
-            tier.index.touch(fid)
-            state.pinned_files.append((tier, fid))
-        job = self._load_job(req_id, blocks, slots, keys, asynchronous, reads=chunk_reads)
-        self._loads.append(job)
-        if self.events is not None and reads:  # promoted into CPU slots: what a router sees of them
-            self.events.note(request, range(start, start + n), keys)
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = asynchronous
-        if asynchronous:
-            state.pinned_slots.extend(job.slots)
-        self._observe_load_issued(state, job)
-
-    @staticmethod
-    def _load_job(req_id: str, blocks: list[int], slots: list[int | None], keys: list[BlockKey],
-                  asynchronous: bool, **parts: Any) -> LoadJob:
-        """The job of a load whose block ``blocks[i]`` reads ``keys[i]`` from ``slots[i]``;
-        blocks without a slot go to ``unloadable``."""
-        have = [i for i, s in enumerate(slots) if s is not None]
-        return LoadJob(req_id, tuple(blocks[i] for i in have), tuple(slots[i] for i in have),  # type: ignore[misc]
-                       tuple(keys[i] for i in have), asynchronous,
-                       unloadable=tuple(b for b, s in zip(blocks, slots, strict=True) if s is None), **parts)
-
-    def _observe_load_issued(self, state: ReqState, job: LoadJob) -> None:
-        """Per-request load histograms: blocks copied from each tier now; the wait is 0
-        for a sync load (it runs in the step that computes on it), and for an async one
-        runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier = self._tier_counts(job)
-        if self.observe_loads:
-            for tier, n in per_tier.items():
-                if n > 0:
-                    self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, n)
-        slowest = self._slowest([t for t, n in per_tier.items() if n > 0])
-        if job.asynchronous:
-            state.load_issued_s, state.load_tier = time.monotonic(), slowest
-            state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
+            self.loads.plan_peer(state, plan, start, n)
         else:
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, slowest, 0.0)
-
-    @staticmethod
-    def _tier_counts(job: LoadJob) -> dict[str, int]:
-        """Blocks of ``job`` copied from each tier (lower-tier ones are read into CPU first)."""
-        per_tier: dict[str, int] = {TIER: len(job.slots)}
-        for read in job.reads:
-            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
-            per_tier[TIER] -= len(read.slots)
-        return per_tier
-
-    def _slowest(self, tiers: list[str]) -> str:
-        order: list[str] = [TIER, *(t.tier for t in self.lower)]  # fastest first
-        return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
-
-    def _observe_load_done(self, state: ReqState) -> None:
-        if state.load_issued_s is not None:
-            waited = time.monotonic() - state.load_issued_s
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
-            if self.load_policy is not None:
-                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
-            state.load_issued_s = None
-
-    def _pin_dram_hits(self, keys: list[BlockKey]) -> list[int | None]:
-        """Pin the keys a load reads from DRAM; their slots, None for the others (a block
-        still without a slot when the job is sent is unloadable: recomputed)."""
-        slots: list[int | None] = [None] * len(keys)
-        for i, k in enumerate(keys):
-            s = self.index.slot(k)
-            if s is not None and k not in self.promotions:
-                self.index.touch(k)
-                self.index.pin(s)
-                slots[i] = s
-                self.counters.add(CounterName.HIT_BLOCKS, TIER)
-                if self.prefetcher is not None:
-                    self.prefetcher.note_hit(k)
-        return slots
-
-    def _peer_load(self, state: ReqState, plan: PeerPlan, start: int, n: int) -> None:
-        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
-        keys are pinned and used as they are, the others get a pinned slot to read into."""
-        keys = list(plan.keys[:n])
-        slots = self._pin_dram_hits(keys)
-        if self.events is not None:  # read into CPU slots: what a router sees of them
-            self.events.note(state.request, range(start, start + len(keys)), keys)
-        remote, local, wanted = [], [], []
-        for i, k in enumerate(keys):
-            if slots[i] is not None or k in self.promotions:  # the latter: recomputed
-                continue
-            s = self._promote(k)
-            slots[i] = s
-            if s is not None:
-                remote.append(plan.remote_slots[i])
-                local.append(s)
-                wanted.append(k)
-                state.promoting.append(k)
-        self.counters.add(CounterName.HIT_BLOCKS, TierName.PEER, len(wanted))
-        if not plan.trusted and wanted:
-            # An untrusted peer's blocks serve this request only: dropped from the CPU
-            # index when the load ends (lookups skip them meanwhile: they are promotions),
-            # and nothing this request computes on top of them is stored.
-            state.private = True
-            state.private_keys.extend(wanted)
-            self.counters.add(CounterName.PEER_UNPROMOTED_BLOCKS, TierName.PEER, len(wanted))
-        blocks = state.block_ids[start : start + len(keys)]
-        # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
-        # that it frees the offer now rather than after hold_s.
-        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
-                        notify=plan.notify)
-        job = self._load_job(state.request.request_id, blocks, slots, keys, True, peer_read=read)
-        self._loads.append(job)
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = True
-        state.pinned_slots.extend(job.slots)
-
-    def _promote(self, key: BlockKey) -> int | None:
-        """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
-        slot = self.promotions.begin(key)
-        if slot is None:
-            self.counters.add(CounterName.STORE_SKIPPED, TIER)
-        return slot
+            self.loads.plan(state, start, n)
 
     def record_lookup(self, request: Request) -> None:
         """Count a lookup of the blocks of ``request`` a load could cover (once per
         admission): every full prompt block where a load may be async (``load_mode:
         async``, a tier below CPU, a peer), else all but the block of the last token; so a
         DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = (self.always_async or self.cfg.load_mode == "async" or bool(self.lower)
+        may_be_async = (self.load_options.always_async or self.cfg.load_mode == "async" or bool(self.lower)
                         or self.peer_plan is not None)
         n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
         self.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
@@ -517,10 +357,10 @@ class SchedulerPlanner:
                 n for req_id, n in step.num_scheduled_tokens.items()
                 if (st := self._reqs.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
-            ) // self.views_per_request)
+            ) // self.load_options.views_per_request)
         saves = list(self._final_saves)
         saves_after: list[SaveJob] = []
-        loads = self._loads
+        loads = self.loads.take_jobs()
         # A block computed on top of a sync load that then fails would hold wrong KV: for
         # a request loading in this step, save only blocks computed before it.
         sync_loading = {job.req_id for job in loads if not job.asynchronous}
@@ -565,7 +405,7 @@ class SchedulerPlanner:
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if not tier.index.knows(BlockKey(k))
                 ]
-        self._loads, self._final_saves, self._freed = [], [], []
+        self._final_saves, self._freed = [], []
         self.counters.add(CounterName.EVICTIONS, TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
         self.counters.add(CounterName.PIN_REFUSALS, TIER, self.index.pin_refusals - self._last_pin_refusals)
@@ -591,21 +431,7 @@ class SchedulerPlanner:
             self.verify.forget(req_id)
         state = self._reqs.pop(req_id, None)
         if state is not None:
-            self._end_async_load(state)
-
-    def _end_async_load(self, state: ReqState) -> None:
-        state.async_loading = False
-        for s in state.pinned_slots:
-            self.index.unpin(s)
-        state.pinned_slots = []
-        for tier, fid in state.pinned_files:
-            tier.index.unpin(fid)
-        state.pinned_files = []
-        self.promotions.end(state.promoting)
-        state.promoting = []
-        for key in state.private_keys:
-            self.index.remove(key)  # an untrusted peer's block: used by this request only
-        state.private_keys = []
+            self.loads.end(state)
 
     def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Save what is left and hold the blocks while the worker copies them (vLLM's
@@ -659,8 +485,8 @@ class SchedulerPlanner:
         for req_id in out.finished_recving:
             state = self._reqs.get(req_id) or self._held.get(req_id)
             if state is not None:
-                self._observe_load_done(state)
-                self._end_async_load(state)
+                self.loads.observe_done(state)
+                self.loads.end(state)
                 self._held.pop(req_id, None)
         bad = out.invalid_block_ids
         if bad:
@@ -690,14 +516,7 @@ class SchedulerPlanner:
         their source chunks down), and undo the saves computed on top of them."""
         dropped = 0
         for b in bad:
-            key = state.loaded.pop(b)
-            self.promotions.end((key,))
-            src = state.sources.pop(key, None)
-            if src is not None:
-                # Not offered again for a while: the request is rescheduled at
-                # once, and a tier that just failed would fail it again (a loop).
-                src[0].cool_down(src[1])
-            dropped += bool(self.index.remove(key))
+            dropped += self.loads.drop(state, b)
             if b not in state.block_ids:
                 continue
             pos = state.block_ids.index(b)
@@ -735,7 +554,7 @@ class SchedulerPlanner:
         releases to issue, prefetches queued or in flight (they land between requests), or
         write-back blocks to flush."""
         pf = self.prefetcher
-        return bool(self._final_saves or self._loads
+        return bool(self._final_saves or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
                     or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
