@@ -6,6 +6,7 @@ connector hands in). Inputs are plain (:mod:`vllm_kvtier.plan.inputs`), outputs 
 jobs of :mod:`vllm_kvtier.jobs`; the connector translates vLLM's objects on both sides.
 
 * :mod:`~vllm_kvtier.plan.scheduler`: :class:`SchedulerPlanner`, the whole step's policy
+* :mod:`~vllm_kvtier.plan.lookup_plan`: how many tokens of a request could be loaded
 * :mod:`~vllm_kvtier.plan.load_plan`: a hit becomes a load job; its pins end or are undone
 * :mod:`~vllm_kvtier.plan.save_plan`: which blocks to store in the CPU tier, in which slots
 * :mod:`~vllm_kvtier.plan.chunk_plan`: a tier below CPU (admission, chunking, capacity)

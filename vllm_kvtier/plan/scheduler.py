@@ -14,8 +14,9 @@ What it decides each step (``plan_step``):
 
 * **loads**: for a new request, the longest run of its prompt's block keys present in the
   CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
-  must compute at least one token to produce logits). Slots read by a load are pinned until
-  the load is known to be done: :mod:`~vllm_kvtier.plan.load_plan`.
+  must compute at least one token to produce logits): :mod:`~vllm_kvtier.plan.lookup_plan`.
+  Slots read by a load are pinned until the load is known to be done:
+  :mod:`~vllm_kvtier.plan.load_plan`.
 * **saves**: every block whose KV is complete once this step's forward ran and whose key
   is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
   worker copies them right after the forward (``wait_for_save``), so they are stored even
@@ -57,7 +58,7 @@ step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.secrets import load_remote_decode_secret
@@ -72,6 +73,7 @@ from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
 from vllm_kvtier.plan.load_policy import LoadPolicy
+from vllm_kvtier.plan.lookup_plan import LookupPlanner
 from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
@@ -122,10 +124,9 @@ class SchedulerPlanner:
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
                                          ignored=self.ignored, secret=load_remote_decode_secret(cfg.nixl))
-        #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
-        self.promotions = Promotions(self.index, self.lower)
+        # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
+        promotions = Promotions(self.index, self.lower)
         self._reqs: dict[str, ReqState] = {}
-        self._match_start: dict[str, int] = {}
         self._final_saves: list[SaveJob] = []
         #: Finished requests with saves out of their blocks in flight or planned: vLLM has
         #: freed those blocks, so the worker orders the saves before the next forward.
@@ -150,134 +151,50 @@ class SchedulerPlanner:
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
             self.prefetcher = Prefetcher(
-                self.index, self.lower, self.counters, self.promotions, world_size=world_size,
+                self.index, self.lower, self.counters, promotions, world_size=world_size,
                 max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
                 locate=self._locate,
             )
         #: Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
         self.verify: VerifyPlanner | None = None
         if cfg.verify.sample_rate > 0:
-            self.verify = VerifyPlanner(cfg.verify, self.index, self.promotions, self.counters,
+            self.verify = VerifyPlanner(cfg.verify, self.index, promotions, self.counters,
                                         world_size=world_size, lower=self.lower)
+        self.lookups = LookupPlanner(
+            cfg, self.index, self.lower, self.counters, promotions, self.load_options, self.handoff,
+            block_size=block_size, locate=self._locate, peer_plan=self.peer_plan, prefetcher=self.prefetcher,
+            load_policy=self.load_policy, verify=self.verify,
+        )
         self.loads = LoadPlanner(
-            self.index, self.lower, self.counters, self.promotions, self.load_options, load_mode=cfg.load_mode,
+            self.index, self.lower, self.counters, promotions, self.load_options, load_mode=cfg.load_mode,
             locate=self._locate, prefetcher=self.prefetcher, load_policy=self.load_policy, events=events,
         )
 
-    # ---- lookups ---------------------------------------------------------------
-
-    def _loadable_blocks(self, request: Request) -> int:
-        """Prompt blocks that may come from a tier: every full one. An async load may
-        cover the whole prompt: when it lands, vLLM's scheduler recomputes only the last
-        token (``num_computed_tokens = num_tokens - 1``), so an exact multiple of the block
-        size recomputes 1 token instead of a whole block. A sync load is capped by
-        :meth:`_sync_blocks`."""
-        return request.num_prompt_tokens // self.block_size
-
-    def _sync_blocks(self, request: Request) -> int:
-        """Blocks a sync load may cover: vLLM computes at least one token in the step
-        that admits the request (it asserts ``num_new_tokens > 0``), so never the block
-        holding the prompt's last token."""
-        return max(0, (request.num_prompt_tokens - 1) // self.block_size)
+    # ---- lookups (LookupPlanner) ----------------------------------------------------
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
-        async), vLLM's ``get_num_new_matched_tokens``. vLLM may ask again in a later step if it cannot admit the request now; the
-        only state kept is the latest answer's starting block, which
-        :meth:`on_alloc` needs (vLLM sets ``request.num_computed_tokens`` only
-        after that call).
-
-        A pool tier (Mooncake): while the pool's answer about the request's blocks may still
-        come, ``None`` (vLLM asks again next step; :meth:`lookups_pending`). The scheduler
-        thread never waits for it.
-
-        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
-        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
-        all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
-        is there (the rest is recomputed)."""
-        start = num_computed_tokens // self.block_size
-        self._match_start[request.request_id] = start
-        for tier in self.lower:
-            tier.refresh()
-        limit = min(self._loadable_blocks(request), len(request.block_hashes))
-        if start >= limit:
-            return 0, False
-        if self.peer_plan is not None:
-            n = self.peer_plan.match(request, start, limit)
-            if n:
-                # Blocks being filled for another request right now are not read twice.
-                n = next((i for i, h in enumerate(request.block_hashes[start : start + n])
-                          if BlockKey(h) in self.promotions), n)
-            if n is not None and n >= self.cfg.min_load_blocks:
-                return n * self.block_size, True  # read from the prefill instance over NIXL
-        if self.lookups_pending(request, start, limit):
-            return None, False  # a pool lookup of its blocks is under way: ask again next step
-        keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
-        tiers = self._match(request.block_hashes, start, limit)
-        if self.handoff.should_wait(request, start, limit, len(tiers)):
-            return None, False
-        nxt = start + len(tiers)
-        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
-            return None, False  # its next block is being prefetched into DRAM: ask again next step
-        if self.load_policy is not None:
-            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        asynchronous = self.load_options.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
-        if not asynchronous:
-            tiers = tiers[: max(0, self._sync_blocks(request) - start)]
-        if len(tiers) < self.cfg.min_load_blocks:
-            return 0, False
-        if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
-            return 0, False  # shadow verification: recomputed, and the stored blocks compared
-        return len(tiers) * self.block_size, asynchronous
+        """vLLM's ``get_num_new_matched_tokens`` (:meth:`LookupPlanner.lookup`)."""
+        return self.lookups.lookup(request, num_computed_tokens)
 
     def lookups_pending(self, request: Request, lo: int, hi: int) -> bool:
-        """Submit pool lookups (:meth:`ChunkPlanner.discover`) of the keys of ``request``
-        at positions ``[lo, hi)`` that DRAM does not hold. True while an answer about one
-        of them is still to come: the caller answers vLLM ``None`` (ask again next step).
-        Never waits for a pool; every tier is asked."""
-        keys = [k for h in request.block_hashes[lo:hi] if (k := BlockKey(h)) not in self.index]
-        if not keys:
-            return False
-        return any([tier.discover(keys) for tier in self.lower])
+        """Whether a pool lookup of keys ``[lo, hi)`` is under way (:meth:`LookupPlanner.lookups_pending`)."""
+        return self.lookups.lookups_pending(request, lo, hi)
 
     def present(self, request: Request, lo: int, hi: int) -> list[bool]:
-        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
-        (in DRAM, or in a lower tier after its refresh), for a hit that needs keys at
-        scattered positions (a sliding-window group's window). A key whose pool lookup is
-        still under way is absent for now (:meth:`lookups_pending` first to wait for it)."""
-        hashes = request.block_hashes
-        hi = min(hi, len(hashes))
-        for tier in self.lower:
-            tier.refresh()
-        self.lookups_pending(request, lo, hi)
-        return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
+        """Whether each key at ``[lo, hi)`` could be loaded now (:meth:`LookupPlanner.present`)."""
+        return self.lookups.present(request, lo, hi)
 
     def note_match_start(self, request: Request, num_computed_tokens: int) -> None:
-        """What :meth:`lookup` records for :meth:`on_alloc`, for a request whose hit was
-        decided elsewhere (a group view of a hybrid model)."""
-        self._match_start[request.request_id] = num_computed_tokens // self.block_size
+        """What :meth:`lookup` records, for a hit decided elsewhere (:meth:`LookupPlanner.note_start`)."""
+        self.lookups.note_start(request, num_computed_tokens)
 
-    def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
-        """The tier of each key of the run of loadable keys from ``start``."""
-        tiers: list[str] = []
-        cpu_quarantined = self.verify is not None and self.verify.quarantined(TIER)
-        for h in hashes[start:limit]:
-            key = BlockKey(h)
-            if key in self.promotions:
-                break  # its CPU copy is being read from a lower tier right now
-            if key in self.index:
-                if cpu_quarantined:
-                    break  # shadow verification found a wrong block in DRAM: no hits for now
-                tiers.append(TIER)
-                continue
-            loc = self._locate(key)
-            if loc is None:
-                break
-            tiers.append(loc[0].tier)
-        return tiers
+    def record_lookup(self, request: Request) -> None:
+        """Count a lookup, once per admission (:meth:`LookupPlanner.record`)."""
+        self.lookups.record(request)
 
     def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
-        """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
+        """The fastest lower tier holding ``key``: (planner, chunk id, position). Here, not
+        in :class:`LookupPlanner`: the prefetcher needs it, and the lookup the prefetcher."""
         for tier in self.lower:
             if self.verify is not None and self.verify.quarantined(tier.tier):
                 continue  # shadow verification found a wrong block there: no hits for now
@@ -290,12 +207,14 @@ class SchedulerPlanner:
         """The planner of lower tier ``name`` ("nvme", "s3"), if configured."""
         return next((t for t in self.lower if t.tier == name), None)
 
+    # ---- per request ---------------------------------------------------------------
+
     def on_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` to ``request``, ``num_external_tokens`` of them to
         be loaded by us (vLLM's ``update_state_after_alloc``): plan that load."""
         req_id = request.request_id
         # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
-        start = self._match_start.pop(req_id, 0)
+        start = self.lookups.take_start(req_id)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
@@ -308,7 +227,7 @@ class SchedulerPlanner:
             state.block_ids = list(block_ids)
             return
         for tier in self.lower:
-            tier.note_request(request.block_hashes[: self._loadable_blocks(request)])
+            tier.note_request(request.block_hashes[: self.lookups.loadable_blocks(request)])
         if self.load_policy is not None:
             # Count the decision even when it was to load nothing (all recomputed).
             self.load_policy.commit(req_id)
@@ -322,16 +241,6 @@ class SchedulerPlanner:
             self.loads.plan_peer(state, plan, start, n)
         else:
             self.loads.plan(state, start, n)
-
-    def record_lookup(self, request: Request) -> None:
-        """Count a lookup of the blocks of ``request`` a load could cover (once per
-        admission): every full prompt block where a load may be async (``load_mode:
-        async``, a tier below CPU, a peer), else all but the block of the last token; so a
-        DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = (self.load_options.always_async or self.cfg.load_mode == "async" or bool(self.lower)
-                        or self.peer_plan is not None)
-        n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
-        self.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -426,7 +335,7 @@ class SchedulerPlanner:
                 state.block_ids.extend(new)
 
     def _drop(self, req_id: str) -> None:
-        self._match_start.pop(req_id, None)
+        self.lookups.forget(req_id)
         if self.verify is not None:
             self.verify.forget(req_id)
         state = self._reqs.pop(req_id, None)
@@ -441,7 +350,7 @@ class SchedulerPlanner:
         blocks until the load is reported in ``finished_recving`` (holding it too would
         free the blocks twice).
         """
-        self._match_start.pop(request.request_id, None)  # aborted before admission
+        self.lookups.forget(request.request_id)  # aborted before admission
         self.handoff.forget(request.request_id)
         if self.verify is not None:
             self.verify.forget(request.request_id)
