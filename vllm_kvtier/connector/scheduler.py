@@ -216,7 +216,7 @@ class SchedulerHalf(SchedulerPlanner):
 
     def request_state(self, req_id: str) -> Any:
         """The planner's state of a request (or group view) it follows, else None."""
-        return self._reqs.get(req_id) or self._held.get(req_id)
+        return self.requests.get(req_id)
 
     def record_lookup(self, request: Request) -> None:
         if not self.hybrid:
@@ -284,7 +284,7 @@ class SchedulerHalf(SchedulerPlanner):
         for g, v in enumerate(self.group_views(request)):
             self.on_alloc(v, list(block_ids[g]), num_external_tokens)
             spec = self.layout.groups[g]
-            state = self._reqs.get(v.request_id)
+            state = self.requests.live.get(v.request_id)
             if spec.kind == "sliding" and state is not None and state.keep is None:
                 state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
 
@@ -342,7 +342,7 @@ class SchedulerHalf(SchedulerPlanner):
         self._views.pop(request.request_id, None)
         hold, params = False, None
         for g, v in enumerate(views):
-            state = self._reqs.get(v.request_id)
+            state = self.requests.live.get(v.request_id)
             stale: list[int] = []
             if state is not None and isinstance(state.keep, SaveFilter):
                 state.keep.with_final(self.saves.saveable_blocks(v, request.num_computed_tokens))

@@ -78,8 +78,8 @@ from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
-from vllm_kvtier.plan.req_state import ReqState
-from vllm_kvtier.plan.request_params import IgnoredParams, request_pin_ttl_s
+from vllm_kvtier.plan.req_state import ReqState, RequestTable
+from vllm_kvtier.plan.request_params import IgnoredParams
 from vllm_kvtier.plan.save_plan import SavePlanner
 from vllm_kvtier.plan.verify_plan import VerifyPlanner
 
@@ -114,28 +114,20 @@ class SchedulerPlanner:
                 tier.attach_events(events)
         self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
                                  save_decode_blocks=cfg.save_decode_blocks, events=events)
-        #: request-level kv_transfer_params not acted on (counted, rate-limited warnings)
-        self.ignored = IgnoredParams(self.counters)
+        # request-level kv_transfer_params not acted on (counted, rate-limited warnings)
+        ignored = IgnoredParams(self.counters)
+        self.requests = RequestTable(cfg.cpu, ignored)
         mc = cfg.mooncake
         self.handoff = PoolHandoff(self.counters, block_size=block_size,
                                    wait_s=mc.handoff_wait_s if mc is not None else 0.0,
-                                   enabled=mc is not None and mc.accept_handoffs, ignored=self.ignored)
+                                   enabled=mc is not None and mc.accept_handoffs, ignored=ignored)
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
-                                         ignored=self.ignored, secret=load_remote_decode_secret(cfg.nixl))
+                                         ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
         # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         promotions = Promotions(self.index, self.lower)
-        self._reqs: dict[str, ReqState] = {}
         self._final_saves: list[SaveJob] = []
-        #: Finished requests with saves out of their blocks in flight or planned: vLLM has
-        #: freed those blocks, so the worker orders the saves before the next forward.
-        self._freed: list[str] = []
-        #: Finished requests whose async load still runs (vLLM keeps their blocks until
-        #: ``finished_recving``).
-        self._held: dict[str, ReqState] = {}
-        #: Requests given a fresh state since the last plan_step.
-        self._fresh: set[str] = set()
         self._step = 0
         self._last_evictions = 0
         #: Set by the connector (hybrid models, vLLM's V2 model runner).
@@ -215,13 +207,10 @@ class SchedulerPlanner:
         req_id = request.request_id
         # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
         start = self.lookups.take_start(req_id)
-        state = self._reqs.get(req_id)
+        state = self.requests.live.get(req_id)
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
-            state = ReqState(request, list(block_ids))
-            state.pin_ttl_s = request_pin_ttl_s(request, self.cfg.cpu, self.ignored)
-            self._reqs[req_id] = state
-            self._fresh.add(req_id)
+            state = self.requests.start(request, block_ids)
         else:
             # Second call after an async load completed: vLLM may have added blocks.
             state.block_ids = list(block_ids)
@@ -248,14 +237,13 @@ class SchedulerPlanner:
         """What the workers do in this step (vLLM's ``build_connector_meta``)."""
         self._step += 1
         preempted = list(step.preempted)
-        for req_id in preempted:
-            # Its blocks are freed (and may be reused this step): nothing left to save.
-            # Unless it was resumed in this same step (reset_prefix_cache preempts outside
-            # schedule()): then its state, and any async-load pins, are new and stay.
-            if req_id not in self._fresh:
-                self._drop(req_id)
-        self._fresh.clear()
-        self._refresh_block_ids(step)
+        # Its blocks are freed (and may be reused this step): nothing left to save.
+        # Unless it was resumed in this same step (reset_prefix_cache preempts outside
+        # schedule()): then its state, and any async-load pins, are new and stay.
+        for req_id in self.requests.take_preempted(preempted):
+            self._drop(req_id)
+        self.requests.refresh_block_ids(step)
+        live = self.requests.live
         # Before this step's saves are planned: a prefetch slot is pinned, so no save of
         # this step can take it, and it can only evict blocks saved in earlier steps.
         prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
@@ -264,7 +252,7 @@ class SchedulerPlanner:
         if self.load_policy is not None:
             self.load_policy.observe_step(sum(
                 n for req_id, n in step.num_scheduled_tokens.items()
-                if (st := self._reqs.get(req_id)) is not None
+                if (st := live.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
             ) // self.load_options.views_per_request)
         saves = list(self._final_saves)
@@ -274,7 +262,7 @@ class SchedulerPlanner:
         # a request loading in this step, save only blocks computed before it.
         sync_loading = {job.req_id for job in loads if not job.asynchronous}
         for req_id, n_sched in step.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
+            state = live.get(req_id)
             if state is None:
                 continue
             computed = state.request.num_computed_tokens  # before this step
@@ -292,15 +280,15 @@ class SchedulerPlanner:
                     self.index.unpin(s)
         verifies = []
         if self.verify is not None:
-            verifies = self.verify.take_jobs(self._reqs, step.num_scheduled_tokens, self.block_size)
+            verifies = self.verify.take_jobs(live, step.num_scheduled_tokens, self.block_size)
             self.verify.publish()
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
-            freed=self._freed, preempted=preempted, step=self._step, prefetches=prefetches,
+            freed=self.requests.take_freed(), preempted=preempted, step=self._step, prefetches=prefetches,
             verifies=verifies, namespace=self.namespace,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
-        idle = not self._reqs  # nothing running: write back what DRAM holds (see chunk_plan)
+        idle = not live  # nothing running: write back what DRAM holds (see chunk_plan)
         for tier in self.lower:
             demotes, through, deletes = tier.take_jobs(saved, self.index.slot, idle=idle)
             meta.demotes += demotes
@@ -314,7 +302,7 @@ class SchedulerPlanner:
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if not tier.index.knows(BlockKey(k))
                 ]
-        self._final_saves, self._freed = [], []
+        self._final_saves = []
         self.counters.add(CounterName.EVICTIONS, TIER, self.index.evictions - self._last_evictions)
         self._last_evictions = self.index.evictions
         self.counters.add(CounterName.PIN_REFUSALS, TIER, self.index.pin_refusals - self._last_pin_refusals)
@@ -324,21 +312,11 @@ class SchedulerPlanner:
         self.counters.set_gauge(GaugeName.CAPACITY_BYTES, TIER, self.index.num_slots * self.slot_bytes_total)
         return meta
 
-    def _refresh_block_ids(self, step: StepInput) -> None:
-        for req_id, ids in step.block_ids.items():
-            state = self._reqs.get(req_id)
-            if state is not None:
-                state.block_ids = list(ids)
-        for req_id, new in step.new_block_ids.items():
-            state = self._reqs.get(req_id)
-            if state is not None:
-                state.block_ids.extend(new)
-
     def _drop(self, req_id: str) -> None:
         self.lookups.forget(req_id)
         if self.verify is not None:
             self.verify.forget(req_id)
-        state = self._reqs.pop(req_id, None)
+        state = self.requests.pop(req_id)
         if state is not None:
             self.loads.end(state)
 
@@ -360,13 +338,13 @@ class SchedulerPlanner:
             self.peer_plan.forget(request.request_id)
         if self.load_policy is not None:
             self.load_policy.forget(request.request_id)
-        state = self._reqs.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id)
         if state is None:
             return False, params
         if state.async_loading:
             # vLLM keeps the blocks until finished_recving; the loaded range is not valid
             # KV yet, so nothing may be saved from it.
-            self._held[request.request_id] = state  # unpinned on finished_recving
+            self.requests.hold(request.request_id, state)  # unpinned on finished_recving
             return False, None
         state.block_ids = list(block_ids)
         upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
@@ -386,25 +364,25 @@ class SchedulerPlanner:
         # copies were reported instead kept them from the next step's schedule: a step of
         # queueing for every request behind a finished one when vLLM's cache is full.
         if job is not None or state.saves_issued:
-            self._freed.append(request.request_id)
+            self.requests.free(request.request_id)
         return False, params
 
     def on_worker_output(self, out: WorkerOutput) -> None:
         """What the workers reported after a step (vLLM's ``update_connector_output``)."""
         for req_id in out.finished_recving:
-            state = self._reqs.get(req_id) or self._held.get(req_id)
+            state = self.requests.get(req_id)
             if state is not None:
                 self.loads.observe_done(state)
                 self.loads.end(state)
-                self._held.pop(req_id, None)
+                self.requests.release(req_id)
         bad = out.invalid_block_ids
         if bad:
-            for state in list(self._reqs.values()) + list(self._held.values()):
+            for state in self.requests.states():
                 self._undo_loads(state, bad & state.loaded.keys())
         for req_id in out.failed_loads:
             # A request-level failure (hybrid models): every block it loaded is suspect,
             # and vLLM recomputes the whole request.
-            state = self._reqs.get(req_id) or self._held.get(req_id)
+            state = self.requests.get(req_id)
             if state is not None:
                 self._undo_loads(state, set(state.loaded))
         if self.load_policy is not None and out.stats is not None:
@@ -449,11 +427,11 @@ class SchedulerPlanner:
 
     def tracked_requests(self) -> set[str]:
         """Requests whose blocks we follow (admitted, not finished)."""
-        return set(self._reqs)
+        return set(self.requests.live)
 
     def held_requests(self) -> set[str]:
         """Finished requests whose async load still runs."""
-        return set(self._held)
+        return self.requests.held_ids()
 
     def pending_final_saves(self) -> list[SaveJob]:
         return list(self._final_saves)
@@ -468,7 +446,7 @@ class SchedulerPlanner:
                     or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
                     # an abort afterwards finds them on the lower tier)
-                    or (not self._reqs and any(t.has_flush_work() for t in self.lower))
+                    or (not self.requests.live and any(t.has_flush_work() for t in self.lower))
                     # blocks held for a decode instance: keep stepping to see its read's
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,
