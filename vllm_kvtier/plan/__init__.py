@@ -15,6 +15,7 @@ jobs of :mod:`vllm_kvtier.jobs`; the connector translates vLLM's objects on both
 * :mod:`~vllm_kvtier.plan.load_policy`: load or recompute, by the measured costs
 * :mod:`~vllm_kvtier.plan.pool_handoff`, :mod:`~vllm_kvtier.plan.peer_plan`: P/D hand-off
 * :mod:`~vllm_kvtier.plan.req_state`: what is kept per request, and the table of requests
+* :mod:`~vllm_kvtier.plan.cpu_gauges`: the CPU tier's counters and gauges, once a step
 * :mod:`~vllm_kvtier.plan.request_params`: the trust boundary on a request's
   ``kv_transfer_params`` (what the config enables, the limits, the ignored-param counter)
 """

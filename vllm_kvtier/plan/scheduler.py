@@ -67,8 +67,9 @@ from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import SaveJob, StepPlan
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, GaugeName
+from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.cpu_gauges import CpuGauges
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
@@ -103,9 +104,8 @@ class SchedulerPlanner:
         self.namespace = namespace
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
-        self._last_pin_refusals = 0
-        self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
+        self.gauges = CpuGauges(self.index, self.counters, slot_bytes_total=slot_bytes_total)
         self.lower = list(lower or [])
         self.events = events
         if events is not None:
@@ -129,7 +129,6 @@ class SchedulerPlanner:
         promotions = Promotions(self.index, self.lower)
         self._final_saves: list[SaveJob] = []
         self._step = 0
-        self._last_evictions = 0
         #: Set by the connector (hybrid models, vLLM's V2 model runner).
         self.load_options = LoadOptions()
         lr = cfg.load_or_recompute
@@ -303,13 +302,7 @@ class SchedulerPlanner:
                     if not tier.index.knows(BlockKey(k))
                 ]
         self._final_saves = []
-        self.counters.add(CounterName.EVICTIONS, TIER, self.index.evictions - self._last_evictions)
-        self._last_evictions = self.index.evictions
-        self.counters.add(CounterName.PIN_REFUSALS, TIER, self.index.pin_refusals - self._last_pin_refusals)
-        self._last_pin_refusals = self.index.pin_refusals
-        self.counters.set_gauge(GaugeName.PINNED_BLOCKS, TIER, self.index.pinned_keys)
-        self.counters.set_gauge(GaugeName.USAGE_BYTES, TIER, len(self.index) * self.slot_bytes_total)
-        self.counters.set_gauge(GaugeName.CAPACITY_BYTES, TIER, self.index.num_slots * self.slot_bytes_total)
+        self.gauges.publish()
         return meta
 
     def _drop(self, req_id: str) -> None:
