@@ -90,6 +90,11 @@ TIER = TierName.CPU
 
 
 class SchedulerPlanner:
+    """The whole step's policy, over its parts: :class:`LookupPlanner` (hits),
+    :class:`LoadPlanner` (loads), :class:`SavePlanner` (saves), :class:`RequestTable` (the
+    requests followed), the lower tiers' planners, prefetch, P/D and verification. Owns
+    the step count and the wiring between the parts."""
+
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
         lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
@@ -127,7 +132,6 @@ class SchedulerPlanner:
                                          ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
         # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         promotions = Promotions(self.index, self.lower)
-        self._final_saves: list[SaveJob] = []
         self._step = 0
         #: Set by the connector (hybrid models, vLLM's V2 model runner).
         self.load_options = LoadOptions()
@@ -254,7 +258,7 @@ class SchedulerPlanner:
                 if (st := live.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
             ) // self.load_options.views_per_request)
-        saves = list(self._final_saves)
+        saves = self.saves.take_final()
         saves_after: list[SaveJob] = []
         loads = self.loads.take_jobs()
         # A block computed on top of a sync load that then fails would hold wrong KV: for
@@ -301,7 +305,6 @@ class SchedulerPlanner:
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if not tier.index.knows(BlockKey(k))
                 ]
-        self._final_saves = []
         self.gauges.publish()
         return meta
 
@@ -341,9 +344,7 @@ class SchedulerPlanner:
             return False, None
         state.block_ids = list(block_ids)
         upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
-        job = self.saves.plan(state, upto)
-        if job is not None:
-            self._final_saves.append(job)
+        job = self.saves.plan_final(state, upto)
         if self.prefetcher is not None:
             # Its next turn starts with these blocks: bring back the ones that left DRAM.
             self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
@@ -397,24 +398,14 @@ class SchedulerPlanner:
         dropped = 0
         for b in bad:
             dropped += self.loads.drop(state, b)
-            if b not in state.block_ids:
-                continue
-            pos = state.block_ids.index(b)
-            # Blocks this request computed (and saved) after the bad one attended
-            # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
-            # saved again once complete.
-            for p in [p for p in state.saved if p > pos]:
-                self.drop_stored(state.saved.pop(p))
-            state.next_save = min(state.next_save, pos)
+            if b in state.block_ids:
+                self.saves.drop_after(state, state.block_ids.index(b))
         if dropped:
             logger.warning("kvtier: dropped %d block(s) that failed to load", dropped)
 
     def drop_stored(self, key: BlockKey) -> None:
-        """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
-        later request can use)."""
-        self.index.remove(key)
-        for tier in self.lower:
-            tier.drop_key(key)
+        """Remove ``key`` from the CPU tier and every lower tier (:meth:`SavePlanner.drop_stored`)."""
+        self.saves.drop_stored(key)
 
     # ---- introspection (tests, `kvtier inspect`) --------------------------------------
 
@@ -427,14 +418,14 @@ class SchedulerPlanner:
         return self.requests.held_ids()
 
     def pending_final_saves(self) -> list[SaveJob]:
-        return list(self._final_saves)
+        return self.saves.pending_final()
 
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
         releases to issue, prefetches queued or in flight (they land between requests), or
         write-back blocks to flush."""
         pf = self.prefetcher
-        return bool(self._final_saves or self.loads.has_jobs()
+        return bool(self.saves.pending_final() or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
                     or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
