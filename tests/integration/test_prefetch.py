@@ -39,7 +39,7 @@ def test_prefetch_restores_a_finished_chain_without_evicting_it(tmp_path):
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
     assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # key 0 lands soon: ask again
     half.update_connector_output(_Conn(WorkerReport(prefetched={job.prefetch_id: 1})))
-    half._match_start.clear()
+    half.lookups.forget("r")
     req2 = FakeRequest("r2", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
     assert half.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)  # all in DRAM: sync
     assert half.counters.totals["prefetch_blocks|nvme"] == 2

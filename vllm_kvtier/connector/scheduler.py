@@ -164,10 +164,10 @@ class SchedulerHalf(SchedulerPlanner):
         self.layout = layout if layout is not None else GroupLayout((GroupSpec("full", self.block_size),))
         self.hybrid = self.layout.hybrid
         #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
-        self.always_async = self.hybrid
-        self.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
-        self.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
-        self.views_per_request = len(self.layout.groups)
+        self.load_options.always_async = self.hybrid
+        self.load_options.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
+        self.load_options.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
+        self.load_options.views_per_request = len(self.layout.groups)
         self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
         #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
         self.key_origins = KeyOrigins()
@@ -216,7 +216,7 @@ class SchedulerHalf(SchedulerPlanner):
 
     def request_state(self, req_id: str) -> Any:
         """The planner's state of a request (or group view) it follows, else None."""
-        return self._reqs.get(req_id) or self._held.get(req_id)
+        return self.requests.get(req_id)
 
     def record_lookup(self, request: Request) -> None:
         if not self.hybrid:
@@ -284,7 +284,7 @@ class SchedulerHalf(SchedulerPlanner):
         for g, v in enumerate(self.group_views(request)):
             self.on_alloc(v, list(block_ids[g]), num_external_tokens)
             spec = self.layout.groups[g]
-            state = self._reqs.get(v.request_id)
+            state = self.requests.live.get(v.request_id)
             if spec.kind == "sliding" and state is not None and state.keep is None:
                 state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
 
@@ -306,7 +306,7 @@ class SchedulerHalf(SchedulerPlanner):
             self.group_loaded_blocks[g] += len(job.block_ids)
         plan = to_real_ids(plan)
         for job in plan.loads:  # one observation per vLLM request, as for one group
-            for tier, count in self._tier_counts(job).items():
+            for tier, count in self.loads.tier_counts(job).items():
                 if count > 0:
                     self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, count)
         return KVTierMetadata.from_plan(plan)
@@ -320,7 +320,7 @@ class SchedulerHalf(SchedulerPlanner):
             return
         first = states[0]
         first.load_issued_s = min(st.load_issued_s for st in states)
-        first.load_tier = self._slowest([st.load_tier for st in states])
+        first.load_tier = self.loads.slowest([st.load_tier for st in states])
         first.load_lower_blocks = sum(st.load_lower_blocks for st in states)
         for st in states[1:]:
             st.load_issued_s = None
@@ -342,7 +342,7 @@ class SchedulerHalf(SchedulerPlanner):
         self._views.pop(request.request_id, None)
         hold, params = False, None
         for g, v in enumerate(views):
-            state = self._reqs.get(v.request_id)
+            state = self.requests.live.get(v.request_id)
             stale: list[int] = []
             if state is not None and isinstance(state.keep, SaveFilter):
                 state.keep.with_final(self.saves.saveable_blocks(v, request.num_computed_tokens))

@@ -482,10 +482,10 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                          world_size=world, lower=lower, counters=counters, layout=groups,
                          swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
-    if sync_load_failures_unsafe(vllm_config) and not half.always_async:
+    if sync_load_failures_unsafe(vllm_config) and not half.load_options.always_async:
         logger.info("kvtier: vLLM's V2 model runner with kv_load_failure_policy recompute: every load is "
                     "async (a rejected sync load would give wrong output there, vllm#49250)")
-        half.always_async = True
+        half.load_options.always_async = True
     return half
 
 

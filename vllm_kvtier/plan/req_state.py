@@ -1,17 +1,21 @@
 """What the scheduler half keeps about one request it follows (admitted, not finished):
-its blocks, what was saved and loaded, and what an async load of it pins.
+its blocks, what was saved and loaded, and what an async load of it pins. And the table of
+those requests, by stage (:class:`RequestTable`).
 
-Who uses it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner` and
-:class:`~vllm_kvtier.plan.save_plan.SavePlanner`, from vLLM's scheduler thread only.
+Who uses it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, its load and save
+planners, from vLLM's scheduler thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvtier.config import CPUTierConfig
 from vllm_kvtier.keys import BlockKey, TierName
+from vllm_kvtier.plan.inputs import StepInput
+from vllm_kvtier.plan.request_params import IgnoredParams, request_pin_ttl_s
 
 if TYPE_CHECKING:
     from vllm_kvtier.plan.chunk_plan import ChunkPlanner
@@ -58,3 +62,86 @@ class ReqState:
     #: Which block positions are worth saving (a sliding-window group's view:
     #: :class:`~vllm_kvtier.index.groups.SaveFilter`); None: every one.
     keep: Callable[[int], bool] | None = None
+
+
+class RequestTable:
+    """The requests the scheduler planner follows, by stage. Owns each one's
+    :class:`ReqState` while it is live (admitted, not finished) or held (finished, its
+    async load still running). Knows which requests are new since the last step, and
+    which finished ones have saves to order before the next forward."""
+
+    def __init__(self, cpu: CPUTierConfig, ignored: IgnoredParams) -> None:
+        """``cpu``, ``ignored``: to check a request's key-pin TTL once (:meth:`start`)."""
+        self.cpu = cpu
+        self.ignored = ignored
+        #: Admitted, not finished.
+        self.live: dict[str, ReqState] = {}
+        #: Finished requests whose async load still runs (vLLM keeps their blocks until
+        #: ``finished_recving``).
+        self._held: dict[str, ReqState] = {}
+        #: Requests given a fresh state since the last step.
+        self._fresh: set[str] = set()
+        #: Finished requests with saves out of their blocks in flight or planned: vLLM has
+        #: freed those blocks, so the worker orders the saves before the next forward.
+        self._freed: list[str] = []
+
+    def start(self, request: Any, block_ids: list[int]) -> ReqState:
+        """A fresh state for ``request``: new, or resumed after preemption (its old blocks
+        are gone). Its key-pin TTL is checked here, once per state."""
+        state = ReqState(request, list(block_ids))
+        state.pin_ttl_s = request_pin_ttl_s(request, self.cpu, self.ignored)
+        self.live[request.request_id] = state
+        self._fresh.add(request.request_id)
+        return state
+
+    def get(self, req_id: str) -> ReqState | None:
+        """The state of a live or held request, else None."""
+        return self.live.get(req_id) or self._held.get(req_id)
+
+    def states(self) -> list[ReqState]:
+        """Every live and held request's state."""
+        return list(self.live.values()) + list(self._held.values())
+
+    def pop(self, req_id: str) -> ReqState | None:
+        """Stop following live request ``req_id``. Its state, if it was live."""
+        return self.live.pop(req_id, None)
+
+    def take_preempted(self, preempted: Iterable[str]) -> list[str]:
+        """A step starts: the preempted requests whose state to drop. Not one resumed
+        since the last step (``reset_prefix_cache`` preempts outside ``schedule()``): its
+        state is new and stays. No request is new after this call."""
+        stale = [req_id for req_id in preempted if req_id not in self._fresh]
+        self._fresh.clear()
+        return stale
+
+    def refresh_block_ids(self, step: StepInput) -> None:
+        """The block tables of ``step``: whole ones replace, new blocks extend."""
+        for req_id, ids in step.block_ids.items():
+            state = self.live.get(req_id)
+            if state is not None:
+                state.block_ids = list(ids)
+        for req_id, new in step.new_block_ids.items():
+            state = self.live.get(req_id)
+            if state is not None:
+                state.block_ids.extend(new)
+
+    def hold(self, req_id: str, state: ReqState) -> None:
+        """Finished ``req_id``'s async load still runs: keep its state until :meth:`release`."""
+        self._held[req_id] = state
+
+    def release(self, req_id: str) -> None:
+        """The async load of held ``req_id`` ended."""
+        self._held.pop(req_id, None)
+
+    def held_ids(self) -> set[str]:
+        return set(self._held)
+
+    def free(self, req_id: str) -> None:
+        """vLLM freed finished ``req_id``'s blocks with saves out of them planned or in
+        flight. The next step's plan names it (:meth:`take_freed`)."""
+        self._freed.append(req_id)
+
+    def take_freed(self) -> list[str]:
+        """The requests freed since the last call (once a step)."""
+        freed, self._freed = self._freed, []
+        return freed

@@ -14,7 +14,9 @@ or demote. A request may key-pin its prompt blocks with ``kv_transfer_params:
 request, :mod:`~vllm_kvtier.plan.request_params`). A request whose KV depends on blocks
 from an untrusted peer (``ReqState.private``) stores nothing. Positions holding vLLM's
 null block, or refused by the request's ``keep`` filter (a sliding-window group:
-:class:`~vllm_kvtier.index.groups.SaveFilter`), are not stored.
+:class:`~vllm_kvtier.index.groups.SaveFilter`), are not stored. A finished request's save
+waits for the next step's plan (:meth:`SavePlanner.plan_final`). A block found wrong is
+dropped from every tier (:meth:`SavePlanner.drop_stored`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ NULL_BLOCK = 0
 
 
 class SavePlanner:
+    """Plans the saves of the requests followed. Owns the saves of finished requests
+    until the next step's plan takes them."""
+
     def __init__(self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, *, block_size: int,
                  save_decode_blocks: bool, events: EventLog | None = None) -> None:
         self.index = index
@@ -46,6 +51,8 @@ class SavePlanner:
         self.events = events
         #: Skip positions holding vLLM's null block (hybrid models; set by the connector).
         self.skip_null_blocks = False
+        #: Saves of finished requests, sent with the next step's plan (:meth:`take_final`).
+        self._final: list[SaveJob] = []
 
     def saveable_blocks(self, request: Any, num_computed_tokens: int) -> int:
         """Blocks [0, n) of ``request`` complete once ``num_computed_tokens`` are computed
@@ -107,3 +114,35 @@ class SavePlanner:
             self.events.note(state.request, positions, keys)
         state.saves_issued = True
         return SaveJob(state.request.request_id, tuple(blocks), tuple(slots), tuple(keys))
+
+    def plan_final(self, state: ReqState, upto: int) -> SaveJob | None:
+        """:meth:`plan` for a finished request. The job waits for the next step's plan
+        (:meth:`take_final`)."""
+        job = self.plan(state, upto)
+        if job is not None:
+            self._final.append(job)
+        return job
+
+    def take_final(self) -> list[SaveJob]:
+        """The saves of requests finished since the last call (once a step)."""
+        final, self._final = self._final, []
+        return final
+
+    def pending_final(self) -> list[SaveJob]:
+        """The saves of finished requests the next step's plan will carry."""
+        return list(self._final)
+
+    def drop_after(self, state: ReqState, pos: int) -> None:
+        """The block at ``pos`` of ``state`` failed to load. The blocks this request saved
+        after it attended to wrong KV: drop them too. vLLM recomputes from ``pos``. They
+        are saved again once complete."""
+        for p in [p for p in state.saved if p > pos]:
+            self.drop_stored(state.saved.pop(p))
+        state.next_save = min(state.next_save, pos)
+
+    def drop_stored(self, key: BlockKey) -> None:
+        """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
+        later request can use)."""
+        self.index.remove(key)
+        for tier in self.lower:
+            tier.drop_key(key)

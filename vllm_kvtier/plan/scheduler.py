@@ -14,8 +14,9 @@ What it decides each step (``plan_step``):
 
 * **loads**: for a new request, the longest run of its prompt's block keys present in the
   CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
-  must compute at least one token to produce logits). Slots read by a load are pinned until
-  the load is known to be done.
+  must compute at least one token to produce logits): :mod:`~vllm_kvtier.plan.lookup_plan`.
+  Slots read by a load are pinned until the load is known to be done:
+  :mod:`~vllm_kvtier.plan.load_plan`.
 * **saves**: every block whose KV is complete once this step's forward ran and whose key
   is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
   worker copies them right after the forward (``wait_for_save``), so they are stored even
@@ -40,7 +41,8 @@ What it decides each step (``plan_step``):
   request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
   and decides the hit every group can serve; here, positions holding vLLM's null block
   are neither loaded nor saved (``skip_null_blocks``), every load is async
-  (``always_async``), a request's ``keep`` filter limits what a sliding-window group
+  (``always_async``; both :class:`~vllm_kvtier.plan.load_plan.LoadOptions`), a request's
+  ``keep`` filter limits what a sliding-window group
   saves, and a load failed as a whole (``WorkerOutput.failed_loads``) drops every block
   that request loaded.
 
@@ -56,39 +58,43 @@ step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.secrets import load_remote_decode_secret
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.index.slot_index import SlotIndex
-from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead, SaveJob, StepPlan
+from vllm_kvtier.jobs import SaveJob, StepPlan
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, GaugeName, HistogramName
+from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.cpu_gauges import CpuGauges
 from vllm_kvtier.plan.events import EventLog, TierEvent
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
+from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
 from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlan, PeerPlanner
+from vllm_kvtier.plan.lookup_plan import LookupPlanner
+from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
-from vllm_kvtier.plan.req_state import ReqState
-from vllm_kvtier.plan.request_params import IgnoredParams, request_pin_ttl_s
+from vllm_kvtier.plan.req_state import ReqState, RequestTable
+from vllm_kvtier.plan.request_params import IgnoredParams
 from vllm_kvtier.plan.save_plan import SavePlanner
 from vllm_kvtier.plan.verify_plan import VerifyPlanner
 
 logger = logging.getLogger(__name__)
 
 TIER = TierName.CPU
-#: vLLM's null block: held by sliding-window groups outside the window; never loaded or saved.
-NULL_BLOCK = 0
 
 
 class SchedulerPlanner:
+    """The whole step's policy, over its parts: :class:`LookupPlanner` (hits),
+    :class:`LoadPlanner` (loads), :class:`SavePlanner` (saves), :class:`RequestTable` (the
+    requests followed), the lower tiers' planners, prefetch, P/D and verification. Owns
+    the step count and the wiring between the parts."""
+
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
         lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
@@ -103,9 +109,8 @@ class SchedulerPlanner:
         self.namespace = namespace
         self.block_size = block_size
         self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
-        self._last_pin_refusals = 0
-        self.slot_bytes_total = slot_bytes_total
         self.counters = counters if counters is not None else Counters()
+        self.gauges = CpuGauges(self.index, self.counters, slot_bytes_total=slot_bytes_total)
         self.lower = list(lower or [])
         self.events = events
         if events is not None:
@@ -114,45 +119,22 @@ class SchedulerPlanner:
                 tier.attach_events(events)
         self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
                                  save_decode_blocks=cfg.save_decode_blocks, events=events)
-        #: request-level kv_transfer_params not acted on (counted, rate-limited warnings)
-        self.ignored = IgnoredParams(self.counters)
+        # request-level kv_transfer_params not acted on (counted, rate-limited warnings)
+        ignored = IgnoredParams(self.counters)
+        self.requests = RequestTable(cfg.cpu, ignored)
         mc = cfg.mooncake
         self.handoff = PoolHandoff(self.counters, block_size=block_size,
                                    wait_s=mc.handoff_wait_s if mc is not None else 0.0,
-                                   enabled=mc is not None and mc.accept_handoffs, ignored=self.ignored)
+                                   enabled=mc is not None and mc.accept_handoffs, ignored=ignored)
         self.peer_plan: PeerPlanner | None = None
         if cfg.nixl is not None:
             self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
-                                         ignored=self.ignored, secret=load_remote_decode_secret(cfg.nixl))
-        #: Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
-        self.promotions = Promotions(self.index, self.lower)
-        self._reqs: dict[str, ReqState] = {}
-        self._match_start: dict[str, int] = {}
-        self._loads: list[LoadJob] = []
-        self._final_saves: list[SaveJob] = []
-        #: Finished requests with saves out of their blocks in flight or planned: vLLM has
-        #: freed those blocks, so the worker orders the saves before the next forward.
-        self._freed: list[str] = []
-        #: Finished requests whose async load still runs (vLLM keeps their blocks until
-        #: ``finished_recving``).
-        self._held: dict[str, ReqState] = {}
-        #: Requests given a fresh state since the last plan_step.
-        self._fresh: set[str] = set()
+                                         ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
+        # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
+        promotions = Promotions(self.index, self.lower)
         self._step = 0
-        self._last_evictions = 0
-        #: Every load is async (hybrid models: a failed load is reported per request, which
-        #: vLLM supports for async loads only; vLLM's V2 model runner with the recompute
-        #: policy: a rejected sync load gives wrong output there, see
-        #: :func:`~vllm_kvtier.connector.wiring.sync_load_failures_unsafe`). Set by the connector.
-        self.always_async = False
-        #: Engine block id 0 is vLLM's null block, held by sliding-window groups outside the
-        #: window: never loaded or saved (hybrid models; set by the connector).
-        self.skip_null_blocks = False
-        #: Observe the per-request load histogram per load job (off: the connector observes
-        #: merged jobs, hybrid models). Requests per vLLM request (hybrid: one per group),
-        #: to count each prefill token once for load-or-recompute.
-        self.observe_loads = True
-        self.views_per_request = 1
+        #: Set by the connector (hybrid models, vLLM's V2 model runner).
+        self.load_options = LoadOptions()
         lr = cfg.load_or_recompute
         self.load_policy: LoadPolicy | None = None
         if lr.enabled and self.lower:
@@ -164,130 +146,50 @@ class SchedulerPlanner:
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
             self.prefetcher = Prefetcher(
-                self.index, self.lower, self.counters, self.promotions, world_size=world_size,
+                self.index, self.lower, self.counters, promotions, world_size=world_size,
                 max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
                 locate=self._locate,
             )
         #: Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
         self.verify: VerifyPlanner | None = None
         if cfg.verify.sample_rate > 0:
-            self.verify = VerifyPlanner(cfg.verify, self.index, self.promotions, self.counters,
+            self.verify = VerifyPlanner(cfg.verify, self.index, promotions, self.counters,
                                         world_size=world_size, lower=self.lower)
+        self.lookups = LookupPlanner(
+            cfg, self.index, self.lower, self.counters, promotions, self.load_options, self.handoff,
+            block_size=block_size, locate=self._locate, peer_plan=self.peer_plan, prefetcher=self.prefetcher,
+            load_policy=self.load_policy, verify=self.verify,
+        )
+        self.loads = LoadPlanner(
+            self.index, self.lower, self.counters, promotions, self.load_options, load_mode=cfg.load_mode,
+            locate=self._locate, prefetcher=self.prefetcher, load_policy=self.load_policy, events=events,
+        )
 
-    # ---- lookups ---------------------------------------------------------------
-
-    def _loadable_blocks(self, request: Request) -> int:
-        """Prompt blocks that may come from a tier: every full one. An async load may
-        cover the whole prompt: when it lands, vLLM's scheduler recomputes only the last
-        token (``num_computed_tokens = num_tokens - 1``), so an exact multiple of the block
-        size recomputes 1 token instead of a whole block. A sync load is capped by
-        :meth:`_sync_blocks`."""
-        return request.num_prompt_tokens // self.block_size
-
-    def _sync_blocks(self, request: Request) -> int:
-        """Blocks a sync load may cover: vLLM computes at least one token in the step
-        that admits the request (it asserts ``num_new_tokens > 0``), so never the block
-        holding the prompt's last token."""
-        return max(0, (request.num_prompt_tokens - 1) // self.block_size)
+    # ---- lookups (LookupPlanner) ----------------------------------------------------
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
-        async), vLLM's ``get_num_new_matched_tokens``. vLLM may ask again in a later step if it cannot admit the request now; the
-        only state kept is the latest answer's starting block, which
-        :meth:`on_alloc` needs (vLLM sets ``request.num_computed_tokens`` only
-        after that call).
-
-        A pool tier (Mooncake): while the pool's answer about the request's blocks may still
-        come, ``None`` (vLLM asks again next step; :meth:`lookups_pending`). The scheduler
-        thread never waits for it.
-
-        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
-        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
-        all be found, for at most ``mooncake.handoff_wait_s``; then it goes on with what
-        is there (the rest is recomputed)."""
-        start = num_computed_tokens // self.block_size
-        self._match_start[request.request_id] = start
-        for tier in self.lower:
-            tier.refresh()
-        limit = min(self._loadable_blocks(request), len(request.block_hashes))
-        if start >= limit:
-            return 0, False
-        if self.peer_plan is not None:
-            n = self.peer_plan.match(request, start, limit)
-            if n:
-                # Blocks being filled for another request right now are not read twice.
-                n = next((i for i, h in enumerate(request.block_hashes[start : start + n])
-                          if BlockKey(h) in self.promotions), n)
-            if n is not None and n >= self.cfg.min_load_blocks:
-                return n * self.block_size, True  # read from the prefill instance over NIXL
-        if self.lookups_pending(request, start, limit):
-            return None, False  # a pool lookup of its blocks is under way: ask again next step
-        keys = [BlockKey(h) for h in request.block_hashes[start:limit]]
-        tiers = self._match(request.block_hashes, start, limit)
-        if self.handoff.should_wait(request, start, limit, len(tiers)):
-            return None, False
-        nxt = start + len(tiers)
-        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
-            return None, False  # its next block is being prefetched into DRAM: ask again next step
-        if self.load_policy is not None:
-            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
-        asynchronous = self.always_async or self.cfg.load_mode == "async" or any(t != TIER for t in tiers)
-        if not asynchronous:
-            tiers = tiers[: max(0, self._sync_blocks(request) - start)]
-        if len(tiers) < self.cfg.min_load_blocks:
-            return 0, False
-        if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
-            return 0, False  # shadow verification: recomputed, and the stored blocks compared
-        return len(tiers) * self.block_size, asynchronous
+        """vLLM's ``get_num_new_matched_tokens`` (:meth:`LookupPlanner.lookup`)."""
+        return self.lookups.lookup(request, num_computed_tokens)
 
     def lookups_pending(self, request: Request, lo: int, hi: int) -> bool:
-        """Submit pool lookups (:meth:`ChunkPlanner.discover`) of the keys of ``request``
-        at positions ``[lo, hi)`` that DRAM does not hold. True while an answer about one
-        of them is still to come: the caller answers vLLM ``None`` (ask again next step).
-        Never waits for a pool; every tier is asked."""
-        keys = [k for h in request.block_hashes[lo:hi] if (k := BlockKey(h)) not in self.index]
-        if not keys:
-            return False
-        return any([tier.discover(keys) for tier in self.lower])
+        """Whether a pool lookup of keys ``[lo, hi)`` is under way (:meth:`LookupPlanner.lookups_pending`)."""
+        return self.lookups.lookups_pending(request, lo, hi)
 
     def present(self, request: Request, lo: int, hi: int) -> list[bool]:
-        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
-        (in DRAM, or in a lower tier after its refresh), for a hit that needs keys at
-        scattered positions (a sliding-window group's window). A key whose pool lookup is
-        still under way is absent for now (:meth:`lookups_pending` first to wait for it)."""
-        hashes = request.block_hashes
-        hi = min(hi, len(hashes))
-        for tier in self.lower:
-            tier.refresh()
-        self.lookups_pending(request, lo, hi)
-        return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
+        """Whether each key at ``[lo, hi)`` could be loaded now (:meth:`LookupPlanner.present`)."""
+        return self.lookups.present(request, lo, hi)
 
     def note_match_start(self, request: Request, num_computed_tokens: int) -> None:
-        """What :meth:`lookup` records for :meth:`on_alloc`, for a request whose hit was
-        decided elsewhere (a group view of a hybrid model)."""
-        self._match_start[request.request_id] = num_computed_tokens // self.block_size
+        """What :meth:`lookup` records, for a hit decided elsewhere (:meth:`LookupPlanner.note_start`)."""
+        self.lookups.note_start(request, num_computed_tokens)
 
-    def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
-        """The tier of each key of the run of loadable keys from ``start``."""
-        tiers: list[str] = []
-        cpu_quarantined = self.verify is not None and self.verify.quarantined(TIER)
-        for h in hashes[start:limit]:
-            key = BlockKey(h)
-            if key in self.promotions:
-                break  # its CPU copy is being read from a lower tier right now
-            if key in self.index:
-                if cpu_quarantined:
-                    break  # shadow verification found a wrong block in DRAM: no hits for now
-                tiers.append(TIER)
-                continue
-            loc = self._locate(key)
-            if loc is None:
-                break
-            tiers.append(loc[0].tier)
-        return tiers
+    def record_lookup(self, request: Request) -> None:
+        """Count a lookup, once per admission (:meth:`LookupPlanner.record`)."""
+        self.lookups.record(request)
 
     def _locate(self, key: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
-        """The fastest lower tier holding ``key``: (planner, chunk id, position)."""
+        """The fastest lower tier holding ``key``: (planner, chunk id, position). Here, not
+        in :class:`LookupPlanner`: the prefetcher needs it, and the lookup the prefetcher."""
         for tier in self.lower:
             if self.verify is not None and self.verify.quarantined(tier.tier):
                 continue  # shadow verification found a wrong block there: no hits for now
@@ -300,25 +202,24 @@ class SchedulerPlanner:
         """The planner of lower tier ``name`` ("nvme", "s3"), if configured."""
         return next((t for t in self.lower if t.tier == name), None)
 
+    # ---- per request ---------------------------------------------------------------
+
     def on_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` to ``request``, ``num_external_tokens`` of them to
         be loaded by us (vLLM's ``update_state_after_alloc``): plan that load."""
         req_id = request.request_id
         # Blocks before `start` are vLLM's own (GPU prefix cache) hit.
-        start = self._match_start.pop(req_id, 0)
-        state = self._reqs.get(req_id)
+        start = self.lookups.take_start(req_id)
+        state = self.requests.live.get(req_id)
         if state is None or num_external_tokens > 0 or request.num_computed_tokens == 0:
             # New, or resumed after preemption (its old blocks are gone): start afresh.
-            state = ReqState(request, list(block_ids))
-            state.pin_ttl_s = request_pin_ttl_s(request, self.cfg.cpu, self.ignored)
-            self._reqs[req_id] = state
-            self._fresh.add(req_id)
+            state = self.requests.start(request, block_ids)
         else:
             # Second call after an async load completed: vLLM may have added blocks.
             state.block_ids = list(block_ids)
             return
         for tier in self.lower:
-            tier.note_request(request.block_hashes[: self._loadable_blocks(request)])
+            tier.note_request(request.block_hashes[: self.lookups.loadable_blocks(request)])
         if self.load_policy is not None:
             # Count the decision even when it was to load nothing (all recomputed).
             self.load_policy.commit(req_id)
@@ -326,172 +227,12 @@ class SchedulerPlanner:
             if self.verify is not None:
                 self.verify.begin(state, start, self._locate)  # a sampled hit: hold its stored blocks
             return
+        n = num_external_tokens // self.block_size
         plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
         if plan is not None:
-            self._peer_load(state, plan, start, num_external_tokens // self.block_size)
-            return
-        bs = self.block_size
-        n = num_external_tokens // bs
-        # A sliding-window group holds the null block outside the window: nothing to load there.
-        positions = [p for p in range(start, min(start + n, len(state.block_ids)))
-                     if not (self.skip_null_blocks and state.block_ids[p] == NULL_BLOCK)]
-        keys = [BlockKey(request.block_hashes[p]) for p in positions]
-        # (planner, chunk) -> [(position, slot, key)]
-        reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
-        # Pin every key already in DRAM first: promoting the lower-tier ones below
-        # allocates slots, and must not evict a key this same load reads from DRAM.
-        slots = self._pin_dram_hits(keys)
-        for i, k in enumerate(keys):
-            if slots[i] is not None:
-                continue
-            loc = self._locate(k)
-            if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
-                continue
-            tier, fid, pos = loc
-            s = self._promote(k)
-            slots[i] = s
-            if s is not None:
-                reads.setdefault((tier, fid), []).append((pos, s, k))
-                state.promoting.append(k)
-                state.sources[k] = (tier, fid)
-            self.counters.add(CounterName.HIT_BLOCKS, tier.tier)
-        blocks = [state.block_ids[p] for p in positions]
-        unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
-        asynchronous = self.always_async or self.cfg.load_mode == "async" or bool(reads) or bool(unloadable)
-        chunk_reads = tuple(
-            ChunkRead(tier.tier, fid, tuple(p for p, _, _ in items), tuple(s for _, s, _ in items),
-                      tuple(k for _, _, k in items))
-            for (tier, fid), items in reads.items()
-        )
-        for tier, fid in reads:
-            tier.index.pin(fid)
-            tier.index.touch(fid)
-            state.pinned_files.append((tier, fid))
-        job = self._load_job(req_id, blocks, slots, keys, asynchronous, reads=chunk_reads)
-        self._loads.append(job)
-        if self.events is not None and reads:  # promoted into CPU slots: what a router sees of them
-            self.events.note(request, range(start, start + n), keys)
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = asynchronous
-        if asynchronous:
-            state.pinned_slots.extend(job.slots)
-        self._observe_load_issued(state, job)
-
-    @staticmethod
-    def _load_job(req_id: str, blocks: list[int], slots: list[int | None], keys: list[BlockKey],
-                  asynchronous: bool, **parts: Any) -> LoadJob:
-        """The job of a load whose block ``blocks[i]`` reads ``keys[i]`` from ``slots[i]``;
-        blocks without a slot go to ``unloadable``."""
-        have = [i for i, s in enumerate(slots) if s is not None]
-        return LoadJob(req_id, tuple(blocks[i] for i in have), tuple(slots[i] for i in have),  # type: ignore[misc]
-                       tuple(keys[i] for i in have), asynchronous,
-                       unloadable=tuple(b for b, s in zip(blocks, slots, strict=True) if s is None), **parts)
-
-    def _observe_load_issued(self, state: ReqState, job: LoadJob) -> None:
-        """Per-request load histograms: blocks copied from each tier now; the wait is 0
-        for a sync load (it runs in the step that computes on it), and for an async one
-        runs until ``finished_recving`` (:meth:`_observe_load_done`)."""
-        per_tier = self._tier_counts(job)
-        if self.observe_loads:
-            for tier, n in per_tier.items():
-                if n > 0:
-                    self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, n)
-        slowest = self._slowest([t for t, n in per_tier.items() if n > 0])
-        if job.asynchronous:
-            state.load_issued_s, state.load_tier = time.monotonic(), slowest
-            state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
+            self.loads.plan_peer(state, plan, start, n)
         else:
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, slowest, 0.0)
-
-    @staticmethod
-    def _tier_counts(job: LoadJob) -> dict[str, int]:
-        """Blocks of ``job`` copied from each tier (lower-tier ones are read into CPU first)."""
-        per_tier: dict[str, int] = {TIER: len(job.slots)}
-        for read in job.reads:
-            per_tier[read.tier] = per_tier.get(read.tier, 0) + len(read.slots)
-            per_tier[TIER] -= len(read.slots)
-        return per_tier
-
-    def _slowest(self, tiers: list[str]) -> str:
-        order: list[str] = [TIER, *(t.tier for t in self.lower)]  # fastest first
-        return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
-
-    def _observe_load_done(self, state: ReqState) -> None:
-        if state.load_issued_s is not None:
-            waited = time.monotonic() - state.load_issued_s
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
-            if self.load_policy is not None:
-                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
-            state.load_issued_s = None
-
-    def _pin_dram_hits(self, keys: list[BlockKey]) -> list[int | None]:
-        """Pin the keys a load reads from DRAM; their slots, None for the others (a block
-        still without a slot when the job is sent is unloadable: recomputed)."""
-        slots: list[int | None] = [None] * len(keys)
-        for i, k in enumerate(keys):
-            s = self.index.slot(k)
-            if s is not None and k not in self.promotions:
-                self.index.touch(k)
-                self.index.pin(s)
-                slots[i] = s
-                self.counters.add(CounterName.HIT_BLOCKS, TIER)
-                if self.prefetcher is not None:
-                    self.prefetcher.note_hit(k)
-        return slots
-
-    def _peer_load(self, state: ReqState, plan: PeerPlan, start: int, n: int) -> None:
-        """An async load of blocks ``start``.. read from a prefill instance's CPU tier: DRAM
-        keys are pinned and used as they are, the others get a pinned slot to read into."""
-        keys = list(plan.keys[:n])
-        slots = self._pin_dram_hits(keys)
-        if self.events is not None:  # read into CPU slots: what a router sees of them
-            self.events.note(state.request, range(start, start + len(keys)), keys)
-        remote, local, wanted = [], [], []
-        for i, k in enumerate(keys):
-            if slots[i] is not None or k in self.promotions:  # the latter: recomputed
-                continue
-            s = self._promote(k)
-            slots[i] = s
-            if s is not None:
-                remote.append(plan.remote_slots[i])
-                local.append(s)
-                wanted.append(k)
-                state.promoting.append(k)
-        self.counters.add(CounterName.HIT_BLOCKS, TierName.PEER, len(wanted))
-        if not plan.trusted and wanted:
-            # An untrusted peer's blocks serve this request only: dropped from the CPU
-            # index when the load ends (lookups skip them meanwhile: they are promotions),
-            # and nothing this request computes on top of them is stored.
-            state.private = True
-            state.private_keys.extend(wanted)
-            self.counters.add(CounterName.PEER_UNPROMOTED_BLOCKS, TierName.PEER, len(wanted))
-        blocks = state.block_ids[start : start + len(keys)]
-        # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
-        # that it frees the offer now rather than after hold_s.
-        read = PeerRead(state.request.request_id, plan.peer, tuple(remote), tuple(local), tuple(wanted),
-                        notify=plan.notify)
-        job = self._load_job(state.request.request_id, blocks, slots, keys, True, peer_read=read)
-        self._loads.append(job)
-        state.loaded.update(zip(blocks, keys, strict=True))
-        state.async_loading = True
-        state.pinned_slots.extend(job.slots)
-
-    def _promote(self, key: BlockKey) -> int | None:
-        """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
-        slot = self.promotions.begin(key)
-        if slot is None:
-            self.counters.add(CounterName.STORE_SKIPPED, TIER)
-        return slot
-
-    def record_lookup(self, request: Request) -> None:
-        """Count a lookup of the blocks of ``request`` a load could cover (once per
-        admission): every full prompt block where a load may be async (``load_mode:
-        async``, a tier below CPU, a peer), else all but the block of the last token; so a
-        DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = (self.always_async or self.cfg.load_mode == "async" or bool(self.lower)
-                        or self.peer_plan is not None)
-        n = self._loadable_blocks(request) if may_be_async else self._sync_blocks(request)
-        self.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
+            self.loads.plan(state, start, n)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -499,14 +240,13 @@ class SchedulerPlanner:
         """What the workers do in this step (vLLM's ``build_connector_meta``)."""
         self._step += 1
         preempted = list(step.preempted)
-        for req_id in preempted:
-            # Its blocks are freed (and may be reused this step): nothing left to save.
-            # Unless it was resumed in this same step (reset_prefix_cache preempts outside
-            # schedule()): then its state, and any async-load pins, are new and stay.
-            if req_id not in self._fresh:
-                self._drop(req_id)
-        self._fresh.clear()
-        self._refresh_block_ids(step)
+        # Its blocks are freed (and may be reused this step): nothing left to save.
+        # Unless it was resumed in this same step (reset_prefix_cache preempts outside
+        # schedule()): then its state, and any async-load pins, are new and stay.
+        for req_id in self.requests.take_preempted(preempted):
+            self._drop(req_id)
+        self.requests.refresh_block_ids(step)
+        live = self.requests.live
         # Before this step's saves are planned: a prefetch slot is pinned, so no save of
         # this step can take it, and it can only evict blocks saved in earlier steps.
         prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
@@ -515,17 +255,17 @@ class SchedulerPlanner:
         if self.load_policy is not None:
             self.load_policy.observe_step(sum(
                 n for req_id, n in step.num_scheduled_tokens.items()
-                if (st := self._reqs.get(req_id)) is not None
+                if (st := live.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
-            ) // self.views_per_request)
-        saves = list(self._final_saves)
+            ) // self.load_options.views_per_request)
+        saves = self.saves.take_final()
         saves_after: list[SaveJob] = []
-        loads = self._loads
+        loads = self.loads.take_jobs()
         # A block computed on top of a sync load that then fails would hold wrong KV: for
         # a request loading in this step, save only blocks computed before it.
         sync_loading = {job.req_id for job in loads if not job.asynchronous}
         for req_id, n_sched in step.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
+            state = live.get(req_id)
             if state is None:
                 continue
             computed = state.request.num_computed_tokens  # before this step
@@ -543,15 +283,15 @@ class SchedulerPlanner:
                     self.index.unpin(s)
         verifies = []
         if self.verify is not None:
-            verifies = self.verify.take_jobs(self._reqs, step.num_scheduled_tokens, self.block_size)
+            verifies = self.verify.take_jobs(live, step.num_scheduled_tokens, self.block_size)
             self.verify.publish()
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
-            freed=self._freed, preempted=preempted, step=self._step, prefetches=prefetches,
+            freed=self.requests.take_freed(), preempted=preempted, step=self._step, prefetches=prefetches,
             verifies=verifies, namespace=self.namespace,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
-        idle = not self._reqs  # nothing running: write back what DRAM holds (see chunk_plan)
+        idle = not live  # nothing running: write back what DRAM holds (see chunk_plan)
         for tier in self.lower:
             demotes, through, deletes = tier.take_jobs(saved, self.index.slot, idle=idle)
             meta.demotes += demotes
@@ -565,47 +305,16 @@ class SchedulerPlanner:
                     s for job in saves + saves_after for s, k in zip(job.slots, job.keys, strict=True)
                     if not tier.index.knows(BlockKey(k))
                 ]
-        self._loads, self._final_saves, self._freed = [], [], []
-        self.counters.add(CounterName.EVICTIONS, TIER, self.index.evictions - self._last_evictions)
-        self._last_evictions = self.index.evictions
-        self.counters.add(CounterName.PIN_REFUSALS, TIER, self.index.pin_refusals - self._last_pin_refusals)
-        self._last_pin_refusals = self.index.pin_refusals
-        self.counters.set_gauge(GaugeName.PINNED_BLOCKS, TIER, self.index.pinned_keys)
-        self.counters.set_gauge(GaugeName.USAGE_BYTES, TIER, len(self.index) * self.slot_bytes_total)
-        self.counters.set_gauge(GaugeName.CAPACITY_BYTES, TIER, self.index.num_slots * self.slot_bytes_total)
+        self.gauges.publish()
         return meta
 
-    def _refresh_block_ids(self, step: StepInput) -> None:
-        for req_id, ids in step.block_ids.items():
-            state = self._reqs.get(req_id)
-            if state is not None:
-                state.block_ids = list(ids)
-        for req_id, new in step.new_block_ids.items():
-            state = self._reqs.get(req_id)
-            if state is not None:
-                state.block_ids.extend(new)
-
     def _drop(self, req_id: str) -> None:
-        self._match_start.pop(req_id, None)
+        self.lookups.forget(req_id)
         if self.verify is not None:
             self.verify.forget(req_id)
-        state = self._reqs.pop(req_id, None)
+        state = self.requests.pop(req_id)
         if state is not None:
-            self._end_async_load(state)
-
-    def _end_async_load(self, state: ReqState) -> None:
-        state.async_loading = False
-        for s in state.pinned_slots:
-            self.index.unpin(s)
-        state.pinned_slots = []
-        for tier, fid in state.pinned_files:
-            tier.index.unpin(fid)
-        state.pinned_files = []
-        self.promotions.end(state.promoting)
-        state.promoting = []
-        for key in state.private_keys:
-            self.index.remove(key)  # an untrusted peer's block: used by this request only
-        state.private_keys = []
+            self.loads.end(state)
 
     def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Save what is left and hold the blocks while the worker copies them (vLLM's
@@ -615,7 +324,7 @@ class SchedulerPlanner:
         blocks until the load is reported in ``finished_recving`` (holding it too would
         free the blocks twice).
         """
-        self._match_start.pop(request.request_id, None)  # aborted before admission
+        self.lookups.forget(request.request_id)  # aborted before admission
         self.handoff.forget(request.request_id)
         if self.verify is not None:
             self.verify.forget(request.request_id)
@@ -625,19 +334,17 @@ class SchedulerPlanner:
             self.peer_plan.forget(request.request_id)
         if self.load_policy is not None:
             self.load_policy.forget(request.request_id)
-        state = self._reqs.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id)
         if state is None:
             return False, params
         if state.async_loading:
             # vLLM keeps the blocks until finished_recving; the loaded range is not valid
             # KV yet, so nothing may be saved from it.
-            self._held[request.request_id] = state  # unpinned on finished_recving
+            self.requests.hold(request.request_id, state)  # unpinned on finished_recving
             return False, None
         state.block_ids = list(block_ids)
         upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
-        job = self.saves.plan(state, upto)
-        if job is not None:
-            self._final_saves.append(job)
+        job = self.saves.plan_final(state, upto)
         if self.prefetcher is not None:
             # Its next turn starts with these blocks: bring back the ones that left DRAM.
             self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
@@ -651,25 +358,25 @@ class SchedulerPlanner:
         # copies were reported instead kept them from the next step's schedule: a step of
         # queueing for every request behind a finished one when vLLM's cache is full.
         if job is not None or state.saves_issued:
-            self._freed.append(request.request_id)
+            self.requests.free(request.request_id)
         return False, params
 
     def on_worker_output(self, out: WorkerOutput) -> None:
         """What the workers reported after a step (vLLM's ``update_connector_output``)."""
         for req_id in out.finished_recving:
-            state = self._reqs.get(req_id) or self._held.get(req_id)
+            state = self.requests.get(req_id)
             if state is not None:
-                self._observe_load_done(state)
-                self._end_async_load(state)
-                self._held.pop(req_id, None)
+                self.loads.observe_done(state)
+                self.loads.end(state)
+                self.requests.release(req_id)
         bad = out.invalid_block_ids
         if bad:
-            for state in list(self._reqs.values()) + list(self._held.values()):
+            for state in self.requests.states():
                 self._undo_loads(state, bad & state.loaded.keys())
         for req_id in out.failed_loads:
             # A request-level failure (hybrid models): every block it loaded is suspect,
             # and vLLM recomputes the whole request.
-            state = self._reqs.get(req_id) or self._held.get(req_id)
+            state = self.requests.get(req_id)
             if state is not None:
                 self._undo_loads(state, set(state.loaded))
         if self.load_policy is not None and out.stats is not None:
@@ -690,57 +397,40 @@ class SchedulerPlanner:
         their source chunks down), and undo the saves computed on top of them."""
         dropped = 0
         for b in bad:
-            key = state.loaded.pop(b)
-            self.promotions.end((key,))
-            src = state.sources.pop(key, None)
-            if src is not None:
-                # Not offered again for a while: the request is rescheduled at
-                # once, and a tier that just failed would fail it again (a loop).
-                src[0].cool_down(src[1])
-            dropped += bool(self.index.remove(key))
-            if b not in state.block_ids:
-                continue
-            pos = state.block_ids.index(b)
-            # Blocks this request computed (and saved) after the bad one attended
-            # to wrong KV: drop them too. vLLM recomputes from `pos`; they are
-            # saved again once complete.
-            for p in [p for p in state.saved if p > pos]:
-                self.drop_stored(state.saved.pop(p))
-            state.next_save = min(state.next_save, pos)
+            dropped += self.loads.drop(state, b)
+            if b in state.block_ids:
+                self.saves.drop_after(state, state.block_ids.index(b))
         if dropped:
             logger.warning("kvtier: dropped %d block(s) that failed to load", dropped)
 
     def drop_stored(self, key: BlockKey) -> None:
-        """Remove ``key`` from the CPU tier and every lower tier (wrong KV, or a unit no
-        later request can use)."""
-        self.index.remove(key)
-        for tier in self.lower:
-            tier.drop_key(key)
+        """Remove ``key`` from the CPU tier and every lower tier (:meth:`SavePlanner.drop_stored`)."""
+        self.saves.drop_stored(key)
 
     # ---- introspection (tests, `kvtier inspect`) --------------------------------------
 
     def tracked_requests(self) -> set[str]:
         """Requests whose blocks we follow (admitted, not finished)."""
-        return set(self._reqs)
+        return set(self.requests.live)
 
     def held_requests(self) -> set[str]:
         """Finished requests whose async load still runs."""
-        return set(self._held)
+        return self.requests.held_ids()
 
     def pending_final_saves(self) -> list[SaveJob]:
-        return list(self._final_saves)
+        return self.saves.pending_final()
 
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
         releases to issue, prefetches queued or in flight (they land between requests), or
         write-back blocks to flush."""
         pf = self.prefetcher
-        return bool(self._final_saves or self._loads
+        return bool(self.saves.pending_final() or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
                     or (self.verify is not None and self.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
                     # an abort afterwards finds them on the lower tier)
-                    or (not self._reqs and any(t.has_flush_work() for t in self.lower))
+                    or (not self.requests.live and any(t.has_flush_work() for t in self.lower))
                     # blocks held for a decode instance: keep stepping to see its read's
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,
