@@ -74,11 +74,13 @@ def serve_through_proxy(model: Path, s3_url: str, bucket: str, ps: list[list[int
     return rows
 
 
-@pytest.fixture
-def stored_bucket(tiny_model, s3_server, s3_bucket, tmp_path) -> str:
-    """A bucket holding both prompts of ``SETS[2]``, stored by another process."""
-    run_process(tiny_model, s3_config(s3_server.url, s3_bucket), SETS[2], tmp_path)
-    return s3_bucket
+@pytest.fixture(scope="module")
+def stored_bucket(tiny_model, s3_server, tmp_path_factory) -> str:
+    """A bucket holding both prompts of ``SETS[2]``, stored by another process. Both tests
+    read it; what an engine here adds (the same chunks, its manifest) changes no decision."""
+    bucket = s3_server.create_bucket()
+    run_process(tiny_model, s3_config(s3_server.url, bucket), SETS[2], tmp_path_factory.mktemp("store"))
+    return bucket
 
 
 def test_fast_tier_is_loaded(tiny_model, baseline_of, s3_server, stored_bucket):

@@ -107,24 +107,24 @@ def _conversation(tiny_model, tmp_path, prefetch: bool):
 
 def test_next_turn_loads_from_dram_after_prefetch(tiny_model, tmp_path, engine_mode):
     turn2, with_pf, c = _conversation(tiny_model, tmp_path / "on", prefetch=True)
-    _, without, c0 = _conversation(tiny_model, tmp_path / "off", prefetch=False)
     base = make_llm(tiny_model, None)
     try:
         expect = generate(base, turn2).tokens
     finally:
         close_llm(base)
     stored = (8 * BS + 1 + 2 * BS - 1) // BS  # turn 1 computed its prompt and all but its last token
-    assert with_pf.tokens == expect and without.tokens == expect
+    assert with_pf.tokens == expect
     if engine_mode == "multiprocess":
         # The EngineCore runs ahead of this client: how many of A's blocks were evicted
         # before A ended, and whether a prefetch landed before turn 2 came, depend on the
         # machine's speed. What holds at any speed: every stored block is loaded from some
-        # tier, and prefetched blocks are only ever used after they were read.
+        # tier, and prefetched blocks are only ever used after they were read. (The run
+        # without prefetch is in-process only: with prefetch off, the mode changes nothing.)
         assert with_pf.loaded + with_pf.loaded_nvme == stored
-        assert without.loaded + without.loaded_nvme == stored
         assert c.get("prefetch_used_blocks|cpu", 0) <= c.get("prefetch_blocks|nvme", 0)
-        assert c0.get("prefetch_blocks|nvme", 0) == 0
         return
+    _, without, c0 = _conversation(tiny_model, tmp_path / "off", prefetch=False)
+    assert without.tokens == expect
     assert without.loaded_nvme > 0  # without prefetch, part of the prefix comes from NVMe
     assert without.loaded + without.loaded_nvme == stored
     assert with_pf.loaded_nvme == 0 and with_pf.loaded == stored  # with it, all from DRAM
