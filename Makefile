@@ -7,7 +7,7 @@ venv:
 test:
 	@tests/run.sh
 
-test-fast: venv   ## no vLLM engine: unit, connector and store-contract tests, in-process only
+test-fast: venv   ## no vLLM engine: unit, connector and store-contract tests, none marked slow
 	@KVTIER_TEST_PATHS="tests/unit tests/connector tests/tiers" tests/run.sh -m "not slow"
 
 demo: venv
