@@ -50,7 +50,8 @@ class Medium(Protocol):
         ...
 
     def classify(self, exc: BaseException) -> FailureReason:
-        """The reason of a failure this medium raised (by type and code)."""
+        """The reason of a failure this medium raised (by type and code). The kernel takes
+        a ChunkFormatError's own reason and asks the medium only about the rest."""
         ...
 
     def close(self) -> None:

@@ -372,9 +372,7 @@ class MooncakeMedium:
 
     def classify(self, exc: BaseException) -> FailureReason:
         """The reason of a failure: a return code by :func:`code_reason`, the medium's own
-        refusals by type."""
-        if isinstance(exc, ChunkFormatError):
-            return exc.reason
+        refusals by type. A ChunkFormatError never gets here: the kernel reads its reason."""
         if isinstance(exc, MooncakeError):
             return code_reason(exc.rc)
         if isinstance(exc, _BreakerOpen):
