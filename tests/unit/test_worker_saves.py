@@ -290,3 +290,25 @@ def test_a_finished_or_preempted_requests_saves_end_before_the_next_forward_rewr
     for name, t in kv.items():
         assert torch.equal(t[[10, 11, 12][:n]], want[name][:n])
     w.shutdown()
+
+
+def test_a_layer_waited_for_inside_a_step_call_is_counted_once():
+    """Layers the forward never asked for are waited for in ``end_step``, whose own timer
+    counts the wait. The wait is not added a second time. (The stub reports 5 s of waiting
+    and waits none: counted twice, the step would show at least 5 s.)"""
+    w, _, _ = _worker()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1))
+    waited: list[str] = []
+    w.loads.unwaited_layers = lambda: ["layer.0"]  # type: ignore[method-assign]
+
+    def wait(path: object, name: str) -> float:
+        waited.append(name)
+        return 5.0
+
+    w.loads.wait_for_layer = wait  # type: ignore[method-assign,assignment]
+    w.end_step()
+    w.transfer_results(set())
+    assert waited == ["layer.0"]
+    assert w.counters.totals[sample_key("layer_loads_unwaited", "cpu")] == 1
+    assert 0 < w.counters.totals[sample_key("step_seconds", "cpu")] < 5.0
+    w.shutdown()

@@ -287,12 +287,14 @@ class WorkerHalf:
             self._step.seconds += self.loads.wait_for_layer(self.path, layer_name)
 
     def _finish_layered_loads(self) -> None:
-        """Layers the forward did not ask for (or no forward ran): wait for them now."""
+        """Layers the forward did not ask for (or no forward ran): wait for them now. The
+        callers are step-timed, so their timer counts this wait (not added again here)."""
         names = self.loads.unwaited_layers()
         if names:
             self.counters.add(CounterName.LAYER_LOADS_UNWAITED, TIER, len(names))
-        for name in names:
-            self.wait_for_layer(name)
+        if self.path is not None:
+            for name in names:
+                self.loads.wait_for_layer(self.path, name)
 
     def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> set[str]:
         """Return the requests whose async loads ended (``finished_recving``).
