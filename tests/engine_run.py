@@ -3,8 +3,8 @@
     python -m tests.engine_run MODEL KV_JSON              # the reuse scenario
     python -m tests.engine_run MODEL KV_JSON PROMPTS_JSON [MAX_TOKENS]  # these prompts, in order
 
-With ``KVTIER_TEST_WARMUP_TOKENS=N``, one request of N fixed tokens runs first (the
-plugin's worker side, its CPU pool and tier clients, starts on the first step). With
+With ``KVTIER_TEST_WARMUP_TOKENS=N``, one request of N fixed tokens runs first (a step
+the engine has run: the plugin's workers have published what the first steps send). With
 ``KVTIER_TEST_READY_FILE`` set, the file is created once the engine is up; with
 ``KVTIER_TEST_GO_FILE``, the prompts wait until that file exists (another instance stores
 first), then ``KVTIER_TEST_GO_DELAY_S`` more seconds; with ``KVTIER_TEST_HOLD_FILE``, the

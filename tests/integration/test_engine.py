@@ -47,6 +47,36 @@ def test_reuse_in_process(tiny_model, baseline, load_mode):
     assert counters["bytes_loaded|cpu"] > 0
 
 
+def test_the_scheduler_plans_for_the_pool_the_worker_allocated(tiny_model, baseline, monkeypatch):
+    """The worker sizes its CPU pool in ``register_kv_caches`` and tells the scheduler in
+    vLLM's start-up handshake. Forced apart here under ``cpu.capacity_fraction``: the
+    worker measures 64 MiB available, the scheduler (later) 1 GiB, so a scheduler that
+    kept its own figure would plan for slots the pool does not have. The data path exists
+    before any request, the scheduler's index has the worker's size, and the scenario
+    loads as it does with a fixed budget."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvtier.connector import wiring
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    seen = iter([64 << 20])
+    monkeypatch.setattr(wiring, "available_memory", lambda: (next(seen, 1 << 30), "the test's figure"))
+    llm = make_llm(tiny_model, kvtier_config({"cpu": {"capacity_fraction": 0.5}}))
+    try:
+        worker = get_kv_transfer_group()._worker
+        path = worker.path
+        assert path is not None, "the data path is built in register_kv_caches"
+        assert path.pool.num_slots == (32 << 20) // path.pool.slot_bytes  # half of 64 MiB
+        half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_half
+        assert half.index.num_slots == path.pool.num_slots
+        res = run_scenario(llm, reuse_scenario())
+        assert worker.path is path  # built once
+    finally:
+        close_llm(llm)
+    assert_same_tokens(baseline, res)
+    _check_reuse(res)
+
+
 def test_entry_point_registration(tiny_model, baseline):
     """`{"kv_connector": "KVTierConnector"}` alone works through the vllm.general_plugins
     entry point (no kv_connector_module_path)."""

@@ -248,7 +248,7 @@ def test_decode_loads_again_after_the_master_restarts(tiny_model, baseline_of, t
     ps, warm, during = SETS[4][:2], SETS[4][5], SETS[3][0]
     wait_s = 2.0
     go = tmp_path / "prefill-may-start"
-    # The worker side of the plugin (and its pool client) starts on an engine's first step.
+    # A warm-up request: the prefill instance has stepped before it is told to start.
     prefill = start_prefill(tiny_model, master.address, ps, tmp_path, KVTIER_TEST_GO_FILE=str(go),
                             KVTIER_TEST_WARMUP_TOKENS="40")
     try:

@@ -130,3 +130,19 @@ def test_key_pin_and_slot_pin_are_separate():
     assert idx.allocate(k(2)).evicted == k(1)
     assert idx.unpin_key(k(0))
     assert idx.key_pinned(k(0)) is False and idx.allocate(k(3)).evicted is not None
+
+
+def test_resize_while_empty_then_refused_once_a_slot_is_in_use():
+    """The scheduler learns the workers' pool size at start-up: the index takes it while it
+    holds nothing, and refuses it after (its slots would name rows of another pool)."""
+    idx = SlotIndex(4, max_pinned_fraction=0.5)
+    idx.resize(6)
+    assert idx.num_slots == 6
+    got = [idx.allocate(k(i)) for i in range(6)]
+    assert sorted(a.slot for a in got if a is not None) == list(range(6))
+    with pytest.raises(ValueError, match="in use"):
+        idx.resize(8)
+    small = SlotIndex(8)
+    small.resize(2)
+    assert [small.allocate(k(i)).slot for i in range(2)] == [0, 1]
+    assert small.allocate(k(2)).evicted == k(0)  # full at 2: the least recently used goes

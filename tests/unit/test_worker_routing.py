@@ -4,6 +4,7 @@ the next owner (the worker asks the verifier, then the prefetches, then the load
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_kvtier.config import parse_config
@@ -81,3 +82,14 @@ def test_a_prefetch_ends_once_all_its_reads_ended_and_fails_if_any_did():
     prefetches.start(PrefetchJob(3, (ChunkRead(TierName.NVME, "f", (0,), (3,), (_key(3),)),)), {}, report)
     assert report.prefetch_failed == {1, 3}
     path.engine.shutdown()
+
+
+def test_a_plan_for_more_slots_than_the_pool_raises_naming_both_sizes():
+    """The scheduler plans for the smallest rank's pool (start-up handshake), so a smaller
+    plan is normal; a larger one means no handshake reached it, and must not index past
+    the pool."""
+    path = _path()
+    path.check_size(SLOTS)
+    path.check_size(SLOTS - 1)
+    with pytest.raises(RuntimeError, match=rf"{SLOTS + 1} CPU slots .* has {SLOTS} .*cpu.capacity_bytes"):
+        path.check_size(SLOTS + 1)

@@ -55,7 +55,7 @@ def _worker(others: Callable[[WorkerHalf], dict] = lambda w: {}
     """A worker whose lower tiers are ``others(worker)`` and a recording "nvme" tier."""
     tiers: dict = {}
     w = WorkerHalf(parse_config({"cpu": {"capacity_bytes": 1 << 26}}), num_blocks=NUM_BLOCKS,
-                   make_tiers=lambda *a, **k: tiers)
+                   pool_slots=lambda: SLOTS, make_tiers=lambda *a, **k: tiers)
     with torch.inference_mode():
         kv = {f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 2, 32, 128)).to(torch.bfloat16)
               for i in range(2)}

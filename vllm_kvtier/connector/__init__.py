@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector import wiring
 from vllm_kvtier.connector.events import to_vllm
-from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
+from vllm_kvtier.connector.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
@@ -122,6 +122,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVTierHandshake | None:
+        # Once, after register_kv_caches: this rank's pool size, for the scheduler's index.
+        if self._worker is None or self._worker.path is None or wiring.under_multi_connector():
+            return None
+        return KVTierHandshake(rank=self._worker.rank, num_slots=self._worker.num_slots)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # The earliest hook of a step, before blocks can be zeroed or overwritten: issue
@@ -247,6 +253,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished_all_groups(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
+        # Once, at start-up, before any request: the workers' pool sizes (KVTierHandshake).
+        # Under MultiConnector this may be another connector's: then the estimate stays.
+        sizes = {m.rank: m.num_slots for m in metadata.values() if isinstance(m, KVTierHandshake)}
+        if self._sched is not None and sizes:
+            wiring.adopt_pool_sizes(self._sched, sizes)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        # vLLM's default refuses pipeline stages above 0; every rank's size counts here.
+        self.set_xfer_handshake_metadata(metadata)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

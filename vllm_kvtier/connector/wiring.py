@@ -255,13 +255,15 @@ def worker_rank() -> int:
         return 0
 
 
-def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) -> int:
-    """Number of CPU slots for the configured budget (whole engine, all ranks). Computed by
-    the scheduler only; the workers get it in every plan (``StepPlan.num_slots``)."""
+def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *, allocating: bool = True) -> int:
+    """Number of CPU slots for the configured budget (whole engine, all ranks).
+
+    ``allocating``: the caller is a worker, about to allocate its pool. It checks that a
+    fixed ``cpu.capacity_bytes`` fits (ConfigError at start-up, not at the first request),
+    and logs the size. Each worker tells the scheduler its size at start-up; the scheduler
+    calls this (``allocating=False``) only for the size it plans with until then."""
     if cfg.cpu.capacity_bytes is not None:
-        # Checked here, before serving: the worker's pool is touched at its first step, and
-        # an oversized one would kill the server at its first request.
-        overrun = budget_overrun(cfg.cpu.capacity_bytes)
+        overrun = budget_overrun(cfg.cpu.capacity_bytes) if allocating else None
         if overrun is not None:
             raise ConfigError("cpu.capacity_bytes", overrun)
         budget = cfg.cpu.capacity_bytes
@@ -272,8 +274,8 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int) ->
         source = f"cpu.capacity_fraction={cfg.cpu.capacity_fraction} of {available / 2**30:.1f} GiB ({where})"
     per_block = block_bytes_per_rank * world_size
     slots = budget // per_block if per_block else 0
-    logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots,
-                slots * per_block / 2**20, source)
+    if allocating:
+        logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots, slots * per_block / 2**20, source)
     return int(slots)
 
 
@@ -478,7 +480,8 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
     half = SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
-                         num_slots=pool_slots(cfg, block_bytes, world), slot_bytes_total=block_bytes * world,
+                         num_slots=pool_slots(cfg, block_bytes, world, allocating=False),
+                         slot_bytes_total=block_bytes * world,
                          world_size=world, lower=lower, counters=counters, layout=groups,
                          swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
@@ -517,18 +520,45 @@ def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
                 vllm_config: VllmConfig | None = None) -> WorkerHalf:
     """The worker role's half of this rank. Its data path (pool, copy engine, lower tiers)
-    is built at its first step: the scheduler sends the pool size, which only it can compute
-    (:func:`pool_slots` reads the memory available in its process). ``vllm_config``: to tell a replicated (MLA)
-    cache, whose lower-tier copy only the TP group's first rank writes (None: not replicated)."""
+    is built in ``register_kv_caches``, with a pool sized there by :func:`pool_slots`
+    (after vLLM allocated its own KV cache, in the process that allocates the pool).
+    ``vllm_config``: the world size, and to tell a replicated (MLA) cache, whose lower-tier
+    copy only the TP group's first rank writes (None: one rank, not replicated)."""
     rank = worker_rank()
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
-    tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
+    par = vllm_config.parallel_config if vllm_config is not None else None
+    tp = par.tensor_parallel_size if par is not None else 1
+    world = tp * par.pipeline_parallel_size if par is not None else 1
     role = rank_role(rank, tp_size=tp, replicated=replicated)
     # here, on the compute thread, before any tier starts a thread
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
+                      pool_slots=functools.partial(pool_slots, cfg, rank_block_bytes(kv_cache_config), world),
                       make_tiers=functools.partial(make_workers, role=role),
                       cache_dtype=fp8_cache_dtype(vllm_config))
+
+
+def under_multi_connector() -> bool:
+    """Whether this worker's connector is one of vLLM's ``MultiConnector``: it hands the
+    first sub-connector's start-up handshake to all of them, and another's scheduler
+    (NIXL's) refuses ours. Then this worker sends none."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return type(get_kv_transfer_group()).__name__ == "MultiConnector"
+    except Exception:  # not initialised (unit tests drive the worker directly)
+        return False
+
+
+def adopt_pool_sizes(half: SchedulerHalf, sizes: dict[int, int]) -> None:
+    """Plan for the smallest of the workers' pools (``sizes``: rank -> slots, from the
+    start-up handshake). Ranks on one host measure the memory at slightly different times
+    under ``cpu.capacity_fraction``; with ``cpu.capacity_bytes`` all sizes are equal."""
+    num_slots = min(sizes.values())
+    if len(set(sizes.values())) > 1:
+        logger.info("kvtier: the ranks' CPU pools differ (%s): planning for the smallest", sizes)
+    logger.info("kvtier: CPU tier %d blocks per rank, as the workers allocated it", num_slots)
+    half.size_pool(num_slots)
 
 
 def fp8_cache_dtype(vllm_config: VllmConfig | None) -> str:

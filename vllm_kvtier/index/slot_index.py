@@ -67,7 +67,17 @@ class SlotIndex:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
+        self._eviction = eviction
+        self._max_pinned_fraction = max_pinned_fraction
+        self._clock = clock
+        self._size(num_slots)
+        self.evictions = 0
+        #: Called with (key, present) as keys enter and leave the index (KV events); None: off.
+        self.watch: Callable[[BlockKey, bool], None] | None = None
+
+    def _size(self, num_slots: int) -> None:
         self.num_slots = num_slots
+        eviction = self._eviction
         self.policy: EvictionPolicy[BlockKey] = (
             make_policy(eviction, num_slots) if isinstance(eviction, str) else eviction
         )
@@ -75,11 +85,19 @@ class SlotIndex:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...
         self._pins: dict[int, int] = {}  # slot -> number of in-flight readers
         self._orphans: set[int] = set()  # slots removed from the index while pinned
-        self._key_pins: KeyPins[BlockKey] = KeyPins(int(max_pinned_fraction * num_slots))
-        self._clock = clock
-        self.evictions = 0
-        #: Called with (key, present) as keys enter and leave the index (KV events); None: off.
-        self.watch: Callable[[BlockKey, bool], None] | None = None
+        self._key_pins: KeyPins[BlockKey] = KeyPins(int(self._max_pinned_fraction * num_slots))
+
+    def resize(self, num_slots: int) -> None:
+        """Size the index for a pool of ``num_slots`` slots. Only while it holds nothing
+        (the scheduler learns the workers' pool size at start-up, before any request).
+        Raises ValueError when a slot is in use, or when the policy was given as an object."""
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if self._slot_of or self._pins or self._orphans or len(self._free) != self.num_slots:
+            raise ValueError("resize of a SlotIndex in use")
+        if not isinstance(self._eviction, str):
+            raise ValueError("resize of a SlotIndex with a policy object (built for its old size)")
+        self._size(num_slots)
 
     def __len__(self) -> int:
         return len(self._slot_of)

@@ -165,6 +165,12 @@ class SchedulerPlanner:
             locate=self._locate, prefetcher=self.prefetcher, load_policy=self.load_policy, events=events,
         )
 
+    def size_pool(self, num_slots: int) -> None:
+        """Plan for a CPU pool of ``num_slots`` slots: the smallest worker's, from vLLM's
+        start-up handshake, before any request. Raises ValueError once a slot is in use."""
+        if num_slots != self.index.num_slots:
+            self.index.resize(num_slots)
+
     # ---- lookups (LookupPlanner) ----------------------------------------------------
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -1,16 +1,16 @@
 """The worker's data path: what moves one rank's blocks, built once by :func:`build_datapath`.
 
 Who builds it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
-thread, in its first ``begin_step``. Why not at ``register_kv_caches``: the pool size comes
-from the scheduler, in the first :class:`~vllm_kvtier.jobs.StepPlan` (``num_slots``), and
-the worker cannot compute the same value. The scheduler sizes the pool in its own process
-(``connector/wiring.py``, ``pool_slots``). By default it takes ``cpu.capacity_fraction`` of
-the memory available there and then; the worker would read another figure, at another
-time. Its block size comes from vLLM's KV cache specs, not from this rank's layout. A pool
-of another size would give the two halves different slot numbers.
+thread, in ``register_kv_caches``, before the first request. The pool size is computed
+there, by the process that allocates it (``connector/wiring.py``, ``pool_slots``): a fixed
+``cpu.capacity_bytes``, or ``cpu.capacity_fraction`` of the memory available once vLLM's
+own KV cache is allocated. Each worker then tells the scheduler its size in vLLM's start-up
+handshake (:class:`~vllm_kvtier.connector.metadata.KVTierHandshake`); the scheduler sizes
+its index to the smallest. Every plan repeats the size (``StepPlan.num_slots``); a plan
+larger than this pool is a bug, and raises.
 
-The tiers below CPU are built in the same call, only when the scheduler's namespace (also
-in the first plan) agrees with the worker's. Otherwise the path has no lower tier.
+The tiers below CPU are built in the same call. The scheduler's namespace arrives with the
+first plan: if it is not the worker's, the worker closes them (see ``WorkerHalf``).
 
 Who uses it: the worker half and its trackers (:mod:`.saves`, :mod:`.loads`,
 :mod:`.prefetches`), from the worker's main thread. The copy engine may run one background
@@ -62,23 +62,26 @@ class DataPath:
     lower: dict[str, ChunkWorker] = field(default_factory=dict)
 
     def check_size(self, num_slots: int) -> None:
-        """Raise RuntimeError when the scheduler's pool size is no longer this pool's. Both
-        sizes are named. The scheduler never resizes the pool: this is a bug, not a miss."""
-        if num_slots != self.pool.num_slots:
-            raise RuntimeError(f"kvtier: scheduler changed the pool size ({self.pool.num_slots} -> {num_slots})")
+        """Raise RuntimeError when the scheduler plans for more slots than this pool has.
+        Both sizes are named. A smaller plan is fine: the scheduler sizes its index to the
+        smallest rank's pool. A larger one means the scheduler got no handshake from this
+        rank and measured the memory itself (under vLLM's ``MultiConnector``, which hands
+        only one connector's handshake to all): set ``cpu.capacity_bytes`` there."""
+        if num_slots > self.pool.num_slots:
+            raise RuntimeError(f"kvtier: the scheduler plans for {num_slots} CPU slots but this rank's pool has "
+                               f"{self.pool.num_slots} (no start-up handshake reached it; set cpu.capacity_bytes)")
 
 
 def build_datapath(cfg: KVTierConfig, layout: KVLayout, num_slots: int, *, namespace: str, rank: int,
                    counters: Counters, cache_dtype: str = "auto",
-                   make_tiers: Callable[..., dict[str, Any]] | None = None, with_lower: bool = True) -> DataPath:
+                   make_tiers: Callable[..., dict[str, Any]] | None = None) -> DataPath:
     """Build the pool of ``num_slots`` slots and everything on it, in dependency order.
 
     ``make_tiers(cfg, namespace=, rank=, slots=, counters=, kv_dtype=)``: this rank's tiers
-    below CPU (None: none). ``with_lower``: False under a namespace conflict; then no lower
-    tier is built. ``cache_dtype``: vLLM's (which fp8 format a ``uint8`` cache holds).
+    below CPU (None: none). ``cache_dtype``: vLLM's (which fp8 format a ``uint8`` cache holds).
 
-    The caller is the worker's main thread, at its first step. Allocating the pool may take
-    a while (pinned, prefaulted memory). A peer link that cannot start is logged and counted
+    The caller is the worker's main thread, in ``register_kv_caches``. Allocating the pool
+    may take a while (pinned, prefaulted memory). A peer link that cannot start is logged and counted
     (``store_failures`` of ``peer``); P/D then falls back to recompute. Any other failure
     raises: the worker cannot serve without its pool."""
     pin_cfg = cfg.cpu.pin_memory
@@ -101,7 +104,7 @@ def build_datapath(cfg: KVTierConfig, layout: KVLayout, num_slots: int, *, names
     if cfg.verify.sample_rate > 0:
         path.verifier = BlockVerifier(cfg.verify, layout, path.slots, namespace=namespace, rank=rank,
                                       cache_dtype=cache_dtype)
-    if make_tiers is not None and with_lower:
+    if make_tiers is not None:
         path.lower = make_tiers(cfg, namespace=namespace, rank=rank, slots=path.slots, counters=counters,
                                 kv_dtype=layout.dtype)
     return path

@@ -8,10 +8,10 @@ plain :class:`~vllm_kvtier.jobs.StepPlan` values and returns a
 It is the per-step orchestrator: it calls its parts in vLLM's order and forwards.
 
 - :class:`~.datapath.DataPath`: pool, copy engine, slot table, peer link, verifier and
-  the tiers below CPU, built once by :func:`~.datapath.build_datapath` at the first step
-  (the pool size arrives in the first plan; :mod:`.datapath` says why). The lower tiers
-  are built only when the scheduler's namespace agrees with ours (``make_tiers``, the
-  connector's wiring, ``connector/lower.py``).
+  the tiers below CPU (``make_tiers``, the connector's wiring, ``connector/lower.py``),
+  built once by :func:`~.datapath.build_datapath` in ``register_kv_caches``. This rank
+  sizes its pool itself and tells the scheduler (:mod:`.datapath` says how). The lower
+  tiers are closed at the first plan if the scheduler's namespace is not ours.
 - :class:`~.saves.Saves`, :class:`~.loads.Loads`, :class:`~.prefetches.Prefetches`:
   what is in flight, in small typed records. A finished lower-tier read is routed by
   ``(tier, read id)``: to the verifier, a prefetch or a load.
@@ -19,7 +19,7 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 Per step, in vLLM's order:
 
 1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): build the data path on first use, settle the host
+   at the latest from ``start_load_kv``): check the plan's namespace and pool size, settle the host
    saves that finished and queue their lower-tier writes, then issue this step's
    **saves**. Saves come first so a load in the same step can read a block saved in it,
    and before the forward so no block is overwritten before it is copied.
@@ -108,22 +108,25 @@ def _step_timed(fn: _F) -> _F:
 
 
 class WorkerHalf:
-    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, namespace: str = "", rank: int = 0,
+    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, pool_slots: Callable[[], int],
+                 namespace: str = "", rank: int = 0,
                  make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None,
                  cache_dtype: str = "auto") -> None:
-        """``make_tiers(cfg, namespace=, rank=, slots=, counters=, kv_dtype=)``: this rank's
-        tiers below CPU by name, built with the data path (None: none).
-        ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
+        """``pool_slots()``: the CPU pool's size, computed in ``register_kv_caches`` (after
+        vLLM allocated its KV cache). ``make_tiers(cfg, namespace=, rank=, slots=, counters=,
+        kv_dtype=)``: this rank's tiers below CPU by name, built with the data path (None:
+        none). ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.namespace = namespace
         self.rank = rank
         self.counters = Counters()
+        self._pool_slots = pool_slots
         #: builds the data path, with the inputs given here and nowhere else
         self._build = functools.partial(build_datapath, cfg, cache_dtype=cache_dtype, make_tiers=make_tiers)
         #: this rank's KV cache tensors, seen as block rows (``register_kv_caches``)
         self.layout: KVLayout | None = None
-        #: built in the first ``begin_step`` (why then: :mod:`.datapath`)
+        #: built in ``register_kv_caches``
         self.path: DataPath | None = None
         self.saves = Saves(self.counters, checksum=cfg.cpu.checksum)
         self.loads = Loads(cfg, self.counters)
@@ -157,7 +160,7 @@ class WorkerHalf:
     def wait_saves(self, on: bool) -> None:
         self.saves.wait = on
 
-    # ---- parts of the data path (None, or empty, until the first step) -----------------
+    # ---- parts of the data path (None, or empty, until ``register_kv_caches``) ----------
 
     @property
     def engine(self) -> CopyEngine | None:
@@ -176,23 +179,35 @@ class WorkerHalf:
     # ---- setup -------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """See the KV cache tensors. The data path is built later, in the first
-        ``begin_step``: the pool size comes from the scheduler (:mod:`.datapath` says why)."""
-        self.layout = build_layout(kv_caches, self.num_blocks)
-        logger.info("kvtier: KV layout %s, %d B per block", self.layout.description,
-                    self.layout.block_bytes)
-        if self.layout.shared and self.cfg.layer_pipelined_loads != "off":
+        """See the KV cache tensors, size the CPU pool, and build the data path on them.
+        Raises :class:`~vllm_kvtier.errors.ConfigError` when ``cpu.capacity_bytes`` cannot
+        fit in this process's memory (the engine then stops at start-up, not at a request)."""
+        layout = build_layout(kv_caches, self.num_blocks)
+        logger.info("kvtier: KV layout %s, %d B per block", layout.description, layout.block_bytes)
+        if layout.shared and self.cfg.layer_pipelined_loads != "off":
             logger.info("kvtier: layers share KV tensors (hybrid KV cache groups): layer-by-layer loads off")
+        self.layout = layout
+        self.path = self._build(layout, self._pool_slots(), namespace=self.namespace, rank=self.rank,
+                                counters=self.counters)
+        if self.path.peer_info is not None:  # published once, so that the scheduler can reach this rank
+            self._report.peer_info[self.rank] = self.path.peer_info
 
-    def _check_namespace(self, theirs: str) -> None:
-        """Compare the scheduler's namespace (sent in the first plan) with ours, once, before
-        the lower tiers exist. The two processes compute it apart (the scheduler cannot see
+    @property
+    def num_slots(self) -> int:
+        """The CPU pool's size (0 before ``register_kv_caches``): sent to the scheduler once."""
+        return self.path.pool.num_slots if self.path is not None else 0
+
+    def _check_namespace(self, path: DataPath, theirs: str) -> None:
+        """Compare the scheduler's namespace (sent in every plan) with ours, before any
+        lower-tier job runs. The two processes compute it apart (the scheduler cannot see
         this worker's tensors or environment); if they differ, the scheduler's index and this
         worker's stored headers would name different things, and either one may be wrong:
-        no lower tier is built, and every lower-tier job is refused and counted."""
+        the lower tiers are closed, and every lower-tier job is refused and counted."""
         if not theirs or theirs == self.namespace or self.namespace_conflict:
             return
         self.namespace_conflict = theirs
+        lower, path.lower = path.lower, {}
+        run_all([tier.close for tier in lower.values()])  # nothing was written through them yet
         logger.error("kvtier: rank %d computed namespace %s but the scheduler computed %s (model files, config or "
                      "KV layout seen differently by the two processes): this rank refuses every NVMe/S3/pool read "
                      "and write (blocks recomputed, nothing stored); the scheduler's and this worker's namespace "
@@ -207,20 +222,6 @@ class WorkerHalf:
         for read in [r for load in meta.loads for r in load.reads] + [r for pf in meta.prefetches for r in pf.reads]:
             self.counters.add(CounterName.NAMESPACE_MISMATCH, read.tier)
 
-    def _ensure_path(self, num_slots: int) -> DataPath:
-        """The data path, built on the first call with the scheduler's pool size. Raises
-        RuntimeError, naming both sizes, if a later plan's size differs. The lower tiers
-        are built only when the namespaces agree (checked just before, on the same plan)."""
-        if self.path is not None:
-            self.path.check_size(num_slots)
-            return self.path
-        assert self.layout is not None, "register_kv_caches was not called"
-        self.path = self._build(self.layout, num_slots, namespace=self.namespace, rank=self.rank,
-                                counters=self.counters, with_lower=not self.namespace_conflict)
-        if self.path.peer_info is not None:  # published once, so that the scheduler can reach this rank
-            self._report.peer_info[self.rank] = self.path.peer_info
-        return self.path
-
     # ---- per step ----------------------------------------------------------------
 
     @_step_timed
@@ -231,8 +232,11 @@ class WorkerHalf:
         if begun is not None and meta.step == begun.step:
             return
         self._finish_layered_loads()
-        self._check_namespace(meta.namespace)
-        path = self._ensure_path(meta.num_slots)
+        path = self.path
+        if path is None:
+            raise RuntimeError("kvtier: a step began before register_kv_caches")
+        self._check_namespace(path, meta.namespace)
+        path.check_size(meta.num_slots)
         if self.namespace_conflict:
             self._refuse_lower(meta)  # the reads fail below: no such tier here
         # The last forward's saves may run on through this forward (why that is safe: the
