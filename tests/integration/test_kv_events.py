@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from testkit import s3_server as s3srv
 from tests.conftest import BLOCK_SIZE, close_llm, generate, kvtier_counters, make_llm
-from tests.integration.test_nvme_engine import SETS, nvme_config, run_process
+from tests.integration.test_nvme_engine import SETS, nvme_config, run_engine, run_process
 from tests.integration.test_s3_engine import objects, s3_config
 
 s3_server = s3srv.s3_server
@@ -153,12 +153,12 @@ def test_cpu_and_nvme_events_carry_vllms_hashes_and_cpu_eviction_removes(tiny_mo
 
 
 def test_a_restart_announces_what_its_nvme_tier_found(tiny_model, tmp_path):
-    """A (another process) stores a prompt in its NVMe tier and exits; B, restarted on the
+    """A stores a prompt in its NVMe tier and closes; B, started on the
     same directory with KV events on, announces the blocks its start-up scan found
     (STORAGE / nvme / LOCAL: its own directory) at its first steps, under vLLM's hashes."""
     p = SETS[2][0]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=16, mode="write-through")
-    run_process(tiny_model, kv, [p], tmp_path)
+    run_engine(tiny_model, kv, [p])
     port = free_port()
     llm = make_llm(tiny_model, kv, kv_events_config=events_config(port), enable_prefix_caching=True)
     sub = Subscriber(port)

@@ -22,7 +22,7 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import FaultProxy
 from tests.conftest import close_llm, generate, kvtier_counters, make_llm
 from tests.integration import test_nvme_engine as nvme_engine
-from tests.integration.test_nvme_engine import SETS, run_process
+from tests.integration.test_nvme_engine import SETS, run_engine
 from tests.integration.test_s3_engine import LOADABLE, s3_config
 
 s3_server = s3srv.s3_server
@@ -75,11 +75,11 @@ def serve_through_proxy(model: Path, s3_url: str, bucket: str, ps: list[list[int
 
 
 @pytest.fixture(scope="module")
-def stored_bucket(tiny_model, s3_server, tmp_path_factory) -> str:
-    """A bucket holding both prompts of ``SETS[2]``, stored by another process. Both tests
+def stored_bucket(tiny_model, s3_server) -> str:
+    """A bucket holding both prompts of ``SETS[2]``, stored by an engine closed since. Both tests
     read it; what an engine here adds (the same chunks, its manifest) changes no decision."""
     bucket = s3_server.create_bucket()
-    run_process(tiny_model, s3_config(s3_server.url, bucket), SETS[2], tmp_path_factory.mktemp("store"))
+    run_engine(tiny_model, s3_config(s3_server.url, bucket), SETS[2])
     return bucket
 
 

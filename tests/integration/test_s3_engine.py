@@ -17,7 +17,7 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import FaultProxy, MotoServer
 from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
 from tests.integration import test_nvme_engine as nvme_engine
-from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS, results, run_process
+from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS, results, run_engine, run_process
 
 # Fixtures from other modules, bound to names in this one.
 s3_server = s3srv.s3_server
@@ -206,7 +206,7 @@ def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_se
     ps = SETS[2]
     kv = s3_config(s3_server.url, s3_bucket)
     kv["kv_connector_extra_config"]["auth"] = {"required": True}  # both engines refuse to start without it
-    run_process(tiny_model, kv, ps, tmp_path)
+    run_engine(tiny_model, kv, ps)
     client = s3_server.client()
     chunks = sorted(k for k in objects(s3_server, s3_bucket) if k.endswith(".kvt"))
     assert chunks
@@ -223,7 +223,7 @@ def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_se
     encode_header(replace(h, crcs=tuple(crcs)), memoryview(body))  # every CRC valid, the MAC kept
     client.put_object(Bucket=s3_bucket, Key=victim, Body=bytes(body))
 
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    data = run_engine(tiny_model, kv, ps)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     c = data["counters"]
@@ -236,7 +236,8 @@ def test_forged_object_is_refused_with_the_mac_on(tiny_model, baseline_of, s3_se
 
 
 def test_a_rolling_key_rotation(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path, monkeypatch):
-    """``auth`` key rotation on real engines sharing a bucket: A signs with k1; B (k2 signs,
+    """``auth`` key rotation on real engines sharing a bucket, one after the other in this
+    process: A signs with k1; B (k2 signs,
     k1 verifies: ``auth.verify_key_envs``) loads every loadable block A stored and stores a
     new prompt with k2; once k1 is dropped, C loads B's blocks, never indexes A's chunks
     (no load is even tried) and writes those prefixes again with k2; D loads them all."""
@@ -252,20 +253,20 @@ def test_a_rolling_key_rotation(tiny_model, baseline_of, s3_server, s3_bucket, t
         return {k for k in objects(s3_server, s3_bucket) if k.endswith(".kvt")}
 
     monkeypatch.setenv("KVTIER_AUTH_KEY", "a1" * 32)
-    run_process(tiny_model, kv, ps, tmp_path)
+    run_engine(tiny_model, kv, ps)
     signed_k1 = chunks()
     assert signed_k1
 
     monkeypatch.setenv("KVTIER_AUTH_KEY", "b2" * 32)
     monkeypatch.setenv("KVTIER_AUTH_KEY_OLD", "a1" * 32)
-    data = run_process(tiny_model, rotating, ps + ps2, tmp_path)
+    data = run_engine(tiny_model, rotating, ps + ps2)
     assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps + ps2]
     assert data["counters"].get("blocks_loaded|s3", 0) == 2 * LOADABLE  # A's, signed with k1
     signed_k2 = chunks() - signed_k1
     assert signed_k2  # ps2, signed with k2
 
     monkeypatch.delenv("KVTIER_AUTH_KEY_OLD")
-    data = run_process(tiny_model, kv, ps2 + ps, tmp_path)
+    data = run_engine(tiny_model, kv, ps2 + ps)
     assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps2 + ps]
     c = data["counters"]
     assert c.get("blocks_loaded|s3", 0) == LOADABLE  # B's only
@@ -273,7 +274,7 @@ def test_a_rolling_key_rotation(tiny_model, baseline_of, s3_server, s3_bucket, t
     rewritten = chunks() - signed_k1 - signed_k2
     assert rewritten  # A's prefixes, written again with k2
 
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    data = run_engine(tiny_model, kv, ps)
     assert [r.tokens for r in results(data)] == [baseline_of(p) for p in ps]
     assert data["counters"].get("blocks_loaded|s3", 0) == 2 * LOADABLE
     assert data["counters"].get("load_failures|s3", 0) == 0

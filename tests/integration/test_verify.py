@@ -22,7 +22,7 @@ from tests.conftest import (
     make_llm,
     rand_tokens,
 )
-from tests.integration.test_nvme_engine import run_process
+from tests.integration.test_nvme_engine import run_engine
 from vllm_kvtier.chunkformat import (
     FIXED_BYTES,
     block_crc,
@@ -207,7 +207,7 @@ def test_s3_verify_honest_then_forged_object_quarantines(tiny_model, baseline_of
             extra["verify"] = v
         return kvtier_config(extra)
 
-    run_process(tiny_model, s3_kv(), [p], tmp_path)
+    run_engine(tiny_model, s3_kv(), [p])
     llm = make_llm(tiny_model, s3_kv(verify))
     try:
         r = generate(llm, p)
