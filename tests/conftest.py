@@ -61,12 +61,16 @@ def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) 
         seed=0,
     )
     args.update(kw)
-    # vLLM runs gc.collect() five times while it starts an engine (and unfreezes the heap
-    # at shutdown): each pass walks every object of this process, ~0.2 s with vLLM and
-    # torch imported. Frozen objects are skipped; the next engine's shutdown unfreezes
-    # them, so nothing is kept longer than one engine's life.
+    # vLLM runs gc.collect() five times while it starts an engine: each pass walks every
+    # object of this process, ~0.3 s with vLLM and torch imported. Frozen objects are
+    # skipped. close_llm unfreezes them (vLLM's shutdown does too, in the engine's own
+    # process), so nothing is kept longer than one engine's life.
     gc.freeze()
-    return LLM(**args)
+    try:
+        return LLM(**args)
+    except BaseException:
+        gc.unfreeze()
+        raise
 
 
 def run_reuse(model: Path, kv_transfer_config: dict[str, Any] | None,
@@ -111,6 +115,7 @@ def close_llm(llm: Any) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     del llm
+    gc.unfreeze()  # a multiprocess engine's shutdown unfreezes its own process, not this one
     gc.collect()
 
 

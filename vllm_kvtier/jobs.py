@@ -126,7 +126,8 @@ _R = TypeVar("_R", bound="WorkerReport")
 class StepPlan:
     """What the scheduler decided for one step, in the order the worker runs it."""
 
-    #: Slots of the CPU pool; the worker allocates the pool when it first sees this.
+    #: Slots of the CPU pool the scheduler plans for: never more than the worker's pool
+    #: (sized in ``register_kv_caches``); the worker checks it.
     num_slots: int
     #: Saves run before the forward: the last blocks of finished requests (``freed``).
     saves: list[SaveJob] = field(default_factory=list)

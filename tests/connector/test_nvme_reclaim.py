@@ -55,20 +55,19 @@ def gauge(eng: Engine, name: str) -> float:
 
 
 class Engine:
-    """One engine's NVMe tier as start-up builds it: one worker per rank first (each opens
-    its store, and takes its directory's lock, in ``register_kv_caches``), then the
-    planner (vLLM builds the scheduler after the workers' KV caches)."""
+    """One engine's NVMe tier as start-up builds it: the planner first (vLLM builds the
+    scheduler before the workers' first step), then one worker per rank."""
 
     def __init__(self, root: Path, **nvme) -> None:
         self.cfg = parse_config({"nvme": {"path": str(root), "mode": "write-through", "admit_min_seen": 1,
                                           "chunk_blocks": 2, **nvme}})
         self.counters = Counters()
+        self.planner: ChunkPlanner = make_planners(self.cfg, namespace=NS, world_size=WORLD,
+                                                   block_bytes_per_rank=SLOT, counters=self.counters)[0]
         self.slots = [SlotTable(CPUPool(8, PLANES, pin=False, prefault=False)) for _ in range(WORLD)]
         self.workers: list[ChunkWorker] = [
             make_workers(self.cfg, namespace=NS, rank=r, slots=self.slots[r], counters=self.counters)["nvme"]
             for r in range(WORLD)]
-        self.planner: ChunkPlanner = make_planners(self.cfg, namespace=NS, world_size=WORLD,
-                                                   block_bytes_per_rank=SLOT, counters=self.counters)[0]
 
     def step(self, new_keys: list[bytes] = ()) -> list[str]:  # type: ignore[assignment]
         """One scheduler step that saves ``new_keys`` to DRAM (write-through to NVMe), its
@@ -170,10 +169,6 @@ def test_a_directory_locked_by_another_engine_is_neither_indexed_nor_touched(tmp
     first = Engine(tmp_path, capacity_bytes=1 << 30)
     try:
         first.step([key(1), key(2)])
-        # The first engine's workers run in another process (their lock notes say pid 1
-        # here: neither this process nor a child of it). Their flocks are this test's.
-        for r in range(WORLD):
-            (rank_dir(tmp_path, NS, r) / ".lock").write_text(f"pid 1 host {os.uname().nodename} since 0\n")
         in_flight = rank_dir(tmp_path, NS, 0) / ".tmp-inflight-12345678"
         in_flight.write_bytes(b"\0" * 5000)
         before = [files(rank_dir(tmp_path, NS, r)) for r in range(WORLD)]

@@ -486,31 +486,6 @@ def test_second_store_on_a_locked_directory_is_refused_and_touches_nothing(tmp_p
     b.close()
 
 
-def test_a_lock_note_of_this_process_or_its_child_is_this_engines(tmp_path: Path) -> None:
-    """The scheduler's scan runs after this engine's workers locked their directories (in
-    vLLM's EngineCore process, or in processes it started): those are not another engine."""
-    import socket
-    import subprocess
-
-    from vllm_kvtier.tiers.nvme.dirs import held_by_this_engine
-
-    a = NVMeStore(tmp_path, NS, 0, BLOCK)
-    try:
-        assert held_by_this_engine(lock_holder(a.dir) or "")
-    finally:
-        a.close()
-    host = socket.gethostname()
-    child = subprocess.Popen(["sleep", "30"])
-    try:
-        assert held_by_this_engine(f"pid {child.pid} host {host} since 1")
-    finally:
-        child.kill()
-        child.wait()
-    assert not held_by_this_engine(f"pid 1 host {host} since 1")  # not started by this process
-    assert not held_by_this_engine(f"pid {os.getpid()} host not-{host} since 1")
-    assert not held_by_this_engine("unknown")
-
-
 def test_other_namespaces_are_reported_and_collected_only_when_free_and_ours(tmp_path: Path) -> None:
     own, old, live, odd = "0" * 16, "1" * 16, "2" * 16, "3" * 16
     mine = NVMeStore(tmp_path, own, 0, BLOCK)

@@ -11,7 +11,7 @@ from vllm_kvtier.config import parse_config
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PrefetchJob, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.transfer.datapath import DataPath, build_datapath
+from vllm_kvtier.transfer.datapath import DataPath, build_datapath, open_lower
 from vllm_kvtier.transfer.layout import build_layout
 from vllm_kvtier.transfer.loads import Loads
 from vllm_kvtier.transfer.prefetches import Prefetches
@@ -41,8 +41,9 @@ def _key(i: int) -> bytes:
 def _path() -> DataPath:
     kv = {f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 2, 4, 16)) for i in range(2)}
     tiers = {TierName.NVME: _Tier(), TierName.S3: _Tier()}
-    return build_datapath(CFG, build_layout(kv, NUM_BLOCKS), SLOTS, namespace="ns", rank=0, counters=Counters(),
-                          make_tiers=lambda *a, **k: tiers)
+    path = build_datapath(CFG, build_layout(kv, NUM_BLOCKS), SLOTS, namespace="ns", rank=0, counters=Counters())
+    open_lower(path, CFG, lambda *a, **k: tiers, namespace="ns", rank=0, counters=Counters())
+    return path
 
 
 def _read(tier: TierName, slot: int) -> ChunkRead:
@@ -93,3 +94,4 @@ def test_a_plan_for_more_slots_than_the_pool_raises_naming_both_sizes():
     path.check_size(SLOTS - 1)
     with pytest.raises(RuntimeError, match=rf"{SLOTS + 1} CPU slots .* has {SLOTS} .*cpu.capacity_bytes"):
         path.check_size(SLOTS + 1)
+    path.engine.shutdown()

@@ -258,15 +258,17 @@ def worker_rank() -> int:
 def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *, allocating: bool = True) -> int:
     """Number of CPU slots for the configured budget (whole engine, all ranks).
 
-    ``allocating``: the caller is a worker, about to allocate its pool. It checks that a
-    fixed ``cpu.capacity_bytes`` fits (ConfigError at start-up, not at the first request),
-    and logs the size. Each worker tells the scheduler its size at start-up; the scheduler
-    calls this (``allocating=False``) only for the size it plans with until then."""
+    ``allocating``: the caller is a worker, about to allocate its pool. It checks that its
+    share of a fixed ``cpu.capacity_bytes`` fits in what this process may still allocate
+    (ConfigError at start-up, not at the first request). Then the engine's ranks agree on
+    the smallest figure (:func:`engine_min`): each measured before any of them allocated.
+    The scheduler calls this (``allocating=False``) only for the size it plans with until
+    the workers' handshake comes."""
     if cfg.cpu.capacity_bytes is not None:
-        overrun = budget_overrun(cfg.cpu.capacity_bytes) if allocating else None
-        if overrun is not None:
-            raise ConfigError("cpu.capacity_bytes", overrun)
         budget = cfg.cpu.capacity_bytes
+        overrun = budget_overrun(budget // max(1, world_size)) if allocating else None
+        if overrun is not None:
+            raise ConfigError("cpu.capacity_bytes", f"this rank's share (1/{world_size}): {overrun}")
         source = "cpu.capacity_bytes"
     else:
         available, where = available_memory()
@@ -275,8 +277,31 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *,
     per_block = block_bytes_per_rank * world_size
     slots = budget // per_block if per_block else 0
     if allocating:
-        logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s", slots, slots * per_block / 2**20, source)
+        slots = engine_min(slots)
+        logger.info("kvtier: CPU tier %d blocks (%.1f MiB) from %s, the smallest over the engine's ranks", slots,
+                    slots * per_block / 2**20, source)
     return int(slots)
+
+
+def engine_min(value: int) -> int:
+    """The smallest ``value`` over this engine's ranks: an all-reduce over vLLM's CPU
+    process groups of tensor, then pipeline, parallelism. Every rank calls it at the same
+    point (``register_kv_caches``), so it is also a barrier: no rank allocates its pool
+    before every rank has measured. ``value`` itself with one rank, or outside an engine
+    (unit tests drive the worker directly)."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        groups = [get_tp_group(), get_pp_group()]
+    except Exception:  # not initialised
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    for group in groups:
+        if group.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(t.item())
 
 
 #: Keys of the resolved HF config that name files or versions, not what is computed.
@@ -544,16 +569,17 @@ def under_multi_connector() -> bool:
     (NIXL's) refuses ours. Then this worker sends none."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-        return type(get_kv_transfer_group()).__name__ == "MultiConnector"
+        return isinstance(get_kv_transfer_group(), MultiConnector)
     except Exception:  # not initialised (unit tests drive the worker directly)
         return False
 
 
 def adopt_pool_sizes(half: SchedulerHalf, sizes: dict[int, int]) -> None:
     """Plan for the smallest of the workers' pools (``sizes``: rank -> slots, from the
-    start-up handshake). Ranks on one host measure the memory at slightly different times
-    under ``cpu.capacity_fraction``; with ``cpu.capacity_bytes`` all sizes are equal."""
+    start-up handshake). The ranks agreed on one size already (:func:`engine_min`); the
+    smallest is taken all the same."""
     num_slots = min(sizes.values())
     if len(set(sizes.values())) > 1:
         logger.info("kvtier: the ranks' CPU pools differ (%s): planning for the smallest", sizes)

@@ -2,15 +2,15 @@
 
 Who builds it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
 thread, in ``register_kv_caches``, before the first request. The pool size is computed
-there, by the process that allocates it (``connector/wiring.py``, ``pool_slots``): a fixed
-``cpu.capacity_bytes``, or ``cpu.capacity_fraction`` of the memory available once vLLM's
-own KV cache is allocated. Each worker then tells the scheduler its size in vLLM's start-up
-handshake (:class:`~vllm_kvtier.connector.metadata.KVTierHandshake`); the scheduler sizes
-its index to the smallest. Every plan repeats the size (``StepPlan.num_slots``); a plan
-larger than this pool is a bug, and raises.
+there (``connector/wiring.py``, ``pool_slots``): a fixed ``cpu.capacity_bytes``, or
+``cpu.capacity_fraction`` of the memory available once vLLM's own KV cache is allocated.
+The ranks of one engine measure before any of them allocates, and take the smallest
+figure. Each worker then tells the scheduler its size in vLLM's start-up handshake
+(:class:`~vllm_kvtier.connector.metadata.KVTierHandshake`). Every plan repeats the size
+(``StepPlan.num_slots``); a plan larger than this pool is a bug, and raises.
 
-The tiers below CPU are built in the same call. The scheduler's namespace arrives with the
-first plan: if it is not the worker's, the worker closes them (see ``WorkerHalf``).
+The tiers below CPU are opened at the first plan, by :func:`open_lower`, only when the
+scheduler's namespace (sent in that plan) is the worker's; it says why not earlier.
 
 Who uses it: the worker half and its trackers (:mod:`.saves`, :mod:`.loads`,
 :mod:`.prefetches`), from the worker's main thread. The copy engine may run one background
@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class DataPath:
-    """One rank's data path. Its parts are fixed once built; only ``lower`` is emptied, at
-    shutdown, once its tiers are closed."""
+    """One rank's data path. Its parts are fixed once built; ``lower`` is filled once, at
+    the first plan (:func:`open_lower`), and emptied at shutdown, once its tiers are closed."""
 
     layout: KVLayout
     pool: CPUPool
@@ -58,7 +58,8 @@ class DataPath:
     peer_info: dict | None = None
     #: Shadow verification (``verify.sample_rate`` > 0 only).
     verifier: BlockVerifier | None = None
-    #: The tiers below CPU by name ("nvme", "s3"). Empty under a namespace conflict.
+    #: The tiers below CPU by name ("nvme", "s3"). Empty before the first plan, and under a
+    #: namespace conflict.
     lower: dict[str, ChunkWorker] = field(default_factory=dict)
 
     def check_size(self, num_slots: int) -> None:
@@ -73,12 +74,10 @@ class DataPath:
 
 
 def build_datapath(cfg: KVTierConfig, layout: KVLayout, num_slots: int, *, namespace: str, rank: int,
-                   counters: Counters, cache_dtype: str = "auto",
-                   make_tiers: Callable[..., dict[str, Any]] | None = None) -> DataPath:
-    """Build the pool of ``num_slots`` slots and everything on it, in dependency order.
-
-    ``make_tiers(cfg, namespace=, rank=, slots=, counters=, kv_dtype=)``: this rank's tiers
-    below CPU (None: none). ``cache_dtype``: vLLM's (which fp8 format a ``uint8`` cache holds).
+                   counters: Counters, cache_dtype: str = "auto") -> DataPath:
+    """Build the pool of ``num_slots`` slots and everything on it, in dependency order,
+    but the tiers below CPU (:func:`open_lower`, at the first plan).
+    ``cache_dtype``: vLLM's (which fp8 format a ``uint8`` cache holds).
 
     The caller is the worker's main thread, in ``register_kv_caches``. Allocating the pool
     may take a while (pinned, prefaulted memory). A peer link that cannot start is logged and counted
@@ -104,7 +103,17 @@ def build_datapath(cfg: KVTierConfig, layout: KVLayout, num_slots: int, *, names
     if cfg.verify.sample_rate > 0:
         path.verifier = BlockVerifier(cfg.verify, layout, path.slots, namespace=namespace, rank=rank,
                                       cache_dtype=cache_dtype)
-    if make_tiers is not None:
-        path.lower = make_tiers(cfg, namespace=namespace, rank=rank, slots=path.slots, counters=counters,
-                                kv_dtype=layout.dtype)
     return path
+
+
+def open_lower(path: DataPath, cfg: KVTierConfig, make_tiers: Callable[..., dict[str, Any]], *, namespace: str,
+               rank: int, counters: Counters) -> None:
+    """Open this rank's tiers below CPU on ``path``: ``make_tiers(cfg, namespace=, rank=,
+    slots=, counters=, kv_dtype=)``. Called once, at the first plan, only when the
+    scheduler's namespace agrees with the worker's. Why not in ``register_kv_caches``: a
+    store's start-up (NVMe: its directory lock, debris cleanup, the report or collection
+    of other namespaces' directories) must not run under a namespace the scheduler did
+    not compute, and the scheduler's start-up scan of the NVMe directories runs after
+    ``register_kv_caches``: a lock taken before it would read as another engine's."""
+    path.lower = make_tiers(cfg, namespace=namespace, rank=rank, slots=path.slots, counters=counters,
+                            kv_dtype=path.layout.dtype)

@@ -7,11 +7,11 @@ plain :class:`~vllm_kvtier.jobs.StepPlan` values and returns a
 
 It is the per-step orchestrator: it calls its parts in vLLM's order and forwards.
 
-- :class:`~.datapath.DataPath`: pool, copy engine, slot table, peer link, verifier and
-  the tiers below CPU (``make_tiers``, the connector's wiring, ``connector/lower.py``),
+- :class:`~.datapath.DataPath`: pool, copy engine, slot table, peer link and verifier,
   built once by :func:`~.datapath.build_datapath` in ``register_kv_caches``. This rank
-  sizes its pool itself and tells the scheduler (:mod:`.datapath` says how). The lower
-  tiers are closed at the first plan if the scheduler's namespace is not ours.
+  sizes its pool itself and tells the scheduler (:mod:`.datapath` says how). The tiers
+  below CPU (``make_tiers``, the connector's wiring, ``connector/lower.py``) are opened at
+  the first plan, only when the scheduler's namespace agrees with ours.
 - :class:`~.saves.Saves`, :class:`~.loads.Loads`, :class:`~.prefetches.Prefetches`:
   what is in flight, in small typed records. A finished lower-tier read is routed by
   ``(tier, read id)``: to the verifier, a prefetch or a load.
@@ -19,7 +19,8 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 Per step, in vLLM's order:
 
 1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): check the plan's namespace and pool size, settle the host
+   at the latest from ``start_load_kv``): check the plan's namespace and pool size (the
+   first plan opens the lower tiers), settle the host
    saves that finished and queue their lower-tier writes, then issue this step's
    **saves**. Saves come first so a load in the same step can read a block saved in it,
    and before the forward so no block is overwritten before it is copied.
@@ -66,7 +67,7 @@ from vllm_kvtier.jobs import ChunkRead, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.transfer.copier import CopyEngine
-from vllm_kvtier.transfer.datapath import DataPath, build_datapath
+from vllm_kvtier.transfer.datapath import DataPath, build_datapath, open_lower
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.loads import Loads
 from vllm_kvtier.transfer.prefetches import Prefetches
@@ -123,7 +124,9 @@ class WorkerHalf:
         self.counters = Counters()
         self._pool_slots = pool_slots
         #: builds the data path, with the inputs given here and nowhere else
-        self._build = functools.partial(build_datapath, cfg, cache_dtype=cache_dtype, make_tiers=make_tiers)
+        self._build = functools.partial(build_datapath, cfg, cache_dtype=cache_dtype)
+        #: opens the lower tiers at the first plan (None: none, or opened already)
+        self._make_tiers = make_tiers
         #: this rank's KV cache tensors, seen as block rows (``register_kv_caches``)
         self.layout: KVLayout | None = None
         #: built in ``register_kv_caches``
@@ -197,17 +200,15 @@ class WorkerHalf:
         """The CPU pool's size (0 before ``register_kv_caches``): sent to the scheduler once."""
         return self.path.pool.num_slots if self.path is not None else 0
 
-    def _check_namespace(self, path: DataPath, theirs: str) -> None:
-        """Compare the scheduler's namespace (sent in every plan) with ours, before any
-        lower-tier job runs. The two processes compute it apart (the scheduler cannot see
+    def _check_namespace(self, theirs: str) -> None:
+        """Compare the scheduler's namespace (sent in every plan) with ours, before the
+        lower tiers open. The two processes compute it apart (the scheduler cannot see
         this worker's tensors or environment); if they differ, the scheduler's index and this
         worker's stored headers would name different things, and either one may be wrong:
-        the lower tiers are closed, and every lower-tier job is refused and counted."""
+        no lower tier is opened, and every lower-tier job is refused and counted."""
         if not theirs or theirs == self.namespace or self.namespace_conflict:
             return
         self.namespace_conflict = theirs
-        lower, path.lower = path.lower, {}
-        run_all([tier.close for tier in lower.values()])  # nothing was written through them yet
         logger.error("kvtier: rank %d computed namespace %s but the scheduler computed %s (model files, config or "
                      "KV layout seen differently by the two processes): this rank refuses every NVMe/S3/pool read "
                      "and write (blocks recomputed, nothing stored); the scheduler's and this worker's namespace "
@@ -235,8 +236,12 @@ class WorkerHalf:
         path = self.path
         if path is None:
             raise RuntimeError("kvtier: a step began before register_kv_caches")
-        self._check_namespace(path, meta.namespace)
+        self._check_namespace(meta.namespace)
         path.check_size(meta.num_slots)
+        if self._make_tiers is not None:  # the first plan: open the lower tiers, unless in conflict
+            make, self._make_tiers = self._make_tiers, None
+            if not self.namespace_conflict:
+                open_lower(path, self.cfg, make, namespace=self.namespace, rank=self.rank, counters=self.counters)
         if self.namespace_conflict:
             self._refuse_lower(meta)  # the reads fail below: no such tier here
         # The last forward's saves may run on through this forward (why that is safe: the

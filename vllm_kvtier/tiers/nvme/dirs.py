@@ -3,8 +3,7 @@ what other namespaces left under ``nvme.path`` (reported, collected on request).
 
 Who calls it: :class:`~vllm_kvtier.tiers.nvme.store.NVMeStore` at construction (the worker of
 each rank: :func:`open_rank_dir`), the scheduler's start-up scan (:func:`lock_holder`: is a
-rank directory held by another engine? :func:`held_by_this_engine`: or by our own workers,
-which lock it before the scheduler starts), and rank 0's worker at start
+rank directory held by another engine?), and rank 0's worker at start
 (:func:`foreign_namespaces`, :func:`collect_namespace`). Everything here blocks briefly
 (a few syscalls per directory; the foreign report walks those directories once); nothing
 runs in the serving path.
@@ -48,7 +47,7 @@ from pathlib import Path
 
 __all__ = [
     "LOCK_NAME", "DirectoryLocked", "ForeignNamespace", "RankDirLock", "UnsafeDirectory", "collect_namespace",
-    "foreign_namespaces", "held_by_this_engine", "lock_holder", "open_rank_dir", "open_replica_dir", "unsafe_reason",
+    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "unsafe_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -258,28 +257,6 @@ def lock_holder(directory: Path) -> str | None:
         return None
     finally:
         os.close(fd)
-
-
-_NOTE = re.compile(r"^pid (\d+) host (\S+) since ")
-
-
-def held_by_this_engine(note: str) -> bool:
-    """Whether a lock note (:func:`lock_holder`) names this process, or a child of it, on
-    this host. vLLM runs an engine's workers in its EngineCore process or starts them from
-    it, and each takes its rank directory's lock in ``register_kv_caches``, before the
-    scheduler is built: the scheduler's scan must not take them for another engine."""
-    m = _NOTE.match(note)
-    if m is None or m.group(2) != socket.gethostname():
-        return False
-    pid, me = int(m.group(1)), os.getpid()
-    if pid == me:
-        return True
-    try:
-        import psutil
-
-        return bool(psutil.Process(pid).ppid() == me)
-    except Exception:  # gone, or not ours to read: not this engine's
-        return False
 
 
 # ---- other namespaces under nvme.path --------------------------------------------------
