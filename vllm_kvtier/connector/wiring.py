@@ -255,6 +255,14 @@ def worker_rank() -> int:
         return 0
 
 
+def engine_world_size(vllm_config: VllmConfig | None) -> int:
+    """Ranks of one engine: tensor times pipeline parallelism (1 without a config)."""
+    if vllm_config is None:
+        return 1
+    par = vllm_config.parallel_config
+    return int(par.tensor_parallel_size * par.pipeline_parallel_size)
+
+
 def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *, allocating: bool = True) -> int:
     """Number of CPU slots for the configured budget (whole engine, all ranks).
 
@@ -490,7 +498,7 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     tiers below it (their start-up scans run here), and the KV event log if vLLM's KV events
     are on."""
     par = vllm_config.parallel_config
-    world = par.tensor_parallel_size * par.pipeline_parallel_size
+    world = engine_world_size(vllm_config)
     block_bytes = rank_block_bytes(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     counters = Counters()
@@ -551,9 +559,8 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     copy only the TP group's first rank writes (None: one rank, not replicated)."""
     rank = worker_rank()
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
-    par = vllm_config.parallel_config if vllm_config is not None else None
-    tp = par.tensor_parallel_size if par is not None else 1
-    world = tp * par.pipeline_parallel_size if par is not None else 1
+    tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
+    world = engine_world_size(vllm_config)
     role = rank_role(rank, tp_size=tp, replicated=replicated)
     # here, on the compute thread, before any tier starts a thread
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
