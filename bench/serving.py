@@ -118,7 +118,16 @@ VLLM_COUNTERS = {"vllm:prefix_cache_hits_total": "vllm_hit_tokens", "vllm:prefix
                  # first token: loading, and the steps it shares with others)
                  "vllm:request_queue_time_seconds_sum": "queue_seconds",
                  "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
-                 "vllm:request_queue_time_seconds_count": "timed_requests"}
+                 "vllm:request_queue_time_seconds_count": "timed_requests",
+                 # the server's own TTFT (front end's arrival to first token); less queued and
+                 # prefill, what is left: arrival to queued in the engine (it takes new requests
+                 # between steps) and the first token's way back
+                 "vllm:time_to_first_token_seconds_sum": "server_ttft_seconds",
+                 "vllm:time_to_first_token_seconds_count": "server_ttft_requests",
+                 # the engine's steps and the tokens each computed: how long a step is (the
+                 # run's time over its steps, where the engine was never idle)
+                 "vllm:iteration_tokens_total_sum": "step_tokens",
+                 "vllm:iteration_tokens_total_count": "steps"}
 LMCACHE_DIR = ROOT / ".venv-lmcache"
 KVTIER_COUNTERS = ("vllm:kvtier_hit_blocks_total", "vllm:kvtier_blocks_loaded_total",
                    "vllm:kvtier_lookup_blocks_total", "vllm:kvtier_load_failures_total",
@@ -692,6 +701,14 @@ def peer_table(results: dict[str, Any]) -> dict[str, Any]:
         n = r["counters"].get("timed_requests")
         row["queue_ms"] = r["counters"].get("queue_seconds", 0.0) * 1000 / n if n else None
         row["prefill_ms"] = r["counters"].get("prefill_seconds", 0.0) * 1000 / n if n else None
+        m = r["counters"].get("server_ttft_requests")
+        row["server_ttft_ms"] = r["counters"].get("server_ttft_seconds", 0.0) * 1000 / m if m else None
+        row["to_engine_ms"] = (row["server_ttft_ms"] - row["queue_ms"] - row["prefill_ms"]
+                               if row["server_ttft_ms"] is not None and n else None)
+        steps = r["counters"].get("steps")
+        row["steps"] = steps
+        row["tokens_per_step"] = r["counters"].get("step_tokens", 0.0) / steps if steps else None
+        row["ms_per_step"] = r["wall_s"] * 1000 / steps if steps and r.get("wall_s") else None
         for f, _ in PEER_FIGURES:
             v = r.get(f)
             cell: dict[str, float | None] = {"value": v}
@@ -954,7 +971,10 @@ def print_peer_table(summary: dict[str, Any]) -> None:
         print(f"  {name:28} " + "; ".join(cells)
               + f"; tokens vLLM {int(r['vllm_hit_tokens'] or 0)}, connector {int(r['connector_hit_tokens'] or 0)}, "
                 f"preemptions {int(r['preemptions'] or 0)}; per request queued {num(r['queue_ms'], '{:.0f}')} ms, "
-                f"prefill {num(r['prefill_ms'], '{:.0f}')} ms")
+                f"prefill {num(r['prefill_ms'], '{:.0f}')} ms, before queued and after the first token "
+                f"{num(r.get('to_engine_ms'), '{:.0f}')} ms (server TTFT {num(r.get('server_ttft_ms'), '{:.0f}')}); "
+                f"{int(r.get('steps') or 0)} steps, {num(r.get('tokens_per_step'), '{:.0f}')} tokens and "
+                f"{num(r.get('ms_per_step'), '{:.0f}')} ms of the run a step")
     if summary.get("trace"):
         t = summary["trace"]
         print(f"\ntrace: {t['requests']} requests in {t['conversations']} whole conversations; reusable share "
