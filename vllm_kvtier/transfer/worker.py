@@ -115,8 +115,8 @@ class WorkerHalf:
                  cache_dtype: str = "auto") -> None:
         """``pool_slots()``: the CPU pool's size, computed in ``register_kv_caches`` (after
         vLLM allocated its KV cache). ``make_tiers(cfg, namespace=, rank=, slots=, counters=,
-        kv_dtype=)``: this rank's tiers below CPU by name, built with the data path (None:
-        none). ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
+        kv_dtype=)``: this rank's tiers below CPU by name, opened at the first plan when the
+        scheduler's namespace agrees (None: none). ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.namespace = namespace
