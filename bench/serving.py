@@ -67,6 +67,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import timeline  # noqa: E402
 from bench._common import save_json  # noqa: E402
 from testkit.tinymodel import VOCAB, build_model, words  # noqa: E402
 
@@ -177,6 +178,12 @@ class Server:
             kv = json.loads(json.dumps(kv).replace('"{port}"', str(self.peer.port)))
             env |= {"PYTHONPATH": f"{ROOT}{os.pathsep}{LMCACHE_DIR}", "LMCACHE_MP_TRANSFER_MODE": "engine_driven",
                     "LMCACHE_DISABLE_BANNER": "1"}
+        # --timeline: every process of this server records its requests' and steps' times
+        self.timeline = log.with_suffix(".timeline.jsonl") if getattr(args, "timeline", False) else None
+        if self.timeline is not None:
+            self.timeline.unlink(missing_ok=True)
+            env |= {"PYTHONPATH": f"{env['PYTHONPATH']}{os.pathsep}{timeline.HOOK_DIR}",
+                    timeline.ENV: str(self.timeline)}
         block = getattr(args, "block_size", BLOCK_SIZE)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(self.port),
@@ -580,6 +587,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.json).parent
     work = Path(tempfile.mkdtemp(prefix="kvtier-serving-"))
     results: dict[str, dict[str, Any]] = {}
+    extra_rows: dict[str, dict[str, Any]] = {}
     names = run_configs(args)
     args.configs = ",".join(n for n in names if n != "none-aa")  # run_paired reads it
     chosen = [ld for ld in loads(args) if ld["name"] in args.loads.split(",")]
@@ -622,6 +630,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rss = server.rss_bytes()
                 finally:
                     server.stop()
+                if server.timeline is not None:
+                    extra_rows[name] = {"timeline": timeline.summarize(timeline.read(server.timeline))}
                 results[name] = {
                     "config": cfg_name, "load": load, "wall_s": wall, "rss_bytes": rss,
                     "completed": res.get("completed"), "failed": res.get("failed", 0),
@@ -629,6 +639,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "counters": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
                     **{k: res[k] for k in ("ttft_by_turn_ms", "mean_ttft_later_turns_ms",
                                            "prompt_blocks_later_turns") if k in res},
+                    **extra_rows.pop(name, {}),
                 }
         for load in [ld for ld in chosen if paired(ld, args)]:
             rounds = args.low_rounds if load["name"] == "low-load" else args.rounds
@@ -764,10 +775,15 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     rss: dict[str, int] = {}
     rounds: list[dict[str, float]] = []
     servers: dict[str, Server] = {}
+    timelines: dict[str, list[Path]] = {n: [] for n in names}
 
     def start(n: str, tag: str) -> Server:
         print(f"== start {n} for {load['name']}{tag}", flush=True)
-        return server_for(n, model, args, work / f"nvme-{n}.{load['name']}", work / f"{n}.{load['name']}{tag}.server.log")
+        server = server_for(n, model, args, work / f"nvme-{n}.{load['name']}",
+                            work / f"{n}.{load['name']}{tag}.server.log")
+        if server.timeline is not None:
+            timelines[n].append(server.timeline)
+        return server
 
     def argv_of(n: str, r: int, url: str) -> list[str]:
         argv = client_args(load, model, url, work, f"{n}.{load['name']}.r{r}", args)
@@ -865,6 +881,9 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
             "counters": counters[n],
             "rounds_mean_ttft_ratio": [rd.get(n) for rd in rounds] if n != "none" else None,
         }
+        if timelines[n]:  # every server of the row, warm-up requests included
+            out[f"{n}.{load['name']}"]["timeline"] = timeline.summarize(
+                [rec for path in timelines[n] for rec in timeline.read(path)])
     return out
 
 
@@ -943,6 +962,7 @@ def print_table(summary: dict[str, Any]) -> None:
         print("\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two "
               f"slowest: {', '.join(few)}")
     print_peer_table(summary)
+    print_timelines(summary)
     print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
 
@@ -979,6 +999,30 @@ def print_peer_table(summary: dict[str, Any]) -> None:
         t = summary["trace"]
         print(f"\ntrace: {t['requests']} requests in {t['conversations']} whole conversations; reusable share "
               f"{t['reusable_share_trace']:.3f} in the trace, {t['reusable_share_sampled']:.3f} sampled")
+
+
+def print_timelines(summary: dict[str, Any]) -> None:
+    """``--timeline``: where each row's time to first token went, read inside its server
+    (``bench/timeline.py``); and, for a load with a fixed number of requests in flight, the
+    closed-loop identity that ties its mean TTFT to its throughput and TPOT."""
+    rows = {n: r for n, r in summary["results"].items() if r.get("timeline")}
+    if not rows:
+        return
+    print("\nwhere the time to first token went, per request, inside the server (--timeline): "
+          + "; ".join(f"{p}: {what}" for p, what in timeline.PHASES))
+    for name, r in rows.items():
+        print(f"  {name:36} {timeline.describe(r['timeline'])}")
+    for name, r in rows.items():
+        load = r["load"]
+        flight = load.get("max_concurrency") or load.get("clients")
+        out_len = load.get("output_len")
+        if not (flight and out_len and r.get("request_throughput") and r.get("mean_ttft_ms")
+                and r.get("mean_tpot_ms")):
+            continue
+        # Little's law for a closed loop: requests in flight = throughput x time in the system
+        print(f"  {name:36} closed loop: {flight} in flight / {r['request_throughput']:.3f} req/s = "
+              f"{flight / r['request_throughput']:.2f} s a request; mean TTFT + {out_len - 1} x TPOT = "
+              f"{(r['mean_ttft_ms'] + (out_len - 1) * r['mean_tpot_ms']) / 1000:.2f} s")
 
 
 _PLOT = """
@@ -1108,6 +1152,10 @@ def main() -> int:
     ap.add_argument("--client-timeout-s", type=float, default=3600)
     ap.add_argument("--quick", action="store_true", help="16 prompts, shorter prompts: a smoke run")
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--timeline", action="store_true",
+                    help="record each request's and step's times inside every server (bench/timeline.py) and "
+                         "print where time to first token went: to the engine, waiting for the step in "
+                         "flight, for KV space, prefill, back")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args()
     if args.dtype == "auto":

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from bench import timeline
 from tests.conftest import BLOCK_SIZE, Result, assert_same_tokens, kvtier_config, reuse_scenario
 from vllm_kvtier.tiers.nvme.store import read_header
 
@@ -71,13 +72,19 @@ def _server_cmd(model: Path, kv: dict, port: int) -> list[str]:
     ]
 
 
-def _start_server(model: Path, kv: dict, log_path: Path, log_level: str = "WARNING") -> tuple[subprocess.Popen, str]:
+def _start_server(model: Path, kv: dict, log_path: Path, log_level: str = "WARNING",
+                  timeline: Path | None = None) -> tuple[subprocess.Popen, str]:
     """vLLM's own OpenAI API server with the plugin (vLLM's default shutdown: a SIGTERM
-    aborts the engine at once), ready to serve; (process, base URL)."""
+    aborts the engine at once), ready to serve; (process, base URL). ``timeline``: the
+    serving benchmark's ``--timeline`` recorder (``bench/timeline.py``) writes there."""
     port = _free_port()
     log = open(log_path, "w")  # noqa: SIM115 (the server writes it until it exits)
     cmd = _server_cmd(model, kv, port)
-    server = subprocess.Popen(cmd, cwd=ROOT, env=_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL=log_level), stdout=log,
+    env = _env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL=log_level)
+    if timeline is not None:
+        env |= {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench' / 'timeline_hook'}",
+                "KVTIER_BENCH_TIMELINE": str(timeline)}
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     base_url = f"http://127.0.0.1:{port}"
@@ -127,9 +134,12 @@ def _wait_metric(base_url: str, name: str, tier: str, at_least: float, timeout_s
 def test_openai_api_server(tiny_model, baseline, tmp_path):
     """The reuse scenario through vLLM's server; the plugin is operable from the first
     minute: its counters are scraped at 0 before any traffic, its INFO lines are in the
-    server's log in vLLM's format."""
+    server's log in vLLM's format. The serving benchmark's ``--timeline`` recorder rides
+    along: it wraps the installed vLLM's methods (none missing), changes no token, and
+    records every request's way in order."""
     log_path = tmp_path / "server.log"
-    server, base_url = _start_server(tiny_model, kvtier_config(), log_path, log_level="INFO")
+    recorded = tmp_path / "timeline.jsonl"
+    server, base_url = _start_server(tiny_model, kvtier_config(), log_path, log_level="INFO", timeline=recorded)
     try:
         idle = requests.get(f"{base_url}/metrics", timeout=10).text
         zero = [ln for ln in idle.splitlines()
@@ -162,6 +172,11 @@ def test_openai_api_server(tiny_model, baseline, tmp_path):
         assert plugin_lines and " INFO " in plugin_lines[0], "the plugin's start-up line is not in the server log"
     finally:
         _stop_server(server)
+    summary = timeline.summarize(timeline.read(recorded))
+    assert summary["missing"] == []
+    assert summary["requests"] == len(scenario), summary
+    assert summary["steps"] >= len(scenario) and summary["running_mean"] > 0
+    assert all(p["mean"] is not None and p["mean"] >= 0 for p in summary["phases_ms"].values()), summary
 
 
 @pytest.mark.slow
