@@ -8,23 +8,29 @@ many requests each step carried, they do not say. With ``--timeline`` each serve
 ``bench/timeline_hook/sitecustomize.py`` on its ``PYTHONPATH``, and appends JSON lines to
 the file named by ``KVTIER_BENCH_TIMELINE``:
 
-- ``recv``: the engine's input thread took the request (``EngineCoreProc.preprocess_add_request``);
-- ``sched``: one ``Scheduler.schedule`` call: tokens scheduled, requests running and waiting
-  before and after, the KV cache's use;
+- ``recv``: the engine's input thread took the request (``EngineCoreProc.preprocess_add_request``),
+  with the engine's id and the front end's;
+- ``sched``: one ``Scheduler.schedule`` call: tokens scheduled, requests running, waiting,
+  loading asynchronously and held after it, the KV cache's use;
+- ``load``: a request entered vLLM's ``WAITING_FOR_REMOTE_KVS`` (a connector loads its KV
+  asynchronously; vLLM schedules it, and records it scheduled, once the load is done);
 - ``step``: one engine step, its start and end;
 - ``fin``: a finished request, as the front end saw it: arrival, queued, scheduled, first
   token in the engine, first token in the front end.
 
 Every time is ``time.monotonic()`` (one clock for all processes of a host; the front end's
 wall-clock arrival and first-token times are converted with its own offset). A benchmark
-instrument only: it wraps four vLLM methods of the pinned version, and when one is missing
-it writes a ``missing`` record and wraps the rest (:func:`summarize` then says so).
+instrument only: it wraps vLLM methods of the pinned version. When one is missing it writes
+a ``missing`` record and wraps the rest; a wrapper that fails while recording writes an
+``error`` record once and leaves vLLM's call as it was (:func:`summarize` says both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -43,8 +49,11 @@ HOOK_DIR = Path(__file__).resolve().parent / "timeline_hook"
 PHASES = (
     ("to_engine", "arrival in the front end to the engine's input thread"),
     ("step_wait", "taken by the input thread to queued (the engine queues new requests between steps)"),
-    ("kv_wait", "queued to first scheduled (waiting for KV space or its turn)"),
-    ("prefill", "first scheduled to the first token in the engine (loads and compute, own and shared)"),
+    ("kv_wait", "queued to first scheduled or to an asynchronous load's start (waiting for KV space "
+                "or its turn)"),
+    ("async_load", "an asynchronous load's start to first scheduled (0 for synchronous loads)"),
+    ("prefill", "first scheduled to the first token in the engine (synchronous loads, compute, own and "
+                "shared)"),
     ("back", "first token in the engine to the front end"),
 )
 
@@ -53,61 +62,97 @@ class _Writer:
     def __init__(self, path: str) -> None:
         self.path = path
         self.lock = threading.Lock()
+        self.failed: set[str] = set()
 
     def __call__(self, rec: dict[str, Any]) -> None:
         line = json.dumps(rec | {"pid": os.getpid()}) + "\n"
         with self.lock, open(self.path, "a") as f:
             f.write(line)
 
+    def guard(self, where: str, record: Callable[[], None]) -> None:
+        """Run one recording; never let it break the vLLM call it sits in."""
+        try:
+            record()
+        except Exception as e:  # noqa: BLE001 (an instrument: report once, never raise into vLLM)
+            if where not in self.failed:
+                self.failed.add(where)
+                with contextlib.suppress(Exception):
+                    self({"k": "error", "where": where, "error": repr(e)})
+
 
 def _patch_stats(m: ModuleType, w: _Writer) -> None:
     orig = m.IterationStats.update_from_finished_request
+    sig = inspect.signature(orig)
+    if not {"request_id", "req_stats"} <= set(sig.parameters):
+        raise AttributeError(f"update_from_finished_request{sig} has no request_id or req_stats")
 
-    def wrapped(self: Any, finish_reason: Any, request_id: str, num_prompt_tokens: int,
-                max_tokens_param: Any, req_stats: Any, *a: Any, **k: Any) -> Any:
-        off = time.time() - time.monotonic()
-        s = req_stats
-        w({"k": "fin", "id": request_id, "arrival": s.arrival_time - off, "queued": s.queued_ts,
-           "sched": s.scheduled_ts, "first": s.first_token_ts,
-           "first_seen": s.arrival_time + (s.first_token_latency or 0.0) - off, "prompt": num_prompt_tokens})
-        return orig(self, finish_reason, request_id, num_prompt_tokens, max_tokens_param, req_stats, *a, **k)
+    def wrapped(self: Any, *a: Any, **k: Any) -> Any:
+        def record() -> None:
+            args = sig.bind(self, *a, **k).arguments
+            s = args["req_stats"]
+            off = time.time() - time.monotonic()
+            w({"k": "fin", "id": args["request_id"], "arrival": s.arrival_time - off, "queued": s.queued_ts,
+               "sched": s.scheduled_ts, "first": s.first_token_ts,
+               "first_seen": s.arrival_time + (s.first_token_latency or 0.0) - off})
+
+        w.guard("fin", record)
+        return orig(self, *a, **k)
 
     m.IterationStats.update_from_finished_request = wrapped
 
 
 def _patch_core(m: ModuleType, w: _Writer) -> None:
     pre = m.EngineCoreProc.preprocess_add_request
-    step = m.EngineCore.step
 
     def preprocess_add_request(self: Any, request: Any) -> Any:
         t = time.monotonic()
         out = pre(self, request)
-        w({"k": "recv", "id": request.request_id, "t": t})
+        # the front end's id, which its "fin" record carries (the engine's adds a suffix)
+        w.guard("recv", lambda: w({"k": "recv", "id": request.request_id,
+                                   "ext": getattr(request, "external_req_id", None), "t": t}))
         return out
 
-    def timed_step(self: Any) -> Any:
-        t0 = time.monotonic()
-        out = step(self)
-        w({"k": "step", "t0": t0, "t1": time.monotonic(), "ran": bool(out[1])})
-        return out
+    def timed(step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def timed_step(self: Any) -> Any:
+            t0 = time.monotonic()
+            out = step(self)
+            w.guard("step", lambda: w({"k": "step", "t0": t0, "t1": time.monotonic(), "ran": bool(out[1])}))
+            return out
+        return timed_step
 
     m.EngineCoreProc.preprocess_add_request = preprocess_add_request
-    m.EngineCore.step = timed_step
+    # step_with_batch_queue: the engine's step under async scheduling or pipeline stages
+    m.EngineCore.step = timed(m.EngineCore.step)
+    m.EngineCore.step_with_batch_queue = timed(m.EngineCore.step_with_batch_queue)
 
 
 def _patch_scheduler(m: ModuleType, w: _Writer) -> None:
     orig = m.Scheduler.schedule
+    remote = m.RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def schedule(self: Any, *a: Any, **k: Any) -> Any:
-        waiting, running, known = len(self.waiting), len(self.running), len(self.requests)
         out = orig(self, *a, **k)
-        w({"k": "sched", "t": time.monotonic(), "tokens": out.total_num_scheduled_tokens,
-           "reqs": len(out.num_scheduled_tokens), "new": len(out.scheduled_new_reqs),
-           "waiting_before": waiting, "running_before": running,
-           # finished requests whose blocks a connector still holds (saves in flight)
-           "held": known - waiting - running,
-           "waiting": len(self.waiting), "running": len(self.running),
-           "kv_usage": self.kv_cache_manager.usage})
+
+        def record() -> None:
+            t = time.monotonic()
+            # waiting requests that hold KV blocks: loading asynchronously, or skipped
+            holding = list(getattr(self, "kv_holding_waiting", ()))
+            loading = [r for r in holding if r.status == remote]
+            seen = self.__dict__.setdefault("_kvtier_timeline_loading", set())
+            for r in loading:
+                if r.request_id not in seen:
+                    w({"k": "load", "id": r.request_id, "t": t})
+            seen.intersection_update(r.request_id for r in loading)
+            seen.update(r.request_id for r in loading)
+            waiting, running = len(self.waiting) + len(holding), len(self.running)
+            w({"k": "sched", "t": t, "tokens": out.total_num_scheduled_tokens,
+               "reqs": len(out.num_scheduled_tokens), "new": len(out.scheduled_new_reqs),
+               "waiting": waiting, "running": running, "loading": len(loading),
+               # finished requests whose blocks a connector still holds (saves in flight)
+               "held": len(self.requests) - waiting - running,
+               "kv_usage": self.kv_cache_manager.usage})
+
+        w.guard("sched", record)
         return out
 
     m.Scheduler.schedule = schedule
@@ -125,16 +170,17 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, w: _Writer) -> None:
         self.w = w
+        self.inside = threading.local()
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         patch = PATCHES.get(name)
-        if patch is None:
+        if patch is None or getattr(self.inside, "name", None) == name:
             return None
-        sys.meta_path.remove(self)
+        self.inside.name = name  # the lookup below comes back here: let the other finders answer
         try:
             spec = importlib.util.find_spec(name)
         finally:
-            sys.meta_path.insert(0, self)
+            self.inside.name = None
         if spec is None or spec.loader is None:
             return spec
         inner, w = spec.loader, self.w
@@ -183,17 +229,29 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     end and the engine recorded; per step, the requests running after it was scheduled
     (mean over steps and weighted by the steps' time), the held requests, and the longest
     step. ``missing`` lists the wraps that did not apply (then some figures are absent)."""
-    recv = {r["id"]: r["t"] for r in records if r["k"] == "recv"}
     phases: dict[str, list[float]] = {p: [] for p, _ in PHASES}
     ttft: list[float] = []
-    for f in (r for r in records if r["k"] == "fin"):
-        # the engine's id is the front end's with a suffix ("cmpl-…-0" -> "cmpl-…-0-9d4d3da8")
-        t_recv = recv.get(f["id"])
-        if t_recv is None:
-            t_recv = next((t for rid, t in recv.items() if rid.startswith(f["id"] + "-")), None)
-        if t_recv is None or not f["sched"] or not f["first"]:
+    # In file order: a request's "recv" (and "load") is written before its "fin"; the front
+    # end's id names the latest request of that id (a client may reuse ids across rounds).
+    recv: dict[str, tuple[str, float]] = {}  # front end's id -> (engine's id, time)
+    load: dict[str, float] = {}  # engine's id -> first asynchronous load's start
+    for f in records:
+        if f["k"] == "recv":
+            recv[f.get("ext") or f["id"]] = (f["id"], f["t"])
+            load.pop(f["id"], None)
             continue
-        marks = (f["arrival"], t_recv, f["queued"], f["sched"], f["first"], f["first_seen"])
+        if f["k"] == "load":
+            load.setdefault(f["id"], f["t"])
+            continue
+        if f["k"] != "fin":
+            continue
+        got = recv.get(f["id"])
+        if got is None or not f["sched"] or not f["first"]:
+            continue
+        engine_id, t_recv = got
+        t_load = load.get(engine_id)
+        t_load = t_load if t_load is not None and f["queued"] <= t_load <= f["sched"] else f["sched"]
+        marks = (f["arrival"], t_recv, f["queued"], t_load, f["sched"], f["first"], f["first_seen"])
         for (p, _), a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
             phases[p].append((b - a) * 1000)
         ttft.append((f["first_seen"] - f["arrival"]) * 1000)
@@ -201,7 +259,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [r for r in records if r["k"] == "step" and r["ran"]]
     out: dict[str, Any] = {
         "requests": len(ttft),
-        "missing": sorted({r["module"] for r in records if r["k"] == "missing"}),
+        "missing": sorted({r["module"] for r in records if r["k"] == "missing"}
+                          | {f"{r['where']}: {r['error']}" for r in records if r["k"] == "error"}),
         "ttft_ms": _mean(ttft),
         "phases_ms": {p: {"mean": _mean(v), "median": statistics.median(v) if v else None}
                       for p, v in phases.items()},
@@ -210,6 +269,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     if sched:
         out["running_mean"] = _mean(r["running"] for r in sched)
         out["held_mean"] = _mean(r["held"] for r in sched)
+        out["loading_mean"] = _mean(r.get("loading", 0) for r in sched)
         out["kv_usage_mean"] = _mean(r["kv_usage"] for r in sched)
     if steps:
         out["step_ms_max"] = max(s["t1"] - s["t0"] for s in steps) * 1000
@@ -230,7 +290,7 @@ def describe(s: dict[str, Any]) -> str:
     if "running_mean" in s:
         line += (f", running {s['running_mean']:.2f} per step"
                  + (f" ({s['running_time_weighted']:.2f} weighted by time)" if "running_time_weighted" in s else "")
-                 + f", held {s['held_mean']:.2f}, KV use {s['kv_usage_mean']:.2f}")
+                 + f", loading {s['loading_mean']:.2f}, held {s['held_mean']:.2f}, KV use {s['kv_usage_mean']:.2f}")
     if "step_ms_max" in s:
         line += f", longest step {s['step_ms_max']:.0f} ms"
     if s["missing"]:
