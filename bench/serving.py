@@ -588,7 +588,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.json).parent
     work = Path(tempfile.mkdtemp(prefix="kvtier-serving-"))
     results: dict[str, dict[str, Any]] = {}
-    extra_rows: dict[str, dict[str, Any]] = {}
     names = run_configs(args)
     args.configs = ",".join(n for n in names if n != "none-aa")  # run_paired reads it
     chosen = [ld for ld in loads(args) if ld["name"] in args.loads.split(",")]
@@ -631,8 +630,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rss = server.rss_bytes()
                 finally:
                     server.stop()
-                if server.timeline is not None:
-                    extra_rows[name] = {"timeline": timeline.summarize(timeline.read(server.timeline))}
                 results[name] = {
                     "config": cfg_name, "load": load, "wall_s": wall, "rss_bytes": rss,
                     "completed": res.get("completed"), "failed": res.get("failed", 0),
@@ -640,8 +637,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "counters": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
                     **{k: res[k] for k in ("ttft_by_turn_ms", "mean_ttft_later_turns_ms",
                                            "prompt_blocks_later_turns") if k in res},
-                    **extra_rows.pop(name, {}),
                 }
+                if server.timeline is not None:
+                    results[name]["timeline"] = timeline.summarize(timeline.read(server.timeline))
         for load in [ld for ld in chosen if paired(ld, args)]:
             rounds = args.low_rounds if load["name"] == "low-load" else args.rounds
             results.update(run_paired(load, rounds, model, args, work))

@@ -142,7 +142,7 @@ def _patch_scheduler(m: ModuleType, w: _Writer) -> None:
             for r in loading:
                 if r.request_id not in seen:
                     w({"k": "load", "id": r.request_id, "t": t})
-            seen.intersection_update(r.request_id for r in loading)
+            seen.clear()
             seen.update(r.request_id for r in loading)
             waiting, running = len(self.waiting) + len(holding), len(self.running)
             w({"k": "sched", "t": t, "tokens": out.total_num_scheduled_tokens,
