@@ -83,6 +83,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "cpu-nvme": {"preset": "interactive", "nvme": {"path": "{nvme}", "capacity_bytes": 4 * 2**30}},
     # interactive with every load async (the request waits out of the step that loads it)
     "interactive-async": {"preset": "interactive", "load_mode": "async"},
+    # interactive with schedule.order short-first (a request with a stored prefix is
+    # admitted before a long prefill queued ahead of it, for at most max_wait_s)
+    "interactive-short": {"preset": "interactive", "schedule": {"order": "short-first"}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error

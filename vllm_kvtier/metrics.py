@@ -258,6 +258,16 @@ class CounterName(_Declared):
         "KV events (one block stored in or removed from a tier) dropped because events.max_queued_blocks "
         "were queued since the last take_events, by tier.",
     )
+    PASSED_OVER = (
+        "passed_over",
+        "Lookups answered 'not yet' so that a shorter waiting request is admitted first (schedule.order "
+        "short-first), tier all: one per request per step passed over.",
+    )
+    PASSED_OVER_EXPIRED = (
+        "passed_over_expired",
+        "Requests admitted in vLLM's order although a shorter one waited, because they had been passed "
+        "over for schedule.max_wait_s (the fairness bound reached), tier all.",
+    )
 
 
 class GaugeName(_Declared):

@@ -12,6 +12,7 @@ from tests.conftest import (
     assert_same_tokens,
     close_llm,
     generate,
+    idle_steps,
     kvtier_config,
     kvtier_counters,
     make_llm,
@@ -246,3 +247,51 @@ def test_layer_pipelined_sync_loads(tiny_model, baseline):
     # truncates counter values to integers, so the seconds themselves read as 0).
     assert "load_wait_seconds|cpu" in counters
     assert counters.get("layer_loads_unwaited|cpu", 0) == 0
+
+
+@pytest.mark.parametrize("order", ["short-first", "fifo"])
+def test_schedule_order_on_a_real_engine(tiny_model, order):
+    """``schedule.order``: a 320-token request with nothing stored is queued just before
+    one whose 320-token prefix the CPU tier holds (32 tokens to compute). With
+    ``short-first`` the first step runs the short one alone and the long one follows; with
+    ``fifo`` vLLM takes both into one step, in arrival order. Greedy tokens equal the run
+    without the plugin either way, and the short one's prefix is loaded, not recomputed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(21)
+    prefix = rand_tokens(rng, 10 * BLOCK_SIZE)
+    prompts = {"long": rand_tokens(rng, 10 * BLOCK_SIZE), "short": prefix + rand_tokens(rng, BLOCK_SIZE)}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+
+    def run(kv):
+        llm = make_llm(tiny_model, kv)
+        try:
+            generate(llm, prefix, max_tokens=1)  # the prefix into the CPU tier (no-op without the plugin)
+            idle_steps(llm, 2)
+            before = kvtier_counters(llm)
+            engine = llm.llm_engine
+            for rid, p in prompts.items():
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+            steps: list[set[str]] = []
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                steps.append({o.request_id for o in outs if o.outputs[0].token_ids})
+                tokens.update({o.request_id: list(o.outputs[0].token_ids) for o in outs})
+            after = kvtier_counters(llm)
+            return steps, tokens, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        finally:
+            close_llm(llm)
+
+    _, base, _ = run(None)
+    steps, got, counters = run(kvtier_config({"schedule": {"order": order, "short_tokens": 64, "max_wait_s": 30}}))
+    assert got == base
+    assert counters["blocks_loaded|cpu"] == 10  # the short one's prefix
+    if order == "short-first":
+        assert steps[0] == {"short"}
+        assert steps[1] == {"short", "long"}  # its second token with the long one's first
+        assert counters["passed_over|all"] >= 1
+    else:
+        assert steps[0] == {"short", "long"}
+        assert counters.get("passed_over|all", 0) == 0

@@ -18,6 +18,7 @@ from vllm_kvtier.config.sections import (
     NVMeTierConfig,
     PrefetchConfig,
     S3TierConfig,
+    ScheduleConfig,
     VerifyConfig,
 )
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
@@ -25,5 +26,5 @@ from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 __all__ = [
     "PRESET_DIR", "AuthConfig", "CPUTierConfig", "EventsConfig", "ExporterConfig", "FaultInjectionConfig", "KVTierConfig", "LoadMode",
     "LoadOrRecomputeConfig", "MooncakeConfig", "MooncakeTierConfig", "NVMeTierConfig", "NixlConfig",
-    "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "VerifyConfig", "available_presets", "parse_config",
+    "NixlTierConfig", "PrefetchConfig", "S3Config", "S3TierConfig", "ScheduleConfig", "VerifyConfig", "available_presets", "parse_config",
 ]

@@ -216,6 +216,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_scheduler_timed
+    def on_new_request(self, request: Request) -> None:
+        assert self._sched is not None
+        self._sched.on_new_request(request)
+
+    @_scheduler_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         if request.num_computed_tokens == 0 or num_external_tokens > 0:

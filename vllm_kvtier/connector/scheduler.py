@@ -32,6 +32,7 @@ from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, HistogramName
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.plan.short_first import ShortFirst
 
 logger = logging.getLogger("vllm_kvtier")
 
@@ -174,6 +175,10 @@ class SchedulerHalf(SchedulerPlanner):
         self._groups: dict[str, tuple[GroupView, ...]] = {}
         #: blocks put in load jobs, per group (introspection: tests, ``kvtier inspect``)
         self.group_loaded_blocks = [0] * len(self.layout.groups)
+        sc = self.cfg.schedule
+        #: ``schedule.order: short-first`` (None: vLLM's order untouched)
+        self.order = (ShortFirst(short_tokens=sc.short_tokens, max_wait_s=sc.max_wait_s, counters=self.counters)
+                      if sc.order == "short-first" else None)
 
     def _view(self, request: Any) -> Any:
         lora = getattr(request, "lora_request", None)
@@ -228,10 +233,24 @@ class SchedulerHalf(SchedulerPlanner):
         n = sum(m - spec.window_start(m) for spec in self.layout.groups)
         self.counters.add(CounterName.LOOKUP_BLOCKS, TierName.CPU, n)
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM queued ``request``: followed by ``schedule.order`` until admitted, with its
+        tokens to compute estimated from the tiers (the run of its blocks they hold; a
+        hybrid model's: its whole prompt until it is looked up)."""
+        if self.order is None:
+            return
+        stored = 0 if self.hybrid else self.lookups.stored_blocks(self._view(request))
+        self.order.arrived(request.request_id, request.num_prompt_tokens - stored * self.block_size)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.hybrid:
-            return self.lookup(self._view(request), num_computed_tokens)
-        return self._hybrid_lookup(request, num_computed_tokens)
+            n, load_async = self.lookup(self._view(request), num_computed_tokens)
+        else:
+            n, load_async = self._hybrid_lookup(request, num_computed_tokens)
+        if self.order is not None and n is not None and not self.order.admit(
+                request.request_id, request.num_prompt_tokens - num_computed_tokens - n):
+            return None, False  # a shorter request waits: vLLM asks again next step
+        return n, load_async
 
     def _hybrid_lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The hit every group can serve: the shortest full-attention group hit, then, per
@@ -273,6 +292,8 @@ class SchedulerHalf(SchedulerPlanner):
         return spec.window_start(start + 1) if spec.kind == "sliding" else start
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        if self.order is not None:
+            self.order.gone(request.request_id)
         self.on_alloc(self._view(request), block_ids, num_external_tokens)
 
     def update_state_after_alloc_groups(self, request: Request, block_ids: Sequence[Sequence[int]],
@@ -281,6 +302,8 @@ class SchedulerHalf(SchedulerPlanner):
         if not self.hybrid:
             self.update_state_after_alloc(request, list(block_ids[0]), num_external_tokens)
             return
+        if self.order is not None:
+            self.order.gone(request.request_id)
         for g, v in enumerate(self.group_views(request)):
             self.on_alloc(v, list(block_ids[g]), num_external_tokens)
             spec = self.layout.groups[g]
@@ -328,6 +351,8 @@ class SchedulerHalf(SchedulerPlanner):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         view = self._view(request)
         self._views.pop(request.request_id, None)
+        if self.order is not None:
+            self.order.gone(request.request_id)  # ended while waiting (an abort)
         return self.on_finished(view, block_ids)
 
     def request_finished_all_groups(self, request: Request,
@@ -340,6 +365,8 @@ class SchedulerHalf(SchedulerPlanner):
         views = self.group_views(request)
         self._groups.pop(request.request_id, None)
         self._views.pop(request.request_id, None)
+        if self.order is not None:
+            self.order.gone(request.request_id)
         hold, params = False, None
         for g, v in enumerate(views):
             state = self.requests.live.get(v.request_id)

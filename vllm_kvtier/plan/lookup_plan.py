@@ -122,6 +122,11 @@ class LookupPlanner:
             return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
 
+    def stored_blocks(self, request: Request) -> int:
+        """The run of the request's loadable blocks from its first that the tiers hold now
+        (as :meth:`lookup` would match from block 0, nothing submitted or recorded)."""
+        return len(self._match(request.block_hashes, 0, min(self.loadable_blocks(request), len(request.block_hashes))))
+
     def lookups_pending(self, request: Request, lo: int, hi: int) -> bool:
         """Submit pool lookups (:meth:`ChunkPlanner.discover`) of the keys of ``request``
         at positions ``[lo, hi)`` that DRAM does not hold. True while an answer about one
