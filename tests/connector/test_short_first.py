@@ -82,11 +82,13 @@ def test_fifo_keeps_vllms_order(model_dir):
     assert_scheduler_empty(sched, initial)
 
 
-def test_a_long_request_passed_over_for_max_wait_is_admitted_in_vllms_order(model_dir):
+def test_a_zero_bound_keeps_vllms_order(model_dir):
+    # No short request is fresh for 0 s, so none holds the long one back.
     sched, worker, initial = setup(model_dir, schedule_cfg(max_wait_s=0.0))
     first = worker.step(sched)
     assert dict(first.num_scheduled_tokens) == {"long": 10 * BS, "short": BS}
-    assert counter(sched, "passed_over") == 0 and counter(sched, "passed_over_expired") == 1
+    assert list(first.num_scheduled_tokens)[0] == "long"
+    assert counter(sched, "passed_over") == 0
     worker.run_until_idle(sched)
     assert_scheduler_empty(sched, initial)
 
@@ -102,6 +104,30 @@ def test_the_long_request_goes_once_the_short_one_waiting_is_aborted(model_dir):
     worker.run_until_idle(sched)
     assert sched_half(sched).order.waiting() == {}
     assert_scheduler_empty(sched, initial)
+
+
+def test_a_request_that_reads_no_cache_is_not_judged_by_its_hits(model_dir):
+    # prompt_logprobs: vLLM recomputes the whole prompt whatever the lookup says (and
+    # would override a "not yet"), so the short prompt is not short, and not followed.
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    sched = make_scheduler(make_vllm_config(model_dir, schedule_cfg()), num_blocks=128)
+    worker = FakeWorker()
+    sched.add_request(make_request("stored", PREFIX, max_tokens=1))
+    worker.run_until_idle(sched)
+    sched.add_request(make_request("long", LONG, max_tokens=2))
+    sched.add_request(Request(
+        request_id="logprobs", prompt_token_ids=list(SHORT),
+        sampling_params=SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
+        pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256)))
+    assert sched.requests["logprobs"].skip_reading_prefix_cache
+    assert list(sched_half(sched).order.waiting()) == ["long"]
+    first = worker.step(sched)
+    assert dict(first.num_scheduled_tokens) == {"long": 10 * BS, "logprobs": 11 * BS}
+    assert counter(sched, "passed_over") == 0
 
 
 # ---- the policy alone, on a hand-driven clock ----------------------------------------
@@ -135,6 +161,20 @@ def test_passed_over_until_max_wait_from_the_first_time_then_followed_no_more():
     assert order.waiting() == {"short": 40}
     assert order.admit("long", 500)  # no longer followed: vLLM's order (not counted again)
     assert order.counters.totals == {"passed_over|all": 2, "passed_over_expired|all": 1}
+
+
+def test_a_short_request_not_looked_up_within_max_wait_stops_holding_others_back():
+    order, clock = policy()
+    order.arrived("short", 10)  # say vLLM keeps skipping it (no LoRA slot): never looked up
+    clock.now += 0.4
+    order.arrived("long", 500)
+    assert not order.admit("long", 500)
+    clock.now += 0.2  # the short one was last seen 0.6 s ago; the long one passed 0.2 s ago
+    assert order.admit("long", 500)
+    assert order.counters.totals == {"passed_over|all": 1}  # not the bound: no fresh short one
+    assert order.admit("short", 10)  # looked up at last: fresh again
+    order.arrived("long2", 500)
+    assert not order.admit("long2", 500)
 
 
 def test_what_the_lookup_finds_replaces_the_estimate():

@@ -294,4 +294,3 @@ def test_schedule_order_on_a_real_engine(tiny_model, order):
         assert counters["passed_over|all"] >= 1
     else:
         assert steps[0] == {"short", "long"}
-        assert counters.get("passed_over|all", 0) == 0

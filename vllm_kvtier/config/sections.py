@@ -521,7 +521,7 @@ class ScheduleConfig:
     it: its lookup may answer "not yet" for a request, and vLLM's scheduler then looks at
     the next one in its queue. "short-first" passes over a request with more than
     ``short_tokens`` left to compute after its hits while one with at most that many waits
-    in the queue, for at most ``max_wait_s`` a request, so that a request whose prefix is
+    in the queue, up to ``max_wait_s`` a request, so that a request whose prefix is
     stored does not wait for KV space or its turn behind a long prefill. The long one
     waits the short one's step more (bounded). Off by default: on the production trace
     measured (docs/benchmarks.md) it cut the short requests' wait and their mean TTFT,
@@ -533,8 +533,9 @@ class ScheduleConfig:
     #: cache and the tiers) is short: it is never passed over, and it is what the others
     #: make way for.
     short_tokens: int = 256
-    #: A request is passed over for at most this long (from the first time), then admitted
-    #: in vLLM's order whatever waits behind it.
+    #: Once a request was first passed over this long ago, its next lookup admits it in
+    #: vLLM's order whatever waits behind it (the bound: this plus up to one step). Also
+    #: how long a short request not looked up again holds the others back.
     max_wait_s: float = 0.5
 
     def __post_init__(self) -> None:

@@ -61,6 +61,17 @@ def step_input(scheduler_output: Any, group: int = 0) -> StepInput:
     return StepInput(scheduled, preempted, block_ids=replace, new_block_ids=append)
 
 
+def followed(request: Any) -> bool:
+    """Whether ``schedule.order`` may judge ``request`` by this connector's hits: not
+    one that reads no cache (``prompt_logprobs``: vLLM replaces the lookup's answer,
+    ``None`` too, with 0), nor one whose KV another connector brings (a P/D decode
+    request under vLLM's MultiConnector, ``do_remote_prefill``)."""
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return False
+    params = getattr(request, "kv_transfer_params", None)
+    return not (isinstance(params, dict) and params.get("do_remote_prefill"))
+
+
 def worker_output(connector_output: Any) -> WorkerOutput:
     """The planner's view of a ``KVConnectorOutput`` (merged over the workers)."""
     stats = getattr(connector_output, "kv_connector_stats", None)
@@ -237,7 +248,7 @@ class SchedulerHalf(SchedulerPlanner):
         """vLLM queued ``request``: followed by ``schedule.order`` until admitted, with its
         tokens to compute estimated from the tiers (the run of its blocks they hold; a
         hybrid model's: its whole prompt until it is looked up)."""
-        if self.order is None:
+        if self.order is None or not followed(request):
             return
         stored = 0 if self.hybrid else self.lookups.stored_blocks(self._view(request))
         self.order.arrived(request.request_id, request.num_prompt_tokens - stored * self.block_size)

@@ -14,9 +14,12 @@ asks again at the next step.
 A request is *long* when more than ``short_tokens`` of its prompt are left to compute
 after its hits (vLLM's prefix cache and the tiers), else *short*. A long request is
 passed over while a short one waits in the queue (it arrived, vLLM has not admitted it,
-it has not ended), for at most ``max_wait_s`` from the first time. Then it is no longer
-followed: vLLM admits it in its own order. Short requests, and requests not seen to
-arrive (a preempted one coming back), are never passed over.
+it has not ended), until ``max_wait_s`` from the first time has passed at its next
+lookup. Then it is no longer followed: vLLM admits it in its own order. A short request
+holds the others back only while it is fresh: it arrived or vLLM looked it up within the
+last ``max_wait_s`` (one that vLLM keeps skipping for its own reasons, say a LoRA slot,
+stops counting). Short requests, and requests not seen to arrive (a preempted one coming
+back), are never passed over.
 
 A request's tokens to compute are known exactly once vLLM looks it up. Before that (it is
 behind the request being looked up) they are the caller's estimate at arrival.
@@ -47,8 +50,9 @@ class ShortFirst:
         self._clock = clock
         #: waiting request -> tokens it has left to compute (estimated, then looked up), in arrival order
         self._left: OrderedDict[str, int] = OrderedDict()
-        #: the waiting requests that are short
-        self._short: set[str] = set()
+        #: the waiting requests that are short -> when they were last found so (arrival or
+        #: lookup), oldest first
+        self._short: OrderedDict[str, float] = OrderedDict()
         #: long request -> when it was first passed over
         self._passed_since: dict[str, float] = {}
 
@@ -64,7 +68,7 @@ class ShortFirst:
         if req_id not in self._left:
             return True
         self._set(req_id, tokens_left)
-        if tokens_left <= self.short_tokens or not self._short:
+        if tokens_left <= self.short_tokens or not self._fresh_short():
             return True
         now = self._clock()
         since = self._passed_since.setdefault(req_id, now)
@@ -78,7 +82,7 @@ class ShortFirst:
     def gone(self, req_id: str) -> None:
         """``req_id`` was admitted, ended while waiting, or is no longer followed."""
         self._left.pop(req_id, None)
-        self._short.discard(req_id)
+        self._short.pop(req_id, None)
         self._passed_since.pop(req_id, None)
 
     def waiting(self) -> dict[str, int]:
@@ -88,6 +92,15 @@ class ShortFirst:
     def _set(self, req_id: str, tokens_left: int) -> None:
         self._left[req_id] = tokens_left
         if tokens_left <= self.short_tokens:
-            self._short.add(req_id)
+            self._short[req_id] = self._clock()
+            self._short.move_to_end(req_id)
         else:
-            self._short.discard(req_id)
+            self._short.pop(req_id, None)
+
+    def _fresh_short(self) -> bool:
+        """Whether a short request found so within ``max_wait_s`` waits. Older ones stop
+        counting (they stay followed: a lookup makes them fresh again)."""
+        horizon = self._clock() - self.max_wait_s
+        while self._short and next(iter(self._short.values())) < horizon:
+            self._short.popitem(last=False)
+        return bool(self._short)
