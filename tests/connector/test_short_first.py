@@ -39,16 +39,16 @@ def schedule_cfg(order: str = "short-first", max_wait_s: float = 30.0) -> dict:
     return {"schedule": {"order": order, "short_tokens": 64, "max_wait_s": max_wait_s}}
 
 
-def setup(model_dir, extra: dict):
+def setup(model_dir, extra: dict, second=None):
     """A scheduler whose CPU tier holds ``PREFIX``, then the long request queued before
-    the short one."""
+    the request ``second()`` builds (default: the short one)."""
     sched = make_scheduler(make_vllm_config(model_dir, extra), num_blocks=128)
     initial = free_blocks(sched)
     worker = FakeWorker()
     sched.add_request(make_request("stored", PREFIX, max_tokens=1))
     worker.run_until_idle(sched)
     sched.add_request(make_request("long", LONG, max_tokens=2))
-    sched.add_request(make_request("short", SHORT, max_tokens=2))
+    sched.add_request(second() if second is not None else make_request("short", SHORT, max_tokens=2))
     return sched, worker, initial
 
 
@@ -114,12 +114,7 @@ def test_a_request_that_reads_no_cache_is_not_judged_by_its_hits(model_dir):
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    sched = make_scheduler(make_vllm_config(model_dir, schedule_cfg()), num_blocks=128)
-    worker = FakeWorker()
-    sched.add_request(make_request("stored", PREFIX, max_tokens=1))
-    worker.run_until_idle(sched)
-    sched.add_request(make_request("long", LONG, max_tokens=2))
-    sched.add_request(Request(
+    sched, worker, _ = setup(model_dir, schedule_cfg(), lambda: Request(
         request_id="logprobs", prompt_token_ids=list(SHORT),
         sampling_params=SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
         pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256)))
