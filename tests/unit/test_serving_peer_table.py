@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 with mock.patch.dict(os.environ):  # the module sets VLLM_CPU_NUM_OF_RESERVED_CPU for its servers
-    from bench.serving import peer_table
+    from bench.serving import peer_table, peer_targets
 
 
 def result(config: str, req_s: float, ttft_ms: float, counters: dict[str, float]) -> dict[str, Any]:
@@ -68,3 +68,30 @@ def test_ratios_share_of_the_ideal_and_spread(table: dict[str, Any]) -> None:
     thr = table["interactive.prefix-repetition"]["request_throughput"]
     assert thr["over_lmcache"] == pytest.approx(1.1)
     assert thr["ideal_share"] == pytest.approx(0.8)  # (2.2 - 1) / (2.5 - 1)
+
+
+def test_targets_count_the_spread_against_the_row(table: dict[str, Any]) -> None:
+    """Mean TTFT 0.8 of the peer's with a spread of 0.05 is met (0.85 <= 0.9); p99 too (the
+    same ratio, spread 0.05); throughput 1.1 of the peer's is; 0.8 of the ideal's gain is
+    not; the row reused as many tokens as the peer."""
+    t = peer_targets(table)
+    assert set(t) == {"interactive.prefix-repetition"}  # references are not held to them
+    assert t["interactive.prefix-repetition"] == {"mean_ttft": True, "p99_ttft": True, "throughput": True,
+                                                  "ideal_share": False, "reuse": True}
+
+
+def test_a_ratio_inside_the_spread_of_the_target_is_not_met() -> None:
+    results = {
+        "none.trace": result("none", 1.0, 4000.0, timing(10, 10.0, 20.0, 38.0)),
+        # spread 0.1: a row at 0.85 of the peer's is not told apart from 0.9 or above
+        "none-aa.trace": result("none-aa", 0.88, 4400.0, timing(10, 10.0, 21.0, 40.0)),
+        "lmcache.trace": result("lmcache", 1.0, 2000.0, timing(10, 8.0, 6.0, 18.0)),
+        "interactive.trace": result("interactive", 0.95, 1700.0, timing(10, 4.0, 7.0, None)),
+    }
+    for r in results.values():
+        r["load"] = {"name": "trace"}
+    results["interactive.trace"]["counters"]["connector_hit_tokens"] = 50.0  # fewer than the peer's
+    t = peer_targets(peer_table(results))["interactive.trace"]
+    # throughput 0.95 of the peer's with a spread of 0.12 is not told apart from it;
+    # no ideal row: its share cannot be told
+    assert t == {"mean_ttft": False, "p99_ttft": False, "throughput": True, "ideal_share": None, "reuse": False}
