@@ -192,3 +192,28 @@ def test_a_merged_load_is_observed_once_per_request():
     (wait,) = (half.stats() or {})["histograms"]["request_load_wait_seconds|cpu"]
     assert 0.02 <= wait < 5
     assert half.tracked_requests() == {view_id("r", 0), view_id("r", 1)}
+
+
+def test_short_first_on_a_hybrid_model_keeps_vllms_order_and_follows_no_one_after(model_dir):
+    """On a hybrid model a request's estimate on arrival is its whole prompt (its groups'
+    hits are known only from the lookup), and a hit always loads asynchronously: a short
+    request is admitted at its lookup, so it is never seen waiting and nothing is passed
+    over. Both requests still run to the end and the short one loads its stored prefix."""
+    sched = hybrid_scheduler(model_dir, {"schedule": {"order": "short-first", "short_tokens": 64,
+                                                      "max_wait_s": 30.0}})
+    worker = FakeWorker()
+    prefix = prompt_tokens(10 * BS, seed=1)
+    run(sched, worker, "stored", prefix)
+    order = sched_half(sched).order
+    sched.add_request(make_request("long", prompt_tokens(10 * BS, seed=3), max_tokens=2))
+    sched.add_request(make_request("short", prefix + prompt_tokens(BS, seed=2), max_tokens=2))
+    assert order.waiting() == {"long": 10 * BS, "short": 11 * BS}  # whole prompts: both long
+    first = worker.step(sched)
+    assert first.num_scheduled_tokens["long"] == 10 * BS  # arrival order
+    assert [j.req_id for j in meta_of(first).loads] == ["short"]  # admitted, loading
+    assert order.waiting() == {}
+    worker.run_until_idle(sched)
+    assert sched.requests == {}
+    totals = sched_half(sched).counters.totals
+    assert totals.get("passed_over|all", 0) == 0 and totals.get("passed_over_expired|all", 0) == 0
+    assert sched_half(sched).group_loaded_blocks[FULL] == 10
