@@ -177,3 +177,26 @@ def test_a_pinned_prefill_rate_is_not_remeasured():
     assert cfg.load_or_recompute.measure_prefill is False
     with pytest.raises(ConfigError, match="load_or_recompute.measure_prefill"):
         parse_config({"load_or_recompute": {"measure_prefill": False}})
+
+
+def test_a_probe_granted_to_a_request_vllm_did_not_admit_stays_with_it():
+    """vLLM looks a request up again each step until it admits it (it may lack KV space,
+    or a shorter request goes first). The stale tier was marked fresh when the probe was
+    granted: a request that lost its probe that way would leave the estimate stale for
+    another interval. It keeps the probe until admitted; others still do not probe."""
+    from vllm_kvtier.metrics import sample_key
+    from vllm_kvtier.plan.load_policy import LoadPolicy
+
+    probes = sample_key("load_probes", "all")
+    m = CostModel(prefill_tokens_per_s=10_000, probe_interval_s=30)
+    m.tier("s3").set_prior(0.5, 10 * MB)  # slow: recompute, unless probing
+    counters = Counters()
+    policy = LoadPolicy(m, counters, block_bytes=1 << 20, block_size=BS, lower_tiers=["s3"])
+    assert policy.decide("long", ["s3"] * 8) == 8  # never sampled: the probe
+    assert policy.decide("other", ["s3"] * 8) == 0  # one probe, not a storm
+    assert policy.decide("long", ["s3"] * 8) == 8  # not admitted last step: still the probe
+    policy.commit("long")
+    assert counters.totals[probes] == 1
+    assert policy.decide("long", ["s3"] * 8) == 0  # admitted (a new lookup): no probe left
+    policy.commit("other")
+    assert counters.totals[probes] == 1

@@ -149,8 +149,11 @@ class CostModel:
 
     # ---- decision ----------------------------------------------------------------------
 
-    def decide(self, block_tiers: list[str], block_bytes: int, block_size: int, now: float) -> Decision:
-        """``block_tiers[i]``: the tier block i of the matched run is in (``"cpu"``...)."""
+    def decide(self, block_tiers: list[str], block_bytes: int, block_size: int, now: float,
+               reprobe: bool = False) -> Decision:
+        """``block_tiers[i]``: the tier block i of the matched run is in (``"cpu"``...).
+        ``reprobe``: this request was granted the probe and not admitted (vLLM looks it up
+        again next step): it keeps the probe, which the staleness mark already counted."""
         best_k, best_gain = 0, 0.0
         bytes_by_tier: dict[str, int] = {}
         load_at_best = 0.0
@@ -165,8 +168,8 @@ class CostModel:
             recomputed[t] = recomputed.get(t, 0) + 1
         n = len(block_tiers)
         probe = False
-        if best_k < n and any(now - self.tier(t).last_sample_s > self.probe_interval_s
-                              for t in recomputed if t != TierName.CPU):
+        if best_k < n and (reprobe or any(now - self.tier(t).last_sample_s > self.probe_interval_s
+                                          for t in recomputed if t != TierName.CPU)):
             # Stale estimate: load everything once, to measure the tier again (and
             # count it as fresh meanwhile, so one probe goes out, not a storm).
             for t in recomputed:

@@ -46,7 +46,12 @@ class LoadPolicy:
             self._pending.pop(req_id, None)
             return len(block_tiers)
         now = time.monotonic()
-        d = self.cost.decide(block_tiers, self.block_bytes, self.block_size, now)
+        # A probe granted to a request that vLLM then did not admit (no KV space, or a
+        # shorter request went first) stays with it: the tier was marked fresh when the
+        # probe was granted, so no other request would probe it until the next interval.
+        prev = self._pending.get(req_id)
+        d = self.cost.decide(block_tiers, self.block_bytes, self.block_size, now,
+                             reprobe=prev is not None and prev.probe)
         self._pending[req_id] = d
         if d.changed:  # once per change of a tier's verdict, with the inputs behind it
             for t in d.changed:
