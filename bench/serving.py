@@ -388,8 +388,11 @@ def run_client(argv: list[str], log: Path, timeout_s: float) -> None:
 
 
 def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name: str,
-                  args: argparse.Namespace) -> dict[str, Any]:
-    """AIPerf's multi-turn chat load (its own venv); per turn: TTFT mean and count."""
+                  args: argparse.Namespace, seed: int | None = None) -> dict[str, Any]:
+    """AIPerf's multi-turn chat load (its own venv); per turn: TTFT mean and count. ``seed``
+    (default ``--seed``) draws the conversations: the same seed, the same requests. Also
+    returns each request's record (``records``: turn, TTFT, latency, time per output token)
+    and AIPerf's measured duration, which paired rounds pool."""
     client = ROOT / ".venv-client" / "bin" / "aiperf"
     if not client.exists():
         subprocess.run([str(ROOT / "tools" / "setup-client-venv.sh")], check=True)
@@ -398,7 +401,8 @@ def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name:
     # is English, which this tokenizer reads as nothing but <unk> (every prompt the same).
     import random
 
-    rng = random.Random(args.seed)
+    seed = args.seed if seed is None else seed
+    rng = random.Random(seed)
     dataset = work / f"{name}.conversations.jsonl"
     with open(dataset, "w") as f:
         for c in range(load["conversations"]):
@@ -409,14 +413,13 @@ def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name:
            "--tokenizer", str(model), "--input-file", str(dataset), "--custom-dataset-type", "multi_turn",
            "--conversation-num", str(load["conversations"]),
            "--output-tokens-mean", str(load["output_len"]), "--output-tokens-stddev", "0",
-           "--concurrency", str(load["clients"]), "--random-seed", str(args.seed), "--ui-type", "none",
+           "--concurrency", str(load["clients"]), "--random-seed", str(seed), "--ui-type", "none",
            "--artifact-dir", str(art), "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0"]
     with open(work / f"{name}.client.log", "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.client_timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"aiperf exited with {proc.returncode}:\n{(work / f'{name}.client.log').read_text()[-3000:]}")
-    turns: dict[int, list[float]] = {}
-    prompt_tokens_later = 0
+    records: list[dict[str, Any]] = []
     failed = 0
     for line in (art / "profile_export.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -424,23 +427,37 @@ def run_multiturn(load: dict[str, Any], model: Path, url: str, work: Path, name:
         if rec.get("error") or "time_to_first_token" not in m:
             failed += 1
             continue
-        t = int(rec["metadata"]["turn_index"])
-        turns.setdefault(t, []).append(float(m["time_to_first_token"]["value"]))
-        if t > 0:
-            prompt_tokens_later += int(m["input_sequence_length"]["value"])
+        itl = m.get("inter_token_latency", {}).get("value")
+        records.append({"turn": int(rec["metadata"]["turn_index"]), "ttft_ms": float(m["time_to_first_token"]["value"]),
+                        "latency_ms": float(m["request_latency"]["value"]),
+                        "tpot_ms": float(itl) if itl is not None else None,
+                        "input_tokens": int(m["input_sequence_length"]["value"])})
     summary = json.loads((art / "profile_export_aiperf.json").read_text())
-    later = [v for t, vs in turns.items() if t > 0 for v in vs]
     return {
-        "completed": sum(len(v) for v in turns.values()), "failed": failed,
+        "completed": len(records), "failed": failed, "records": records,
+        "duration_s": summary["benchmark_duration"]["avg"],
         "request_throughput": summary["request_throughput"]["avg"],
         "mean_ttft_ms": summary["time_to_first_token"]["avg"],
         "median_ttft_ms": summary["time_to_first_token"]["p50"],
         "p99_ttft_ms": summary["time_to_first_token"]["p99"],
         "mean_tpot_ms": summary.get("inter_token_latency", {}).get("avg"),
         "mean_e2el_ms": summary["request_latency"]["avg"],
+        **by_turn(records, args.block_size),
+    }
+
+
+def by_turn(records: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
+    """Multi-turn figures by turn from request records (``run_multiturn``'s, of one run or
+    pooled over rounds): mean TTFT per turn, over the turns after the first, and the prompt
+    blocks of those later turns (what a tier can serve)."""
+    turns: dict[int, list[float]] = {}
+    for rec in records:
+        turns.setdefault(rec["turn"], []).append(rec["ttft_ms"])
+    later = [v for t, vs in turns.items() if t > 0 for v in vs]
+    return {
         "ttft_by_turn_ms": {t: sum(v) / len(v) for t, v in sorted(turns.items())},
         "mean_ttft_later_turns_ms": sum(later) / len(later) if later else None,
-        "prompt_blocks_later_turns": prompt_tokens_later // args.block_size,
+        "prompt_blocks_later_turns": sum(r["input_tokens"] for r in records if r["turn"] > 0) // block_size,
     }
 
 
@@ -788,9 +805,9 @@ def figure_ratios(r: dict[str, Any], ref: dict[str, Any]) -> dict[str, float | N
 
 
 def paired(load: dict[str, Any], args: argparse.Namespace) -> bool:
-    """Whether a load runs in paired rounds: low load always (``--low-rounds``), the other
-    loads of vLLM's client with ``--rounds`` > 1 (multi-turn: one run per configuration)."""
-    return load["name"] == "low-load" or (args.rounds > 1 and load["dataset"] != "multi-turn")
+    """Whether a load runs in paired rounds: low load always (``--low-rounds``), the others
+    with ``--rounds`` > 1 (multi-turn too: one AIPerf run per server and round)."""
+    return load["name"] == "low-load" or args.rounds > 1
 
 
 def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.Namespace,
@@ -798,13 +815,14 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     """A load's rows in paired rounds: ``n_rounds`` rounds, each sending the same requests
     (one seed per round) to every configuration's server, one after the other in an order
     that rotates from round to round. Figures are over all requests of all rounds (vLLM's
-    client with ``--save-detailed``), and each round's mean-TTFT ratios are kept
-    (``rounds_mean_ttft_ratio``) to show the spread.
+    client with ``--save-detailed``; multi-turn: AIPerf's request records), and each round's
+    mean-TTFT ratios are kept (``rounds_mean_ttft_ratio``) to show the spread.
 
     Live (the default): every configuration's server is up at once; a round is one client
     process (vLLM's ``bench serve``, called once per server, after a warm-up request where
-    the load asks for one) that runs the servers one after the other, so the two sides of a
-    ratio are seconds apart; the rounds fall in ``--restarts`` blocks, each with a new set
+    the load asks for one; multi-turn: one AIPerf process per server, the conversations drawn
+    from the round's seed) that runs the servers one after the other, so the two sides of a
+    ratio are seconds to a minute apart; the rounds fall in ``--restarts`` blocks, each with a new set
     of servers started in rotating order. Why: on this kind of VM the machine's speed
     drifts by up to 50% over minutes, far more than the bounds checked here (1.02, 1.0),
     and a fresh server per run puts ~40 s of start-up between the sides; the first request
@@ -835,6 +853,16 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
         argv[argv.index("--seed") + 1] = str(args.seed + 1000 + r)
         return argv + ["--save-detailed"]
 
+    multiturn = load["dataset"] == "multi-turn"
+    records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}  # multi-turn's, pooled
+    done: dict[str, dict[str, Any]] = {}  # this round's multi-turn results
+
+    def drive(n: str, r: int, server: Server) -> None:
+        """Multi-turn: one AIPerf run (its conversations drawn from the round's seed)."""
+        done[n] = run_multiturn(load, model, server.url, work, f"{n}.{load['name']}.r{r}", args,
+                                seed=args.seed + 1000 + r)
+        records[n] += done[n]["records"]
+
     per_block = -(-n_rounds // max(1, min(args.restarts, n_rounds)))
     try:
         for r in range(n_rounds):
@@ -856,9 +884,12 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                     server = start(n, f".r{r}")
                     try:
                         before = server.metrics()
-                        argv = argv_of(n, r, server.url)
-                        run_clients(([warmup_argv(argv)] if load.get("warmup") else []) + [argv],
-                                    work / f"{n}.{load['name']}.r{r}.client.log", args.client_timeout_s)
+                        if multiturn:
+                            drive(n, r, server)
+                        else:
+                            argv = argv_of(n, r, server.url)
+                            run_clients(([warmup_argv(argv)] if load.get("warmup") else []) + [argv],
+                                        work / f"{n}.{load['name']}.r{r}.client.log", args.client_timeout_s)
                         after = server.metrics()
                         rss[n] = max(rss.get(n, 0), server.rss_bytes())
                     finally:
@@ -867,31 +898,46 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                         counters[n][k] = counters[n].get(k, 0.0) + v - before.get(k, 0.0)
             else:
                 before_all = {n: servers[n].metrics() for n in order}
-                plan = []
-                for n in order:
-                    argv = argv_of(n, r, servers[n].url)
-                    plan += ([warmup_argv(argv)] if load.get("warmup") else []) + [argv]
-                run_clients(plan, work / f"{load['name']}.r{r}.client.log", args.client_timeout_s)
+                if multiturn:  # AIPerf: a process per server, one after the other
+                    for n in order:
+                        drive(n, r, servers[n])
+                else:
+                    plan = []
+                    for n in order:
+                        argv = argv_of(n, r, servers[n].url)
+                        plan += ([warmup_argv(argv)] if load.get("warmup") else []) + [argv]
+                    run_clients(plan, work / f"{load['name']}.r{r}.client.log", args.client_timeout_s)
                 for n in order:
                     for k, v in servers[n].metrics().items():
                         counters[n][k] = counters[n].get(k, 0.0) + v - before_all[n].get(k, 0.0)
                     rss[n] = max(rss.get(n, 0), servers[n].rss_bytes())
             means: dict[str, float] = {}
             for n in order:
-                res = json.loads((work / f"{n}.{load['name']}.r{r}.json").read_text())
                 st = stats[n]
-                st["completed"] += res.get("completed") or 0
-                st["failed"] += res.get("failed") or 0
-                st["duration"] += res.get("duration") or 0.0
                 ttfts = []
-                for ttft, lat, out, err in zip(res["ttfts"], res["latencies"], res["output_lens"], res["errors"],
-                                               strict=True):
-                    if err or not ttft:
-                        continue
-                    ttfts.append(ttft * 1000)
-                    per[n]["e2el"].append(lat * 1000)
-                    if out > 1:
-                        per[n]["tpot"].append((lat - ttft) * 1000 / (out - 1))
+                if multiturn:
+                    res = done.pop(n)
+                    st["completed"] += res["completed"]
+                    st["failed"] += res["failed"]
+                    st["duration"] += res["duration_s"]
+                    for rec in res["records"]:
+                        ttfts.append(rec["ttft_ms"])
+                        per[n]["e2el"].append(rec["latency_ms"])
+                        if rec["tpot_ms"] is not None:
+                            per[n]["tpot"].append(rec["tpot_ms"])
+                else:
+                    res = json.loads((work / f"{n}.{load['name']}.r{r}.json").read_text())
+                    st["completed"] += res.get("completed") or 0
+                    st["failed"] += res.get("failed") or 0
+                    st["duration"] += res.get("duration") or 0.0
+                    for ttft, lat, out, err in zip(res["ttfts"], res["latencies"], res["output_lens"],
+                                                   res["errors"], strict=True):
+                        if err or not ttft:
+                            continue
+                        ttfts.append(ttft * 1000)
+                        per[n]["e2el"].append(lat * 1000)
+                        if out > 1:
+                            per[n]["tpot"].append((lat - ttft) * 1000 / (out - 1))
                 per[n]["ttft"] += ttfts
                 means[n] = sum(ttfts) / len(ttfts) if ttfts else 0.0
             base = means.get("none")
@@ -925,6 +971,7 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
             "mean_e2el_ms": sum(p["e2el"]) / len(p["e2el"]) if p["e2el"] else None,
             "counters": counters[n],
             "rounds_mean_ttft_ratio": [rd.get(n) for rd in rounds] if n != "none" else None,
+            **(by_turn(records[n], args.block_size) if multiturn else {}),
         }
         if timelines[n]:  # every server of the row, warm-up requests included
             out[f"{n}.{load['name']}"]["timeline"] = timeline.summarize(
@@ -1180,7 +1227,8 @@ def main() -> int:
     ap.add_argument("--low-warmup", type=int, default=1, choices=(0, 1),
                     help="low load: one uncounted request of other prompts before each paired run")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="prefix-repetition and shared-system-prompt in paired rounds too (as low load)")
+                    help="every load in paired rounds too (as low load); multi-turn: one AIPerf run "
+                         "per server and round")
     ap.add_argument("--low-rounds", type=int, default=32,
                     help="low load: rounds, each sending the same requests to every configuration's server")
     ap.add_argument("--fresh", action="store_true",

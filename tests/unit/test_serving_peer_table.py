@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 with mock.patch.dict(os.environ):  # the module sets VLLM_CPU_NUM_OF_RESERVED_CPU for its servers
-    from bench.serving import peer_table, peer_targets
+    from bench.serving import by_turn, peer_table, peer_targets
 
 
 def result(config: str, req_s: float, ttft_ms: float, counters: dict[str, float]) -> dict[str, Any]:
@@ -95,3 +95,18 @@ def test_a_ratio_inside_the_spread_of_the_target_is_not_met() -> None:
     # throughput 0.95 of the peer's with a spread of 0.12 is not told apart from it;
     # no ideal row: its share cannot be told
     assert t == {"mean_ttft": False, "p99_ttft": False, "throughput": True, "ideal_share": None, "reuse": False}
+
+
+def test_multi_turn_records_pooled_over_rounds_give_the_figures_by_turn() -> None:
+    """Paired multi-turn rounds pool AIPerf's request records: by turn, over the later
+    turns, and the later turns' prompt blocks (what a tier can serve), over both rounds."""
+    def rec(turn: int, ttft: float, tokens: int) -> dict[str, Any]:
+        return {"turn": turn, "ttft_ms": ttft, "latency_ms": ttft + 100.0, "tpot_ms": 10.0, "input_tokens": tokens}
+
+    round0 = [rec(0, 900.0, 192), rec(1, 300.0, 416), rec(2, 200.0, 640)]
+    round1 = [rec(0, 1100.0, 192), rec(1, 500.0, 416)]
+    got = by_turn(round0 + round1, 32)
+    assert got["ttft_by_turn_ms"] == {0: 1000.0, 1: 400.0, 2: 200.0}
+    assert got["mean_ttft_later_turns_ms"] == pytest.approx(1000.0 / 3)
+    assert got["prompt_blocks_later_turns"] == (416 + 640 + 416) // 32
+    assert by_turn([rec(0, 900.0, 192)], 32)["mean_ttft_later_turns_ms"] is None
