@@ -861,7 +861,6 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
         """Multi-turn: one AIPerf run (its conversations drawn from the round's seed)."""
         done[n] = run_multiturn(load, model, server.url, work, f"{n}.{load['name']}.r{r}", args,
                                 seed=args.seed + 1000 + r)
-        records[n] += done[n]["records"]
 
     per_block = -(-n_rounds // max(1, min(args.restarts, n_rounds)))
     try:
@@ -917,6 +916,7 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
                 ttfts = []
                 if multiturn:
                     res = done.pop(n)
+                    records[n] += res["records"]
                     st["completed"] += res["completed"]
                     st["failed"] += res["failed"]
                     st["duration"] += res["duration_s"]
