@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 with mock.patch.dict(os.environ):  # the module sets VLLM_CPU_NUM_OF_RESERVED_CPU for its servers
-    from bench.serving import by_turn, peer_table, peer_targets
+    from bench.serving import by_turn, ceiling_targets, peer_table, peer_targets
 
 
 def result(config: str, req_s: float, ttft_ms: float, counters: dict[str, float]) -> dict[str, Any]:
@@ -78,6 +78,21 @@ def test_targets_count_the_spread_against_the_row(table: dict[str, Any]) -> None
     assert set(t) == {"interactive.prefix-repetition"}  # references are not held to them
     assert t["interactive.prefix-repetition"] == {"mean_ttft": True, "p99_ttft": True, "throughput": True,
                                                   "ideal_share": False, "reuse": True}
+
+
+def test_the_ceiling_holds_the_ideal_to_the_ttft_targets(table: dict[str, Any]) -> None:
+    """The fixture's ideal is at 0.5 of the peer's mean TTFT (spread 0.05): in reach. With
+    the ideal at 1,900 ms (0.95 of the peer's), neither TTFT target can be met on that run."""
+    assert ceiling_targets(table) == {"prefix-repetition": {"mean_ttft": True, "p99_ttft": True}}
+    results = {
+        "none.prefix-repetition": result("none", 1.0, 4000.0, timing(10, 10.0, 20.0, 38.0)),
+        "none-aa.prefix-repetition": result("none-aa", 1.02, 4200.0, timing(10, 10.0, 21.0, 40.0)),
+        "lmcache.prefix-repetition": result("lmcache", 2.0, 2000.0, timing(10, 8.0, 6.0, 18.0)),
+        "ideal.prefix-repetition": result("ideal", 2.5, 1900.0, timing(10, 0.0, 7.0, 9.0)),
+    }
+    assert ceiling_targets(peer_table(results)) == {"prefix-repetition": {"mean_ttft": False, "p99_ttft": False}}
+    del results["none-aa.prefix-repetition"]  # no A/A row: the run cannot tell
+    assert ceiling_targets(peer_table(results)) == {"prefix-repetition": {"mean_ttft": None, "p99_ttft": None}}
 
 
 def test_a_ratio_inside_the_spread_of_the_target_is_not_met() -> None:
