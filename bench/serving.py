@@ -86,6 +86,9 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     # interactive with schedule.order short-first (a request with a stored prefix is
     # admitted before a long prefill queued ahead of it, for at most max_wait_s)
     "interactive-short": {"preset": "interactive", "schedule": {"order": "short-first"}},
+    # the same, a request short with up to 512 tokens to compute after its hits (a warm
+    # turn of a few hundred tokens passes a long cold prefill that would fill vLLM's cache)
+    "interactive-short512": {"preset": "interactive", "schedule": {"order": "short-first", "short_tokens": 512}},
     # a connector that does nothing (bench/noop_connector.py): vLLM's connector plumbing alone
     "noop": {"__noop__": True},
     # a second baseline server (``--aa``): its ratio over the first is the method's own error
