@@ -768,6 +768,14 @@ PEER_TTFT_TARGET = 0.9
 IDEAL_SHARE_TARGET = 0.95
 
 
+def ttft_target_met(c: dict[str, Any]) -> bool | None:
+    """A TTFT figure of :func:`peer_table` over LMCache's, its A/A spread added, at most
+    ``PEER_TTFT_TARGET`` (None where the run has no peer or no A/A row)."""
+    if c["over_lmcache"] is None or c["aa_spread"] is None:
+        return None
+    return c["over_lmcache"] + c["aa_spread"] <= PEER_TTFT_TARGET
+
+
 def peer_targets(peer: dict[str, Any]) -> dict[str, dict[str, bool | None]]:
     """Per plugin row of :func:`peer_table`, whether it meets each target against the peer,
     the A/A spread counted against it (None where the run has no peer, no A/A row or the
@@ -780,11 +788,6 @@ def peer_targets(peer: dict[str, Any]) -> dict[str, dict[str, bool | None]]:
     def tokens(r: dict[str, Any]) -> float:
         return (r["vllm_hit_tokens"] or 0) + (r["connector_hit_tokens"] or 0)
 
-    def ttft(c: dict[str, Any]) -> bool | None:
-        if c["over_lmcache"] is None or c["aa_spread"] is None:
-            return None
-        return c["over_lmcache"] + c["aa_spread"] <= PEER_TTFT_TARGET
-
     out: dict[str, dict[str, bool | None]] = {}
     for name, row in peer.items():
         if row["config"] == "none" or name.startswith(REFERENCES):
@@ -792,8 +795,8 @@ def peer_targets(peer: dict[str, Any]) -> dict[str, dict[str, bool | None]]:
         lm = peer.get(f"lmcache.{row['load']}")
         thr = row["request_throughput"]
         out[name] = {
-            "mean_ttft": ttft(row["mean_ttft_ms"]),
-            "p99_ttft": ttft(row["p99_ttft_ms"]),
+            "mean_ttft": ttft_target_met(row["mean_ttft_ms"]),
+            "p99_ttft": ttft_target_met(row["p99_ttft_ms"]),
             "throughput": None if thr["over_lmcache"] is None or thr["aa_spread"] is None
             else thr["over_lmcache"] >= 1 - thr["aa_spread"],
             "ideal_share": None if thr["ideal_share"] is None else thr["ideal_share"] >= IDEAL_SHARE_TARGET,
@@ -813,12 +816,8 @@ def ceiling_targets(peer: dict[str, Any]) -> dict[str, dict[str, bool | None]]:
     for name, row in peer.items():
         if not name.startswith("ideal."):
             continue
-        checks = {}
-        for target, figure in (("mean_ttft", "mean_ttft_ms"), ("p99_ttft", "p99_ttft_ms")):
-            c = row[figure]
-            checks[target] = (None if c["over_lmcache"] is None or c["aa_spread"] is None
-                              else c["over_lmcache"] + c["aa_spread"] <= PEER_TTFT_TARGET)
-        out[row["load"]] = checks
+        out[row["load"]] = {"mean_ttft": ttft_target_met(row["mean_ttft_ms"]),
+                            "p99_ttft": ttft_target_met(row["p99_ttft_ms"])}
     return out
 
 
