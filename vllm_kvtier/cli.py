@@ -228,11 +228,12 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
             "cpu": pcie,
             "nvme": min(pcie, parse_positive(args.nvme_gb_per_s, "--nvme-gb-per-s") * 1e9),
             "s3": min(pcie, parse_positive(args.s3_gb_per_s, "--s3-gb-per-s") * 1e9)})
+    # The drive: --ssd-bytes, else the NVMe tier as planned (--nvme-blocks overrides a preset).
     ssd = _opt(parse_size, args.ssd_bytes, "--ssd-bytes")
-    if ssd is None and cfg is not None and cfg.nvme is not None:
-        ssd = cfg.nvme.capacity_bytes
     if ssd is None and block_bytes is not None:
         ssd = next((t.capacity_blocks * block_bytes for t in lower if t.name == "nvme" and t.capacity_blocks), None)
+    if ssd is None and cfg is not None and cfg.nvme is not None:
+        ssd = cfg.nvme.capacity_bytes
     prices = Prices(parse_positive(args.s3_put_usd_per_1000, "--s3-put-usd-per-1000"),
                     parse_positive(args.s3_get_usd_per_1000, "--s3-get-usd-per-1000"))
     if args.sweep:

@@ -11,6 +11,7 @@ import pytest
 
 from vllm_kvtier.cli import main
 from vllm_kvtier.ops.capacity import (
+    KVModel,
     PlanInput,
     PlanInputError,
     kv_bytes_per_token,
@@ -144,15 +145,32 @@ def test_gemma2_mixed_layers(tmp_path, capsys):
     per_layer = 2 * 8 * 256 * 2
     r = request_kv(m, "bf16", 8192)
     assert r.model_bytes == per_layer * (21 * 8192 + 21 * 4096) == 2_113_929_216
-    # vLLM allocates every layer at full length once a KV connector turns the hybrid manager off.
-    assert r.gpu_bytes == r.stored_bytes == 42 * per_layer * 8192 == 2_818_572_288
+    # The plugin keeps vLLM's hybrid KV cache manager on: sliding layers hold their window.
+    assert r.gpu_bytes == r.model_bytes
+    assert r.stored_bytes == 42 * per_layer * 8192 == 2_818_572_288  # an upper bound
     # Same model without layer_types: Gemma-2 alternates, sliding first.
     legacy = {k: v for k, v in GEMMA2.items() if k != "layer_types"}
     assert request_kv(read_model_config(write_config(tmp_path, legacy, "legacy")), "bf16", 8192) == r
     rc, out, _ = run(capsys, "plan", "--model-config", str(tmp_path / "model"), "--context-tokens", "8192")
     assert rc == 0
-    assert "as vLLM allocates it 2,818,572,288 B" in out
-    assert "hybrid KV cache manager" in out
+    assert "as vLLM allocates it" not in out
+    assert "KV per request         2,113,929,216 B" in out
+    assert "a tier stores <=     2,818,572,288 B" in out
+    assert "disables" not in out
+
+
+def test_plan_sizes_hybrid_models_as_the_connector_runs_them():
+    """The planner's GPU figure for a model mixing sliding and full layers assumes vLLM's
+    hybrid KV cache manager stays on: true only while the connector supports it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from vllm_kvtier.connector import KVTierConnector
+
+    assert issubclass(KVTierConnector, SupportsHMA)
+    m = KVModel(name="m", attention="GQA", shape="s", num_layers=4, values_per_token_layer=16,
+                window_tokens=64, windowed_layers=2)
+    r = request_kv(m, "bf16", 1024)
+    assert r.gpu_bytes == r.model_bytes == 16 * 2 * (2 * 1024 + 2 * 64)
 
 
 def test_sliding_window_pattern_and_qwen_switch(tmp_path):

@@ -66,6 +66,19 @@ def test_the_text_report_names_each_tier_and_the_ttft_saved(capsys):
     assert "recommendation: cpu.eviction" in out
 
 
+def test_a_flag_overrides_the_presets_drive_size(capsys, tmp_path):
+    """--nvme-blocks sizes the NVMe tier and the drive its writes per day are counted on."""
+    cfg = {"nvme": {"path": str(tmp_path), "capacity_bytes": 200 * BLOCK}}
+    out = run_json(capsys, "--cpu-blocks", "100", "--nvme-blocks", "4000", "--extra-config", json.dumps(cfg),
+                   *LLAMA8B)
+    nvme = out["tiers"][1]
+    assert nvme["capacity_blocks"] == 4000 and out["ssd_bytes"] == 4000 * BLOCK
+    assert abs(nvme["drive_writes_per_day"] - nvme["written_bytes_per_h"] * 24 / (4000 * BLOCK)) < 1e-9
+    # Without the flag, the config's size is the drive.
+    out = run_json(capsys, "--cpu-blocks", "100", "--extra-config", json.dumps(cfg), *LLAMA8B)
+    assert out["ssd_bytes"] == 200 * BLOCK
+
+
 def test_bad_input_is_refused_with_the_option_named(capsys, tmp_path):
     assert main(["plan", "--trace", SAMPLE]) == 2
     assert "--cpu-blocks: required" in capsys.readouterr().err

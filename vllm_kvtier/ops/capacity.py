@@ -79,11 +79,10 @@ class RequestKV:
     """Bytes of one request's KV, three ways (equal unless the model has sliding windows).
 
     ``model_bytes``: what attention needs (windowed layers capped at the window).
-    ``gpu_bytes``: what vLLM allocates with kvtier: a uniform sliding-window model keeps
-    the window only, but a model mixing sliding and full layers gets every layer at full
-    length, because vLLM turns its hybrid KV cache manager off when a KV connector is set.
-    ``stored_bytes``: what a tier holds and a load moves: kvtier saves every block with all
-    layers, so the full context (an upper bound for uniform sliding-window models).
+    ``gpu_bytes``: what vLLM allocates with kvtier. The connector supports vLLM's hybrid KV
+    cache manager, which stays on: a sliding layer holds its window only, as without it.
+    ``stored_bytes``: an upper bound on what a tier holds and a load moves: every layer
+    at the full context. A sliding layer stores only the windows a later request can use.
     """
 
     tokens: int
@@ -354,8 +353,7 @@ def request_kv(model: KVModel, kv_dtype: str, tokens: int) -> RequestKV:
         return RequestKV(tokens, full, full, full)
     full_layers = model.num_layers - model.windowed_layers
     capped = per_layer * (full_layers * tokens + model.windowed_layers * min(tokens, model.window_tokens))
-    gpu = capped if full_layers == 0 else full
-    return RequestKV(tokens, capped, gpu, full)
+    return RequestKV(tokens, capped, capped, full)
 
 
 def gpu_kv_budget(gpu_memory_bytes: int, gpu_util: float, weights_bytes: int) -> int:
@@ -364,7 +362,7 @@ def gpu_kv_budget(gpu_memory_bytes: int, gpu_util: float, weights_bytes: int) ->
 
 
 def cpu_budget(dram_bytes: int, reserved_bytes: int, fraction: float) -> CPUBudget:
-    """The brief's CPU offload budget: ``fraction`` (50-70%) of DRAM after OS and workers."""
+    """The CPU offload budget: ``fraction`` (usually 50-70%) of DRAM after OS and workers."""
     avail = max(0, dram_bytes - reserved_bytes)
     lo, hi = CPU_BUDGET_RANGE
     return CPUBudget(avail, fraction, int(avail * fraction), int(avail * lo), int(avail * hi))
@@ -389,9 +387,9 @@ def make_plan(inp: PlanInput) -> Plan:
     rows.append(TierRow("s3", None, True, None, s3_link, req.stored_bytes / s3_link))
     recompute = None if inp.prefill_tokens_per_s is None else inp.context_tokens / inp.prefill_tokens_per_s
     notes = list(inp.model.notes)
-    if inp.model.windowed_layers and req.gpu_bytes != req.model_bytes:
-        notes.append("GPU figure: vLLM disables its hybrid KV cache manager with a KV connector, "
-                     "so sliding layers are allocated at full length")
+    if inp.model.windowed_layers and req.stored_bytes != req.model_bytes:
+        notes.append("stored figure: an upper bound; sliding layers store only the windows "
+                     "a later request can use")
     per_token = kv_bytes_per_token(inp.model, inp.kv_dtype)
     return Plan(inp, per_token, req, tuple(rows), recompute, budget, tuple(notes), host_overhead(per_token))
 
@@ -508,7 +506,7 @@ def render_plan(plan: Plan) -> str:
     if req.gpu_bytes != req.model_bytes:
         lines.append(f"  as vLLM allocates it {exact_bytes(req.gpu_bytes)}")
     if req.stored_bytes != req.model_bytes:
-        lines.append(f"  as a tier stores it  {exact_bytes(req.stored_bytes)}")
+        lines.append(f"  a tier stores <=     {exact_bytes(req.stored_bytes)}")
     lines.append(f"{f'KV for {inp.concurrency} requests':<22} {exact_bytes(inp.concurrency * req.gpu_bytes)}")
     lines += ["", f"{'tier':<5} {'capacity':<26} {'fits':>6}  {'link':<11} load one request"]
     for r in plan.tiers:
