@@ -23,6 +23,8 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -30,7 +32,8 @@ from typing import Any
 
 import yaml
 
-from vllm_kvtier.config import KVTierConfig, available_presets, parse_config
+from vllm_kvtier import __version__
+from vllm_kvtier.config import PRESET_DIR, KVTierConfig, available_presets, parse_config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.ops.capacity import (
     KV_DTYPE_BYTES,
@@ -420,10 +423,11 @@ def _add_bench(sub: Any) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _sub(sub, "presets", "list the shipped presets",
          "Lists the presets shipped with the plugin (interactive, long-context, offline-batch, ...), one per\n"
-         "line. A preset fills in every field of kv_connector_extra_config for one kind of workload; fields\n"
+         "line with what it is for. A preset fills in every field of kv_connector_extra_config for one kind of workload; fields\n"
          "you set yourself override it. 'kvtier check-config' shows what a preset expands to.",
          "  kvtier presets\n"
          "  kvtier check-config '{\"preset\": \"long-context\"}'")
@@ -561,11 +565,34 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def preset_description(name: str) -> str:
+    """The first sentence of a preset's header comment (``# Preset "x": ...``)."""
+    lines = []
+    for line in (PRESET_DIR / f"{name}.yaml").read_text().splitlines():
+        if not line.startswith("#") or line.strip() == "#":
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(lines).split(":", 1)[-1].strip()
+    return re.split(r"[.;](?:\s|$)", text, maxsplit=1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`kvtier plan ... --json | head`): stop quietly. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "presets":
-        for p in available_presets():
-            print(p)
+        names = available_presets()
+        width = max(map(len, names), default=0)
+        for p in names:
+            print(f"{p:<{width}}  {preset_description(p)}")
         return 0
     if args.cmd in ("plan", "doctor", "bench"):
         run = {"plan": _run_plan, "doctor": _run_doctor, "bench": _run_bench}[args.cmd]

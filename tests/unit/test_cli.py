@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from vllm_kvtier.cli import main
 
@@ -17,7 +18,30 @@ def test_check_config_ok_and_bad(capsys):
 def test_presets_listed_by_installed_script():
     out = subprocess.run([sys.executable, "-m", "vllm_kvtier.cli", "presets"], capture_output=True,
                          text=True, check=True).stdout
-    assert "interactive" in out.split()
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert rows["interactive"] == "chatbots and agents with a TTFT target under a second"
+    assert rows["long-context"].startswith("long documents and agent traces")
+    assert all(rows.values()) and "Preset" not in out
+
+
+def test_version():
+    from vllm_kvtier import __version__
+
+    out = subprocess.run([sys.executable, "-m", "vllm_kvtier.cli", "--version"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == f"kvtier {__version__}"
+
+
+def test_a_closed_pipe_ends_without_a_traceback():
+    """`kvtier plan ... --json | head`: the reader is gone before the output is written."""
+    trace = str(Path(__file__).parent / "data" / "mooncake_conversation_first500.jsonl")
+    p = subprocess.Popen([sys.executable, "-m", "vllm_kvtier.cli", "plan", "--trace", trace, "--cpu-blocks", "30",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # nobody reads: the first write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_check_config_of_a_json_array_is_a_usage_error(capsys):
