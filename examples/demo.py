@@ -22,8 +22,9 @@ scratch), and the blocks loaded per tier (deltas of the plugin's ``vllm:kvtier_*
 counters). Finally it checks that greedy decoding produced exactly the same tokens with
 reuse as without.
 
-vLLM's own prefix cache is turned off so that repeats are served by the plugin, not by
-vLLM's GPU/CPU KV cache. The plugin runs on the embedded ``DEFAULT_CONFIG`` below: both
+vLLM's own prefix cache is off on both engines. Its KV cache here (256 MiB) would hold every
+request, so the plugin would never be asked. In a deployment it stays on, and the plugin
+serves what vLLM's cache has evicted. The plugin runs on the embedded ``DEFAULT_CONFIG`` below: both
 local tiers, CPU DRAM and NVMe (write-back, every block admitted). Its CPU capacity is
 sized for the defaults (tiny model, float32, 2000-token prompts); other ``--size``,
 ``--dtype`` or ``--prompt-tokens`` rescale it to the same ~1.5 long prompts.
@@ -34,7 +35,10 @@ different kernel splits than a full prefill, and with random weights greedy deco
 may then pick a different token after some tens of tokens (a near-tie in the logits);
 float32 keeps the with/without comparison exact.
 
-    python examples/demo.py                 # ~1-2 min on 2 CPU cores
+vLLM's log lines (and the plugin's) go to ``~/.cache/vllm_kvtier/demo.log``; the terminal
+shows the demo's own lines only, and the log's tail if an engine fails.
+
+    python examples/demo.py                 # ~2-3 min on 2 CPU cores
     python examples/demo.py --size bench    # bigger model: larger TTFT differences
 """
 
@@ -67,6 +71,8 @@ BLOCK_SIZE = 64
 
 #: The NVMe tier's directory for this demo (wiped at every start).
 NVME_DIR = Path.home() / ".cache" / "vllm_kvtier" / "demo-nvme"
+#: vLLM's and the plugin's log lines (overwritten at every start).
+LOG_FILE = Path.home() / ".cache" / "vllm_kvtier" / "demo.log"
 
 #: The plugin's configuration for this demo (``kv_connector_extra_config``).
 DEFAULT_CONFIG = {
@@ -177,6 +183,36 @@ def run_engine(model_dir: Path, kv_transfer_config: dict | None, args) -> list[d
     return recs
 
 
+@contextlib.contextmanager
+def logs_to(path: Path):
+    """Send everything written to fds 1 and 2 (Python, vLLM's C++ and torch's warnings) to
+    ``path``; yield a stream on the terminal for the demo's own lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    term = os.fdopen(os.dup(1), "w", buffering=1)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield term
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            term.close()
+
+
+def speed_up(base: dict, tier: dict) -> str:
+    """TTFT without the plugin over TTFT with it, where the plugin loaded blocks (else the
+    two engines did the same work, and the ratio is only timing noise)."""
+    return f"{base['ttft'] / tier['ttft']:.1f}x" if sum(tier["loaded"].values()) else "-"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
@@ -191,56 +227,77 @@ def main() -> int:
 
     t_all = time.perf_counter()
     model_dir = Path(args.model_dir or os.path.expanduser(f"~/.cache/vllm_kvtier/{args.size}-model"))
-    build_model(model_dir, args.size, dtype="bfloat16")
     kv = kv_transfer_config(args)
-    extra = kv["kv_connector_extra_config"]
     shutil.rmtree(NVME_DIR, ignore_errors=True)  # reproducible runs: start with an empty NVMe tier
     NVME_DIR.mkdir(parents=True)
-    bb = block_bytes(args.size, args.dtype)
-    print(f"model: random-weight Llama '{args.size}' {SIZES[args.size]} at {model_dir}")
-    print(f"plugin config: {extra}")
-    print(f"  {args.dtype}, block_size {BLOCK_SIZE} ({bb // 2**10} KiB of KV per block), CPU tier "
-          f"{extra['cpu']['capacity_bytes'] // bb} blocks, NVMe tier under {NVME_DIR} (wiped); "
-          "vLLM prefix caching off", flush=True)
+    print(f"vLLM's log: {LOG_FILE}")
+    with logs_to(LOG_FILE) as term:
+        try:
+            build_model(model_dir, args.size, dtype="bfloat16")
+            return report(args, model_dir, kv, term, t_all)
+        except BaseException:
+            import traceback
 
-    print("engine 1: no connector (every request computed from scratch) ...", flush=True)
+            traceback.print_exc()  # into the log, then its tail on the terminal
+            sys.stderr.flush()
+            tail = LOG_FILE.read_text(errors="replace").splitlines()[-30:]
+            print("\n".join(["demo failed; the end of " + str(LOG_FILE) + ":", *tail]), file=term)
+            return 1
+
+
+def report(args, model_dir: Path, kv: dict, term, t_all: float) -> int:
+    """Run both engines and print the comparison on ``term``."""
+    extra = kv["kv_connector_extra_config"]
+    bb = block_bytes(args.size, args.dtype)
+
+    def say(*parts: object) -> None:
+        print(*parts, file=term, flush=True)
+
+    say(f"model: random-weight Llama '{args.size}' {SIZES[args.size]} at {model_dir}")
+    say(f"plugin config: {extra}")
+    say(f"  {args.dtype}, block_size {BLOCK_SIZE} ({bb // 2**10} KiB of KV per block), CPU tier "
+        f"{extra['cpu']['capacity_bytes'] // bb} blocks, NVMe tier under {NVME_DIR} (wiped)")
+    say("  vLLM's prefix cache is off on both engines: its 256 MiB would hold every request here, so "
+        "the plugin\n  would never be asked. In a deployment it stays on, and the plugin serves what it evicts.")
+
+    say("engine 1: no connector (every request computed from scratch) ...")
     base = run_engine(model_dir, None, args)
-    print("engine 2: KVTierConnector (CPU + NVMe tiers) ...", flush=True)
+    say("engine 2: KVTierConnector (CPU + NVMe tiers) ...")
     tier = run_engine(model_dir, kv, args)
 
     tiers = ["cpu", "nvme"]
-    print()
+    say()
     head = (f"{'request':38s} {'prompt':>7s} {'TTFT no plugin':>15s} {'TTFT kvtier':>12s} {'speed-up':>9s}"
             + "".join(f" {'loaded ' + t:>11s}" for t in tiers))
-    print(head)
-    print("-" * len(head))
+    say(head)
+    say("-" * len(head))
     for b, k in zip(base, tier, strict=True):
-        print(f"{k['label']:38s} {len(k['prompt']):7d} {b['ttft'] * 1000:12.0f} ms {k['ttft'] * 1000:9.0f} ms "
-              f"{b['ttft'] / k['ttft']:8.1f}x"
-              + "".join(f" {k['loaded'].get(t, 0):>4d} blocks" for t in tiers))
+        say(f"{k['label']:38s} {len(k['prompt']):7d} {b['ttft'] * 1000:12.0f} ms {k['ttft'] * 1000:9.0f} ms "
+            f"{speed_up(b, k):>9s}"
+            + "".join(f" {k['loaded'].get(t, 0):>4d} blocks" for t in tiers))
     a_cold, a_warm, _, t2, _, _, c_again = tier
     b_t2, b_c = base[3], base[6]
 
     def loaded(r: dict) -> str:
         return " + ".join(f"{r['loaded'].get(t, 0)} {t}" for t in tiers)
 
-    print()
-    print(f"(a) repeat: TTFT {a_cold['ttft'] * 1000:.0f} ms cold -> {a_warm['ttft'] * 1000:.0f} ms warm "
-          f"({a_warm['ttft'] / a_cold['ttft']:.2f}x), {sum(a_warm['loaded'].values())} of "
-          f"{len(a_warm['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(a_warm)})")
-    print(f"(b) turn 2: TTFT {b_t2['ttft'] * 1000:.0f} ms without reuse -> {t2['ttft'] * 1000:.0f} ms "
-          f"with reuse ({t2['ttft'] / b_t2['ttft']:.2f}x), {sum(t2['loaded'].values())} of "
-          f"{len(t2['prompt']) // BLOCK_SIZE} prompt blocks loaded (turn 1 prompt + answer; {loaded(t2)})")
-    print(f"(c) after other traffic: TTFT {b_c['ttft'] * 1000:.0f} ms without reuse -> "
-          f"{c_again['ttft'] * 1000:.0f} ms from NVMe ({c_again['ttft'] / b_c['ttft']:.2f}x; "
-          f"{a_warm['ttft'] * 1000:.0f} ms from DRAM in (a)), {sum(c_again['loaded'].values())} of "
-          f"{len(c_again['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(c_again)})")
+    say()
+    say(f"(a) repeat: TTFT {a_cold['ttft'] * 1000:.0f} ms cold -> {a_warm['ttft'] * 1000:.0f} ms warm "
+        f"({a_cold['ttft'] / a_warm['ttft']:.1f}x faster), {sum(a_warm['loaded'].values())} of "
+        f"{len(a_warm['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(a_warm)})")
+    say(f"(b) turn 2: TTFT {b_t2['ttft'] * 1000:.0f} ms without reuse -> {t2['ttft'] * 1000:.0f} ms "
+        f"with reuse ({b_t2['ttft'] / t2['ttft']:.1f}x faster), {sum(t2['loaded'].values())} of "
+        f"{len(t2['prompt']) // BLOCK_SIZE} prompt blocks loaded (turn 1 prompt + answer; {loaded(t2)})")
+    say(f"(c) after other traffic: TTFT {b_c['ttft'] * 1000:.0f} ms without reuse -> "
+        f"{c_again['ttft'] * 1000:.0f} ms from NVMe ({b_c['ttft'] / c_again['ttft']:.1f}x faster; "
+        f"{a_warm['ttft'] * 1000:.0f} ms from DRAM in (a)), {sum(c_again['loaded'].values())} of "
+        f"{len(c_again['prompt']) // BLOCK_SIZE} prompt blocks loaded ({loaded(c_again)})")
     fc = tier[-1]["final_counters"]
     files = [f for f in NVME_DIR.rglob("*.kvt") if f.is_file()]
-    print(f"tiers: CPU evicted {int(fc.get(('evictions', 'cpu'), 0))} blocks; NVMe stored "
-          f"{int(fc.get(('blocks_stored', 'nvme'), 0))} blocks while serving (write-back demotions); after "
-          f"the shutdown flush {len(files)} chunk files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB "
-          f"under {NVME_DIR}")
+    say(f"tiers: CPU evicted {int(fc.get(('evictions', 'cpu'), 0))} blocks; NVMe stored "
+        f"{int(fc.get(('blocks_stored', 'nvme'), 0))} blocks while serving (write-back demotions); after "
+        f"the shutdown flush {len(files)} chunk files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB "
+        f"under {NVME_DIR}")
 
     same_prompts = all(b["prompt"] == k["prompt"] for b, k in zip(base, tier, strict=True))
     same_tokens = all(b["tokens"] == k["tokens"] for b, k in zip(base, tier, strict=True))
@@ -248,15 +305,15 @@ def main() -> int:
     for b, k in zip(base, tier, strict=True):
         if b["prompt"] != k["prompt"] or b["tokens"] != k["tokens"]:
             first = next((i for i, (x, y) in enumerate(zip(b["tokens"], k["tokens"], strict=False)) if x != y), None)
-            print(f"  {k['label']}: prompts {'equal' if b['prompt'] == k['prompt'] else 'differ'}, "
-                  f"tokens differ from position {first}")
-    print(f"tokens with reuse vs without: {'identical' if same_tokens and same_prompts else 'DIFFERENT'} "
-          f"({n} greedy tokens over {len(tier)} requests)")
+            say(f"  {k['label']}: prompts {'equal' if b['prompt'] == k['prompt'] else 'differ'}, "
+                f"tokens differ from position {first}")
+    say(f"tokens with reuse vs without: {'identical' if same_tokens and same_prompts else 'DIFFERENT'} "
+        f"({n} greedy tokens over {len(tier)} requests)")
     loaded_ok = (sum(a_warm["loaded"].values()) > 0 and sum(t2["loaded"].values()) > 0
                  and c_again["loaded"].get("nvme", 0) > 0)
     if not loaded_ok:
-        print("MISSING reuse: (a) and (b) must load blocks, (c) must load from NVMe")
-    print(f"done in {time.perf_counter() - t_all:.0f}s")
+        say("MISSING reuse: (a) and (b) must load blocks, (c) must load from NVMe")
+    say(f"done in {time.perf_counter() - t_all:.0f}s")
     return 0 if same_tokens and same_prompts and loaded_ok else 1
 
 
