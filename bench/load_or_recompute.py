@@ -85,8 +85,8 @@ def run(name: str, model: Path, kv: dict | None, warmup: list[int], prompts: lis
         "max_s": max(ttft), "first_tokens": first, "loaded_s3": d("blocks_loaded|s3"),
         "recomputed_by_policy_s3": d("recompute_chosen_blocks|s3"), "probes": d("load_probes|all"),
         "load_failures_s3": d("load_failures|s3"),
-        "est_s3_MBps": c.get("estimated_bandwidth_bytes_per_s|s3", 0) / 1e6,
-        "est_prefill_tok_s": c.get("estimated_prefill_tokens_per_s|compute", 0),
+        "est_s3_MBps": c.get("estimated_bandwidth_bytes_per_second|s3", 0) / 1e6,
+        "est_prefill_tok_s": c.get("estimated_prefill_tokens_per_second|compute", 0),
     }
     print(f"  {name:12s} TTFT mean {row['mean_s']:6.2f} s  p50 {row['p50_s']:6.2f} s  max {row['max_s']:6.2f} s  "
           f"loaded {row['loaded_s3']:4.0f}  recomputed by policy {row['recomputed_by_policy_s3']:4.0f}", flush=True)

@@ -280,16 +280,16 @@ class GaugeName(_Declared):
         "breaker_state",
         "Circuit breaker of a remote tier: 0 closed, 1 half-open (probing), 2 open.",
     )
-    ESTIMATED_BANDWIDTH_BYTES_PER_S = (
-        "estimated_bandwidth_bytes_per_s",
+    ESTIMATED_BANDWIDTH_BYTES_PER_SECOND = (
+        "estimated_bandwidth_bytes_per_second",
         "Load-or-recompute: estimated read bandwidth of a tier.",
     )
     ESTIMATED_LATENCY_SECONDS = (
         "estimated_latency_seconds",
         "Load-or-recompute: estimated per-load latency of a tier.",
     )
-    ESTIMATED_PREFILL_TOKENS_PER_S = (
-        "estimated_prefill_tokens_per_s",
+    ESTIMATED_PREFILL_TOKENS_PER_SECOND = (
+        "estimated_prefill_tokens_per_second",
         "Load-or-recompute: estimated prefill rate (tier label 'compute').",
     )
     FOREIGN_BYTES = (

@@ -714,6 +714,20 @@ def test_alert_rules_cover_the_brief():
         assert any(re.search(r"\btier\b", r["expr"]) and r["for"] for r in by_metric[failure]), failure
 
 
+def test_plain_rules_file_holds_the_same_rules():
+    """Prometheus without the Operator reads docker/prometheus/kvtier-rules.yaml: the same groups."""
+    plain = yaml.safe_load((REPO / "docker/prometheus/kvtier-rules.yaml").read_text())
+    assert set(plain) == {"groups"}
+    assert plain["groups"] == yaml.safe_load(ALERTS.read_text())["spec"]["groups"]
+
+
+def test_any_verify_mismatch_alerts():
+    """docs/metrics.md: alert on any verify mismatch (stored KV found wrong)."""
+    (rule,) = [r for r in alert_rules() if "vllm:kvtier_verify_mismatches_total" in r["expr"]]
+    assert re.search(r"\)\s*>\s*0\s*$", rule["expr"].strip()) and rule["for"] == "0s"
+    assert rule["labels"]["severity"] == "critical" and "tier" in rule["expr"]
+
+
 def test_vllm_drains_on_sigterm_long_enough_for_the_shutdown_flush(helm):
     """vLLM's API server defaults to --shutdown-timeout 0 (abort): on SIGTERM it kills the
     engine at once and the write-back blocks never reach NVMe. The chart passes a drain

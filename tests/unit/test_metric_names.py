@@ -172,6 +172,12 @@ def test_every_declared_name_is_exported_with_its_prometheus_name():
         assert {f"vllm:kvtier_{m}_{s}" for s in ("bucket", "sum", "count")} <= names, m
 
 
+def test_units_are_spelt_out_in_names():
+    """Prometheus naming: base units in full (``_seconds``, ``_per_second``), not ``_s``."""
+    for m in (*CounterName, *GaugeName, *HistogramName):
+        assert not re.search(r"_(s|ms|us|per_s|sec|secs)(_|$)", str(m)), m
+
+
 def test_every_name_on_the_metrics_page_is_still_exported():
     """Dashboards and alerts use the names docs/metrics.md shows: none may disappear."""
     names = exported_names()

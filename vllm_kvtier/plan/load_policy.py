@@ -96,11 +96,11 @@ class LoadPolicy:
                 self.cost.observe_prefill(tokens, tokens / max(rate, 0.5 * self.cost.prefill_tokens_per_s))
         self._last_step = (now, prefill_tokens)
         estimate = self.cost.prefill_tokens_per_s
-        self.counters.set_gauge(GaugeName.ESTIMATED_PREFILL_TOKENS_PER_S, "compute", estimate)
+        self.counters.set_gauge(GaugeName.ESTIMATED_PREFILL_TOKENS_PER_SECOND, "compute", estimate)
 
     def observe_stats(self, stats: Any) -> None:
         """Worker counters of one step (``KVTierStats.data``), summed over ranks."""
         for tier in self.lower_tiers:
             est = self.cost.tier(tier)
-            self.counters.set_gauge(GaugeName.ESTIMATED_BANDWIDTH_BYTES_PER_S, tier, est.bandwidth_Bps)
+            self.counters.set_gauge(GaugeName.ESTIMATED_BANDWIDTH_BYTES_PER_SECOND, tier, est.bandwidth_Bps)
             self.counters.set_gauge(GaugeName.ESTIMATED_LATENCY_SECONDS, tier, est.latency_s)
