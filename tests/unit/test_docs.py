@@ -1,5 +1,5 @@
-"""The repository's pages stay true: links resolve, every Makefile target is named in the README,
-every config field is on the configuration page and every metric on the metrics page.
+"""The repository's pages stay true: links resolve, named paths and commands exist, every
+Makefile target is named in the README, every config field is on the configuration page and every metric on the metrics page.
 
 Pure file reading (no vllm, no torch). The checkers return what is wrong, so each test shows
 every broken link or missing name at once; the ``*_catch_*`` tests run them on pages written
@@ -64,6 +64,43 @@ def broken_links(pages: list[Path]) -> list[str]:
     return bad
 
 
+_TOP = ("tests", "tools", "bench", "docs", "docker", "configs", "examples", "vllm_kvtier", "requirements",
+        "testkit", ".ci")
+_TOP_ALT = "|".join(map(re.escape, _TOP))
+_REPO_PATH = re.compile(rf"(?<![\w./-])((?:\.\./)?(?:{_TOP_ALT})/[\w./-]*[\w/])")
+#: ``kvtier COMMAND`` in code; "kvtier config field ..." is an error message, not a command.
+_KVTIER_CMD = re.compile(r"(?<![\w-])kvtier ([a-z][a-z-]*[a-z])(?![\w-])(?! field)")
+_MAKE_CMD = re.compile(r"(?<![\w-])make ([a-z][\w-]*)")
+
+
+def _code(text: str) -> str:
+    """Fenced blocks and inline code of ``text``: where commands are written."""
+    return "\n".join(m.group(0) for m in (*_FENCE.finditer(text), *_INLINE_CODE.finditer(text)))
+
+
+def missing_names(pages: list[Path], root: Path) -> list[str]:
+    """``page: name (why)`` for every repository path a page names that does not exist (outputs
+    in ignored folders, such as bench/results/, aside), every ``kvtier COMMAND`` in code that
+    the CLI lacks and every ``make TARGET`` in code that the Makefile lacks."""
+    ignored = [line.strip().rstrip("/") for line in (root / ".gitignore").read_text().splitlines()
+               if line.strip().endswith("/") and "/" in line.strip()[:-1]]
+    commands = set(re.findall(r'_sub\(sub, "([a-z-]+)"', (root / "vllm_kvtier" / "cli.py").read_text()))
+    targets = set(make_targets(root / "Makefile"))
+    bad = []
+    for page in pages:
+        text = page.read_text()
+        for name in dict.fromkeys(_REPO_PATH.findall(text)):
+            path = (page.parent / name) if name.startswith("../") else (root / name)
+            rel = path.resolve().relative_to(root.resolve()).as_posix() if path.resolve().is_relative_to(
+                root.resolve()) else name
+            if not path.exists() and not any(rel == d or rel.startswith(d + "/") for d in ignored):
+                bad.append(f"{page.name}: {name} (no such file)")
+        code = _code(text)
+        bad += [f"{page.name}: kvtier {c} (no such command)" for c in _KVTIER_CMD.findall(code) if c not in commands]
+        bad += [f"{page.name}: make {t} (no such target)" for t in _MAKE_CMD.findall(code) if t not in targets]
+    return bad
+
+
 def make_targets(makefile: Path) -> list[str]:
     names = re.findall(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)\s*:(?!=)", makefile.read_text(), re.M)
     return [n for n in dict.fromkeys(names) if not n.startswith(".")]
@@ -123,6 +160,28 @@ def test_pages_exist():
 
 def test_every_relative_link_resolves():
     assert broken_links(PAGES) == []
+
+
+def test_every_path_and_command_named_in_the_pages_exists():
+    assert {"plan", "doctor"} <= set(re.findall(r'_sub\(sub, "([a-z-]+)"', (ROOT / "vllm_kvtier/cli.py").read_text()))
+    assert missing_names(PAGES, ROOT) == []
+
+
+def test_name_checker_catches_a_missing_path_command_and_target(tmp_path):
+    for top in ("docs", "vllm_kvtier", "bench/results"):
+        (tmp_path / top).mkdir(parents=True)
+    (tmp_path / ".gitignore").write_text("bench/results/\n")
+    (tmp_path / "Makefile").write_text("demo:\n\ttrue\n")
+    (tmp_path / "vllm_kvtier" / "cli.py").write_text('_sub(sub, "plan", ...)\n')
+    (tmp_path / "docs" / "real.md").write_text("x")
+    page = tmp_path / "README.md"
+    page.write_text("See docs/real.md, docs/gone.md and bench/results/out.json.\n"
+                    "```\nkvtier plan --x\nkvtier fly\nmake demo\nmake fly\n```\n")
+    assert missing_names([page], tmp_path) == [
+        "README.md: docs/gone.md (no such file)",
+        "README.md: kvtier fly (no such command)",
+        "README.md: make fly (no such target)",
+    ]
 
 
 def test_every_makefile_target_is_named_in_the_readme():
