@@ -1,5 +1,6 @@
 """The repository's pages stay true: links resolve, named paths and commands exist, every
-Makefile target is named in the README, every config field is on the configuration page and every metric on the metrics page.
+Makefile target is named in the README, every config field is on the configuration page
+and every metric on the metrics page.
 
 Pure file reading (no vllm, no torch). The checkers return what is wrong, so each test shows
 every broken link or missing name at once; the ``*_catch_*`` tests run them on pages written
