@@ -518,6 +518,11 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                          world_size=world, lower=lower, counters=counters, layout=groups,
                          swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
                          events=event_log(cfg.events, vllm_config, counters))
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        logger.warning("kvtier: kv_load_failure_policy is %r: a block that cannot be loaded (a tier down, "
+                       "a corrupt or missing block) fails its request. Set \"kv_load_failure_policy\":"
+                       "\"recompute\" in --kv-transfer-config so vLLM recomputes it instead.", policy)
     if sync_load_failures_unsafe(vllm_config) and not half.load_options.always_async:
         logger.info("kvtier: vLLM's V2 model runner with kv_load_failure_policy recompute: every load is "
                     "async (a rejected sync load would give wrong output there, vllm#49250)")
