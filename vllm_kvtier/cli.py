@@ -294,6 +294,28 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Keys of vLLM's --kv-transfer-config (KVTransferConfig) that mark a JSON as the whole flag.
+_TRANSFER_KEYS = ("kv_connector", "kv_connector_extra_config", "kv_role", "kv_load_failure_policy")
+
+
+def _extra_of_transfer_config(obj: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config``, from itself or from the whole ``--kv-transfer-config``
+    JSON as pasted from a ``vllm serve`` line; warns where that JSON would trip vLLM."""
+    if not any(k in obj for k in _TRANSFER_KEYS):
+        return obj
+    connector = obj.get("kv_connector")
+    if connector not in (None, "KVTierConnector"):
+        raise ConfigError("kv_connector", f"must be 'KVTierConnector' for this plugin, got {connector!r}")
+    policy = obj.get("kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        print(f"kvtier: warning: kv_load_failure_policy is {policy!r}: a block that cannot be loaded fails its "
+              "request; set \"kv_load_failure_policy\":\"recompute\"", file=sys.stderr)
+    extra = obj.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ConfigError("kv_connector_extra_config", f"must be a JSON object, not {type(extra).__name__}")
+    return extra
+
+
 def _parse_kvtier_config(args: argparse.Namespace) -> KVTierConfig:
     try:
         extra = json.loads(args.extra) if args.extra else {}
@@ -301,6 +323,7 @@ def _parse_kvtier_config(args: argparse.Namespace) -> KVTierConfig:
         raise PlanInputError("kv_connector_extra_config", f"not valid JSON: {e}") from None
     if not isinstance(extra, dict):
         raise ConfigError("kv_connector_extra_config", f"must be a JSON object, not {type(extra).__name__}")
+    extra = _extra_of_transfer_config(extra)
     if args.file:
         extra = {**extra, "config_file": args.file}
     if getattr(args, "preset", None):
@@ -437,9 +460,14 @@ def _parser() -> argparse.ArgumentParser:
                "and the values it allows, before any engine is started.",
                "  kvtier check-config '{\"preset\": \"interactive\", \"cpu\": {\"capacity_bytes\": 1073741824}}'\n"
                "  kvtier check-config --file configs/long-context.yaml\n"
+               "  kvtier check-config --preset long-context '{\"nvme\": {\"capacity_bytes\": \"2TB\"}}'\n"
+               "  kvtier check-config '{\"kv_connector\": \"KVTierConnector\", \"kv_role\": \"kv_both\", "
+               "\"kv_connector_extra_config\": {\"preset\": \"interactive\"}}'\n"
                "  kvtier check-config '{\"cpu\": {\"capacity_bytes\": 68719476736}}' --file configs/long-context.yaml")
-    chk.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config")
+    chk.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config, or the whole "
+                                              "--kv-transfer-config JSON")
     chk.add_argument("--file", help="a YAML file with the same fields")
+    chk.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
 
     plan = _sub(sub, "plan", "KV size per token and request, and what fits in each tier",
                 "The KV-size formula for one model (a local config.json, or layers / KV heads / head dim),\n"
@@ -508,7 +536,8 @@ def _parser() -> argparse.ArgumentParser:
                "      --ttft-slo-s 2 --workload interactive --prometheus-rules docker/prometheus/kvtier-alerts.yaml\n"
                "  kvtier doctor --file configs/long-context.yaml --layers 80 --kv-heads 8 --head-dim 128 \\\n"
                "      --context-tokens 128K --gpu-kv-bytes 40GB --json")
-    doc.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config")
+    doc.add_argument("extra", nargs="?", help="the JSON of kv_connector_extra_config, or the whole "
+                                              "--kv-transfer-config JSON")
     doc.add_argument("--file", help="a YAML file with the same fields")
     doc.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
     _add_model_args(doc)

@@ -77,3 +77,21 @@ def test_check_config_warns_when_the_cpu_budget_exceeds_this_machine(capsys):
     assert "warning: cpu.capacity_bytes" in err and "refuse to start" in err
     assert main(["check-config", '{"cpu": {"capacity_bytes": 1048576}}']) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_check_config_takes_the_whole_kv_transfer_config(capsys):
+    pasted = ('{"kv_connector":"KVTierConnector","kv_role":"kv_both","kv_load_failure_policy":"recompute",'
+              '"kv_connector_extra_config":{"preset":"interactive","cpu":{"capacity_bytes":"1GiB"}}}')
+    assert main(["check-config", pasted]) == 0
+    out, err = capsys.readouterr()
+    assert "capacity_bytes: 1073741824" in out and "preset: interactive" in out and err == ""
+    assert main(["check-config", '{"kv_connector":"KVTierConnector","kv_connector_extra_config":{}}']) == 0
+    assert "kv_load_failure_policy is 'fail'" in capsys.readouterr().err
+    assert main(["check-config", '{"kv_connector":"LMCacheConnectorV1"}']) == 2
+    assert "kv_connector" in capsys.readouterr().err
+
+
+def test_check_config_takes_a_preset(capsys):
+    assert main(["check-config", "--preset", "long-context", '{"nvme": {"capacity_bytes": "2TB"}}']) == 0
+    out = capsys.readouterr().out
+    assert "preset: long-context" in out and "capacity_bytes: 2000000000000" in out

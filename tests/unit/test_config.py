@@ -53,7 +53,7 @@ def test_config_file(tmp_path):
         ({"cpux": {}}, "cpux", "unknown key"),
         ({"cpu": {"capacity": 1}}, "cpu.capacity", "unknown key"),
         ({"cpu": {"capacity_bytes": -1}}, "cpu.capacity_bytes", "> 0"),
-        ({"cpu": {"capacity_bytes": "8G"}}, "cpu.capacity_bytes", "integer"),
+        ({"cpu": {"capacity_bytes": "8G"}}, "cpu.capacity_bytes", "a size such as 32GiB"),
         ({"cpu": {"capacity_bytes": True}}, "cpu.capacity_bytes", "integer"),
         ({"cpu": {"capacity_fraction": 1.5}}, "cpu.capacity_fraction", "0.9"),
         ({"cpu": {"eviction": "arc"}}, "cpu.eviction", "'lru', 's3fifo'"),
@@ -168,3 +168,53 @@ def test_a_section_validates_itself_wherever_it_is_built():
 def test_exporter_listens_on_loopback_unless_told_otherwise():
     assert parse_config({"exporter": {"port": 9400}}).exporter.addr == "127.0.0.1"
     assert parse_config({"exporter": {"port": 9400, "addr": "0.0.0.0"}}).exporter.addr == "0.0.0.0"
+
+
+def test_a_near_miss_key_gets_a_suggestion():
+    with pytest.raises(ConfigError, match="did you mean 'capacity_bytes'") as e:
+        parse_config({"cpu": {"capacty_bytes": 10}})
+    assert e.value.field == "cpu.capacty_bytes"
+    with pytest.raises(ConfigError, match="did you mean 'bucket'"):  # a flat tier section too
+        parse_config({"s3": {"bukcet": "b"}})
+    with pytest.raises(ConfigError) as e:
+        parse_config({"cpu": {"zzz": 1}})
+    assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize(("text", "n"), [("32GiB", 32 * 2**30), ("512MB", 512 * 10**6), ("1.5TB", 1.5e12),
+                                         ("4096", 4096)])
+def test_sizes_take_the_units_plan_takes(text, n):
+    assert parse_config({"cpu": {"capacity_bytes": text}}).cpu.capacity_bytes == n
+    cfg = parse_config({"nvme": {"path": "/x", "capacity_bytes": text}})
+    assert cfg.nvme is not None and cfg.nvme.capacity_bytes == n
+
+
+def test_an_ambiguous_size_names_the_field():
+    with pytest.raises(ConfigError, match="bare G is ambiguous") as e:
+        parse_config({"cpu": {"capacity_bytes": "32G"}})
+    assert e.value.field == "cpu.capacity_bytes"
+
+
+def test_yaml_booleans_in_a_string_field_say_what_happened(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("load_mode: on\n")  # YAML 1.1: unquoted on is true
+    with pytest.raises(ConfigError, match="unquoted on/off/yes/no") as e:
+        parse_config({"config_file": str(f)})
+    assert e.value.field == "load_mode"
+
+
+def test_capacity_bytes_and_fraction_together_are_refused():
+    with pytest.raises(ConfigError, match="not both") as e:
+        parse_config({"cpu": {"capacity_bytes": 2**30, "capacity_fraction": 0.3}})
+    assert e.value.field == "cpu.capacity_fraction"
+
+
+def test_a_later_source_chooses_bytes_or_fraction(tmp_path):
+    """The long-context preset sizes DRAM by fraction: bytes given inline replace it, and a
+    fraction given inline replaces bytes from a config file (it used to be ignored)."""
+    cfg = parse_config({"preset": "long-context", "cpu": {"capacity_bytes": 2**30}})
+    assert cfg.cpu.capacity_bytes == 2**30
+    f = tmp_path / "c.yaml"
+    f.write_text("cpu:\n  capacity_bytes: 1073741824\n")
+    cfg = parse_config({"config_file": str(f), "cpu": {"capacity_fraction": 0.3}})
+    assert cfg.cpu.capacity_bytes is None and cfg.cpu.capacity_fraction == 0.3

@@ -16,6 +16,7 @@ Secrets never live here (S3 credentials come from the environment), so ``repr`` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import stat
@@ -29,6 +30,7 @@ import yaml
 
 from vllm_kvtier.config.sections import KVTierConfig, MooncakeTierConfig, NixlTierConfig, S3TierConfig
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
+from vllm_kvtier.config.units import size_bytes
 from vllm_kvtier.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
@@ -84,6 +86,28 @@ def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
     return data
 
 
+#: Pairs of fields that say the same thing two ways: one source gives one of them, and a later
+#: source's choice replaces an earlier source's other one.
+_EITHER_OR = (("cpu", "capacity_bytes", "capacity_fraction"),)
+
+
+def _merge_source(base: dict[str, Any], over: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``over`` (one source: the preset, the config file or the inline fields) merged onto
+    ``base``; refuses a source that gives both fields of an either-or pair."""
+    base = dict(base)
+    for section, a, b in _EITHER_OR:
+        sec = over.get(section)
+        if not isinstance(sec, Mapping):
+            continue
+        given = [f for f in (a, b) if sec.get(f) is not None]
+        if len(given) == 2:
+            raise ConfigError(f"{section}.{b}", f"give {section}.{a} or {section}.{b}, not both ({source})")
+        if given and isinstance(base.get(section), Mapping):
+            other = b if given[0] == a else a
+            base[section] = {k: v for k, v in base[section].items() if k != other}
+    return _merge(base, over)
+
+
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -92,6 +116,17 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def _unknown_key(path: str, key: str, names: set[str]) -> ConfigError:
+    close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.75)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(path, f"unknown key; {hint}allowed: {', '.join(sorted(names))}")
+
+
+def _yaml_bool_hint(value: Any) -> str:
+    """YAML 1.1 reads unquoted on/off/yes/no as booleans: say so where a string was meant."""
+    return " (YAML reads unquoted on/off/yes/no as true/false: quote the value)" if isinstance(value, bool) else ""
 
 
 def _check_value(path: str, value: Any, tp: Any) -> Any:
@@ -113,7 +148,8 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+            raise ConfigError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+                                    + _yaml_bool_hint(value))
         return value
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -130,6 +166,11 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(path, f"must be true or false, got {value!r}")
         return value
     if tp is int:
+        if path.endswith("_bytes") and isinstance(value, str):  # "32GiB", "512MB"
+            try:
+                return size_bytes(value)
+            except ValueError as e:
+                raise ConfigError(path, f"{e}; give bytes, or a size such as 32GiB or 512MB") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"must be an integer, got {value!r}")
         return value
@@ -141,7 +182,7 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {value!r}")
+            raise ConfigError(path, f"must be a string, got {value!r}{_yaml_bool_hint(value)}")
         return value
     if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
         if not isinstance(value, list | tuple):
@@ -158,7 +199,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(path, f"unknown key; allowed: {', '.join(sorted(names))}")
+            raise _unknown_key(path, key, names)
         kwargs[key] = _check_value(path, value, hints[key])
     for f in dataclasses.fields(cls):
         if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -174,8 +215,7 @@ def _build_flat(tier_cls: type, store_cls: type, policy_fields: frozenset[str], 
     store_fields = {f.name for f in dataclasses.fields(store_cls)}
     for key in data:
         if key not in store_fields and key not in policy_fields:
-            allowed = ", ".join(sorted(store_fields | policy_fields))
-            raise ConfigError(f"{path}.{key}", f"unknown key; allowed: {allowed}")
+            raise _unknown_key(f"{path}.{key}", key, store_fields | policy_fields)
     hints = typing.get_type_hints(tier_cls)
     policy = {k: _check_value(f"{path}.{k}", v, hints[k]) for k, v in data.items() if k in policy_fields}
     store = _build(store_cls, {k: v for k, v in data.items() if k in store_fields}, path)
@@ -201,7 +241,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVTierConfig:
             raise ConfigError(
                 "preset", f"unknown preset {preset!r}; available: {', '.join(available_presets())}"
             )
-        merged = _merge(merged, _read_yaml(path, "preset"))
+        merged = _merge_source(merged, _read_yaml(path, "preset"), f"preset {preset}")
     config_file = extra.get("config_file")
     if config_file is not None:
         if not isinstance(config_file, str):
@@ -210,6 +250,6 @@ def parse_config(extra: Mapping[str, Any] | None) -> KVTierConfig:
         for nested in ("preset", "config_file"):
             if nested in from_file:
                 raise ConfigError(f"config_file.{nested}", "may only be given inline")
-        merged = _merge(merged, from_file)
-    merged = _merge(merged, extra)
+        merged = _merge_source(merged, from_file, f"config_file {config_file}")
+    merged = _merge_source(merged, extra, "kv_connector_extra_config")
     return _build(KVTierConfig, merged, "")

@@ -27,6 +27,7 @@ from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.config.units import size_bytes
 from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES
 
@@ -396,18 +397,12 @@ def make_plan(inp: PlanInput) -> Plan:
 
 # -- units ------------------------------------------------------------------------------
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
-
-
 def parse_size(text: str, option: str, *, allow_zero: bool = False) -> int:
     """Bytes from ``"42949672960"``, ``"80GB"`` (10^9) or ``"40GiB"`` (2^30)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        hint = " (say GB or GiB: a bare G is ambiguous)" if re.search(r"\d\s*[kmgtp]i?$", text, re.I) else ""
-        raise PlanInputError(option, f"not a size: {text!r}{hint}")
-    n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    try:
+        n = size_bytes(text)
+    except ValueError as e:
+        raise PlanInputError(option, str(e)) from None
     if n < 0 or (n == 0 and not allow_zero):
         raise PlanInputError(option, f"must be positive, got {text!r}")
     return n
