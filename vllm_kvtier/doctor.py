@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import os
 import shutil
+import socket
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -78,6 +82,31 @@ class Disk:
 
 
 @dataclass(frozen=True)
+class NVMeDir:
+    """The NVMe path as the tier will see it: the path, or its nearest existing parent."""
+
+    path: str
+    exists: bool
+    mode: int
+    uid: int
+    fstype: str | None  # from /proc/mounts; None: not found
+
+
+@dataclass(frozen=True)
+class TierProbe:
+    """What the configured tiers need from this machine, measured."""
+
+    nvme_dir: NVMeDir | None = None
+    #: tier -> install hint, for every configured tier whose package does not import here
+    missing_packages: tuple[tuple[str, str], ...] = ()
+    #: the S3 endpoint tried ("host:port") and the error, "" when it answered
+    s3_endpoint: str | None = None
+    s3_error: str = ""
+    #: an auth key is configured where this process can see it (env var set or key_file set)
+    auth_key_configured: bool = False
+
+
+@dataclass(frozen=True)
 class Machine:
     """What :func:`probe_machine` measured. None: could not be measured here."""
 
@@ -88,6 +117,7 @@ class Machine:
     gpu_source: str
     rdma_devices: tuple[str, ...]
     nvme_disk: Disk | None
+    tiers: TierProbe = TierProbe()
 
 
 @dataclass(frozen=True)
@@ -133,6 +163,89 @@ def _disk(path: str) -> Disk | None:
     return Disk(str(p), du.total, du.free)
 
 
+#: Filesystems that are memory, not a drive: an NVMe tier there takes DRAM a second time.
+MEMORY_FS = ("tmpfs", "ramfs")
+#: Filesystems that are not a local drive: slow, shared or the container's own layer.
+NOT_LOCAL_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "overlay", "fuse")
+#: Seconds to wait for the S3 endpoint's TCP handshake.
+S3_CONNECT_TIMEOUT_S = 3.0
+
+
+def _fstype(path: Path, mounts: str = "/proc/mounts") -> str | None:
+    """The filesystem type of the mount holding ``path`` (the longest mount point prefix)."""
+    best, fstype = -1, None
+    try:
+        with open(mounts) as f:
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > best:
+            best, fstype = len(mnt), parts[2]
+    return fstype
+
+
+def _nvme_dir(path: str) -> NVMeDir | None:
+    p = Path(path).expanduser().absolute()
+    exists = p.exists()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return NVMeDir(str(p), exists, stat.S_IMODE(st.st_mode) | (st.st_mode & stat.S_ISVTX), st.st_uid,
+                   _fstype(p.resolve()))
+
+
+def _importable(*names: str) -> bool:
+    return any(importlib.util.find_spec(n) is not None for n in names)
+
+
+def _missing_packages(cfg: KVTierConfig) -> tuple[tuple[str, str], ...]:
+    from vllm_kvtier.tiers.registry import install_hint
+
+    missing = []
+    if cfg.s3 is not None and not _importable("boto3"):
+        missing.append(("s3", install_hint("s3")))
+    if cfg.mooncake is not None and not _importable("mooncake"):
+        missing.append(("mooncake", install_hint("mooncake")))
+    uses_nixl = cfg.nixl is not None or (cfg.nvme is not None and cfg.nvme.io_engine != "posix") or (
+        cfg.s3 is not None and cfg.s3.store.io_engine == "nixl")
+    if uses_nixl and not _importable("nixl_cu12", "nixl_cu13", "nixl"):
+        missing.append(("nixl", "NIXL transfers need the nixl package: pip install nixl-cu12 and "
+                                "pip install --no-deps nixl"))
+    return tuple(missing)
+
+
+def _s3_endpoint(cfg: KVTierConfig) -> tuple[str | None, str]:
+    """Connect to the S3 endpoint once; ("host:port", "") when it answered."""
+    if cfg.s3 is None:
+        return None, ""
+    store = cfg.s3.store
+    url = store.endpoint_url or f"https://s3.{store.region or 'us-east-1'}.amazonaws.com"
+    u = urlsplit(url)
+    host, port = u.hostname or "", u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=S3_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        return f"{host}:{port}", str(e) or type(e).__name__
+    return f"{host}:{port}", ""
+
+
+def probe_tiers(cfg: KVTierConfig, *, connect: bool = True) -> TierProbe:
+    """Measure what the configured tiers need. ``connect``: try the S3 endpoint (a TCP
+    handshake, at most :data:`S3_CONNECT_TIMEOUT_S`)."""
+    endpoint, error = _s3_endpoint(cfg) if connect else (None, "")
+    key = bool(cfg.auth.key_file) or bool(os.environ.get(cfg.auth.key_env))
+    return TierProbe(_nvme_dir(cfg.nvme.path) if cfg.nvme is not None else None, _missing_packages(cfg),
+                     endpoint, error, key)
+
+
 def probe_machine(cfg: KVTierConfig, gpu_memory_bytes: int | None = None, *, detect_gpu: bool = True) -> Machine:
     """Measure this machine for ``cfg``.
 
@@ -149,7 +262,8 @@ def probe_machine(cfg: KVTierConfig, gpu_memory_bytes: int | None = None, *, det
     ib = Path("/sys/class/infiniband")
     rdma = tuple(sorted(os.listdir(ib))) if ib.is_dir() else ()
     disk = _disk(cfg.nvme.path) if cfg.nvme is not None else None
-    return Machine(mem.get("MemTotal"), mem.get("MemAvailable"), cgroup_memory_limit(), gpu, source, rdma, disk)
+    return Machine(mem.get("MemTotal"), mem.get("MemAvailable"), cgroup_memory_limit(), gpu, source, rdma, disk,
+                   probe_tiers(cfg))
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -249,6 +363,56 @@ def check_nvme_space(cfg: KVTierConfig, m: Machine) -> Check:
         return Check("nvme-space", Status.WARN, f"{head}: more than is free (fine only if the store already "
                                                 "holds the difference)")
     return Check("nvme-space", Status.PASS, head)
+
+
+def check_nvme_dir(cfg: KVTierConfig, m: Machine) -> Check:
+    """What turns the NVMe tier off at start (the tier refuses an unsafe directory), or makes
+    it no SSD at all."""
+    d = m.tiers.nvme_dir
+    if cfg.nvme is None:
+        return Check("nvme-dir", Status.PASS, "no NVMe tier configured")
+    if d is None:
+        return Check("nvme-dir", Status.WARN, f"cannot stat nvme.path {cfg.nvme.path} or a parent")
+    where = f"nvme.path {cfg.nvme.path}" + ("" if d.exists else f" (to be created under {d.path})")
+    if d.exists and d.uid not in (os.geteuid(), 0):
+        return Check("nvme-dir", Status.FAIL, f"{where} is owned by uid {d.uid}: the NVMe tier turns itself off")
+    if d.exists and d.mode & 0o022 and not d.mode & stat.S_ISVTX:
+        return Check("nvme-dir", Status.FAIL, f"{where} has mode {d.mode & 0o777:o}, writable by group or others: "
+                                              "the NVMe tier turns itself off (chmod 700 it)")
+    if d.fstype in MEMORY_FS:
+        return Check("nvme-dir", Status.FAIL, f"{where} is on {d.fstype}, which is memory: the NVMe tier would "
+                                              "take DRAM a second time (use a directory on the SSD)")
+    if d.fstype is not None and d.fstype.split(".")[0] in NOT_LOCAL_FS:
+        return Check("nvme-dir", Status.WARN, f"{where} is on {d.fstype}, not a local drive (mount the SSD there)")
+    return Check("nvme-dir", Status.PASS, f"{where} on {d.fstype or 'an unknown filesystem'}")
+
+
+def check_tier_packages(m: Machine) -> Check:
+    if not m.tiers.missing_packages:
+        return Check("tier-packages", Status.PASS, "every configured tier's package imports")
+    return Check("tier-packages", Status.FAIL, "; ".join(f"{t}: {hint}" for t, hint in m.tiers.missing_packages))
+
+
+def check_s3_endpoint(cfg: KVTierConfig, m: Machine) -> Check:
+    if cfg.s3 is None:
+        return Check("s3-endpoint", Status.PASS, "no S3 tier configured")
+    if m.tiers.s3_endpoint is None:
+        return Check("s3-endpoint", Status.WARN, "S3 endpoint not tried")
+    if m.tiers.s3_error:
+        return Check("s3-endpoint", Status.FAIL, f"{m.tiers.s3_endpoint} does not answer ({m.tiers.s3_error}): "
+                                                 "every S3 read and write would fail")
+    return Check("s3-endpoint", Status.PASS, f"{m.tiers.s3_endpoint} answers")
+
+
+def check_shared_auth(cfg: KVTierConfig, m: Machine) -> Check:
+    shared = [t for t in ("s3", "mooncake") if getattr(cfg, t, None) is not None]
+    if not shared:
+        return Check("shared-auth", Status.PASS, "no shared tier (s3, mooncake)")
+    if m.tiers.auth_key_configured:
+        return Check("shared-auth", Status.PASS, f"{' and '.join(shared)} chunks carry a MAC (auth key configured)")
+    return Check("shared-auth", Status.FAIL if cfg.auth.required else Status.WARN,
+                 f"{' and '.join(shared)} without an auth key (${cfg.auth.key_env} unset, no auth.key_file): "
+                 "whoever can write to it controls every reader's output")
 
 
 def config_tiers(cfg: KVTierConfig) -> list[str]:
@@ -392,6 +556,10 @@ def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
         check_gpu_budget(t, m, req),
         check_cpu_budget(cfg, m, req),
         check_nvme_space(cfg, m),
+        check_nvme_dir(cfg, m),
+        check_tier_packages(m),
+        check_s3_endpoint(cfg, m),
+        check_shared_auth(cfg, m),
         check_strategy(cfg, t),
         check_bandwidth(t, req, _workload(cfg, t)[0]),
         check_rdma(rdma_requirements(dataclasses.asdict(cfg)), m),

@@ -178,3 +178,86 @@ def test_meminfo_and_cgroup_readers(tmp_path):
     assert cgroup_memory_limit(str(tmp_path)) is None
     (tmp_path / "memory.max").write_text("8589934592\n")
     assert cgroup_memory_limit(str(tmp_path)) == 8 * GiB
+
+
+# -- what silently turns a tier off ------------------------------------------------------
+
+def _tier_checks(extra: dict) -> dict[str, tuple[Status, str]]:
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.doctor import (
+        check_nvme_dir,
+        check_s3_endpoint,
+        check_shared_auth,
+        check_tier_packages,
+        probe_tiers,
+    )
+
+    cfg = parse_config(extra)
+    m = machine(tiers=probe_tiers(cfg))
+    return {c.name: (c.status, c.reason) for c in (check_nvme_dir(cfg, m), check_tier_packages(m),
+                                                   check_s3_endpoint(cfg, m), check_shared_auth(cfg, m))}
+
+
+def test_an_nvme_path_the_tier_refuses_fails(tmp_path):
+    d = tmp_path / "nvme"
+    d.mkdir(mode=0o700)
+    d.chmod(0o700)
+    assert _tier_checks({"nvme": {"path": str(d), "capacity_bytes": GiB}})["nvme-dir"][0] is Status.PASS
+    d.chmod(0o777)
+    status, reason = _tier_checks({"nvme": {"path": str(d), "capacity_bytes": GiB}})["nvme-dir"]
+    assert status is Status.FAIL and "mode 777" in reason and "turns itself off" in reason
+
+
+def test_an_nvme_path_in_memory_fails(tmp_path):
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.doctor import NVMeDir, TierProbe, _fstype, check_nvme_dir
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\nnfs:/x /mnt/nfs nfs4 rw 0 0\n")
+    assert _fstype(Path("/dev/shm/kv"), str(mounts)) == "tmpfs"
+    assert _fstype(Path("/dev/shmx"), str(mounts)) == "ext4"
+    assert _fstype(Path("/mnt/nfs/a"), str(mounts)) == "nfs4"
+    cfg = parse_config({"nvme": {"path": "/dev/shm/kv", "capacity_bytes": GiB}})
+    for fstype, status in (("tmpfs", Status.FAIL), ("nfs4", Status.WARN), ("ext4", Status.PASS)):
+        m = machine(tiers=TierProbe(nvme_dir=NVMeDir("/dev/shm", False, 0o1777, 0, fstype)))
+        assert check_nvme_dir(cfg, m).status is status, fstype
+
+
+def test_a_missing_package_fails_with_its_install_hint(monkeypatch):
+    import sys
+
+    extra = {"s3": {"bucket": "kv-bucket", "endpoint_url": "http://127.0.0.1:9"}}
+    assert _tier_checks(extra)["tier-packages"][0] is Status.PASS
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed: import boto3 fails
+    status, reason = _tier_checks(extra)["tier-packages"]
+    assert status is Status.FAIL and "pip install 'vllm-kvtier[s3]'" in reason
+
+
+def test_an_s3_endpoint_that_does_not_answer_fails():
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        up = _tier_checks({"s3": {"bucket": "kv-bucket", "endpoint_url": f"http://127.0.0.1:{port}"}})
+    assert up["s3-endpoint"][0] is Status.PASS
+    down = _tier_checks({"s3": {"bucket": "kv-bucket", "endpoint_url": f"http://127.0.0.1:{port}"}})
+    assert down["s3-endpoint"][0] is Status.FAIL and f"127.0.0.1:{port} does not answer" in down["s3-endpoint"][1]
+
+
+def test_a_shared_tier_without_a_key_is_named(monkeypatch):
+    monkeypatch.delenv("KVTIER_AUTH_KEY", raising=False)
+    s3 = {"bucket": "kv-bucket", "endpoint_url": "http://127.0.0.1:9"}
+    assert _tier_checks({"s3": s3})["shared-auth"][0] is Status.WARN
+    assert _tier_checks({"s3": s3, "auth": {"required": True}})["shared-auth"][0] is Status.FAIL
+    monkeypatch.setenv("KVTIER_AUTH_KEY", "ab" * 32)
+    assert _tier_checks({"s3": s3})["shared-auth"][0] is Status.PASS
+
+
+def test_doctor_exits_1_on_an_nvme_path_the_tier_refuses(capsys, tmp_path):
+    d = tmp_path / "nvme"
+    d.mkdir()
+    d.chmod(0o777)
+    assert main(["doctor", json.dumps({"nvme": {"path": str(d), "capacity_bytes": GiB}}), "--gpu-kv-bytes", "1GB"]) == 1
+    assert "FAIL  nvme-dir" in capsys.readouterr().out
