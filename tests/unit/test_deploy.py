@@ -429,8 +429,37 @@ def test_s3_credentials_come_from_a_secret_never_from_values(helm):
     assert proc.returncode != 0 and "aws_secret_access_key" in proc.stderr
 
 
-def test_pd_example_uses_irsa_and_two_roles(helm):
+def test_pd_example_hands_off_through_a_mooncake_pool_with_a_key(helm):
     docs = render(helm, REPO / "docker/helm/examples/values-pd.yaml")
+    deployments = {component(d): d for d in of_kind(docs, "Deployment")}
+    assert set(deployments) == {"prefill", "decode"}
+    for name, d in deployments.items():
+        cfg = kv_transfer_config(d)
+        assert cfg["kv_role"] == ROLE_OF[name]
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["mooncake"]["master"] == "mooncake-master.kv-pool.svc:50051"
+        assert extra["mooncake"]["accept_handoffs"] is True and extra["auth"]["required"] is True
+        parsed = check_kv_transfer_config(cfg)
+        assert parsed.mooncake is not None and parsed.mooncake.accept_handoffs
+        env = {e["name"]: e for e in container(d)["env"]}
+        assert env["KVTIER_AUTH_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "kvtier-auth",
+                                                                       "key": "KVTIER_AUTH_KEY"}
+    # A pool without its master is refused at install, naming the value.
+    proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.mooncake.enabled=true")
+    assert proc.returncode != 0 and "kvtier.mooncake.master" in proc.stderr
+
+
+def test_every_example_sharing_a_tier_carries_an_auth_key(helm):
+    for values in EXAMPLES:
+        for d in of_kind(render(helm, values), "Deployment"):
+            extra = kv_transfer_config(d)["kv_connector_extra_config"]
+            if "s3" in extra or "mooncake" in extra:
+                assert extra.get("auth", {}).get("required") is True, values.name
+                assert "KVTIER_AUTH_KEY" in {e["name"] for e in container(d)["env"]}, values.name
+
+
+def test_pd_s3_example_uses_irsa_and_two_roles(helm):
+    docs = render(helm, REPO / "docker/helm/examples/values-pd-s3.yaml")
     deployments = {component(d): d for d in of_kind(docs, "Deployment")}
     assert set(deployments) == {"prefill", "decode"}
     assert {component(s) for s in of_kind(docs, "Service")} == {"prefill", "decode"}
@@ -577,7 +606,8 @@ def test_values_schema_matches_the_plugin_config():
     def section(name: str) -> type:
         return next(a for a in (*typing.get_args(hints[name]), hints[name]) if dataclasses.is_dataclass(a))
 
-    chart_only = {"cpu": set(), "nvme": {"enabled", "volume"}, "s3": {"enabled", "credentials"}}
+    chart_only = {"cpu": set(), "nvme": {"enabled", "volume"}, "s3": {"enabled", "credentials"},
+                  "mooncake": {"enabled"}}
     for name, extra in chart_only.items():
         assert set(schema[name]["properties"]) - extra == section_keys(section(name)), name
 
@@ -755,7 +785,8 @@ def test_the_mac_key_comes_from_a_secret_and_auth_is_required(helm):
     assert extra["auth"] == {"required": True, "local_tiers": False}
     assert check_kv_transfer_config(kv_transfer_config(d)).auth.required
     # Without a Secret: no key, no auth section (the shared tiers run unauthenticated).
-    (plain,) = of_kind(render(helm, REPO / "docker/helm/examples/values-offline-batch.yaml"), "Deployment")
+    (plain,) = of_kind(render(helm, REPO / "docker/helm/examples/values-offline-batch.yaml",
+                              "kvtier.auth.existingSecret="), "Deployment")
     assert "KVTIER_AUTH_KEY" not in {e["name"] for e in container(plain)["env"]}
     assert "auth" not in kv_transfer_config(plain)["kv_connector_extra_config"]
     proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.auth.key_value=x")

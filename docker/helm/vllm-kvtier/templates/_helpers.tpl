@@ -116,6 +116,11 @@ Fails with the value to fix when the tier settings cannot work.
 {{- $_ := required "kvtier.s3.bucket is required when kvtier.s3.enabled" $s3.bucket -}}
 {{- $_ := set $extra "s3" $s3 -}}
 {{- end -}}
+{{- if $kv.mooncake.enabled -}}
+{{- $mc := include "vllm-kvtier.compact" (omit $kv.mooncake "enabled") | fromJson -}}
+{{- $_ := required "kvtier.mooncake.master (host:port of mooncake_master) is required when kvtier.mooncake.enabled" $mc.master -}}
+{{- $_ := set $extra "mooncake" $mc -}}
+{{- end -}}
 {{- with $kv.auth -}}{{- if .existingSecret -}}
 {{- $_ := set $extra "auth" (dict "required" .required "local_tiers" .local_tiers) -}}
 {{- end -}}{{- end -}}
