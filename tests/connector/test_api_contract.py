@@ -79,3 +79,9 @@ def test_piecewise_cudagraph_follows_the_parsed_config(tmp_path):
     on = tmp_path / "on.yaml"
     on.write_text("layer_pipelined_loads: \"on\"\n")
     assert KVTierConnector.requires_piecewise_for_cudagraph({"preset": "interactive", "config_file": str(on)}) is True
+
+
+def test_sleep_mode_is_refused():
+    """vLLM >= 0.33 asks ``supports_sleep_mode`` before it enables sleep mode. The namespace
+    digests the weights at start: weights reloaded after a sleep would be served old KV."""
+    assert KVTierConnector.supports_sleep_mode(None) is False

@@ -149,6 +149,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_layer(layer_name)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM >= 0.33 asks before it enables sleep mode. No: the namespace holds a digest of
+        # the weights taken at start, so weights reloaded after a sleep (RLHF rollouts) would
+        # be served KV computed by the old ones. vLLM then refuses the pair at start.
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-by-layer loads wait between attention layers: a full CUDA graph would
         # replay past those waits. The parsed config: a preset or config_file may set it.
