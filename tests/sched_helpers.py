@@ -171,8 +171,9 @@ def free_blocks(scheduler: Scheduler) -> int:
 
 @dataclass
 class FakeWorker:
-    """Plays the worker: completes every save, sync load and release at once; async
-    loads complete when the test says so (or at once with ``auto_recv``)."""
+    """Plays the worker: completes every save and sync load at once (a held request is
+    reported in ``finished_sending`` in the step of its final save); async loads complete
+    when the test says so (or at once with ``auto_recv``)."""
 
     auto_recv: bool = True
     #: The CPU pool as the worker would hold it: slot -> key last written.
@@ -232,7 +233,8 @@ class FakeWorker:
                 assert self.pool.get(slot) == key, f"async load of {rid} reads a stale slot {slot}"
             recving.add(rid)
         self.recv_done -= recving
-        return set(), recving  # never a finished_sending: no block is held for a save
+        # Final saves ran before the forward: vLLM held those requests' blocks for them.
+        return {job.req_id for job in meta.saves}, recving
 
     def _apply_saves(self, meta: KVTierMetadata, jobs: list) -> None:
         for job in jobs:

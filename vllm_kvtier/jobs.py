@@ -129,15 +129,16 @@ class StepPlan:
     #: Slots of the CPU pool the scheduler plans for: never more than the worker's pool
     #: (sized in ``register_kv_caches``); the worker checks it.
     num_slots: int
-    #: Saves run before the forward: the last blocks of finished requests (``freed``).
+    #: Saves run before the forward: the last blocks of finished requests. vLLM holds
+    #: those blocks until the worker reports the saves done (``finished_sending``).
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     #: Saves run after the forward (in wait_for_save): blocks completed by this very step,
     #: so they are stored even if the engine never steps again (offline LLM, shutdown).
     saves_after: list[SaveJob] = field(default_factory=list)
-    #: Finished requests whose blocks vLLM has freed while saves out of them were in flight
-    #: or are in ``saves``: this step's forward may rewrite those blocks, so those saves are
-    #: ordered before it (as for ``preempted``).
+    #: Finished requests whose blocks vLLM has freed after saves out of them were issued.
+    #: Those saves were fenced when their step ended; the worker orders them before this
+    #: step's forward again (as for ``preempted``).
     freed: list[str] = field(default_factory=list)
     #: Lower-tier writes of blocks evicted from the CPU tier: done before this step's
     #: saves overwrite their slots.

@@ -1,8 +1,8 @@
 """The worker half's saves after a forward on a host KV cache: they run on the copy thread
-while the step samples and through the next forward (which writes none of their blocks),
-are waited for by any step that uses pool slots on the host and by the forward after next,
-and a failed one leaves its slots empty (a future miss), never served; lower-tier writes of
-those slots wait for them, and only for them."""
+and are done before the step's last call returns (vLLM may give their blocks to another
+request before our next call), are settled by the step's end or the next step that uses
+pool slots on the host, and a failed one leaves its slots empty (a future miss), never
+served; lower-tier writes of those slots wait for them to be settled."""
 
 from __future__ import annotations
 
@@ -111,30 +111,27 @@ def _forward(w: WorkerHalf, step: int, saves: list[SaveJob], wt: list[ChunkWrite
     w.transfer_results(set())
 
 
-def test_saves_after_a_forward_run_on_through_the_next_one_and_are_waited_for_by_the_one_after():
+def test_a_forwards_saves_are_done_when_its_step_ends_and_their_write_follows_the_settle():
     w, kv, tier = _worker()
     w.begin_step(StepPlan(num_slots=SLOTS, step=0))
     held = _HeldCopyThread(w)
     save = SaveJob("r1", block_ids=(3, 4, 5), slots=(0, 1, 2), keys=(_key(3), _key(4), _key(5)))
     wt = ChunkWriteJob("nvme", "f1", slots=(0, 1, 2), keys=save.keys)
-    _forward(w, 1, [save], [wt])
-    held.watch()
-    # Handed to the copy thread (the step goes on to sample); its lower-tier write waits.
-    assert [h.job for h in w.saves.in_flight()] == [save] and tier.written == []
-    # The next forward does not wait for it: it writes none of its blocks.
-    _forward(w, 2, [])
-    assert held.waited == [] and not held.release.is_set()
-    assert [h.job for h in w.saves.in_flight()] == [save] and tier.written == []
-    # The forward after that waits for it (at most one forward's saves in flight), then
-    # its lower-tier write is queued.
-    w.begin_step(StepPlan(num_slots=SLOTS, step=3))
-    assert held.waited == [save] and not w.saves.in_flight()
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[save], write_through=[wt]))
+    w.end_step()
+    # The step's end waited for the copy thread; its lower-tier write waits for the settle.
+    assert held.drained and tier.written == []
+    want = {n: t[list(save.block_ids)].clone() for n, t in kv.items()}
+    with torch.inference_mode():
+        for t in kv.values():
+            t[[3, 4, 5]] = 0  # the next step zeroes or rewrites them: too late to matter
+    w.transfer_results(set())
+    assert not w.saves.in_flight()
     assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True)]
     assert tier.copy_now == {"f1": False}  # a write-through: copied on the store's thread
     assert w.slots is not None
     assert all(w.slots.holds(s, k) for s, k in zip(save.slots, save.keys, strict=True))
     # Bytes: loading the slots back into other blocks gives the saved blocks.
-    want = {n: t[list(save.block_ids)].clone() for n, t in kv.items()}
     assert w.engine is not None
     w.engine.submit("load", [10, 11, 12], list(save.slots), background=False)
     for n, t in kv.items():
@@ -151,9 +148,10 @@ def test_a_step_that_uses_pool_slots_first_waits_for_the_last_forwards_saves_and
     w.begin_step(StepPlan(num_slots=SLOTS, step=0))
     held = _HeldCopyThread(w)
     bad = SaveJob("r1", block_ids=(NUM_BLOCKS + 1,), slots=(3,), keys=(_key(9),))  # block out of range
-    _forward(w, 1, [bad])
+    w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[bad]))
+    w.end_step()
     held.watch()
-    assert w.slots is not None and w.slots.holds(3, _key(9)), "not settled yet: still in flight"
+    assert w.slots is not None and w.slots.holds(3, _key(9)), "not settled yet"
     if uses == "load":
         w.begin_step(StepPlan(num_slots=SLOTS, step=2, loads=[LoadJob("r2", (7,), (3,), (_key(9),), False)]))
         w.start_loads()
@@ -167,29 +165,6 @@ def test_a_step_that_uses_pool_slots_first_waits_for_the_last_forwards_saves_and
     w.shutdown()
 
 
-def test_a_lower_tier_write_waits_only_for_the_saves_issued_up_to_its_step():
-    """Saves every step (saturation): the write-through of step 1 goes out once step 1's
-    saves are settled, while step 2's are still in flight (not once the copy thread is
-    idle, which under load it never is)."""
-    w, _, tier = _worker()
-    w.begin_step(StepPlan(num_slots=SLOTS, step=0))
-    held = _HeldCopyThread(w)
-    s1 = SaveJob("r1", block_ids=(3,), slots=(0,), keys=(_key(3),))
-    _forward(w, 1, [s1], [ChunkWriteJob("nvme", "f1", s1.slots, s1.keys)])
-    held2 = _HeldCopyThread(w)  # holds step 2's save behind step 1's
-    s2 = SaveJob("r1", block_ids=(4,), slots=(1,), keys=(_key(4),))
-    _forward(w, 2, [s2], [ChunkWriteJob("nvme", "f2", s2.slots, s2.keys)])
-    assert tier.written == []
-    held.release.set()
-    w.saves.in_flight()[0].transfer.wait()  # step 1's save is done; step 2's is held
-    w.transfer_results(set())
-    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True)]
-    assert [h.job for h in w.saves.in_flight()] == [s2]
-    held2.release.set()
-    w.shutdown()
-    assert [(j.chunk_id, ok) for j, ok in tier.written] == [("f1", True), ("f2", True)]
-
-
 def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     w, _, tier = _worker()
     bad = SaveJob("r1", block_ids=(NUM_BLOCKS + 1,), slots=(3,), keys=(_key(9),))  # block out of range
@@ -197,8 +172,7 @@ def test_a_failed_save_leaves_its_slots_empty_and_is_not_written_below():
     w.begin_step(StepPlan(num_slots=SLOTS, step=1, saves_after=[bad], write_through=[wt]))
     w.end_step()  # does not raise into vLLM
     w.transfer_results(set())
-    # The next begin waits only for the saves of forwards before the last: after a second
-    # forward the failed save is settled whatever the copy thread's speed.
+    # The step's end waited for the copy thread; a later step settles the failure.
     w.begin_step(StepPlan(num_slots=SLOTS, step=2))
     w.end_step()
     w.begin_step(StepPlan(num_slots=SLOTS, step=3))
@@ -262,33 +236,24 @@ def test_the_time_of_a_step_with_a_forward_is_counted_and_an_idle_one_is_not():
     w.shutdown()
 
 
-@pytest.mark.parametrize("why", ["freed", "preempted"])
-def test_a_finished_or_preempted_requests_saves_end_before_the_next_forward_rewrites_its_blocks(why):
-    """vLLM frees a finished request's blocks at once (nothing is held for our copies): the
-    next step's begin issues its final save and waits for the one still on the copy thread,
-    so the forward that rewrites those blocks finds every copy out of them done."""
+def test_a_final_save_is_reported_sent_once_done_and_only_then():
+    """A finished request with a final save is held by vLLM: the next step's begin issues
+    the save, and the request is reported (``finished_sending``) once its copy is done."""
     w, kv, _ = _worker()
     w.begin_step(StepPlan(num_slots=SLOTS, step=0))
-    held = _HeldCopyThread(w)
-    save = SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))
-    _forward(w, 1, [save])
-    held.watch()
-    assert held.waited == []  # still on the copy thread
-    final = [SaveJob("r1", block_ids=(5,), slots=(2,), keys=(_key(5),))] if why == "freed" else []
-    want = {n: t[[3, 4, 5]].clone() for n, t in kv.items()}
-    w.begin_step(StepPlan(num_slots=SLOTS, step=2, saves=final, **{why: ["r1"]}))
-    assert held.waited == [save]
-    # A final save runs on the calling thread, behind the copy thread's queue.
-    assert held.drained == bool(final)
+    _forward(w, 1, [SaveJob("r1", block_ids=(3, 4), slots=(0, 1), keys=(_key(3), _key(4)))])
+    assert w.take_sent() == set()  # saves after a forward hold no block
+    want = {n: t[[5]].clone() for n, t in kv.items()}
+    final = SaveJob("r1", block_ids=(5,), slots=(2,), keys=(_key(5),))
+    w.begin_step(StepPlan(num_slots=SLOTS, step=2, saves=[final]))
+    assert w.take_sent() == {"r1"} and w.take_sent() == set()
     with torch.inference_mode():
         for t in kv.values():
-            t[[3, 4, 5]] = 0  # this step's forward writes a new request's KV into them
-    assert w.transfer_results(set()) == set()  # no finished_sending: nothing was held
+            t[[5]] = 0  # vLLM frees the block and the next step rewrites it
     assert w.engine is not None
-    n = 3 if final else 2
-    w.engine.submit("load", [10, 11, 12][:n], [0, 1, 2][:n], background=False)
+    w.engine.submit("load", [10], [2], background=False)
     for name, t in kv.items():
-        assert torch.equal(t[[10, 11, 12][:n]], want[name][:n])
+        assert torch.equal(t[[10]], want[name])
     w.shutdown()
 
 

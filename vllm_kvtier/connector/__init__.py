@@ -130,8 +130,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierHandshake(rank=self._worker.rank, num_slots=self._worker.num_slots)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The earliest hook of a step, before blocks can be zeroed or overwritten: issue
-        # this step's saves here.
+        # The earliest hook of a step (vLLM's V2 runner calls it after zeroing new blocks,
+        # which no save of ours can read: see the worker's module docstring).
         if self._worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
             self._worker.begin_step(kv_connector_metadata)
 
@@ -165,10 +165,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        # After the forward: copy out the blocks this step completed. On CUDA the copies
-        # are queued on our stream and do not block; their source blocks belong to running
-        # requests, and the next step's begin orders them before its forward if their
-        # request finished or was preempted meanwhile.
+        # After the forward: copy out the blocks this step completed, ordered before any
+        # later write to the KV cache (on CUDA the compute stream waits on our stream; the
+        # host does not block). A request finished or preempted next may lose its blocks
+        # before our next hook runs.
         assert self._worker is not None
         if self.has_connector_metadata():
             self._worker.end_step()
@@ -176,14 +176,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
-        return None, recving or None
+        return self._worker.take_sent() or None, recving or None
 
     if KVConnectorTransferResults is not None:
 
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
             assert self._worker is not None
             recving = self._worker.transfer_results(finished_req_ids, idle_step=self._idle_step)
-            return KVConnectorTransferResults(finished_sending=set(), finished_recving=recving,
+            return KVConnectorTransferResults(finished_sending=self._worker.take_sent(), finished_recving=recving,
                                               failed_recving=self._worker.take_failed_loads())
 
     def build_connector_worker_meta(self) -> Any:

@@ -81,8 +81,8 @@ class RequestTable:
         self._held: dict[str, ReqState] = {}
         #: Requests given a fresh state since the last step.
         self._fresh: set[str] = set()
-        #: Finished requests with saves out of their blocks in flight or planned: vLLM has
-        #: freed those blocks, so the worker orders the saves before the next forward.
+        #: Finished requests with saves out of their blocks issued: vLLM has freed those
+        #: blocks, and the worker orders the saves before the next forward.
         self._freed: list[str] = []
 
     def start(self, request: Any, block_ids: list[int]) -> ReqState:
@@ -137,8 +137,8 @@ class RequestTable:
         return set(self._held)
 
     def free(self, req_id: str) -> None:
-        """vLLM freed finished ``req_id``'s blocks with saves out of them planned or in
-        flight. The next step's plan names it (:meth:`take_freed`)."""
+        """vLLM freed finished ``req_id``'s blocks after saves out of them were issued.
+        The next step's plan names it (:meth:`take_freed`)."""
         self._freed.append(req_id)
 
     def take_freed(self) -> list[str]:

@@ -358,12 +358,16 @@ class SchedulerPlanner:
             peer = self.peer_plan.params_for(request, self.block_size)
             if peer is not None:
                 params = {**(params or {}), **peer}
-        # vLLM frees the blocks now: the first forward that may rewrite them is the next
-        # step's, and the worker orders this final save and any earlier one still in flight
-        # before it (``StepPlan.freed``), as for a preempted request. Holding them until the
-        # copies were reported instead kept them from the next step's schedule: a step of
-        # queueing for every request behind a finished one when vLLM's cache is full.
-        if job is not None or state.saves_issued:
+        # A final save copies these blocks in the next step, and a runner may zero or copy
+        # into freed blocks before any hook of ours (vLLM's V2 runner does): vLLM holds them
+        # until the worker reports the copies done (``finished_sending``). Rare: a step's
+        # completed blocks are saved after its forward, except those computed on top of a
+        # sync load. Saves issued before are complete when their step ends, so any other
+        # request is freed at once (holding all of them would queue every request behind
+        # a finished one for a step when vLLM's cache is full).
+        if job is not None:
+            return True, params
+        if state.saves_issued:
             self.requests.free(request.request_id)
         return False, params
 

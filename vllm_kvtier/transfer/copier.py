@@ -8,12 +8,12 @@ Ordering contract (what the scheduler relies on): transfers run in submission or
 respect to the pool. On CPU, saves submitted with ``background=True`` (the saves after a
 forward) run on one copy thread, in order; sync loads run inline in the caller's thread once
 that thread has no save left (``drain``), and layer-by-layer loads on the same thread, after
-the saves. A save may overlap the next forward, which never writes its blocks
-(see :mod:`vllm_kvtier.transfer.worker`); the worker waits for it before anything uses its
-slots on the host. On CUDA, every copy
-goes on one dedicated stream, so a load issued after a save of the same slot sees its
-bytes; the stream waits for the compute stream before a save (the model must have written
-the block) and the compute stream waits for a sync load before attention reads it.
+the saves. On CUDA, every copy goes on one dedicated stream, so a load issued after a save
+of the same slot sees its bytes; the stream waits for the compute stream before a save (the
+model must have written the block) and the compute stream waits for a sync load before
+attention reads it. ``fence`` orders every copy submitted so far before any later write to
+the KV cache (the worker calls it when a step's saves are issued: vLLM may reuse a block
+as soon as its request finishes or is preempted, see :mod:`vllm_kvtier.transfer.worker`).
 """
 
 from __future__ import annotations
@@ -315,6 +315,11 @@ class HostCopyEngine:
         """Make the model's next reads of the KV cache see ``transfer`` (sync loads)."""
         transfer.wait()
 
+    def fence(self) -> None:
+        """Order every copy submitted so far before any later write to the KV cache: on a
+        host cache, wait here until the copy thread has run them all."""
+        self.drain()
+
     def shutdown(self) -> None:
         self._bg.shutdown(wait=True)
         self._last = None
@@ -366,6 +371,14 @@ class CudaCopyEngine:
     def order_before_compute(self, transfer: Transfer) -> None:
         assert isinstance(transfer, _CudaTransfer)
         torch.cuda.current_stream(self.layout.device).wait_event(transfer.event)
+
+    def fence(self) -> None:
+        """Order every copy submitted so far before any later write to the KV cache: the
+        compute stream waits for the copy stream's work queued up to now. The host does not
+        wait; kernels queued later on the compute stream (the next step's) start after it."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        torch.cuda.current_stream(self.layout.device).wait_event(event)
 
     def drain(self) -> None:
         """Nothing to wait for on the host: the stream orders the copies, and the compute

@@ -16,8 +16,11 @@ What it tracks, and why:
   step is settled, in the order they were held.
 - **Unstamped saves** (:class:`Unstamped`): with a peer link, a slot gets its stamp only
   once its copy is done, so a peer never reads half a block.
+- **Final saves** of finished requests: vLLM holds their blocks until :meth:`Saves.take_sent`
+  reports the copies done (``finished_sending``).
 - **In-flight saves per request**: when vLLM frees or preempts a request, its copies are
-  ordered before the next forward, which may rewrite its blocks.
+  ordered before the next forward. The worker's fence after each step's saves has ordered
+  them already (:mod:`vllm_kvtier.transfer.worker`); this is the second line.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class Saves:
         self._held: list[HeldWrite] = []
         self._unstamped: list[Unstamped] = []
         self._by_request: dict[str, list[Transfer]] = {}
+        #: Finished requests whose blocks vLLM holds until their final saves are done.
+        self._sending: dict[str, list[Transfer]] = {}
 
     def in_flight(self) -> list[HostSave]:
         """The host saves not settled yet, oldest first."""
@@ -90,11 +95,13 @@ class Saves:
         """The lower-tier writes held back behind them, in the order they were held."""
         return list(self._held)
 
-    def run(self, path: DataPath, jobs: list[SaveJob], *, step: int, background: bool = False) -> None:
-        """Issue ``jobs``. ``step``: the last step whose forward ended. ``background``: the
-        copy may run on the engine's copy thread (host KV cache); its slots stay busy until
-        :meth:`settle` has seen it done."""
+    def run(self, path: DataPath, jobs: list[SaveJob], *, step: int,
+            background: bool = False) -> list[tuple[str, Transfer]]:
+        """Issue ``jobs``; return each issued copy with its request. ``step``: the last step
+        whose forward ended. ``background``: the copy may run on the engine's copy thread
+        (host KV cache); its slots stay busy until :meth:`settle` has seen it done."""
         slots = path.slots
+        issued: list[tuple[str, Transfer]] = []
         for job in jobs:
             # before the first byte changes: a peer may be reading them, a lower-tier copy out may run
             slots.claim(job.slots)
@@ -116,6 +123,7 @@ class Saves:
             if not done and path.peer is not None:
                 self._unstamped.append(Unstamped(t, job.slots, job.keys))
             self._by_request.setdefault(job.req_id, []).append(t)
+            issued.append((job.req_id, t))
             slots.mark_busy(job.slots, t)
             self.counters.add(CounterName.BLOCKS_STORED, TIER, len(job.block_ids))
             self.counters.add(CounterName.BYTES_STORED, TIER, t.nbytes)
@@ -123,6 +131,23 @@ class Saves:
                 t.wait()
                 for s in job.slots:
                     slots.record_crc(s)
+        return issued
+
+    def run_final(self, path: DataPath, jobs: list[SaveJob], *, step: int) -> None:
+        """Issue the saves of finished requests whose blocks vLLM holds for them. Each
+        request is reported by :meth:`take_sent` once all its copies are done (or failed)."""
+        for job in jobs:
+            self._sending.setdefault(job.req_id, [])
+        for req_id, t in self.run(path, jobs, step=step):
+            self._sending[req_id].append(t)
+
+    def take_sent(self) -> set[str]:
+        """The held requests whose final saves are done: vLLM may free their blocks now
+        (``finished_sending``). Never waits."""
+        sent = {r for r, ts in self._sending.items() if all(t.done() for t in ts)}
+        for r in sent:
+            del self._sending[r]
+        return sent
 
     def order_before_compute(self, path: DataPath, req_ids: list[str]) -> None:
         """``req_ids`` were freed or preempted: their blocks went back to vLLM's pool. This

@@ -18,31 +18,34 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 
 Per step, in vLLM's order:
 
-1. ``begin_step(meta)`` (from ``handle_preemptions``, before the step touches any block, or
-   at the latest from ``start_load_kv``): check the plan's namespace and pool size (the
-   first plan opens the lower tiers), settle the host
-   saves that finished and queue their lower-tier writes, then issue this step's
-   **saves**. Saves come first so a load in the same step can read a block saved in it,
-   and before the forward so no block is overwritten before it is copied.
+1. ``begin_step(meta)`` (from ``handle_preemptions``, or at the latest from
+   ``start_load_kv``): check the plan's namespace and pool size (the first plan opens the
+   lower tiers), settle the host saves that finished and queue their lower-tier writes,
+   then issue the **final saves** of finished requests whose blocks vLLM holds for them
+   (``StepPlan.saves``). Saves come first so a load in the same step can read a block saved
+   in it. A step that reads or writes pool slots on the host (loads, demotions, prefetches,
+   verification) first waits for every save and settles it, so a failed save's slots are
+   never used. Lower-tier writes of slots still being filled are held until their saves
+   settle. With a peer link, a slot is stamped only once its copy is done.
    ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the forward
-   completed. On a host KV cache those copies run on the copy thread while the step samples
-   its tokens, vLLM schedules the next one and, on the next forward, computes (a token
-   waits for none of them). That forward writes no block they read: vLLM frees a block
-   only when its request finishes or is preempted, and ``begin_step`` orders the saves of
-   those requests (``StepPlan.freed``, ``preempted``) before the forward, the first that
-   can rewrite the block (vLLM never waits for our copies to reuse it); a hybrid model's
-   sliding-window blocks are saved inline (``wait_saves``). A step that
-   reads or writes pool slots on the host (loads, demotions, prefetches, verification)
-   first waits for every save and settles it, so a failed save's slots are never used;
-   otherwise the saves of forwards before the last are waited for, so at most one
-   forward's saves are queued. Lower-tier writes of slots still being filled are held
-   until their saves settle. With a peer link, a slot is stamped only once its copy is done.
+   completed, then fences those copies (``CopyEngine.fence``): on a host KV cache it waits
+   for the copy thread; on CUDA the compute stream waits for the copy stream. Why: vLLM
+   frees a block when its request finishes or is preempted, never waiting for our copies,
+   and a runner may write a freed block before any hook of ours runs in the next step
+   (vLLM's V2 runner zeroes new blocks and applies copy-on-write copies in
+   ``update_requests``, before ``pre_forward``). So no save outlives the step that issued it,
+   whatever the order of the runner's hooks. The final saves read held blocks, which vLLM
+   frees only once ``transfer_results`` reported them (``take_sent``). ``begin_step``
+   still orders the saves of freed and preempted requests (``StepPlan.freed``,
+   ``preempted``) before the forward; after the fence that costs nothing. A hybrid model's
+   sliding-window blocks are saved inline (``wait_saves``).
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
-   async loads done (``finished_recving``; no block is held for a save, so there is never
-   a ``finished_sending``). Failed blocks go to ``take_load_errors`` no later than the pass
-   that reports their request, so vLLM recomputes them.
+   async loads done (``finished_recving``) and, through ``take_sent``, the held requests
+   whose final saves are done (``finished_sending``). Failed blocks go to
+   ``take_load_errors`` no later than the pass that reports their request, so vLLM
+   recomputes them.
 
 A load fails (and its blocks are recomputed, never served) when the slot does not hold the
 expected key, when its checksum does not match (``cpu.checksum``), when the copy raises, or
@@ -244,8 +247,8 @@ class WorkerHalf:
                 open_lower(path, self.cfg, make, namespace=self.namespace, rank=self.rank, counters=self.counters)
         if self.namespace_conflict:
             self._refuse_lower(meta)  # the reads fail below: no such tier here
-        # The last forward's saves may run on through this forward (why that is safe: the
-        # module's docstring). A step that uses pool slots on the host waits for them all.
+        # The last forward's saves were fenced when it ended (the module's docstring); a
+        # step that uses pool slots on the host also settles them all.
         touches_slots = bool(meta.loads or meta.demotes or meta.verifies or meta.prefetches)
         self.saves.settle(path, wait_before=math.inf if touches_slots else self._step.ended)
         # Demoted slots are copied out before this step's saves reuse them.
@@ -253,7 +256,7 @@ class WorkerHalf:
             tier.write([j for j in meta.demotes if j.tier == name], copy_now=True)
             tier.delete([fid for t, fid in meta.deletes if t == name])
             tier.forget([fid for t, fid in meta.forgets if t == name])
-        self.saves.run(path, meta.saves, step=self._step.ended)
+        self.saves.run_final(path, meta.saves, step=self._step.ended)
         self.saves.order_before_compute(path, meta.preempted + meta.freed)
         for pf in meta.prefetches:
             self.prefetches.start(pf, path.lower, self._report)
@@ -271,6 +274,11 @@ class WorkerHalf:
         self._step.ended = meta.step
         self._finish_layered_loads()
         self.saves.run(path, meta.saves_after, step=self._step.ended, background=True)
+        if meta.saves_after:
+            # vLLM may give these blocks to another request before our next call: a finish
+            # or a preemption frees them, and a runner may zero or copy into new blocks
+            # before any hook of ours (vLLM's V2 runner does). Our copies come first.
+            path.engine.fence()
         if path.verifier is not None and meta.verifies:
             path.verifier.capture(meta.verifies)  # the forward computed their blocks
         for name, tier in path.lower.items():
@@ -372,6 +380,11 @@ class WorkerHalf:
         if self.path is not None and self.path.verifier is not None:
             self.path.verifier.take_report(meta)
         return None if meta.is_empty() else meta
+
+    def take_sent(self) -> set[str]:
+        """Finished requests whose final saves are done (``finished_sending``): vLLM held
+        their blocks for them and frees them now. Never waits."""
+        return self.saves.take_sent()
 
     def take_failed_loads(self) -> set[str]:
         """Requests whose async load failed (``request_level_failures`` only); each is also
