@@ -85,3 +85,14 @@ def test_sleep_mode_is_refused():
     """vLLM >= 0.33 asks ``supports_sleep_mode`` before it enables sleep mode. The namespace
     digests the weights at start: weights reloaded after a sleep would be served old KV."""
     assert KVTierConnector.supports_sleep_mode(None) is False
+
+
+def test_a_request_that_reads_no_cache_is_not_followed_under_either_name():
+    """vLLM 0.32/0.33 call it ``skip_reading_prefix_cache``, 0.34 ``skip_reading_external_kv``."""
+    from types import SimpleNamespace
+
+    from vllm_kvtier.connector.scheduler import followed
+
+    assert followed(SimpleNamespace())
+    assert not followed(SimpleNamespace(skip_reading_prefix_cache=True))
+    assert not followed(SimpleNamespace(skip_reading_external_kv=True))

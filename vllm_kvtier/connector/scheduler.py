@@ -65,8 +65,9 @@ def followed(request: Any) -> bool:
     """Whether ``schedule.order`` may judge ``request`` by this connector's hits: not
     one that reads no cache (``prompt_logprobs``: vLLM replaces the lookup's answer,
     ``None`` too, with 0), nor one whose KV another connector brings (a P/D decode
-    request under vLLM's MultiConnector, ``do_remote_prefill``)."""
-    if getattr(request, "skip_reading_prefix_cache", False):
+    request under vLLM's MultiConnector, ``do_remote_prefill``). vLLM 0.34 renamed the flag
+    ``skip_reading_external_kv``: either counts."""
+    if getattr(request, "skip_reading_prefix_cache", False) or getattr(request, "skip_reading_external_kv", False):
         return False
     params = getattr(request, "kv_transfer_params", None)
     return not (isinstance(params, dict) and params.get("do_remote_prefill"))
