@@ -44,6 +44,31 @@ def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = Tr
     return cfg
 
 
+def _files_under(root: Path) -> dict[str, tuple[int, int]]:
+    """Each file under ``root``: (size, mtime_ns); {} when there is none."""
+    if not root.is_dir():
+        return {}
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Tests write only under their temporary directories: the plugin's weights-digest cache
+    ("auto": $XDG_CACHE_HOME/vllm_kvtier) goes to a session directory, in this process and
+    in every engine or server it starts. vLLM's, Hugging Face's and torch's caches keep
+    their usual places. At the end, the user's own plugin cache must be as it was."""
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    before = _files_under(user_cache / "vllm_kvtier")
+    private = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        for var, where in (("HF_HOME", "huggingface"), ("VLLM_CACHE_ROOT", "vllm"), ("TORCH_HOME", "torch")):
+            if var not in os.environ:
+                mp.setenv(var, str(user_cache / where))
+        mp.setenv("XDG_CACHE_HOME", str(private))
+        yield private
+    assert _files_under(user_cache / "vllm_kvtier") == before, f"a test wrote under {user_cache / 'vllm_kvtier'}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from testkit.tinymodel import build_model
