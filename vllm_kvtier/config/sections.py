@@ -644,9 +644,15 @@ class VerifyConfig:
     #: Override the dtype default's absolute / relative tolerance (``tolerance: auto`` only).
     atol: float | None = None
     rtol: float | None = None
-    #: After a mismatch, the tier serves no hits for this long (its lookups answer miss;
-    #: saves to it continue). 0: no quarantine (counted and logged only).
+    #: After ``quarantine_mismatches`` mismatching checks, the tier serves no hits for this
+    #: long (its lookups answer miss; saves to it continue). 0: no quarantine (counted and
+    #: logged only).
     quarantine_s: float = 0.0
+    #: Checks of one tier that found a wrong block, within ``quarantine_window_s``, that
+    #: quarantine it. One wrong block is dropped at once; quarantine is for a tier that
+    #: keeps serving them, not for one false alarm. 1: the first mismatch quarantines.
+    quarantine_mismatches: int = 3
+    quarantine_window_s: float = 600.0
 
 
     def __post_init__(self) -> None:
@@ -658,6 +664,10 @@ class VerifyConfig:
                 if self.tolerance == "exact":
                     raise ConfigError(f"verify.{name}", "must not be set with tolerance: exact (bitwise)")
         _in_range("verify.quarantine_s", self.quarantine_s, 0, MAX_QUARANTINE_S)
+        if type(self.quarantine_mismatches) is not int:
+            raise ConfigError("verify.quarantine_mismatches", f"must be an integer, got {self.quarantine_mismatches!r}")
+        _in_range("verify.quarantine_mismatches", self.quarantine_mismatches, 1, 1000)
+        _in_range("verify.quarantine_window_s", self.quarantine_window_s, 1, MAX_QUARANTINE_S)
 
 
 @dataclass(frozen=True)
