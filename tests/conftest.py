@@ -44,11 +44,15 @@ def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = Tr
     return cfg
 
 
-def _files_under(root: Path) -> dict[str, tuple[int, int]]:
-    """Each file under ``root``: (size, mtime_ns); {} when there is none."""
-    if not root.is_dir():
-        return {}
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+def _cached_paths(cache_dir: Path) -> list[str]:
+    """The file paths named in a weights-digest cache file ([] when there is none)."""
+    import json
+
+    try:
+        doc = json.loads((cache_dir / "weights-digests.json").read_text())
+        return [str(item[0]) for item in doc["files"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return []
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -56,9 +60,9 @@ def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Tests write only under their temporary directories: the plugin's weights-digest cache
     ("auto": $XDG_CACHE_HOME/vllm_kvtier) goes to a session directory, in this process and
     in every engine or server it starts. vLLM's, Hugging Face's and torch's caches keep
-    their usual places. At the end, the user's own plugin cache must be as it was."""
+    their usual places. At the end, the user's own plugin cache must name no file of this
+    session (other processes of the host may use it meanwhile: only ours are looked for)."""
     user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    before = _files_under(user_cache / "vllm_kvtier")
     private = tmp_path_factory.mktemp("xdg-cache")
     with pytest.MonkeyPatch.context() as mp:
         for var, where in (("HF_HOME", "huggingface"), ("VLLM_CACHE_ROOT", "vllm"), ("TORCH_HOME", "torch")):
@@ -66,7 +70,9 @@ def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 mp.setenv(var, str(user_cache / where))
         mp.setenv("XDG_CACHE_HOME", str(private))
         yield private
-    assert _files_under(user_cache / "vllm_kvtier") == before, f"a test wrote under {user_cache / 'vllm_kvtier'}"
+    ours = str(tmp_path_factory.getbasetemp().resolve())
+    leaked = [p for p in _cached_paths(user_cache / "vllm_kvtier") if p.startswith(ours)]
+    assert not leaked, f"a test wrote under {user_cache / 'vllm_kvtier'}: {leaked[:3]}"
 
 
 @pytest.fixture(scope="session")
