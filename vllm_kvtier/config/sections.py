@@ -728,6 +728,9 @@ class KVTierConfig:
     #: vllm_kvtier (else ~/.cache/vllm_kvtier), "" = no cache (every start hashes again),
     #: or a directory.
     weights_digest_cache_dir: str = "auto"
+    #: Refuse to start when the weights cannot be fingerprinted (not a readable local model),
+    #: instead of naming them by model id and revision with a WARNING.
+    require_weights_fingerprint: bool = False
     auth: AuthConfig = field(default_factory=AuthConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
