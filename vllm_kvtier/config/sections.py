@@ -423,11 +423,11 @@ class NixlTierConfig:
     #: a proxy in front that strips clients' ``kv_transfer_params`` (examples/pd_proxy.py),
     #: and preferably a shared secret (below).
     accept_remote_decode: bool = False
-    #: Prefill side: the shared secret the P/D proxy adds to the prefill call
-    #: (``kv_transfer_params.kvtier_pd_secret``) is read from this environment variable, or
-    #: from ``remote_decode_secret_file`` (absolute path, mode 0600/0400) when set. Found
-    #: (16+ characters), a ``do_remote_decode`` without it is refused (compared in constant
-    #: time; counted). Never logged. Not found: any ``do_remote_decode`` is answered.
+    #: Prefill side: the shared secret the P/D proxy proves it knows (a one-time token,
+    #: ``kv_transfer_params.kvtier_pd_auth``: plan/pd_auth.py) is read from this environment
+    #: variable, or from ``remote_decode_secret_file`` (absolute path, mode 0600/0400) when
+    #: set. Found (16+ characters), a ``do_remote_decode`` without a valid token is refused
+    #: (counted). Never logged. Not found: any ``do_remote_decode`` is answered.
     remote_decode_secret_env: str = "KVTIER_PD_SECRET"
     remote_decode_secret_file: str | None = None
 
