@@ -29,6 +29,10 @@ and runs without its NVMe tier; it never scans, cleans or writes the first one's
 directory. The lock file is never deleted by its owner (deleting a lock file races with
 another process that opened it); it is a few bytes, counted in the tier's capacity.
 flock works across processes on one host and, on Linux, on NFS (as a POSIX lock).
+A collector (:func:`collect_namespace`) holds the locks of a namespace while it deletes its
+files and says so in the lock note; an engine starting on that namespace then waits for it
+(up to :data:`_COLLECT_WAIT_S`) and creates the directory again, rather than running
+without its NVMe tier.
 """
 
 from __future__ import annotations
