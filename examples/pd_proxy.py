@@ -21,10 +21,12 @@ instance's answer only, or no ``kv_transfer_params`` at all when the prefill cal
 registration keys) never goes back to the client: the client gets the decode answer.
 
 Shared secret: with the environment variable ``KVTIER_PD_SECRET`` set (or
-``--secret-file``), the prefill call carries it as ``kv_transfer_params.kvtier_pd_secret``;
-give the prefill instance the same secret (its ``nixl.remote_decode_secret_env`` or
-``nixl.remote_decode_secret_file``) so that it answers ``do_remote_decode`` from this proxy
-only. It is never logged.
+``--secret-file``), each prefill call carries a one-time token made with it,
+``kv_transfer_params.kvtier_pd_auth`` (the time, a random nonce and their HMAC-SHA256 under
+the secret); give the prefill instance the same secret (its ``nixl.remote_decode_secret_env``
+or ``nixl.remote_decode_secret_file``) so that it answers ``do_remote_decode`` from this
+proxy only. The secret itself is never sent: vLLM logs the request's parameters. This host's
+clock and the prefill host's must agree within 10 minutes (NTP).
 
     python examples/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
@@ -35,8 +37,12 @@ the decode one with ``"kv_role": "kv_consumer"`` (see ``configs/pd-disagg.yaml``
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import time
 from typing import Any
 
 import httpx
@@ -47,21 +53,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 logger = logging.getLogger("pd_proxy")
 
 
+def hand_off_token(secret: str, seconds: int | None = None, nonce: str | None = None) -> str:
+    """A one-time ``kvtier_pd_auth`` token: ``v1.<unix seconds>.<nonce>.<HMAC-SHA256>``
+    (the plugin's ``vllm_kvtier/plan/pd_auth.py`` checks it)."""
+    seconds = int(time.time()) if seconds is None else seconds
+    nonce = secrets.token_hex(16) if nonce is None else nonce
+    msg = f"kvtier-pd-auth.v1.{seconds}.{nonce}".encode()
+    return f"v1.{seconds}.{nonce}.{hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()}"
+
+
 def build_app(prefill_url: str, decode_url: str, *, prefill_timeout_s: float = 300.0,
               decode_timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None,
               secret: str | None = None) -> FastAPI:
     """``transport``: httpx's, for both instances (tests pass an in-process one).
-    ``secret``: added to the prefill call (the prefill instance's shared secret)."""
+    ``secret``: the prefill instance's shared secret (each prefill call carries a token
+    made with it, never the secret)."""
     hand_off: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-    if secret:
-        hand_off["kvtier_pd_secret"] = secret
     app = FastAPI(title="vllm_kvtier P/D proxy")
     prefill = httpx.AsyncClient(base_url=prefill_url, timeout=prefill_timeout_s, transport=transport)
     decode = httpx.AsyncClient(base_url=decode_url, timeout=decode_timeout_s, transport=transport)
     app.state.stats = {"requests": 0, "prefill_failures": 0, "client_kv_params_stripped": 0}
 
     async def run_prefill(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        req = dict(body, max_tokens=1, stream=False, kv_transfer_params=dict(hand_off))
+        params = dict(hand_off)
+        if secret:
+            params["kvtier_pd_auth"] = hand_off_token(secret)
+        req = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
         req.pop("stream_options", None)
         req.pop("max_completion_tokens", None)
         try:

@@ -44,6 +44,37 @@ def kvtier_config(extra: dict[str, Any] | None = None, *, module_path: bool = Tr
     return cfg
 
 
+def _cached_paths(cache_dir: Path) -> list[str]:
+    """The file paths named in a weights-digest cache file ([] when there is none)."""
+    import json
+
+    try:
+        doc = json.loads((cache_dir / "weights-digests.json").read_text())
+        return [str(item[0]) for item in doc["files"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Tests write only under their temporary directories: the plugin's weights-digest cache
+    ("auto": $XDG_CACHE_HOME/vllm_kvtier) goes to a session directory, in this process and
+    in every engine or server it starts. vLLM's, Hugging Face's and torch's caches keep
+    their usual places. At the end, the user's own plugin cache must name no file of this
+    session (other processes of the host may use it meanwhile: only ours are looked for)."""
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    private = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        for var, where in (("HF_HOME", "huggingface"), ("VLLM_CACHE_ROOT", "vllm"), ("TORCH_HOME", "torch")):
+            if var not in os.environ:
+                mp.setenv(var, str(user_cache / where))
+        mp.setenv("XDG_CACHE_HOME", str(private))
+        yield private
+    ours = str(tmp_path_factory.getbasetemp().resolve())
+    leaked = [p for p in _cached_paths(user_cache / "vllm_kvtier") if p.startswith(ours)]
+    assert not leaked, f"a test wrote under {user_cache / 'vllm_kvtier'}: {leaked[:3]}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from testkit.tinymodel import build_model

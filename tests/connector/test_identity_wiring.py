@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from tests.unit.test_identity import model_dir
 from vllm_kvtier.connector.wiring import engine_namespace, model_identity
 from vllm_kvtier.index.identity import fingerprint_weights
@@ -114,3 +116,19 @@ def test_an_edit_inside_a_large_tensor_changes_the_namespace(tmp_path):
     before = engine_namespace(cfg, kv)
     edit_in_place(a / "model.safetensors", 100_000, bytes(64 << 10))
     assert engine_namespace(cfg, kv) != before
+
+
+def test_require_weights_fingerprint_refuses_a_model_named_by_id_only(tmp_path):
+    """``require_weights_fingerprint``: a model that cannot be fingerprinted stops the start
+    with an error naming the field and the model; a local model starts as before."""
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.errors import ConfigError
+
+    cfg = parse_config({"require_weights_fingerprint": True})
+    assert cfg.require_weights_fingerprint and not parse_config({}).require_weights_fingerprint
+    hub = fake_config("org/not-here", revision="abc123", download_dir=str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="require_weights_fingerprint.*org/not-here"):
+        model_identity(hub, "", require_fingerprint=cfg.require_weights_fingerprint)
+    a = model_dir(tmp_path / "a")
+    ident, fp = model_identity(fake_config(str(a)), "", require_fingerprint=True)
+    assert fp is not None and ident.weights == fp.digest and ident.model == ""

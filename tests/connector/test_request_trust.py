@@ -310,22 +310,33 @@ def test_remote_decode_gets_no_offer_unless_enabled(tiny_model):
     assert counter(sched, "request_params_ignored", "peer") == 0
 
 
-def test_remote_decode_with_a_secret_needs_the_right_one(tiny_model, monkeypatch):
-    """With a shared secret configured (the proxy adds it), a do_remote_decode without it
-    or with a wrong one is refused and counted; the right one gets the offer."""
+def test_remote_decode_with_a_secret_needs_a_token_made_with_it(tiny_model, monkeypatch):
+    """With a shared secret configured, a do_remote_decode without a token, with one made
+    with another secret, with the secret itself (vLLM would log it) or with a spent token
+    is refused and counted; a fresh token made with the secret gets the offer."""
+    import time
+
+    from vllm_kvtier.plan.pd_auth import token
+
     monkeypatch.setenv("KVTIER_PD_SECRET", SECRET)
     sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"accept_remote_decode": True}})
     worker = FakeWorker()
+    now = int(time.time())
+    good = token(SECRET.encode(), now, "a" * 32)
     for i, params in enumerate(({"do_remote_decode": True},
-                                {"do_remote_decode": True, "kvtier_pd_secret": SECRET[:-1] + "x"},
-                                {"do_remote_decode": True, "kvtier_pd_secret": 12345})):
+                                {"do_remote_decode": True, "kvtier_pd_auth": token(b"x" * 20, now, "b" * 32)},
+                                {"do_remote_decode": True, "kvtier_pd_secret": SECRET},
+                                {"do_remote_decode": True, "kvtier_pd_auth": 12345})):
         _, answer = _prefill(sched, worker, f"bad{i}", params, seed=50 + i)
         assert not (answer or {}).get("kvtier_peer")
-    assert counter(sched, "request_params_ignored", "peer") == 3
+    assert counter(sched, "request_params_ignored", "peer") == 4
     assert counter(sched, "peer_offered_blocks", "peer") == 0 and _slots_pinned(sched) == 0
-    _, answer = _prefill(sched, worker, "good", {"do_remote_decode": True, "kvtier_pd_secret": SECRET}, seed=60)
+    _, answer = _prefill(sched, worker, "good", {"do_remote_decode": True, "kvtier_pd_auth": good}, seed=60)
     assert answer is not None and "kvtier_peer" in answer and SECRET not in repr(answer)
     assert counter(sched, "peer_offered_blocks", "peer") == 4
+    _, answer = _prefill(sched, worker, "again", {"do_remote_decode": True, "kvtier_pd_auth": good}, seed=61)
+    assert not (answer or {}).get("kvtier_peer")  # the same token, copied from a log: spent
+    assert counter(sched, "request_params_ignored", "peer") == 5
 
 
 def test_a_short_or_unreadable_secret_fails_at_start(tiny_model, monkeypatch, tmp_path):

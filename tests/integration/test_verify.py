@@ -137,7 +137,7 @@ def test_nvme_verify_honest_then_planted_block_quarantines(tiny_model, baseline_
     with a valid CRC: engine 3 counts one mismatch, quarantines NVMe, and the next request
     on that prefix gets no NVMe hit. Tokens equal the baseline throughout."""
     p, root = PROMPTS[1], tmp_path / "nvme"
-    verify = {"sample_rate": 1.0, "quarantine_s": 600}
+    verify = {"sample_rate": 1.0, "quarantine_s": 600, "quarantine_mismatches": 1}
     llm = make_llm(tiny_model, nvme_verify_config(root))
     try:
         assert generate(llm, p).tokens == baseline_of(p)
@@ -177,7 +177,7 @@ def test_fp8_nvme_tier_verifies_clean_through_its_codec(tiny_model, baseline_of,
         generate(llm, p)
     finally:
         close_llm(llm)
-    llm = make_llm(tiny_model, nvme_verify_config(root, {"sample_rate": 1.0, "quarantine_s": 600},
+    llm = make_llm(tiny_model, nvme_verify_config(root, {"sample_rate": 1.0, "quarantine_s": 600, "quarantine_mismatches": 1},
                                                   storage_dtype="fp8"))
     try:
         r = generate(llm, p)
@@ -197,7 +197,7 @@ def test_s3_verify_honest_then_forged_object_quarantines(tiny_model, baseline_of
     (valid CRC, right key, wrong bytes) and removes the manifests (so readers take the
     forged header): C catches it, quarantines S3, and serves the baseline's tokens."""
     p, bucket, url = PROMPTS[1], s3_bucket, s3_server.url
-    verify = {"sample_rate": 1.0, "quarantine_s": 600}
+    verify = {"sample_rate": 1.0, "quarantine_s": 600, "quarantine_mismatches": 1}
 
     def s3_kv(v: dict | None = None) -> dict:
         extra = {"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
@@ -255,7 +255,7 @@ def test_pool_hits_verify_clean(tiny_model, baseline_of, mooncake_master, tmp_pa
     try:
         wait_prefilled(prefill, tmp_path)
         kv = pd_config(mooncake_master.address, "kv_consumer")
-        kv["kv_connector_extra_config"]["verify"] = {"sample_rate": 1.0, "quarantine_s": 600}
+        kv["kv_connector_extra_config"]["verify"] = {"sample_rate": 1.0, "quarantine_s": 600, "quarantine_mismatches": 1}
         llm = make_llm(tiny_model, kv)
         try:
             tokens, c = decode(llm, p, HANDOFF)

@@ -516,6 +516,57 @@ def test_other_namespaces_are_reported_and_collected_only_when_free_and_ours(tmp
         mine.close()
 
 
+def test_an_engine_starting_while_its_namespace_is_collected_waits_and_gets_its_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reproduced bug: a collection holds every rank lock while it deletes the namespace's
+    files (seconds for a large one); an engine starting on that namespace meanwhile gave up
+    after 0.2 s and ran without its NVMe tier. It now waits for the collector, then creates
+    the directory again and holds its lock."""
+    import threading
+
+    old = "1" * 16
+    t = NVMeStore(tmp_path, old, 0, BLOCK)
+    write_chunk(t, "c0", 0, 2)
+    t.close()
+    (found,) = foreign_namespaces(tmp_path, {"0" * 16})
+    collecting, go_on = threading.Event(), threading.Event()
+    real_unlink = os.unlink
+
+    def slow_unlink(path: object, *a: object, **kw: object) -> None:
+        if str(path).endswith(".kvt") and not go_on.is_set():
+            collecting.set()
+            go_on.wait(60)  # the collection takes as long as the test says
+        real_unlink(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", slow_unlink)
+    freed: list[int] = []
+    collector = threading.Thread(target=lambda: freed.append(collect_namespace(found)))
+    collector.start()
+    assert collecting.wait(60)
+    opened: list[object] = []
+    starter = threading.Thread(target=lambda: opened.append(_try_open(tmp_path, old)))
+    starter.start()
+    starter.join(1.0)  # 5 times the old retry window: it had given up by now
+    go_on.set()
+    collector.join(60)
+    starter.join(60)
+    assert freed and freed[0] > 0
+    (got,) = opened
+    assert isinstance(got, NVMeStore), got
+    try:
+        assert got.dir.is_dir() and not list(got.dir.glob("*.kvt"))  # a fresh directory, and it is ours
+        assert f"pid {os.getpid()}" in (lock_holder(got.dir) or "")
+    finally:
+        got.close()
+
+
+def _try_open(root: Path, ns: str) -> object:
+    try:
+        return NVMeStore(root, ns, 0, BLOCK)
+    except OSError as e:
+        return e
+
+
 @pytest.mark.parametrize("err", [24, 5, 13])  # EMFILE, EIO, EACCES
 def test_owner_scan_keeps_a_chunk_it_could_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     err: int) -> None:

@@ -791,3 +791,28 @@ def test_the_mac_key_comes_from_a_secret_and_auth_is_required(helm):
     assert "auth" not in kv_transfer_config(plain)["kv_connector_extra_config"]
     proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.auth.key_value=x")
     assert proc.returncode != 0 and "key_value" in proc.stderr
+
+
+def test_verify_keys_for_a_rotation_come_from_secrets(helm):
+    """kvtier.auth.verifyKeys: each Secret is read as KVTIER_AUTH_VERIFY_KEY_<i> through a
+    secretKeyRef and named in auth.verify_key_envs (the plugin accepts it on reads only);
+    without a signing key, or with a key value instead of a Secret, the chart refuses."""
+    keys = ("kvtier.auth.existingSecret=kvtier-auth-new",
+            "kvtier.auth.verifyKeys[0].existingSecret=kvtier-auth-old", "kvtier.auth.verifyKeys[0].key=hex",
+            "kvtier.auth.verifyKeys[1].existingSecret=kvtier-auth-older", "kvtier.auth.verifyKeys[1].key=KEY")
+    (d,) = of_kind(render(helm, REPO / "docker/helm/examples/values-offline-batch.yaml", *keys), "Deployment")
+    env = {e["name"]: e for e in container(d)["env"]}
+    assert env["KVTIER_AUTH_VERIFY_KEY_0"] == {
+        "name": "KVTIER_AUTH_VERIFY_KEY_0", "valueFrom": {"secretKeyRef": {"name": "kvtier-auth-old", "key": "hex"}}}
+    assert env["KVTIER_AUTH_VERIFY_KEY_1"]["valueFrom"]["secretKeyRef"] == {"name": "kvtier-auth-older", "key": "KEY"}
+    cfg = kv_transfer_config(d)
+    assert cfg["kv_connector_extra_config"]["auth"]["verify_key_envs"] == [
+        "KVTIER_AUTH_VERIFY_KEY_0", "KVTIER_AUTH_VERIFY_KEY_1"]
+    assert check_kv_transfer_config(cfg).auth.verify_key_envs == ("KVTIER_AUTH_VERIFY_KEY_0",
+                                                                  "KVTIER_AUTH_VERIFY_KEY_1")
+    proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.auth.verifyKeys[0].existingSecret=old",
+                    "--set", "kvtier.auth.verifyKeys[0].key=k")
+    assert proc.returncode != 0 and "needs kvtier.auth.existingSecret" in proc.stderr
+    proc = run_helm(helm, "template", "rel", str(CHART), "--set", "kvtier.auth.existingSecret=a",
+                    "--set", "kvtier.auth.verifyKeys[0].value=00ff")
+    assert proc.returncode != 0 and "value" in proc.stderr

@@ -396,3 +396,46 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
     fingerprint_weights(a, cache_dir=cache)
     os.utime(a / "config.json", ns=(7, 7))
     assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == 0
+
+
+def test_a_start_killed_mid_hash_resumes_with_the_files_it_finished(tmp_path, monkeypatch):
+    """Each file's hash is cached as it finishes: a start that dies after k files leaves them
+    cached; the next start hashes only the others (and a file changed since), and its digest
+    is the one a start from nothing computes."""
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for i in range(6):
+        write_safetensors(a / f"model-{i:05d}.safetensors", tensors(i, n=2))
+    want = fingerprint_weights(a).digest  # no cache: from nothing
+    cache = tmp_path / "cache"
+    real = identity.hash_file
+    done: list[str] = []
+    lock = __import__("threading").Lock()
+
+    def dies_after_two(path: Path) -> tuple[str, int, int]:
+        with lock:
+            if len(done) >= 2:
+                raise OSError("killed")  # this start is over: no file is finished after it
+            done.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(identity, "hash_file", dies_after_two)
+    os.utime(a / "config.json", ns=(1, 1))  # a new memo key
+    with pytest.raises(OSError, match="killed"):
+        fingerprint_weights(a, cache_dir=cache)
+    assert len(done) == 2
+    changed = sorted(done)[0]
+    write_safetensors(a / changed, tensors(50, n=2))  # changed since: hashed again
+    monkeypatch.setattr(identity, "hash_file", real)
+    want_changed = fingerprint_weights(a).digest
+    hashed: list[str] = []
+    monkeypatch.setattr(identity, "hash_file", lambda path: (hashed.append(path.name), real(path))[1])
+    os.utime(a / "config.json", ns=(2, 2))
+    fp = fingerprint_weights(a, cache_dir=cache)
+    all_files = {p.name for p in a.glob("*.safetensors")}
+    assert sorted(hashed) == sorted(all_files - set(done) | {changed})
+    assert fp.cached_files == 1 and fp.digest == want_changed != want
+    # and a third start reads nothing
+    os.utime(a / "config.json", ns=(3, 3))
+    assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == 0

@@ -145,6 +145,9 @@ def test_sampling_is_deterministic_and_follows_the_rate():
     ({"rtol": -1}, "verify.rtol"),
     ({"quarantine_s": -1}, "verify.quarantine_s"),
     ({"quarantine_s": 1e12}, "verify.quarantine_s"),
+    ({"quarantine_mismatches": 0}, "verify.quarantine_mismatches"),
+    ({"quarantine_mismatches": 2.5}, "verify.quarantine_mismatches"),
+    ({"quarantine_window_s": 0}, "verify.quarantine_window_s"),
     ({"tolerance": "loose"}, "verify.tolerance"),
     ({"sample": 1}, "verify.sample"),
 ])
@@ -201,7 +204,7 @@ def test_rate_zero_builds_nothing_and_loads():
 
 
 def test_sampled_hit_is_recomputed_compared_and_a_mismatch_quarantines():
-    p = planner(sample_rate=1.0, quarantine_s=600)
+    p = planner(sample_rate=1.0, quarantine_s=600, quarantine_mismatches=1)
     run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     got, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
     assert got == (0, False) and not plan.loads  # told 0 external tokens: recomputed
@@ -221,6 +224,38 @@ def test_sampled_hit_is_recomputed_compared_and_a_mismatch_quarantines():
     got, plan = run_request(p, prompt("c"), [10, 11, 12, 13, 14])
     assert got == (0, False) and not plan.verifies and not plan.loads
     assert p.stats()["gauges"]["verify_quarantined|cpu"] == 1
+
+
+def mismatching_check(p: SchedulerPlanner, name: str, slots: list[int]) -> None:
+    """A sampled hit of a fresh prompt ``name`` whose workers report one wrong block."""
+    r = Req(name, [name.encode() + bytes([i]) * 7 for i in range(4)], 4 * BS + 1)
+    run_request(p, r, slots)  # stored
+    _, plan = run_request(p, Req(name + "'", list(r.block_hashes), r.num_prompt_tokens), [s + 5 for s in slots])
+    (job,) = plan.verifies
+    p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
+                                                        verify_mismatched={(job.verify_id, job.keys[1])})))
+
+
+def test_one_mismatch_does_not_quarantine_a_tier_by_default_three_do():
+    p = planner(sample_rate=1.0, quarantine_s=600)
+    assert p.verify is not None
+    mismatching_check(p, "a", [0, 1, 2, 3, 4])
+    mismatching_check(p, "b", [10, 11, 12, 13, 14])
+    assert p.counters.totals["verify_mismatches|cpu"] == 2 and not p.verify.quarantined("cpu")
+    assert p.counters.totals.get("verify_quarantines|cpu", 0) == 0
+    mismatching_check(p, "c", [20, 21, 22, 23, 24])
+    assert p.verify.quarantined("cpu") and p.counters.totals["verify_quarantines|cpu"] == 1
+
+
+def test_mismatches_count_toward_a_quarantine_only_within_the_window():
+    from vllm_kvtier.plan.verify_plan import MismatchWindow
+
+    w = MismatchWindow(2, 100)
+    assert not w.add("cpu", 0) and not w.add("nvme", 50)  # per tier
+    assert not w.add("cpu", 100)  # the first one has left the window
+    assert w.add("cpu", 150)  # two within 100 s
+    assert not w.add("cpu", 160)  # counting starts again after a quarantine
+    assert MismatchWindow(1, 100).add("s3", 0)
 
 
 def test_clean_check_releases_its_pins_and_quarantine_is_off_by_default():
@@ -265,7 +300,7 @@ def test_worker_reports_merge_over_ranks():
 
 
 def test_a_check_waits_for_every_rank():
-    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60))
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60, quarantine_mismatches=1))
     p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, world_size=2)
     run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     _, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
@@ -323,7 +358,7 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     found = [{"c1": make_header("ns", keys, [0] * 4, 1024)}]
     nvme = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 4, None), world_size=1, block_bytes_per_rank=1024,
                         counters=counters, found=found)
-    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60))
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60, quarantine_mismatches=1))
     p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[nvme], counters=counters)
     got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     assert got == (0, False) and not plan.loads

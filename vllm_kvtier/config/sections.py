@@ -423,11 +423,11 @@ class NixlTierConfig:
     #: a proxy in front that strips clients' ``kv_transfer_params`` (examples/pd_proxy.py),
     #: and preferably a shared secret (below).
     accept_remote_decode: bool = False
-    #: Prefill side: the shared secret the P/D proxy adds to the prefill call
-    #: (``kv_transfer_params.kvtier_pd_secret``) is read from this environment variable, or
-    #: from ``remote_decode_secret_file`` (absolute path, mode 0600/0400) when set. Found
-    #: (16+ characters), a ``do_remote_decode`` without it is refused (compared in constant
-    #: time; counted). Never logged. Not found: any ``do_remote_decode`` is answered.
+    #: Prefill side: the shared secret the P/D proxy proves it knows (a one-time token,
+    #: ``kv_transfer_params.kvtier_pd_auth``: plan/pd_auth.py) is read from this environment
+    #: variable, or from ``remote_decode_secret_file`` (absolute path, mode 0600/0400) when
+    #: set. Found (16+ characters), a ``do_remote_decode`` without a valid token is refused
+    #: (counted). Never logged. Not found: any ``do_remote_decode`` is answered.
     remote_decode_secret_env: str = "KVTIER_PD_SECRET"
     remote_decode_secret_file: str | None = None
 
@@ -644,9 +644,15 @@ class VerifyConfig:
     #: Override the dtype default's absolute / relative tolerance (``tolerance: auto`` only).
     atol: float | None = None
     rtol: float | None = None
-    #: After a mismatch, the tier serves no hits for this long (its lookups answer miss;
-    #: saves to it continue). 0: no quarantine (counted and logged only).
+    #: After ``quarantine_mismatches`` mismatching checks, the tier serves no hits for this
+    #: long (its lookups answer miss; saves to it continue). 0: no quarantine (counted and
+    #: logged only).
     quarantine_s: float = 0.0
+    #: Checks of one tier that found a wrong block, within ``quarantine_window_s``, that
+    #: quarantine it. One wrong block is dropped at once; quarantine is for a tier that
+    #: keeps serving them, not for one false alarm. 1: the first mismatch quarantines.
+    quarantine_mismatches: int = 3
+    quarantine_window_s: float = 600.0
 
 
     def __post_init__(self) -> None:
@@ -658,6 +664,10 @@ class VerifyConfig:
                 if self.tolerance == "exact":
                     raise ConfigError(f"verify.{name}", "must not be set with tolerance: exact (bitwise)")
         _in_range("verify.quarantine_s", self.quarantine_s, 0, MAX_QUARANTINE_S)
+        if type(self.quarantine_mismatches) is not int:
+            raise ConfigError("verify.quarantine_mismatches", f"must be an integer, got {self.quarantine_mismatches!r}")
+        _in_range("verify.quarantine_mismatches", self.quarantine_mismatches, 1, 1000)
+        _in_range("verify.quarantine_window_s", self.quarantine_window_s, 1, MAX_QUARANTINE_S)
 
 
 @dataclass(frozen=True)
@@ -718,6 +728,9 @@ class KVTierConfig:
     #: vllm_kvtier (else ~/.cache/vllm_kvtier), "" = no cache (every start hashes again),
     #: or a directory.
     weights_digest_cache_dir: str = "auto"
+    #: Refuse to start when the weights cannot be fingerprinted (not a readable local model),
+    #: instead of naming them by model id and revision with a WARNING.
+    require_weights_fingerprint: bool = False
     auth: AuthConfig = field(default_factory=AuthConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     events: EventsConfig = field(default_factory=EventsConfig)

@@ -90,7 +90,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config, salt=self.cfg.namespace_salt,
                                                  log=role == KVConnectorRole.SCHEDULER, groups=self.groups,
                                                  fingerprint=self.cfg.weights_fingerprint,
-                                                 cache_dir=wiring.digest_cache_dir(self.cfg.weights_digest_cache_dir))
+                                                 cache_dir=wiring.digest_cache_dir(self.cfg.weights_digest_cache_dir),
+                                                 require_fingerprint=self.cfg.require_weights_fingerprint)
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None

@@ -359,10 +359,12 @@ def digest_cache_dir(setting: str) -> Path | None:
 
 
 def model_identity(vllm_config: VllmConfig, salt: str, *, fingerprint: FingerprintMode = "full",
-                   cache_dir: Path | None = None) -> tuple[ModelIdentity, WeightsFingerprint | None]:
+                   cache_dir: Path | None = None,
+                   require_fingerprint: bool = False) -> tuple[ModelIdentity, WeightsFingerprint | None]:
     """The :class:`ModelIdentity` of this engine, read from vLLM's resolved configuration,
     and the weights fingerprint it used (None when the weights could not be fingerprinted:
-    then the model id and revision stand for them, with a WARNING). ``fingerprint`` and
+    then the model id and revision stand for them, with a WARNING; with
+    ``require_fingerprint``, :class:`ConfigError` instead). ``fingerprint`` and
     ``cache_dir``: :func:`~vllm_kvtier.index.identity.fingerprint_weights`'s."""
     model = vllm_config.model_config
     load = vllm_config.load_config
@@ -376,6 +378,10 @@ def model_identity(vllm_config: VllmConfig, salt: str, *, fingerprint: Fingerpri
             fp = fingerprint_weights(local, mode=fingerprint, cache_dir=cache_dir)
         except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
             logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
+    if fp is None and require_fingerprint:
+        raise ConfigError("require_weights_fingerprint",
+                          f"the weights of {model.model!r} cannot be fingerprinted (not a readable local model "
+                          "directory or file): load the model from a local directory, or set this to false")
     if fp is None:
         logger.warning("kvtier: the weights of %r cannot be fingerprinted (not a readable local model); the "
                        "namespace uses its id and revision only: set namespace_salt when the weights behind "
@@ -436,17 +442,18 @@ def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
                      log: bool = False, groups: GroupLayout | None = None, fingerprint: FingerprintMode = "full",
-                     cache_dir: Path | None = None) -> str:
+                     cache_dir: Path | None = None, require_fingerprint: bool = False) -> str:
     """The digest naming what this engine stores (the model's identity: weights, dtype,
     quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
     layout (:func:`kv_cache_layout`), hash): blocks of
     another namespace are never read back. ``log``: its inputs at INFO (once per engine:
-    the scheduler role)."""
+    the scheduler role). ``require_fingerprint``: :func:`model_identity`'s."""
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    identity, fp = model_identity(vllm_config, salt, fingerprint=fingerprint, cache_dir=cache_dir)
+    identity, fp = model_identity(vllm_config, salt, fingerprint=fingerprint, cache_dir=cache_dir,
+                                  require_fingerprint=require_fingerprint)
     fields = NamespaceFields(
         model=identity.digest(),
         kv_dtype=str(cache.cache_dtype if cache.cache_dtype != "auto" else model.dtype),

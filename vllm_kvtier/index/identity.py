@@ -16,7 +16,8 @@ file's content hash is kept in a small local cache (:class:`DigestCache`) keyed 
 says the file is unchanged on this host: its resolved path, size, ``mtime_ns``,
 ``ctime_ns``, inode and device. ``ctime`` cannot be set back by a user (restoring
 ``mtime`` after an edit still changes it), so a cached start re-reads nothing and a
-changed file is hashed again; nothing local enters the digest itself. While one process
+changed file is hashed again; nothing local enters the digest itself. Each file's hash is
+saved as soon as it is read: a start killed mid-hash resumes where it stopped. While one process
 hashes, the others of the host wait on the cache's lock and then read its result (the
 scheduler and every worker compute the namespace).
 
@@ -53,7 +54,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -345,25 +346,36 @@ class DigestCache:
 
 def _content_hashes(weights: list[Path], cache_dir: Path | None) -> tuple[list[str], int, int, int]:
     """The content hash of each file of ``weights``, from the cache where its state is the
-    cached one, else read: (hashes, bytes hashed, read calls, files from the cache)."""
+    cached one, else read: (hashes, bytes hashed, read calls, files from the cache). Each
+    file's hash is saved as soon as it is known, so a start killed mid-hash (a ready
+    timeout on a large model) leaves the finished files cached and the next start hashes
+    only the rest. The first error of a file is raised once every other file is done."""
     with DigestCache(cache_dir) if cache_dir is not None else contextlib.nullcontext() as cache:
         keys = [str(p.resolve()) for p in weights]
         states = [_state(os.stat(k)) for k in keys]
         hashes: list[str | None] = [cache.get(k, st) if cache is not None else None
                                     for k, st in zip(keys, states, strict=True)]
         todo = [i for i, d in enumerate(hashes) if d is None]
-        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(todo)))) as pool:
-            done = list(pool.map(lambda i: hash_file(Path(keys[i])), todo))
         n_bytes = reads = 0
-        for i, (digest, n, r) in zip(todo, done, strict=True):
-            hashes[i] = digest
-            n_bytes += n
-            reads += r
-            # a file written while it was read: its hash is used once, never cached
-            if cache is not None and _state(os.stat(keys[i])) == states[i] and n == states[i][0]:
-                cache.put(keys[i], states[i], digest)
-        if cache is not None and todo:
-            cache.save()
+        error: BaseException | None = None
+        with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(todo)))) as pool:
+            futures = {pool.submit(hash_file, Path(keys[i])): i for i in todo}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                try:
+                    digest, n, r = fut.result()
+                except Exception as e:  # raised below, once the other files are done
+                    error = error or e
+                    continue
+                hashes[i] = digest
+                n_bytes += n
+                reads += r
+                # a file written while it was read: its hash is used once, never cached
+                if cache is not None and _state(os.stat(keys[i])) == states[i] and n == states[i][0]:
+                    cache.put(keys[i], states[i], digest)
+                    cache.save()  # one small atomic write per file: progress survives a kill
+        if error is not None:
+            raise error
     return [d for d in hashes if d is not None], n_bytes, reads, len(weights) - len(todo)
 
 

@@ -17,8 +17,9 @@ Trust (prefill side): an offer hands out every rank's NIXL agent metadata (memor
 registration keys, pool addresses) and pins slots, and vLLM's OpenAI server forwards
 ``kv_transfer_params`` from clients. So ``do_remote_decode`` is answered only with
 ``nixl.accept_remote_decode`` on and, when a shared secret is configured
-(:func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`), only if the request carries it
-(``kvtier_pd_secret``, compared in constant time); otherwise the request gets no offer,
+(:func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`), only if the request carries a
+one-time token made with it (``kvtier_pd_auth``: :mod:`~vllm_kvtier.plan.pd_auth`; the
+secret itself is never sent, since vLLM logs the request); otherwise the request gets no offer,
 pins nothing, and is counted (``request_params_ignored{tier="peer"}``). The answer itself
 must reach only the proxy, never a client (docs/security.md).
 
@@ -37,26 +38,23 @@ trusted is ``trusted=False``: the scheduler uses its blocks for that request onl
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvtier.config import NixlTierConfig
-from vllm_kvtier.config.secrets import MAX_SECRET_CHARS
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters
+from vllm_kvtier.plan.pd_auth import HandOffAuth
 from vllm_kvtier.plan.request_params import IgnoredParams, PeerTrust, peer_trust
 
 logger = logging.getLogger(__name__)
 
 TIER = TierName.PEER
 PARAM = "kvtier_peer"
-#: The shared secret a P/D proxy adds to the prefill call's ``kv_transfer_params``.
-SECRET_PARAM = "kvtier_pd_secret"
 
 
 @dataclass(frozen=True)
@@ -76,10 +74,10 @@ class PeerPlan:
 class PeerPlanner:
     def __init__(self, index: SlotIndex, counters: Counters, *, world_size: int, cfg: NixlTierConfig,
                  ignored: IgnoredParams | None = None, secret: bytes | None = None) -> None:
-        """``secret``: the shared secret a ``do_remote_decode`` must carry (None: none is
-        asked for; see :func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`)."""
+        """``secret``: the shared secret a ``do_remote_decode`` must prove it knows (None:
+        none is asked for; see :func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`)."""
         self.index = index
-        self._secret = secret
+        self._auth = HandOffAuth(secret) if secret is not None else None
         self.counters = counters
         self.world_size = world_size
         self.cfg = cfg
@@ -139,14 +137,9 @@ class PeerPlanner:
         """Why a ``do_remote_decode`` gets no offer (None: it gets one)."""
         if not self.cfg.accept_remote_decode:
             return "nixl.accept_remote_decode is off"
-        if self._secret is None:
+        if self._auth is None:
             return None
-        given = params.get(SECRET_PARAM)
-        if not isinstance(given, str) or len(given) > MAX_SECRET_CHARS:
-            return f"no {SECRET_PARAM} (a shared secret is configured)"
-        if not hmac.compare_digest(given.encode(), self._secret):
-            return f"wrong {SECRET_PARAM}"
-        return None
+        return self._auth.refusal(params, time.time())
 
     def release(self, req_id: str) -> int:
         """Unpin ``req_id``'s offered slots; how many there were (0: none held)."""

@@ -21,7 +21,8 @@ The life of a sampled hit:
    mismatches are counted per tier; a mismatching block is dropped from its tier (never
    served again; a wrong DRAM block from the lower tiers too, whose copies were written
    from that slot: deleted from an exclusive tier, only forgotten by this instance on a
-   shared one, see :meth:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner.distrust_key`) and, with ``verify.quarantine_s`` > 0, its tier is quarantined: its
+   shared one, see :meth:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner.distrust_key`) and, with ``verify.quarantine_s`` > 0, its tier is quarantined once
+   ``verify.quarantine_mismatches`` checks of it mismatched within ``verify.quarantine_window_s``: its
    lookups answer miss for that long (saves to it continue, so it is warm again after; a
    tier still broken is caught again by the next sample). A block that matched stays in
    the CPU tier (it was promoted there and is now known good). Pins are released.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +87,28 @@ class _Held:
     inexact: set[bytes] = field(default_factory=set)
 
 
+class MismatchWindow:
+    """When a tier's mismatches call for a quarantine: ``threshold`` mismatching checks of
+    it within ``window_s`` (pure: the caller passes the time)."""
+
+    def __init__(self, threshold: int, window_s: float) -> None:
+        self.threshold = threshold
+        self.window_s = window_s
+        self._times: dict[str, deque[float]] = {}
+
+    def add(self, tier: str, now: float) -> bool:
+        """Record one mismatching check of ``tier`` at ``now``; True when it makes
+        ``threshold`` within the window (the count then starts again)."""
+        times = self._times.setdefault(tier, deque())
+        times.append(now)
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if len(times) < self.threshold:
+            return False
+        times.clear()
+        return True
+
+
 class VerifyPlanner:
     def __init__(self, cfg: VerifyConfig, index: SlotIndex, promotions: Promotions, counters: Counters, *,
                  world_size: int, lower: Sequence[ChunkPlanner] = (),
@@ -109,6 +133,7 @@ class VerifyPlanner:
         self._next_id = 1
         #: tier -> monotonic time until which it serves no hits
         self._quarantine_until: dict[str, float] = {}
+        self._mismatches = MismatchWindow(cfg.quarantine_mismatches, cfg.quarantine_window_s)
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -273,8 +298,14 @@ class VerifyPlanner:
             logger.warning("kvtier verify: tier %s served a wrong block (request %s); dropped it "
                            "(verify.quarantine_s is 0: the tier keeps serving)", tier, req_id)
             return
-        logger.warning("kvtier verify: tier %s served a wrong block (request %s); it serves no hits "
-                       "for %.0f s (verify.quarantine_s)", tier, req_id, q)
+        if not self._mismatches.add(tier, self._clock()):
+            logger.warning("kvtier verify: tier %s served a wrong block (request %s); dropped it "
+                           "(the tier is quarantined after verify.quarantine_mismatches=%d within %.0f s)",
+                           tier, req_id, self.cfg.quarantine_mismatches, self.cfg.quarantine_window_s)
+            return
+        logger.warning("kvtier verify: tier %s served a wrong block (request %s), %d within %.0f s; it serves "
+                       "no hits for %.0f s (verify.quarantine_s)", tier, req_id, self.cfg.quarantine_mismatches,
+                       self.cfg.quarantine_window_s, q)
         self._quarantine_until[tier] = self._clock() + q
         self.counters.add(CounterName.VERIFY_QUARANTINES, tier)
 

@@ -29,6 +29,10 @@ and runs without its NVMe tier; it never scans, cleans or writes the first one's
 directory. The lock file is never deleted by its owner (deleting a lock file races with
 another process that opened it); it is a few bytes, counted in the tier's capacity.
 flock works across processes on one host and, on Linux, on NFS (as a POSIX lock).
+A collector (:func:`collect_namespace`) holds the locks of a namespace while it deletes its
+files and says so in the lock note; an engine starting on that namespace then waits for it
+(up to :data:`_COLLECT_WAIT_S`) and creates the directory again, rather than running
+without its NVMe tier.
 """
 
 from __future__ import annotations
@@ -58,9 +62,18 @@ FILE_MODE = 0o600
 #: A namespace directory's name (:func:`vllm_kvtier.keys.namespace`: 16 hex digits).
 NAMESPACE_NAME = re.compile(r"^[0-9a-f]{16}$")
 RANK_NAME = re.compile(r"^r\d{1,6}$")
-#: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler or
-#: collector may probe it for microseconds (a shared probe), which is not an owner.
+#: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler may probe
+#: it for microseconds (a shared probe), which is not an owner.
 _LOCK_RETRY_S = 0.2
+#: How long it waits while :func:`collect_namespace` holds the lock (its note says so): a
+#: collection deletes every file of the namespace, seconds for a large one (about 20 us an
+#: unlink: 250,000 chunks of a 1 TB namespace take 5 s), and an engine that gave up would
+#: run without its NVMe tier for its whole life.
+_COLLECT_WAIT_S = 120.0
+#: Attempts at a rank directory that a collector deletes meanwhile (each one: create it again).
+_LOCK_ATTEMPTS = 5
+#: The first word of the lock note a collector writes.
+_COLLECTING = "collecting"
 
 
 class UnsafeDirectory(OSError):
@@ -173,25 +186,32 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     base = _make_base(Path(root))
     ns_dir = base / namespace
     rank_dir = ns_dir / f"r{rank}"
-    for d in (ns_dir, rank_dir):
-        if not _mkdir_private(d):
-            _check_ours(d)
-    fd = _open_lock_file(rank_dir)
-    give_up = time.monotonic() + _LOCK_RETRY_S
-    while True:
+    start = time.monotonic()
+    for attempt in range(_LOCK_ATTEMPTS):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() < give_up:
-                time.sleep(0.02)
-                continue
-            os.close(fd)
-            raise DirectoryLocked(errno.EBUSY, f"held by another engine ({_holder_text(rank_dir)}); two engines "
-                                               "must not share one NVMe directory", str(rank_dir)) from None
+            for d in (ns_dir, rank_dir):
+                if not _mkdir_private(d):
+                    _check_ours(d)
+            fd = _open_lock_file(rank_dir)
+        except FileNotFoundError:  # removed by a collector between two steps: again
+            if attempt + 1 == _LOCK_ATTEMPTS:
+                raise
+            continue
+        try:
+            _lock_or_wait(fd, rank_dir, start)
+            # a collector may have deleted the directory while this waited: the lock is
+            # ours only if the file locked is still the one at the path
+            st, now = os.fstat(fd), os.stat(rank_dir / LOCK_NAME, follow_symlinks=False)
+            if (st.st_ino, st.st_dev) == (now.st_ino, now.st_dev):
+                break
+        except FileNotFoundError:
+            pass
         except BaseException:
             os.close(fd)
             raise
+        os.close(fd)
+    else:
+        raise DirectoryLocked(errno.EBUSY, "its lock file was replaced at every attempt", str(rank_dir))
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} host {socket.gethostname()} since {int(time.time())}\n".encode(), 0)
@@ -200,6 +220,23 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     if base != Path(os.path.abspath(root)):
         logger.info("kvtier nvme: nvme.path %s resolves to %s", root, base)
     return rank_dir, RankDirLock(rank_dir, fd)
+
+
+def _lock_or_wait(fd: int, rank_dir: Path, start: float) -> None:
+    """Take ``fd``'s exclusive lock: retried for :data:`_LOCK_RETRY_S` (a probe), and for
+    up to :data:`_COLLECT_WAIT_S` while a collector holds it; else :class:`DirectoryLocked`."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _holder_text(rank_dir)
+            waited = time.monotonic() - start
+            if waited < _LOCK_RETRY_S or (holder.startswith(_COLLECTING) and waited < _COLLECT_WAIT_S):
+                time.sleep(0.02)
+                continue
+            raise DirectoryLocked(errno.EBUSY, f"held by another engine ({holder}); two engines "
+                                               "must not share one NVMe directory", str(rank_dir)) from None
 
 
 def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
@@ -347,7 +384,7 @@ def collect_namespace(ns: ForeignNamespace) -> int:
     try:
         for rd in ranks:
             try:
-                fd = os.open(rd / LOCK_NAME, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+                fd = os.open(rd / LOCK_NAME, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue  # written before locks existed, or never used
             locks.append(fd)
@@ -356,6 +393,10 @@ def collect_namespace(ns: ForeignNamespace) -> int:
             except BlockingIOError:
                 logger.info("kvtier nvme: %s: an engine started on it meanwhile; kept", ns.path)
                 return 0
+            # an engine starting on it now waits for this, rather than running without NVMe
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{_COLLECTING} by pid {os.getpid()} host {socket.gethostname()}\n".encode(), 0)
         for rd in ranks:
             for f in os.scandir(rd):
                 if _ours(f.name) and f.name != LOCK_NAME and f.is_file(follow_symlinks=False):

@@ -122,7 +122,13 @@ Fails with the value to fix when the tier settings cannot work.
 {{- $_ := set $extra "mooncake" $mc -}}
 {{- end -}}
 {{- with $kv.auth -}}{{- if .existingSecret -}}
-{{- $_ := set $extra "auth" (dict "required" .required "local_tiers" .local_tiers) -}}
+{{- $auth := dict "required" .required "local_tiers" .local_tiers -}}
+{{- if .verifyKeys -}}
+{{- $envs := list -}}
+{{- range $i, $_ := .verifyKeys -}}{{- $envs = append $envs (printf "KVTIER_AUTH_VERIFY_KEY_%d" $i) -}}{{- end -}}
+{{- $_ := set $auth "verify_key_envs" $envs -}}
+{{- end -}}
+{{- $_ := set $extra "auth" $auth -}}
 {{- end -}}{{- end -}}
 {{- $extra = mergeOverwrite $extra (deepCopy (default dict $kv.extraConfig)) (deepCopy .component.extraConfig) -}}
 {{- toJson $extra -}}
