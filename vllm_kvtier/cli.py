@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -141,6 +142,14 @@ def _blocks_opt(text: str | None, option: str, block_bytes: int | None) -> int |
     return blocks_of(parse_size(text, option), block_bytes, option)
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (a link, another spelling)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _run_plan_trace(args: argparse.Namespace) -> int:
     """``kvtier plan --trace``: the tiers replayed on a trace (vllm_kvtier/ops/trace_plan.py)."""
     from vllm_kvtier.ops.trace_plan import (
@@ -163,6 +172,9 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     model = _model(args, required=False)
     given_bt = _opt(_int, args.trace_block_tokens, "--trace-block-tokens")
     engine_bt = _int(args.engine_block_tokens, "--engine-block-tokens")
+    if args.save_trace and _same_file(args.save_trace, args.trace):
+        raise PlanInputError("--save-trace", f"{args.save_trace} is the input trace: writing it would replace "
+                                             "the input; give another file")
     try:
         trace = read_trace(args.trace, given_bt)
     except TraceError as e:

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.ops.capacity import (
     CPU_BUDGET_RANGE,
     KVModel,
@@ -54,6 +55,8 @@ ALERT_SIGNALS = {
     "swapping": ("kvtier_blocks_loaded", "kvtier_blocks_stored", "swap_in", "swap_out", "num_preemptions"),
 }
 RDMA_SECTIONS = ("nixl", "mooncake")
+#: An alert rules file is a few KiB; a cluster's whole PrometheusRule set, a few MiB.
+MAX_RULES_BYTES = 16 << 20
 _TIER_NAMES = {"cpu": "CPU", "nvme": "NVMe", "s3": "S3", "nixl": "NIXL", "mooncake": "Mooncake"}
 
 
@@ -356,23 +359,33 @@ def check_fp8(t: Target, m: Machine) -> Check:
 
 
 def _alert_exprs(value: Any) -> Iterator[str]:
-    if isinstance(value, dict):
-        if "alert" in value and isinstance(value.get("expr"), str):
-            yield value["expr"]
-        for v in value.values():
-            yield from _alert_exprs(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _alert_exprs(v)
+    """The ``expr`` of every mapping with an ``alert`` key. Each node is visited once, so
+    YAML aliases that repeat a node many times cost no more than the node itself."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if not isinstance(v, dict | list) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, dict):
+            if "alert" in v and isinstance(v.get("expr"), str):
+                yield v["expr"]
+            stack.extend(reversed(list(v.values())))
+        else:
+            stack.extend(reversed(v))
 
 
 def check_alerting(rules_path: str | None) -> Check:
     if rules_path is None:
         return Check("alerting", Status.WARN, "no --prometheus-rules file: swap and GPU KV usage alerts not verified")
     try:
-        docs = list(yaml.safe_load_all(Path(rules_path).read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        return Check("alerting", Status.FAIL, f"--prometheus-rules {rules_path}: cannot read: {e}")
+        docs = list(yaml.safe_load_all(read_small_file(rules_path, MAX_RULES_BYTES)))
+    except ValueError as e:  # not a small regular UTF-8 file
+        return Check("alerting", Status.FAIL, f"--prometheus-rules: {e}")
+    except (yaml.YAMLError, RecursionError) as e:  # RecursionError: nested thousands deep
+        why = " ".join(str(e).split()) or "nested too deeply"
+        return Check("alerting", Status.FAIL, f"--prometheus-rules {rules_path}: not valid YAML: {why}")
     exprs = [e for d in docs for e in _alert_exprs(d)]
     if not exprs:
         return Check("alerting", Status.FAIL, f"{rules_path} holds no alert rule (alert + expr)")

@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_kvtier.chunkformat import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
-from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.config.sections import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
 
