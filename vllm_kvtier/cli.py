@@ -50,6 +50,7 @@ from vllm_kvtier.ops.capacity import (
     render_plan,
 )
 from vllm_kvtier.sysmem import budget_overrun
+from vllm_kvtier.tiers.auth import check_key_files
 
 _SIZE_HELP = "bytes, or with a unit: 80GB (10^9), 80GiB (2^30)"
 
@@ -587,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         cfg = _parse_kvtier_config(args)
+        check_key_files(cfg.auth)  # the engine reads them at start-up: fail here first
     except (PlanInputError, ConfigError) as e:
         print(f"kvtier: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ Two steps, so the checks can be read and tested alone:
   no size is given (torch is imported only then; never vllm).
 - :func:`run_checks` judges a parsed :class:`~vllm_kvtier.config.KVTierConfig`, the
   operator's :class:`Target` and the :class:`Machine`; it reads nothing but the alert
-  rules file it is given. Each check is PASS, WARN or FAIL with the reason.
+  rules file it is given and the key files the config names. Each check is PASS, WARN
+  or FAIL with the reason.
 
 Called from the CLI thread; nothing here raises on a bad machine: what cannot be measured
 becomes a WARN saying so.
@@ -29,6 +30,7 @@ import yaml
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.files import read_small_file
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.ops.capacity import (
     CPU_BUDGET_RANGE,
     KVModel,
@@ -39,6 +41,7 @@ from vllm_kvtier.ops.capacity import (
     request_kv,
 )
 from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
+from vllm_kvtier.tiers.auth import check_key_files
 
 #: workload each shipped (or expected) preset is made for
 PRESET_WORKLOADS = {
@@ -395,8 +398,21 @@ def check_alerting(rules_path: str | None) -> Check:
     return Check("alerting", Status.PASS, f"{len(exprs)} alert rules in {rules_path}, on GPU KV usage and swapping")
 
 
+def check_key_files_readable(cfg: KVTierConfig) -> Check | None:
+    """The key files the config names, read as the engine will; None when it names none."""
+    files = ([cfg.auth.key_file] if cfg.auth.key_file is not None else []) + list(cfg.auth.verify_key_files)
+    if not files:
+        return None
+    try:
+        check_key_files(cfg.auth)
+    except ConfigError as e:
+        return Check("auth-keys", Status.FAIL, f"{e}: the engine would refuse to start")
+    return Check("auth-keys", Status.PASS, f"{len(files)} key file(s) hold a key: {', '.join(files)}")
+
+
 def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
-    """The checklist, in the brief's order (plus the machine's DRAM and disk)."""
+    """The checklist, in the brief's order (plus the machine's DRAM and disk, and the key
+    files when the config names any)."""
     req = None
     if t.model is not None and t.context_tokens is not None:
         req = request_kv(t.model, t.kv_dtype, t.context_tokens)
@@ -410,7 +426,7 @@ def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
         check_rdma(rdma_requirements(dataclasses.asdict(cfg)), m),
         check_fp8(t, m),
         check_alerting(t.prometheus_rules),
-    ]
+    ] + [c for c in (check_key_files_readable(cfg),) if c is not None]
 
 
 def render_checks(checks: list[Check]) -> str:
