@@ -31,6 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_kvtier.config.files import read_small_file
+
+#: A benchmark's result JSON is a few KiB to a few MiB (timelines); larger is not one.
+MAX_RESULT_BYTES = 64 << 20
+
 # ---- what each benchmark reports -------------------------------------------------------------
 
 
@@ -248,12 +253,12 @@ def read_report(results_dir: Path, names: Sequence[str], stale: Mapping[str, str
         note = "not run"
         if path.is_file():
             try:
-                data = json.loads(path.read_text())
+                data = json.loads(read_small_file(path, MAX_RESULT_BYTES))
                 if not isinstance(data, dict):
                     data = None
                     raise ValueError("not a JSON object")
                 note = ""
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, RecursionError) as e:
                 note = f"unreadable JSON: {e}"
                 problems.append(f"{name}: {path}: {note}")
         if data is not None:

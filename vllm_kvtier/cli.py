@@ -52,6 +52,7 @@ from vllm_kvtier.ops.capacity import (
     render_plan,
 )
 from vllm_kvtier.sysmem import budget_overrun
+from vllm_kvtier.tiers.auth import check_key_files
 
 _SIZE_HELP = "bytes, or with a unit: 80GB (10^9), 80GiB (2^30)"
 
@@ -144,6 +145,14 @@ def _blocks_opt(text: str | None, option: str, block_bytes: int | None) -> int |
     return blocks_of(parse_size(text, option), block_bytes, option)
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (a link, another spelling)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _run_plan_trace(args: argparse.Namespace) -> int:
     """``kvtier plan --trace``: the tiers replayed on a trace (vllm_kvtier/ops/trace_plan.py)."""
     from vllm_kvtier.ops.trace_plan import (
@@ -166,6 +175,9 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     model = _model(args, required=False)
     given_bt = _opt(_int, args.trace_block_tokens, "--trace-block-tokens")
     engine_bt = _int(args.engine_block_tokens, "--engine-block-tokens")
+    if args.save_trace and _same_file(args.save_trace, args.trace):
+        raise PlanInputError("--save-trace", f"{args.save_trace} is the input trace: writing it would replace "
+                                             "the input; give another file")
     try:
         trace = read_trace(args.trace, given_bt)
     except TraceError as e:
@@ -632,6 +644,7 @@ def _main(argv: list[str] | None) -> int:
             return 2
     try:
         cfg = _parse_kvtier_config(args)
+        check_key_files(cfg.auth)  # the engine reads them at start-up: fail here first
     except (PlanInputError, ConfigError) as e:
         print(f"kvtier: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ Two steps, so the checks can be read and tested alone:
   no size is given (torch is imported only then; never vllm).
 - :func:`run_checks` judges a parsed :class:`~vllm_kvtier.config.KVTierConfig`, the
   operator's :class:`Target` and the :class:`Machine`; it reads nothing but the alert
-  rules file it is given. Each check is PASS, WARN or FAIL with the reason.
+  rules file it is given and the key files the config names. Each check is PASS, WARN
+  or FAIL with the reason.
 
 Called from the CLI thread; nothing here raises on a bad machine: what cannot be measured
 becomes a WARN saying so.
@@ -32,6 +33,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.config.files import read_small_file
+from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.ops.capacity import (
     CPU_BUDGET_RANGE,
     KVModel,
@@ -42,6 +45,7 @@ from vllm_kvtier.ops.capacity import (
     request_kv,
 )
 from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
+from vllm_kvtier.tiers.auth import check_key_files
 
 #: workload each shipped (or expected) preset is made for
 PRESET_WORKLOADS = {
@@ -58,6 +62,8 @@ ALERT_SIGNALS = {
     "swapping": ("kvtier_blocks_loaded", "kvtier_blocks_stored", "swap_in", "swap_out", "num_preemptions"),
 }
 RDMA_SECTIONS = ("nixl", "mooncake")
+#: An alert rules file is a few KiB; a cluster's whole PrometheusRule set, a few MiB.
+MAX_RULES_BYTES = 16 << 20
 _TIER_NAMES = {"cpu": "CPU", "nvme": "NVMe", "s3": "S3", "nixl": "NIXL", "mooncake": "Mooncake"}
 
 
@@ -520,23 +526,33 @@ def check_fp8(t: Target, m: Machine) -> Check:
 
 
 def _alert_exprs(value: Any) -> Iterator[str]:
-    if isinstance(value, dict):
-        if "alert" in value and isinstance(value.get("expr"), str):
-            yield value["expr"]
-        for v in value.values():
-            yield from _alert_exprs(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _alert_exprs(v)
+    """The ``expr`` of every mapping with an ``alert`` key. Each node is visited once, so
+    YAML aliases that repeat a node many times cost no more than the node itself."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if not isinstance(v, dict | list) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, dict):
+            if "alert" in v and isinstance(v.get("expr"), str):
+                yield v["expr"]
+            stack.extend(reversed(list(v.values())))
+        else:
+            stack.extend(reversed(v))
 
 
 def check_alerting(rules_path: str | None) -> Check:
     if rules_path is None:
         return Check("alerting", Status.WARN, "no --prometheus-rules file: swap and GPU KV usage alerts not verified")
     try:
-        docs = list(yaml.safe_load_all(Path(rules_path).read_text()))
-    except (OSError, yaml.YAMLError) as e:
-        return Check("alerting", Status.FAIL, f"--prometheus-rules {rules_path}: cannot read: {e}")
+        docs = list(yaml.safe_load_all(read_small_file(rules_path, MAX_RULES_BYTES)))
+    except ValueError as e:  # not a small regular UTF-8 file
+        return Check("alerting", Status.FAIL, f"--prometheus-rules: {e}")
+    except (yaml.YAMLError, RecursionError) as e:  # RecursionError: nested thousands deep
+        why = " ".join(str(e).split()) or "nested too deeply"
+        return Check("alerting", Status.FAIL, f"--prometheus-rules {rules_path}: not valid YAML: {why}")
     exprs = [e for d in docs for e in _alert_exprs(d)]
     if not exprs:
         return Check("alerting", Status.FAIL, f"{rules_path} holds no alert rule (alert + expr)")
@@ -546,8 +562,21 @@ def check_alerting(rules_path: str | None) -> Check:
     return Check("alerting", Status.PASS, f"{len(exprs)} alert rules in {rules_path}, on GPU KV usage and swapping")
 
 
+def check_key_files_readable(cfg: KVTierConfig) -> Check | None:
+    """The key files the config names, read as the engine will; None when it names none."""
+    files = ([cfg.auth.key_file] if cfg.auth.key_file is not None else []) + list(cfg.auth.verify_key_files)
+    if not files:
+        return None
+    try:
+        check_key_files(cfg.auth)
+    except ConfigError as e:
+        return Check("auth-keys", Status.FAIL, f"{e}: the engine would refuse to start")
+    return Check("auth-keys", Status.PASS, f"{len(files)} key file(s) hold a key: {', '.join(files)}")
+
+
 def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
-    """The checklist, in the brief's order (plus the machine's DRAM and disk)."""
+    """The checklist, in the brief's order (plus the machine's DRAM and disk, and the key
+    files when the config names any)."""
     req = None
     if t.model is not None and t.context_tokens is not None:
         req = request_kv(t.model, t.kv_dtype, t.context_tokens)
@@ -565,7 +594,7 @@ def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
         check_rdma(rdma_requirements(dataclasses.asdict(cfg)), m),
         check_fp8(t, m),
         check_alerting(t.prometheus_rules),
-    ]
+    ] + [c for c in (check_key_files_readable(cfg),) if c is not None]
 
 
 def render_checks(checks: list[Check]) -> str:

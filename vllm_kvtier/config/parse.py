@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import os
-import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -28,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from vllm_kvtier.config.files import MAX_CONFIG_FILE_BYTES, read_small_file
 from vllm_kvtier.config.sections import KVTierConfig, MooncakeTierConfig, NixlTierConfig, S3TierConfig
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 from vllm_kvtier.config.units import size_bytes
@@ -46,28 +45,7 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-#: Config and model files are a few KiB; anything beyond this is not one (``/dev/zero``).
-MAX_CONFIG_FILE_BYTES = 4 << 20
-
-
-def read_small_file(path: Path, max_bytes: int = MAX_CONFIG_FILE_BYTES) -> str:
-    """The text of a regular file of at most ``max_bytes``. ValueError saying why not
-    (missing, a device or FIFO, too big, not UTF-8): callers name the field."""
-    try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from e
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise ValueError(f"{path} is larger than {max_bytes} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text: {e}") from e
+__all__ = ["MAX_CONFIG_FILE_BYTES", "PRESET_DIR", "available_presets", "parse_config", "read_small_file"]
 
 
 def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
@@ -79,6 +57,8 @@ def _read_yaml(path: Path, field_name: str) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(field_name, f"{path} is not valid YAML: {e}") from e
+    except RecursionError:
+        raise ConfigError(field_name, f"{path} is not a config: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -12,7 +12,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.config.sections import NixlTierConfig
 from vllm_kvtier.errors import ConfigError
 

@@ -726,7 +726,7 @@ class KVTierConfig:
     weights_fingerprint: Literal["full", "sampled"] = "full"
     #: Where this host keeps the weight files' content hashes: "auto" = $XDG_CACHE_HOME/
     #: vllm_kvtier (else ~/.cache/vllm_kvtier), "" = no cache (every start hashes again),
-    #: or a directory.
+    #: or a directory: an absolute path, or one starting with ``~``.
     weights_digest_cache_dir: str = "auto"
     #: Refuse to start when the weights cannot be fingerprinted (not a readable local model),
     #: instead of naming them by model id and revision with a WARNING.
@@ -765,5 +765,11 @@ class KVTierConfig:
                               f"must be at most {MAX_SALT_CHARS} characters, got {len(self.namespace_salt)}")
         if not self.namespace_salt.isprintable():
             raise ConfigError("namespace_salt", "must be printable text (no control characters)")
-        if not self.weights_digest_cache_dir.isprintable():
+        d = self.weights_digest_cache_dir
+        if not d.isprintable():
             raise ConfigError("weights_digest_cache_dir", "must be 'auto', '' or a directory path")
+        if d not in ("auto", "") and not d.startswith(("/", "~")):
+            # relative to each process's working directory: the scheduler and the workers
+            # would keep different caches
+            raise ConfigError("weights_digest_cache_dir", f"must be 'auto', '' or an absolute path (or one "
+                                                          f"starting with ~), got {d!r}")

@@ -49,7 +49,13 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth, refusal_reason
 from vllm_kvtier.tiers.base import ChunkStore, Probeable, Scannable
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
-from vllm_kvtier.tiers.nvme.dirs import collect_namespace, foreign_namespaces, lock_holder, unsafe_reason
+from vllm_kvtier.tiers.nvme.dirs import (
+    collect_namespace,
+    foreign_namespaces,
+    lock_holder,
+    uncreatable_reason,
+    unsafe_reason,
+)
 from vllm_kvtier.tiers.nvme.store import UNREADABLE_KEPT, other_bytes, rank_dir, scan_dir
 from vllm_kvtier.tiers.registry import StoreContext, open_store, tier_entry
 from vllm_kvtier.transfer.fp8 import (
@@ -235,15 +241,21 @@ def make_planners(
 
 def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
     """The NVMe planner from a read-only scan of every rank's directory. A directory held
-    by another engine (its lock), or one the worker will refuse as unsafe (another user's,
-    writable by others), turns the tier off here too: nothing of it is indexed, nothing is
-    written (the worker refuses it as well). No store is opened: that takes the lock."""
+    by another engine (its lock), one the worker will refuse as unsafe (another user's,
+    writable by others), or one it cannot create (a path under a file, a read-only
+    parent), turns the tier off here too: nothing of it is indexed, nothing is written
+    (the worker's tier is off as well). No store is opened: that takes the lock.
+
+    The scheduler usually runs on the workers' host, so it sees the path as they will. A path
+    that only a worker's host lacks still fails there alone: each failed write is counted,
+    and the write breaker pauses the tier."""
     ns, world_size = p.ctx.namespace, p.world_size
     dirs = [rank_dir(n.path, ns, r) for r in range(world_size)]
     policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
                          flush_interval_s=n.flush_interval_s, exclusive=True)
     held = [(d, who) for d in dirs if (who := lock_holder(d)) is not None]
-    unsafe = [why for r in range(world_size) if (why := unsafe_reason(n.path, ns, r)) is not None]
+    unsafe = [why for r in range(world_size)
+              if (why := unsafe_reason(n.path, ns, r) or uncreatable_reason(n.path, ns, r)) is not None]
     if held or unsafe:
         if held:
             d, who = held[0]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.config.units import size_bytes
 from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from vllm_kvtier.config.files import read_lines
 from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
@@ -60,6 +61,8 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 
 #: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
 MAX_TRACE_BYTES = 4 << 30
+#: One request's line: a 1M-token prompt as ``prompt_token_ids`` is about 8 MB.
+MAX_TRACE_LINE_BYTES = 64 << 20
 #: Block size of the ids computed from ``prompt_token_ids`` when none is given (Mooncake's).
 DEFAULT_TOKEN_BLOCK = 512
 #: Block sizes tried when the trace does not say (the smallest that explains every request).
@@ -67,11 +70,12 @@ _BLOCK_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class TraceError(KVTierError, ValueError):
-    """A trace that cannot be read: ``where`` names the file and line."""
+    """A trace that cannot be read: ``where`` names the file and line ("": the message
+    names them itself)."""
 
     def __init__(self, where: str, message: str) -> None:
         self.where = where
-        super().__init__(f"{where}: {message}")
+        super().__init__(f"{where}: {message}" if where else message)
 
 
 @dataclass(frozen=True)
@@ -176,32 +180,57 @@ def infer_block_tokens(records: Sequence[dict]) -> int | None:
     return None
 
 
+def _parse_line(line: str, where: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(where, f"not JSON: {e.msg}") from None
+    except RecursionError:  # the C parser's depth guard: ``[[[[...`` thousands deep
+        raise TraceError(where, "not a trace record: JSON nested too deeply") from None
+
+
+def _count(obj: dict, name: str, where: str, default: int | None = None) -> int | float:
+    """Field ``name`` of a record: a finite number >= 0 (``default`` when absent; None:
+    required). TraceError naming the line and the field otherwise."""
+    if name not in obj:
+        if default is None:
+            raise TraceError(where, f"no {name!r} field")
+        return default
+    v = obj[name]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise TraceError(where, f"{name} must be a number >= 0, got {v!r}"[:200])
+    return v
+
+
 def _check_record(obj: object, where: str) -> dict:
+    """A record with every field checked, holding only the fields a replay reads (an
+    unknown field is ignored and not kept). TraceError naming the line and the field."""
     if not isinstance(obj, dict):
         raise TraceError(where, f"not a JSON object but {type(obj).__name__}")
-    if "hash_ids" not in obj and "prompt_token_ids" in obj:
+    out: dict = {"timestamp": _count(obj, "timestamp", where)}
+    if "hash_ids" in obj:
+        ids = obj["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+            raise TraceError(where, "hash_ids must be a list of integers")
+        if any(not -(1 << 63) <= h < 1 << 63 for h in ids):
+            raise TraceError(where, "hash_ids must fit in 64 bits")
+        out["hash_ids"] = ids
+        out["input_length"] = _count(obj, "input_length", where)
+    elif "prompt_token_ids" in obj:
         toks = obj["prompt_token_ids"]
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                  and 0 <= t < 1 << 31 for t in toks):
             raise TraceError(where, "prompt_token_ids must be a list of token ids")
-        obj.setdefault("input_length", len(toks))
-    for name in ("timestamp", "input_length"):
-        if name not in obj:
-            raise TraceError(where, f"no {name!r} field")
-    if "hash_ids" not in obj and "prompt_token_ids" not in obj:
+        out["prompt_token_ids"] = toks
+        n = _count(obj, "input_length", where, default=len(toks))
+        if n != len(toks):
+            raise TraceError(where, f"input_length {n} differs from the {len(toks)} prompt_token_ids")
+        out["input_length"] = len(toks)
+    else:
+        _count(obj, "input_length", where)
         raise TraceError(where, "no 'hash_ids' field (nor 'prompt_token_ids')")
-    if "hash_ids" not in obj:
-        return obj
-    for name in ("timestamp", "input_length", "output_length"):
-        v = obj.get(name, 0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise TraceError(where, f"{name} must be a number >= 0, got {v!r}")
-    ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
-        raise TraceError(where, "hash_ids must be a list of integers")
-    if any(not -(1 << 63) <= h < 1 << 63 for h in ids):
-        raise TraceError(where, "hash_ids must fit in 64 bits")
-    return obj
+    out["output_length"] = _count(obj, "output_length", where, default=0)
+    return out
 
 
 def read_trace(path: str | Path, block_tokens: int | None = None) -> Trace:
@@ -210,25 +239,15 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> Trace:
     Raises :class:`TraceError` naming the file and line of the first bad record, or the
     file when it cannot be read, is empty, or no block size explains it."""
     p = Path(path)
-    try:
-        if not p.is_file():
-            raise TraceError(str(p), "not a regular file")
-        if p.stat().st_size > MAX_TRACE_BYTES:
-            raise TraceError(str(p), f"larger than {MAX_TRACE_BYTES} bytes")
-        lines = p.read_text().splitlines()
-    except OSError as e:
-        raise TraceError(str(p), f"cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise TraceError(str(p), "not UTF-8 text") from None
     records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{p}:{n}", f"not JSON: {e.msg}") from None
-        records.append(_check_record(obj, f"{p}:{n}"))
+    try:
+        for n, line in read_lines(p, MAX_TRACE_BYTES, MAX_TRACE_LINE_BYTES):
+            if line.strip():
+                records.append(_check_record(_parse_line(line, f"{p}:{n}"), f"{p}:{n}"))
+    except ValueError as e:
+        if isinstance(e, TraceError):
+            raise
+        raise TraceError("", str(e)) from None
     if not records:
         raise TraceError(str(p), "no request in it")
     if block_tokens is not None and block_tokens <= 0:

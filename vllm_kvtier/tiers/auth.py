@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_kvtier.chunkformat import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
-from vllm_kvtier.config.parse import read_small_file
+from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.config.sections import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
 
@@ -210,15 +210,26 @@ def _read_key_file(path_text: str, where: str, allow_readable: bool) -> bytes:
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
-        raise ConfigError(where, f"cannot read the key file: {e.strerror}") from None
+        raise ConfigError(where, f"cannot read the key file {path}: {e.strerror}") from None
     if stat.S_ISREG(mode) and mode & 0o077 and not allow_readable:
-        raise ConfigError(where, f"the key file is readable by group or other (mode {stat.S_IMODE(mode):o}); "
-                                 "chmod 600 it, or set auth.allow_readable_key_file")
+        raise ConfigError(where, f"the key file {path} is readable by group or other (mode "
+                                 f"{stat.S_IMODE(mode):o}); chmod 600 it, or set auth.allow_readable_key_file")
     try:
         text = read_small_file(path, 4 * MAX_KEY_BYTES)
     except ValueError as e:
         raise ConfigError(where, str(e)) from None
     return parse_key(text, where)
+
+
+def check_key_files(cfg: AuthConfig) -> None:
+    """Read every key file ``cfg`` names (``auth.key_file``, ``auth.verify_key_files``)
+    as the engine will at start-up; the keys are not kept. ConfigError naming the field
+    and the file when one cannot be used. For ``kvtier check-config`` and ``kvtier doctor``:
+    a missing key file fails there, not at the engine's start."""
+    if cfg.key_file is not None:
+        _read_key_file(cfg.key_file, "auth.key_file", cfg.allow_readable_key_file)
+    for i, f in enumerate(cfg.verify_key_files):
+        _read_key_file(f, f"auth.verify_key_files[{i}]", cfg.allow_readable_key_file)
 
 
 def load_auth(cfg: AuthConfig, environ: Mapping[str, str] | None = None) -> ChunkAuth | None:

@@ -275,6 +275,26 @@ def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
     return None
 
 
+def uncreatable_reason(root: str | Path, namespace: str, rank: int) -> str | None:
+    """Why :func:`open_rank_dir` could not create this rank directory or its lock file,
+    checked without changing anything (the scheduler's start-up check, so that it plans no
+    write the worker cannot make): the deepest existing part of the path must be a
+    directory this process may write into. None when it is."""
+    want = Path(os.path.abspath(root)) / namespace / f"r{rank}"
+    p = want
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        return f"cannot create {want}: {p}: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"cannot create {want}: {p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return f"cannot create {want}: {p} is not writable by this user"
+    return None
+
+
 def lock_holder(directory: Path) -> str | None:
     """Who holds ``directory``'s lock now (the note its owner wrote), or None when nobody
     does (or there is no lock file). A shared probe that does not block, and creates
