@@ -596,3 +596,9 @@ def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey
         reports.append(WorkerReport(written=written))
         saved = set()
     return reports
+
+
+#: What the fleet replay (:mod:`vllm_kvtier.ops.fleet_sim`) builds each instance's lower
+#: tiers with, and runs each step's writes through: the same code as :func:`simulate_tiers`.
+make_lower_planner = _lower_planner
+step_writes = _step
