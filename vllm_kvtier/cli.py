@@ -251,6 +251,11 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         ssd = cfg.nvme.capacity_bytes
     prices = Prices(parse_positive(args.s3_put_usd_per_1000, "--s3-put-usd-per-1000"),
                     parse_positive(args.s3_get_usd_per_1000, "--s3-get-usd-per-1000"))
+    if args.instances is not None:  # a fleet of these instances (vllm_kvtier/ops/fleet_sim.py)
+        from vllm_kvtier.ops.fleet_cli import run_fleet
+
+        return run_fleet(args, trace, setup, prices, engine_block_tokens=engine_bt,
+                         rescan_interval_s=cfg.s3.rescan_interval_s if cfg is not None and cfg.s3 is not None else 60.0)
     if args.sweep:
         cpu_sizes = _int_list(args.sweep_cpu_blocks, "--sweep-cpu-blocks")
         nvme_sizes: list[int | None] = [None, *_int_list(args.sweep_nvme_blocks, "--sweep-nvme-blocks")] \
@@ -537,6 +542,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--sweep-cpu-blocks", default="1000,3000,10000,30000,100000", help="CPU sizes of the sweep")
     t.add_argument("--sweep-nvme-blocks", default="", help="NVMe sizes of the sweep (default: none)")
     t.add_argument("--png", default="plan-trace-sweep.png", help="the sweep's chart (default plan-trace-sweep.png)")
+    from vllm_kvtier.ops.fleet_cli import add_fleet_args
+
+    add_fleet_args(plan)
 
     doc = _sub(sub, "doctor", "pre-deployment checklist for a config on this machine",
                "The pre-deployment checklist against a kvtier config (JSON, --file or --preset) and this\n"

@@ -125,10 +125,10 @@ class Prefix:
         eligible = [j for j in range(n) if view.in_flight[j] < bound]
         held = [view.instances[j].holds_prefix(keys) for j in range(n)]
         best = max(held[j] for j in eligible)
-        if best == 0:
-            return view.least_loaded(eligible)
         if max(held) > best:
             self.overridden += 1
+        if best == 0:
+            return view.least_loaded(eligible)
         return view.least_loaded([j for j in eligible if held[j] == best])
 
 
