@@ -96,8 +96,8 @@ def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, 
                        parse_positive(args.prefill_s_per_token, "--prefill-s-per-token"),
                        parse_positive(args.decode_s_per_token, "--decode-s-per-token"))
     routers = _ROUTER_NAMES if args.router == "all" else (args.router,)
-    kw = {"max_imbalance": parse_positive(args.max_imbalance, "--max-imbalance"),
-          "session_fanout": _count(args.session_fanout, "--session-fanout")}
+    kw: dict[str, Any] = {"max_imbalance": parse_positive(args.max_imbalance, "--max-imbalance"),
+                          "session_fanout": _count(args.session_fanout, "--session-fanout")}
     if args.sweep:
         sizes = [_shared_size(v, "--sweep-shared-blocks") for v in args.sweep_shared_blocks.split(",") if v.strip()]
         if shared is None and any(s != "none" for s in sizes):

@@ -46,7 +46,7 @@ def docs_trace(shape: DocsTraceShape = DocsTraceShape()) -> list[dict]:
 
     docs = [fresh(rng.randint(*shape.doc_blocks)) for _ in range(shape.documents)]
     weights = [1.0 / (d + 1) ** shape.zipf_s for d in range(shape.documents)]
-    out = []
+    out: list[dict] = []
     for _ in range(shape.sessions):
         doc = docs[rng.choices(range(shape.documents), weights)[0]]
         t = rng.uniform(0, shape.duration_s)
