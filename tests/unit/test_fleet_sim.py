@@ -172,3 +172,11 @@ def test_the_cli_prints_a_row_per_router_and_refuses_bad_options(capsys, tmp_pat
     assert "--instances" in capsys.readouterr().err
     assert main([*args, "--max-imbalance", "-1"]) == 2
     assert "--max-imbalance" in capsys.readouterr().err
+
+
+def test_at_light_load_new_prompts_spread_over_the_idle_instances():
+    # each request is done before the next: every instance is idle, the least sent one wins
+    trace = trace_of(*((10 * i, [100 + i]) for i in range(6)))
+    r = Recorder(Prefix())
+    simulate_fleet(trace, fleet(3), r)
+    assert r.routes == [0, 1, 2, 0, 1, 2]

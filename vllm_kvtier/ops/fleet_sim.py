@@ -80,7 +80,7 @@ class FleetResult:
     #: requests routed to each instance, and prompt tokens each computed (not hit)
     requests_per_instance: list[int] = field(default_factory=list)
     computed_per_instance: list[int] = field(default_factory=list)
-    #: most requests in flight on one instance at once, and the mean in flight over the fleet
+    #: most requests in flight on one instance at once
     peak_in_flight: int = 0
 
     def share(self, tier: str) -> float:
@@ -362,7 +362,7 @@ def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResu
     res = FleetResult(router.name, n, len(trace), trace.prompt_tokens, trace.duration_s,
                       hit_tokens={k: 0 for k in names}, requests_per_instance=[0] * n,
                       computed_per_instance=[0] * n)
-    view = RouterView(insts, [0] * n)
+    view = RouterView(insts, [0] * n, res.requests_per_instance)
     finishing: list[tuple[float, int]] = []  # (finish time, instance) of requests in flight
     t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
     for i in range(len(trace)):

@@ -2,7 +2,7 @@
 each request.
 
 Called once per request, in trace order, from the replay loop; pure and deterministic
-(ties go to the lowest instance number). A router sees :class:`RouterView`: each
+(ties go to the instance sent fewest requests, then the lowest number). A router sees :class:`RouterView`: each
 instance's requests in flight, and what each instance holds (as its KV events tell a
 router that consumes them).
 
@@ -42,14 +42,19 @@ DEFAULT_MAX_IMBALANCE = 4.0
 
 @dataclass
 class RouterView:
-    """What a router knows when it routes: the instances, and their requests in flight."""
+    """What a router knows when it routes: the instances, their requests in flight, and
+    the requests each was sent so far."""
 
     instances: Sequence[Instance]
     in_flight: list[int]
+    routed: list[int]
 
     def least_loaded(self, among: Sequence[int] | None = None) -> int:
+        """The instance with the fewest requests in flight; among equals, the one sent the
+        fewest so far (at light load most instances are idle: the lowest number would take
+        every new conversation)."""
         pool = range(len(self.in_flight)) if among is None else among
-        return min(pool, key=lambda j: (self.in_flight[j], j))
+        return min(pool, key=lambda j: (self.in_flight[j], self.routed[j], j))
 
 
 class Router(Protocol):
