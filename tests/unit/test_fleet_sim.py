@@ -180,3 +180,11 @@ def test_at_light_load_new_prompts_spread_over_the_idle_instances():
     r = Recorder(Prefix())
     simulate_fleet(trace, fleet(3), r)
     assert r.routes == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_shared_document_is_not_taken_for_a_conversation():
+    # 10 users read one 3-block document (11, 12, 13) after a system block; two turns each
+    reqs = [(turn * 100 + u, [0, 11, 12, 13, 200 + u, *([300 + u] if turn else []), 9000 + 10 * u + turn])
+            for turn in range(2) for u in range(10)]
+    keys = session_keys(trace_of(*reqs).keys, fanout=8)
+    assert keys == [key_of(200 + u) for u in range(10)] * 2

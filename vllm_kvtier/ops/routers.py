@@ -8,8 +8,8 @@ router that consumes them).
 
 * ``round-robin``: instance ``i mod N`` for the ``i``-th request.
 * ``session``: a conversation sticks to one instance, the least loaded when it starts.
-  A conversation is the requests whose prompts share their first block that is not a
-  shared prefix (:func:`session_keys`).
+  A conversation is the requests whose prompts share their first block past the shared
+  prefix (:func:`session_keys`).
 * ``prefix``: the instance holding the longest leading run of the prompt's blocks in its
   own tiers, among those within the load bound: an instance with ``max_imbalance`` or more
   requests in flight above the fleet's mean is passed over (the least loaded never is).
@@ -78,23 +78,25 @@ class RoundRobin:
 
 
 def session_keys(traces_keys: Sequence[Sequence[BlockKey]], fanout: int = DEFAULT_SESSION_FANOUT) -> list[BlockKey]:
-    """Each request's conversation: its first block followed, over the whole trace, by
-    fewer than ``fanout`` distinct next blocks. A system prompt's blocks are followed by
-    every conversation's first block; a conversation's own blocks are followed by the same
-    next block turn after turn (a turn's prompt extends the last one). A prompt of shared
-    blocks only keys on its last one. One pass; memory: up to ``fanout`` ids per block of
-    the first :data:`SESSION_DEPTH` positions."""
+    """Each request's conversation: the block after the prompt's last branch point, a block
+    followed over the whole trace by at least ``fanout`` distinct blocks that later prompts
+    extend (a prompt's last block is left out: a partial tail is never extended). A system
+    prompt or a shared document ends at a branch point; a conversation's own blocks are
+    followed by the same block turn after turn. No branch point: the prompt's first block.
+    One pass; memory: up to ``fanout`` ids per block of the first :data:`SESSION_DEPTH`
+    positions."""
     nexts: dict[BlockKey, set[BlockKey]] = {}
     for keys in traces_keys:
-        for a, b in zip(keys[:SESSION_DEPTH], keys[1 : SESSION_DEPTH + 1], strict=False):
-            s = nexts.setdefault(a, set())
+        for p in range(min(len(keys) - 2, SESSION_DEPTH)):
+            s = nexts.setdefault(keys[p], set())
             if len(s) < fanout:
-                s.add(b)
+                s.add(keys[p + 1])
     out = []
     for keys in traces_keys:
-        head = keys[:SESSION_DEPTH]
-        key = next((k for k in head if len(nexts.get(k, ())) < fanout), head[-1] if head else BlockKey(b""))
-        out.append(key)
+        head = keys[: SESSION_DEPTH + 1]
+        cut = max((p for p in range(min(len(head), SESSION_DEPTH)) if len(nexts.get(head[p], ())) >= fanout),
+                  default=-1)
+        out.append(head[min(cut + 1, len(head) - 1)] if head else BlockKey(b""))
     return out
 
 
