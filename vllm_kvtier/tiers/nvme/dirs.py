@@ -23,6 +23,11 @@ served): every directory this tier creates is 0700 and every file 0600, set expl
   refused (:class:`UnsafeDirectory`, the tier is off, serving goes on); one of ours that is
   only readable by others (an earlier version made them 0755) is tightened to 0700.
 
+Rank directories (:func:`rank_dir_name`): ``r<rank>`` for an engine without data parallelism
+(and data-parallel engine 0), ``dp<engine>-r<rank>`` for data-parallel engine ``engine`` >= 1.
+Each engine on a host has its own directories, lock, scan and capacity: two data-parallel
+engines sharing one ``nvme.path`` never index, bound or lock each other's files.
+
 Lock (:data:`LOCK_NAME` in each rank directory, ``flock(LOCK_EX | LOCK_NB)``, held until
 the store closes): a second engine on the same directory gets :class:`DirectoryLocked`
 and runs without its NVMe tier; it never scans, cleans or writes the first one's
@@ -47,7 +52,7 @@ from pathlib import Path
 
 __all__ = [
     "LOCK_NAME", "DirectoryLocked", "ForeignNamespace", "RankDirLock", "UnsafeDirectory", "collect_namespace",
-    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "unsafe_reason",
+    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "rank_dir_name", "unsafe_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,10 +62,18 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 #: A namespace directory's name (:func:`vllm_kvtier.keys.namespace`: 16 hex digits).
 NAMESPACE_NAME = re.compile(r"^[0-9a-f]{16}$")
-RANK_NAME = re.compile(r"^r\d{1,6}$")
+#: A rank directory's name (:func:`rank_dir_name`).
+RANK_NAME = re.compile(r"^(dp\d{1,6}-)?r\d{1,6}$")
 #: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler or
 #: collector may probe it for microseconds (a shared probe), which is not an owner.
 _LOCK_RETRY_S = 0.2
+
+
+def rank_dir_name(rank: int, engine: int = 0) -> str:
+    """The directory of ``rank`` (within its engine) of data-parallel engine ``engine``:
+    ``r<rank>``, or ``dp<engine>-r<rank>`` for ``engine`` >= 1 (engine 0 keeps the name an
+    engine without data parallelism uses, so its files stay readable)."""
+    return f"r{rank}" if engine == 0 else f"dp{engine}-r{rank}"
 
 
 class UnsafeDirectory(OSError):
@@ -163,8 +176,9 @@ def _holder_text(directory: Path) -> str:
         return "unknown"
 
 
-def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, RankDirLock]:
-    """Create (0700) or check ``<root>/<namespace>/r<rank>`` and take its lock.
+def open_rank_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> tuple[Path, RankDirLock]:
+    """Create (0700) or check ``<root>/<namespace>/<rank_dir_name(rank, engine)>`` and take
+    its lock.
 
     Raises :class:`UnsafeDirectory` (naming the path and the reason: see the module doc),
     :class:`DirectoryLocked` (another engine holds it: its pid and host in the message), or
@@ -172,7 +186,7 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     before the lock is held."""
     base = _make_base(Path(root))
     ns_dir = base / namespace
-    rank_dir = ns_dir / f"r{rank}"
+    rank_dir = ns_dir / rank_dir_name(rank, engine)
     for d in (ns_dir, rank_dir):
         if not _mkdir_private(d):
             _check_ours(d)
@@ -202,8 +216,9 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     return rank_dir, RankDirLock(rank_dir, fd)
 
 
-def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
-    """Create (0700) or check ``<root>/<namespace>/r<rank>`` for a worker that only READS it:
+def open_replica_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> Path:
+    """Create (0700) or check ``<root>/<namespace>/<rank_dir_name(rank, engine)>`` for a
+    worker that only READS it:
     a TP rank of an MLA model, whose latent cache is identical on every rank of its TP group
     and is written once, by the group's first rank (``rank`` here is that writer's store
     rank). Same checks as :func:`open_rank_dir` (its directories are never tightened here:
@@ -211,14 +226,14 @@ def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
     directory is refused by that lock. Raises :class:`UnsafeDirectory` or another OSError."""
     base = _make_base(Path(root))
     ns_dir = base / namespace
-    rank_dir = ns_dir / f"r{rank}"
+    rank_dir = ns_dir / rank_dir_name(rank, engine)
     for d in (ns_dir, rank_dir):
         if not _mkdir_private(d):
             _check_ours(d, tighten=False)
     return rank_dir
 
 
-def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
+def unsafe_reason(root: str | Path, namespace: str, rank: int, engine: int = 0) -> str | None:
     """Why :func:`open_rank_dir` would refuse this rank directory, checked without changing
     anything (the scheduler's start-up scan: it does not index what the worker will
     refuse); None when it would not, or when the directories do not exist yet."""
@@ -227,7 +242,7 @@ def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
         if not base.exists():
             return None
         _check_base(base)
-        for d in (base / namespace, base / namespace / f"r{rank}"):
+        for d in (base / namespace, base / namespace / rank_dir_name(rank, engine)):
             if not os.path.lexists(d):
                 return None
             _check_ours(d, tighten=False)
