@@ -37,7 +37,8 @@ changes the bytes (as for NVMe). So instances sharing a bucket never read incomp
 Manifests: each writer keeps a manifest object
 (``.../r<rank>/manifest/<writer_id>.kvm``). It holds the headers of the writer's latest
 ``manifest_max_entries`` writes. The writer id is stable across restarts: a digest of host
-name, rank and namespace, or ``s3.writer_id``. So a restarted writer merges and replaces
+name, rank and namespace, or ``s3.writer_id`` (with ``-dp<engine>`` for data-parallel
+engine >= 1: engines share the rank prefixes). So a restarted writer merges and replaces
 its predecessor's manifest instead of adding one. The manifest is rewritten after
 ``manifest_every_writes`` writes, or after an eighth of its entries once that is more. So
 the bytes uploaded per write stay bounded. It is rewritten at close too. Scans read the
@@ -88,6 +89,7 @@ __all__ = [
     "object_key",
     "rank_prefix",
     "read_body_into",
+    "writer_id_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,12 +98,22 @@ logger = logging.getLogger(__name__)
 S3Stats = RemoteStats
 
 
-def default_writer_id(namespace: str, rank: int) -> str:
+def default_writer_id(namespace: str, rank: int, engine: int = 0) -> str:
     """A writer id stable across restarts: a digest of the host name (a pod's name in
-    Kubernetes), the rank and the namespace. Two instances of one model and rank on one
-    host name share it: they then overwrite each other's manifest (costing header GETs,
-    never correctness) unless ``s3.writer_id`` tells them apart."""
-    return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
+    Kubernetes), the data-parallel engine, the rank and the namespace. Engine 0 keeps the
+    digest of the other three (an engine without data parallelism). Two instances of one
+    model and rank on one host name share it: they then overwrite each other's manifest
+    (costing header GETs, never correctness) unless ``s3.writer_id`` tells them apart."""
+    dp = f"dp{engine}|" if engine else ""
+    return hashlib.sha256(f"{socket.gethostname()}|{dp}{rank}|{namespace}".encode()).hexdigest()[:16]
+
+
+def writer_id_of(config: S3Config, namespace: str, rank: int, engine: int = 0) -> str:
+    """This store's writer id: ``s3.writer_id`` (``-dp<engine>`` added for data-parallel
+    engine >= 1, whose chunks share the rank's prefix) or :func:`default_writer_id`."""
+    if not config.writer_id:
+        return default_writer_id(namespace, rank, engine)
+    return config.writer_id if engine == 0 else f"{config.writer_id}-dp{engine}"
 
 
 class S3Store(StoreKernel):
@@ -113,16 +125,17 @@ class S3Store(StoreKernel):
 
     def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
                  buffers: BufferPool | None = None, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
-                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None) -> None:
+                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None, engine: int = 0) -> None:
         """Builds the client (ImportError with the install hint without boto3; ConfigError
         naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
         request. ``buffers``: the worker's read-buffer pool (None: the process default);
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``read_deadline_s``: None is ``s3.deadline_s``."""
+        count); ``read_deadline_s``: None is ``s3.deadline_s``; ``engine``: the data-parallel
+        engine, which names this writer (:func:`writer_id_of`), not its keys."""
         medium = S3Medium(config, namespace, rank)
         self.config = config
         self.rank = rank
-        self.writer_id = config.writer_id or default_writer_id(namespace, rank)
+        self.writer_id = writer_id_of(config, namespace, rank, engine)
         self._mlock = threading.Lock()
         #: this writer's latest objects, oldest first (at most ``manifest_max_entries``)
         self._manifest: OrderedDict[str, ChunkHeader] = OrderedDict()
@@ -150,7 +163,7 @@ class S3Store(StoreKernel):
         ``s3.io_engine`` says: the workers check that it runs."""
         config = replace(section.store, io_engine="boto3") if ctx.lookup_only else section.store
         return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, buffers=ctx.buffers,
-                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth)
+                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth, engine=ctx.engine)
 
     def __repr__(self) -> str:
         c = self.config
