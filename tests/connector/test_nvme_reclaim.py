@@ -6,9 +6,12 @@ another engine's locked directory is neither indexed nor touched."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
+
+import pytest
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers
@@ -129,6 +132,41 @@ def test_debris_is_deleted_at_start_by_its_owners_and_counted(tmp_path: Path) ->
             assert set(files(rank_dir(tmp_path, NS, r))) == {".lock", "good.kvt"} | ({"notes.txt"} if r else set())
         # the torn write (rank 0), the misfit (rank 1), the partial chunk (the planner)
         assert eng.counters.totals["reclaimed_files|nvme"] == 3
+    finally:
+        eng.close()
+
+
+def test_chunk_a_rank_could_not_open_is_kept_and_adopted_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE (too many open files) on one rank's chunk while the engine starts: the chunk
+    is not indexed, but it is not deleted on any rank either (it is not known partial).
+    The next start reads it and indexes it. Before, the planner reclaimed it everywhere."""
+    for r in range(WORLD):
+        st = NVMeStore(tmp_path, NS, r, SLOT)
+        put(st, "good", [key(1), key(2)])
+        st.close()
+    victim = str(rank_dir(tmp_path, NS, 1) / "good.kvt")
+    real_open = os.open
+
+    def emfile(path: str | os.PathLike[str], flags: int, *args: int, **kw: int) -> int:
+        if os.fspath(path) == victim:
+            raise OSError(errno.EMFILE, "Too many open files", victim)
+        return real_open(path, flags, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", emfile)
+        eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.locate(BlockKey(key(2))) is None
+        assert eng.step() == []
+        for r in range(WORLD):
+            assert "good.kvt" in files(rank_dir(tmp_path, NS, r))
+        assert eng.counters.totals.get("reclaimed_files|nvme", 0) == 0
+    finally:
+        eng.close()
+
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.locate(BlockKey(key(2))) == ("good", 1)
     finally:
         eng.close()
 

@@ -254,12 +254,15 @@ def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
         p.counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         return p.empty(dataclasses.replace(policy, mode="read-only"))
     refuses = functools.partial(refusal_reason, p.ctx.auth)
-    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses)[0]
+    # A chunk some rank could not read (EMFILE, EIO...) may be whole: never reclaimed.
+    unread: set[str] = set()
+    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses,
+                      kept=unread)[0]
              for r, d in enumerate(dirs)]
     # Capacity covers every byte the tier leaves in its directories, not only the chunks.
     reserved = max(other_bytes(d) for d in dirs)
     return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=p.counters,
-                        found=found, reserved_bytes_per_rank=reserved)
+                        found=found, reserved_bytes_per_rank=reserved, unread=frozenset(unread))
 
 
 def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None:

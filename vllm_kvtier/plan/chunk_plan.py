@@ -97,6 +97,7 @@ class ChunkPlanner:
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
         found: Found, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
         reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
+        unread: frozenset[str] = frozenset(),
     ) -> None:
         """``found``: what the start-up listing found. ``catalog``: where later changes come
         from (:mod:`vllm_kvtier.catalog`): a listed tier's rescans (changes pushed), a
@@ -106,7 +107,8 @@ class ChunkPlanner:
         else found in it), taken off the capacity so that it bounds every byte on the
         medium. ``local_chunks``: the chunks of ``found`` this instance wrote (a shared
         tier's own manifest); None: all of them on an exclusive tier, none on a shared one
-        (KV events' locality).
+        (KV events' locality). ``unread``: chunks some rank's listing saw but could not
+        read (a transient error): not indexed, and never reclaimed as partial.
 
         The planner's jobs, each its own object: :attr:`admission` (which blocks are
         written; the write breaker), :attr:`merge` (rescan deltas, sliced),
@@ -142,24 +144,25 @@ class ChunkPlanner:
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
-        n_blocks, n_files = self._adopt(found, local_chunks)
+        n_blocks, n_files = self._adopt(found, local_chunks, unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
 
     # ---- what the tier holds -------------------------------------------------------
 
-    def _adopt(self, found: Found, local_chunks: frozenset[str] | None) -> tuple[int, int]:
+    def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
         """Index the start-up listing's chunks present on every rank; (blocks, chunks)
         added. A chunk that does not fit the capacity is deleted; on an exclusive tier
         (:attr:`ChunkPolicy.exclusive`) so are chunks present on only some ranks (a write
         that did not reach every rank) and chunks of another block size, by the ranks that
-        hold them (counted as ``reclaimed_files``). A rescan's chunks are only ignored
+        hold them (counted as ``reclaimed_files``). A chunk in ``unread`` is not known
+        partial (a rank could not read it: EMFILE, EIO): it is left alone. A rescan's chunks are only ignored
         then (:meth:`_apply_slice`: another instance may be using or still writing them)."""
         reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
         if reclaim:
-            partial = {f for rank in found for f in rank if f not in common and f not in self.index}
+            partial = {f for rank in found for f in rank if f not in common and f not in self.index and f not in unread}
             if partial:
                 logger.info("kvtier %s: deleting %d chunk(s) present on only some TP ranks", self.tier, len(partial))
                 self.reclaim(sorted(partial))
