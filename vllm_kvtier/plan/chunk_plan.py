@@ -482,14 +482,20 @@ class ChunkPlanner:
                 self._failed_files.popitem(last=False)
             if self.index.remove(fid):
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
-            if fid in bad and fid not in failed | refused and not self._deletes_bad(fid):
+            ours = self._deletes_bad(fid)
+            if fid in bad and fid not in failed | refused and not ours:
                 # Another writer's chunk on a shared tier: what says it is bad may be our
                 # own index (keys and header from an unsigned manifest anyone can forge), not
                 # the object. Forgotten here (a miss), never deleted for every reader.
                 self.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
                 continue
             self.origins.forget(fid, remote=False)
-            self._deletes.append(fid)  # delete whatever a rank may have left
+            if ours:  # delete whatever a rank may have left
+                self._deletes.append(fid)
+            # Else a write that failed or was refused on a shared tier: its id names the
+            # content, so the object under it may be another instance's. Nothing is
+            # deleted; what our other ranks wrote is in our manifest (our next start
+            # reclaims it).
         for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
             self._forget_untrusted(fid)
         for fid, n in written.items():
@@ -506,11 +512,11 @@ class ChunkPlanner:
                     self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
-        """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
+        """Whether a chunk whose read or write failed is deleted, not only forgotten: on
         an exclusive tier always (every chunk there is this engine's); on a shared one only
-        a chunk this process wrote, whose header and keys came from its own write, so the
-        failure is the object's. A shared object found by a listing or a manifest is left to
-        its writer (and a lifecycle rule)."""
+        a chunk this process wrote on every rank, whose header and keys came from its own
+        write, so the failure is the object's. A shared object found by a listing or a
+        manifest, or one whose write failed, is left to its writer (and a lifecycle rule)."""
         return self.policy.exclusive or self.origins.written_here(fid)
 
     def _forget_untrusted(self, fid: str) -> None:
