@@ -331,7 +331,8 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     def rescan_counts() -> dict[CounterName, int]:
-        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores)}
+        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores),
+                CounterName.MANIFESTS_REFUSED: sum(st.last_scan.manifests_refused for st in stores)}
 
     def rescan() -> Found:
         """A live instance's rescan (the rescan thread): collects stale manifests, and
@@ -348,6 +349,7 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     found = scan()
+    p.counters.add(CounterName.MANIFESTS_REFUSED, TierName.S3, sum(st.last_scan.manifests_refused for st in stores))
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
         p.counters.add(CounterName.SCAN_CUT_SHORT, TierName.S3, len(cut))
