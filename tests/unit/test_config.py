@@ -117,6 +117,7 @@ def test_config_file(tmp_path):
         ({"s3": {"bucket": "kvb", "deadline_s": 1e7}}, "s3.deadline_s", "one day"),
         ({"s3": {"bucket": "kvb", "rescan_interval_s": 1e7}}, "s3.rescan_interval_s", "one day"),
         ({"s3": {"bucket": "kvb", "max_attempts": 1000}}, "s3.max_attempts", "<= 100"),
+        ({"s3": {"bucket": "kvb", "manifest_max_entries": 10**11}}, "s3.manifest_max_entries", "<= 1048576"),
         ({"mooncake": {"master": "m:50051", "lookup_timeout_s": 1e6}}, "mooncake.lookup_timeout_s", "one day"),
         ({"mooncake": {"master": "m:50051", "max_queued_writes": 10**5}}, "mooncake.max_queued_writes", "<= 4096"),
         ({"mooncake": {"master": "m:50051", "deadline_s": 1e6}}, "mooncake.deadline_s", "one day"),

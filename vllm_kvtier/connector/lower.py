@@ -275,12 +275,15 @@ def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
         p.counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         return p.empty(dataclasses.replace(policy, mode="read-only"))
     refuses = functools.partial(refusal_reason, p.ctx.auth)
-    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses)[0]
+    # A chunk some rank could not read (EMFILE, EIO...) may be whole: never reclaimed.
+    unread: set[str] = set()
+    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses,
+                      kept=unread)[0]
              for r, d in enumerate(dirs)]
     # Capacity covers every byte the tier leaves in its directories, not only the chunks.
     reserved = max(other_bytes(d) for d in dirs)
     return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=p.counters,
-                        found=found, reserved_bytes_per_rank=reserved)
+                        found=found, reserved_bytes_per_rank=reserved, unread=frozenset(unread))
 
 
 def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None:
@@ -350,7 +353,8 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     def rescan_counts() -> dict[CounterName, int]:
-        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores)}
+        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores),
+                CounterName.MANIFESTS_REFUSED: sum(st.last_scan.manifests_refused for st in stores)}
 
     def rescan() -> Found:
         """A live instance's rescan (the rescan thread): collects stale manifests, and
@@ -367,6 +371,7 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     found = scan()
+    p.counters.add(CounterName.MANIFESTS_REFUSED, TierName.S3, sum(st.last_scan.manifests_refused for st in stores))
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
         p.counters.add(CounterName.SCAN_CUT_SHORT, TierName.S3, len(cut))

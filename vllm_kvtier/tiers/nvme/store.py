@@ -185,7 +185,7 @@ UNREADABLE_KEPT = "unreadable_kept"
 def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_blocks: int = MAX_CHUNK_BLOCKS,
              block_bytes: int | None = None, rank: int | None = None,
              refuses: Callable[[str, ChunkHeader], FailureReason | None] | None = None,
-             ) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
+             kept: set[str] | None = None) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
     """Read every chunk header in ``directory``.
 
     ``rank``: the directory's rank (a header of another is ``key_mismatch``); ``refuses``:
@@ -198,7 +198,8 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
     deleted; the scheduler scans read-only. A file that could not be read (an OSError:
     EMFILE, EIO, EACCES...) may be good: it is skipped, never deleted, and counted as
     :data:`UNREADABLE_KEPT`. Entries that are not regular files are skipped
-    (``not_regular``) and never opened, nor deleted.
+    (``not_regular``) and never opened, nor deleted. The ids of both go to ``kept`` when
+    given: a chunk there is not known absent (a caller must not reclaim it as partial).
     """
     found: dict[str, ChunkHeader] = {}
     problems: dict[str, int] = {}
@@ -228,6 +229,8 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
             damaged = isinstance(err, ChunkFormatError)
             if not damaged and not isinstance(err, NotRegularFile):
                 reason = UNREADABLE_KEPT  # not read, so not known damaged: kept
+            if not damaged and not isinstance(err, FileNotFoundError) and kept is not None:
+                kept.add(e.name[: -len(SUFFIX)])  # present, maybe good (EMFILE, EIO...)
             problems[reason] = problems.get(reason, 0) + 1
             logger.warning("kvtier nvme: ignoring %s (%s): %s", e.path, reason, err)
             if damaged and cleanup:
