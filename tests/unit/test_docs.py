@@ -154,9 +154,11 @@ def missing_code_names(names: list[str], page: Path) -> list[str]:
 #: words about how the project is run, not about the plugin: no user can look them up
 _INTERNAL = re.compile(r"\bthe brief\b|\bbrief's|\bissues? #?\d+|\bthe issue's\b|\breview \d|\bclosing notes?\b",
                        re.I)
-#: what a user reads besides the pages: preset configs, Helm values, dashboards, alert rules
+#: what a user reads besides the pages: preset configs, Helm values, dashboards, alert rules,
+#: and the package (its messages, its docstrings)
 USER_TEXT = [*PAGES, *sorted((ROOT / "configs").glob("*.yaml")),
-             *sorted(p for p in (ROOT / "docker").rglob("*") if p.suffix in (".yaml", ".yml", ".json", ".txt", ".tpl"))]
+             *sorted(p for p in (ROOT / "docker").rglob("*") if p.suffix in (".yaml", ".yml", ".json", ".txt", ".tpl")),
+             *sorted((ROOT / "vllm_kvtier").rglob("*.py"))]
 
 
 def internal_words(files: list[Path], root: Path) -> list[str]:
