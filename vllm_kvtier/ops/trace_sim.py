@@ -373,7 +373,7 @@ class TierSetup:
     first."""
 
     cpu_blocks: int
-    cpu_eviction: str = "s3fifo"
+    cpu_eviction: str = "kvaware"
     lower: tuple[LowerTier, ...] = ()
     #: blocks a request saves per engine step (vLLM's chunked prefill: max_num_batched_tokens
     #: / block tokens); None: the whole prompt in one step
@@ -501,7 +501,7 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             k = keys[pos]
             loc = locs[pos]
             assert loc is not None
-            alloc = index.allocate(k)
+            alloc = index.allocate(k, keys[pos - 1] if pos else None)
             if alloc is None:
                 break  # no slot to read into: the rest is recomputed
             if alloc.evicted is not None:
@@ -528,11 +528,12 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
         for lo in range(0, max(1, len(keys)), step):
             saved: set[BlockKey] = set()
             held: list[int] = []
-            for k in keys[lo : min(lo + step, n_save)]:
+            for pos in range(lo, min(lo + step, n_save)):
+                k = keys[pos]
                 if k in index:
                     index.touch(k)
                     continue
-                alloc = index.allocate(k)
+                alloc = index.allocate(k, keys[pos - 1] if pos else None)
                 if alloc is None:
                     continue
                 for p in planners:
