@@ -41,7 +41,7 @@ def prompt_of(ids: list[int]) -> list[int]:
     return [*tokens, 3]
 
 
-@pytest.mark.parametrize("eviction", ["s3fifo", "lru"])
+@pytest.mark.parametrize("eviction", ["kvaware", "s3fifo", "lru"])
 def test_the_engine_hits_what_plan_trace_predicts(tiny_model, eviction):
     records = scaled_records()
     trace = make_trace(records, BLOCK_SIZE)
@@ -74,7 +74,7 @@ def test_the_engine_hits_each_tier_as_plan_trace_predicts(tiny_model, tmp_path):
     trace = make_trace(records, BLOCK_SIZE)
     cpu_blocks, chunk = 100, 4
     predicted = simulate_tiers(trace, TierSetup(
-        cpu_blocks=cpu_blocks, cpu_eviction="s3fifo", save_partial_blocks=False, confirm_lag_requests=1,
+        cpu_blocks=cpu_blocks, cpu_eviction="kvaware", save_partial_blocks=False, confirm_lag_requests=1,
         lower=(LowerTier("nvme", None, "write-back", admit_min_seen=1, chunk_blocks=chunk, block_bytes=BLOCK_BYTES),)))
     llm = make_llm(tiny_model, kvtier_config({
         "cpu": {"capacity_bytes": cpu_blocks * BLOCK_BYTES},

@@ -170,3 +170,37 @@ def test_docqa_trace_is_deterministic_and_shares_document_heads():
     assert simulate_infinite(tr).hit_share > 0.5  # the heads are reused, the tails never
     with pytest.raises(ValueError, match="document-QA"):
         docqa_records(DocQASpec(documents=0))
+
+
+def test_over_a_write_back_tier_a_new_block_gets_a_full_pass_of_the_pool():
+    # Below DRAM, a write-back tier writes what is still in DRAM at its flush: DRAM is
+    # a staging area, and a reused block must not cut a new block's wait short.
+    for staging, victim in ((False, 2), (True, 1)):
+        kv = KVAwarePolicy(4, staging=staging)
+        kv.insert(1)
+        kv.access(1)
+        for k in (2, 3, 4):
+            kv.insert(k)
+        assert kv.evict(anything) == victim
+
+
+def test_the_history_window_follows_its_bets():
+    kv = KVAwarePolicy(2, history_factor=8)
+    start = kv.window
+    kv.insert(1)
+    kv.insert(2)
+    assert kv.evict(anything) == 1
+    kv.insert(1)  # back on the history's word (a trial)
+    kv.access(1)  # ... and hit: the bet was good
+    assert kv.window > start
+    kv2 = KVAwarePolicy(2, history_factor=8)
+    kv2.insert(1)
+    kv2.insert(2)
+    kv2.evict(anything)
+    kv2.insert(1)  # a trial, never hit before it leaves
+    kv2.discard(2)
+    kv2.insert(3)
+    kv2.insert(4)
+    while len(kv2) > 0:
+        kv2.evict(anything)
+    assert kv2.window < start

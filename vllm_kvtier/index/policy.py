@@ -100,8 +100,9 @@ class LRUPolicy(Generic[K]):
         return iter(list(self._order))
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """A fresh policy for a pool of ``capacity`` keys; ``name`` is one of :data:`EVICTION_NAMES`."""
+def make_policy(name: str, capacity: int, *, staging: bool = False) -> EvictionPolicy:
+    """A fresh policy for a pool of ``capacity`` keys; ``name`` is one of :data:`EVICTION_NAMES`.
+    ``staging``: a write-back tier below takes the pool's evictions (``kvaware`` adapts)."""
     if name == "lru":
         return LRUPolicy(capacity)
     if name == "s3fifo":
@@ -115,5 +116,5 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     if name == "kvaware":
         from vllm_kvtier.index.kvaware import KVAwarePolicy
 
-        return KVAwarePolicy(capacity)
+        return KVAwarePolicy(capacity, staging=staging)
     raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(EVICTION_NAMES)}")

@@ -59,15 +59,18 @@ class SlotIndex:
         eviction: str | EvictionPolicy[BlockKey] = "lru",
         max_pinned_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        staging: bool = False,
     ) -> None:
         """``eviction``: a policy name (``cpu.eviction``) or a policy object for this many
         slots. ``max_pinned_fraction``: the share of slots :meth:`pin_key` may hold.
-        ``clock``: monotonic seconds, for pin deadlines (tests pass a fake one)."""
+        ``clock``: monotonic seconds, for pin deadlines (tests pass a fake one).
+        ``staging``: a write-back tier below takes what this pool evicts (for the policy)."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self._eviction = eviction
+        self._staging = staging
         self._max_pinned_fraction = max_pinned_fraction
         self._clock = clock
         self._size(num_slots)
@@ -79,7 +82,7 @@ class SlotIndex:
         self.num_slots = num_slots
         eviction = self._eviction
         self.policy: EvictionPolicy[BlockKey] = (
-            make_policy(eviction, num_slots) if isinstance(eviction, str) else eviction
+            make_policy(eviction, num_slots, staging=self._staging) if isinstance(eviction, str) else eviction
         )
         self._slot_of: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...

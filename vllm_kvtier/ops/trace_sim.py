@@ -27,7 +27,7 @@ figures rest on; docs/planning.md says what it leaves out):
    every chunk written is confirmed at once (writes never fail here).
 
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
-with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``), and
+with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
 :class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Bounds computed
 beside them: an infinite cache, and Belady's MIN (evict the block whose next use is furthest;
@@ -449,7 +449,8 @@ def _lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
 def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
     """Replay ``trace`` through the CPU tier and the tiers below (module doc)."""
     clock = [0.0]
-    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction)
+    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction,
+                                 staging=any(t.mode == "write-back" for t in setup.lower))
     planners = [_lower_planner(t, clock) for t in setup.lower]
     cpu = TierResult("cpu", setup.cpu_blocks)
     lows = [TierResult(t.name, t.capacity_blocks) for t in setup.lower]
