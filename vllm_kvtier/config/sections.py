@@ -90,10 +90,10 @@ class CPUTierConfig:
     prefault: bool = False
     #: Pinned (page-locked) host memory for DMA; "auto" pins when the KV cache is on CUDA.
     pin_memory: Literal["auto", "on", "off"] = "auto"
-    #: Which block leaves a full pool: "s3fifo" (scan-resistant: blocks reused by
-    #: several requests, such as shared system prompts, survive a flood of one-off
-    #: documents; see bench/trace_replay.py) or "lru" (least recently used).
-    eviction: EvictionName = "s3fifo"
+    #: Which block leaves a full pool: "kvaware" (keeps a prompt's head over its tail,
+    #: and blocks that showed reuse longer; docs/planning.md), "s3fifo" (scan-resistant),
+    #: "arc" (adaptive recency and frequency) or "lru" (least recently used).
+    eviction: EvictionName = "kvaware"
     #: Share of the pool that explicit prefix pins with a TTL may hold; pins beyond it
     #: are refused (and counted), so pinned prefixes never starve ordinary traffic.
     max_pinned_fraction: float = 0.5
