@@ -2,7 +2,8 @@
 
 A writer stores 3 chunks and its manifest. Then ``--forged`` manifests of ``--mib`` MiB
 are planted under other writer ids: zip bombs of 65,536 entries (about 270 MB inflated),
-half unsigned and half with a wrong MAC (with ``--key``). A reader scans until no changed
+half unsigned and half with a wrong MAC (with ``--key``). With ``--key`` their names are
+what a forger without the key can make (random, or the real writer's id with a wrong tag). A reader scans until no changed
 manifest is left for later, then once more (nothing changed). The figure is
 ``time.process_time()`` of this process around each scan: every thread of the scheduler's
 process (the scan's I/O pool included), not moto's.
@@ -27,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 from bench._common import save_json  # noqa: E402
 from testkit.s3_server import MotoServer, aws_test_env  # noqa: E402
-from tests.tiers.test_forged_manifests import AUTH, bomb, plant  # noqa: E402
+from tests.tiers.test_forged_manifests import AUTH, bomb, forged_names, plant  # noqa: E402
 from tests.tiers.test_s3_store import BLOCK, NS, config, write  # noqa: E402
 from vllm_kvtier.tiers.s3.manifest import SIG_MAGIC  # noqa: E402
 from vllm_kvtier.tiers.s3.store import S3Store  # noqa: E402
@@ -46,7 +47,7 @@ def run(forged: int, mib: int, key: bool, max_scans: int) -> dict[str, Any]:
             writer.close()
             body = bomb(mib << 20)
             bodies = [body, body + SIG_MAGIC + AUTH.key_id + bytes(32)] if key else [body]
-            plant(server, cfg.bucket, writer, bodies, forged)
+            plant(server, cfg.bucket, writer, bodies, forged, forged_names(writer, forged) if key else None)
             reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=auth)
             scans: list[dict[str, Any]] = []
             try:

@@ -229,8 +229,9 @@ class CounterName(_Declared):
     )
     MANIFESTS_REFUSED = (
         "manifests_refused",
-        "S3 manifests a scan refused for their bytes (a signature that does not verify, a size or format "
-        "out of bounds); not read again while unchanged. With a key, none of them was decoded.",
+        "S3 manifests a scan refused: with a key, by a name whose tag does not verify (never fetched); or "
+        "for their bytes (a signature that does not verify, a size or format out of bounds). Not read again "
+        "while unchanged. With a key, none of them was decoded.",
     )
     REQUEST_PARAMS_IGNORED = (
         "request_params_ignored",

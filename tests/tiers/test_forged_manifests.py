@@ -2,8 +2,9 @@
 
 A thousand 1 MiB manifests sit next to a real writer's on a real S3 server (moto) on
 127.0.0.1. Each is a zip bomb that would inflate to about 270 MB of entries if decoded.
-With a key, none is decoded (the signature is checked first, over the raw bytes); each is
-refused once and not read again while unchanged; a scan reads a bounded number of them.
+With a key, a manifest's name must carry a tag only key holders make: a forged name is
+refused from the listing alone, with no GET, once. One under a real writer's name is read
+(one GET) but never decoded: the signature is checked first, over the raw bytes.
 Without a key a manifest cannot be verified: each is cut off after a bounded inflation.
 The writer's manifest still covers its objects (no header GET for them). The outcomes are
 counts from the scan's own report; the CPU they cost is measured by
@@ -13,6 +14,7 @@ bench/forged_manifests.py, not here.
 from __future__ import annotations
 
 import functools
+import random
 import struct
 import zlib
 from dataclasses import replace
@@ -52,15 +54,40 @@ def bomb(nbytes: int = MIB) -> bytes:
     return out + struct.pack("<I", zlib.crc32(out))
 
 
-def plant(server: MotoServer, bucket: str, store: S3Store, bodies: list[bytes], n: int) -> None:
-    """``n`` manifests named like other writers', cycling through ``bodies`` (one upload
-    each, then server-side copies)."""
+def forged_names(store: S3Store, n: int, seed: int = 1) -> list[str]:
+    """``n`` manifest keys a forger without the key can make: every other one a random
+    writer id (with a random tag, or none), the rest the real writer's id with a wrong tag."""
+    rng = random.Random(seed)
+    root = f"{store.medium.prefix}manifest/"
+    names = []
+    for i in range(n):
+        if i % 2:
+            names.append(f"{root}{store.writer_id}.{rng.randbytes(8).hex()}.kvm")
+        elif i % 4:
+            names.append(f"{root}forged-{i:04d}.{rng.randbytes(8).hex()}.kvm")
+        else:
+            names.append(f"{root}forged-{i:04d}.kvm")
+    return names
+
+
+def plant(server: MotoServer, bucket: str, store: S3Store, bodies: list[bytes], n: int,
+          names: list[str] | None = None) -> None:
+    """``n`` manifests under ``names`` (default: other writers' names as ``store`` makes
+    them), cycling through ``bodies`` (one upload each, then server-side copies)."""
+    keys = names or [store.manifest_key(f"forged-{i:04d}") for i in range(n)]
     c = server.client()
     for i, body in enumerate(bodies):
-        c.put_object(Bucket=bucket, Key=store.manifest_key(f"forged-{i:04d}"), Body=body)
+        c.put_object(Bucket=bucket, Key=keys[i], Body=body)
     for i in range(len(bodies), n):
-        src = store.manifest_key(f"forged-{i % len(bodies):04d}")
-        c.copy_object(Bucket=bucket, Key=store.manifest_key(f"forged-{i:04d}"), CopySource={"Bucket": bucket, "Key": src})
+        c.copy_object(Bucket=bucket, Key=keys[i], CopySource={"Bucket": bucket, "Key": keys[i % len(bodies)]})
+
+
+def count_gets(store: S3Store) -> list[str]:
+    """The keys of every GetObject ``store``'s boto3 client sends from now on."""
+    keys: list[str] = []
+    client: Any = store.medium.client
+    client.meta.events.register("before-parameter-build.s3.GetObject", lambda params, **_: keys.append(params["Key"]))
+    return keys
 
 
 def scan_until_read(store: S3Store) -> dict[str, Any]:
@@ -80,34 +107,115 @@ def scan_until_read(store: S3Store) -> dict[str, Any]:
             return total
 
 
-def test_forged_manifests_are_refused_undecoded_with_a_key(s3_server: MotoServer, s3_bucket: str) -> None:
-    """Half unsigned, half signed with an accepted key id and a wrong MAC. Before: each
-    was inflated entry by entry before its signature was checked (about a second of CPU
-    per MiB), and read again at every rescan."""
+def test_forged_manifests_are_refused_by_name_with_a_key(s3_server: MotoServer, s3_bucket: str) -> None:
+    """With a key, a forger cannot make a manifest name a reader reads: a thousand forged
+    names (random, or the real writer's id with a wrong tag) cost no GET. Each is refused
+    once (``manifests_refused``), never checked again. Before: each was fetched (one GET
+    of 1 MiB), and 64 per scan, for 16 scans."""
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)  # moto lists 1,000 keys slowly
     writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
     for i in range(3):
         write(writer, f"c{i}", 10 * i, 2, job=i + 1)
     writer.close()
-    good = s3_server.client().head_object(Bucket=s3_bucket, Key=writer.manifest_key())["ContentLength"]
+    real = writer.manifest_key()
+    good = s3_server.client().head_object(Bucket=s3_bucket, Key=real)["ContentLength"]
     wrong_mac = bomb() + SIG_MAGIC + AUTH.key_id + bytes(32)
-    plant(s3_server, s3_bucket, writer, [bomb(), wrong_mac], FORGED)
+    names = forged_names(writer, FORGED)
+    plant(s3_server, s3_bucket, writer, [bomb(), wrong_mac], FORGED, names)
 
     reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    gets = count_gets(reader)
     try:
-        reader.scan(collect=True)
-        first = reader.last_scan
-        assert first.from_manifests == 3 and first.header_gets == 0  # the writer's manifest still serves
-        total = scan_until_read(reader)
-        assert total["found"] == {"c0", "c1", "c2"}
-        assert first.manifests_refused + total["refused"] == FORGED
-        # Only the writer's manifest reached the decoder, and only its signed bytes.
-        assert first.manifests_decoded + total["decoded"] == 1
-        assert first.manifest_bytes_decoded + total["decoded_bytes"] == good - len(SIG_MAGIC) - 8 - 32
-        reader.scan(collect=True)  # nothing changed: nothing is read again
+        assert set(reader.scan(collect=True).found) == {"c0", "c1", "c2"}
         r = reader.last_scan
-        assert r.manifest_gets == 0 and r.manifests_refused == 0
-        assert r.problems == {"manifest_unauthenticated": FORGED // 2, "manifest_auth_failed": FORGED // 2}
+        assert gets == [real]  # the writer's manifest alone: no forged one is fetched
+        assert r.from_manifests == 3 and r.header_gets == 0 and r.manifest_gets == 1
+        assert r.manifests_refused == FORGED and r.manifests_deferred == 0
+        assert r.manifests_decoded == 1 and r.manifest_bytes_decoded == good - len(SIG_MAGIC) - 8 - 32
+        assert r.problems == {"manifest_unauthenticated": FORGED // 4, "manifest_auth_failed": FORGED - FORGED // 4}
+        reader.scan(collect=True)  # nothing changed: only the listing
+        r = reader.last_scan
+        assert gets == [real] and r.manifest_gets == 0 and r.manifests_refused == 0
+        assert r.problems == {"manifest_unauthenticated": FORGED // 4, "manifest_auth_failed": FORGED - FORGED // 4}
+    finally:
+        reader.close()
+
+
+def test_a_forged_body_under_a_real_name_costs_one_get_and_no_decode(s3_server: MotoServer,
+                                                                     s3_bucket: str) -> None:
+    """A forger may overwrite real writers' manifests (their names verify). Each costs one
+    GET and an HMAC pass, never a decode, and is not read again while unchanged."""
+    n = 8
+    cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
+    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    for i in range(3):
+        write(writer, f"c{i}", 10 * i, 2, job=i + 1)
+    writer.close()
+    wrong_mac = bomb() + SIG_MAGIC + AUTH.key_id + bytes(32)
+    plant(s3_server, s3_bucket, writer, [bomb(), wrong_mac], n)  # names made with the key
+    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    gets = count_gets(reader)
+    try:
+        assert set(reader.scan(collect=True).found) == {"c0", "c1", "c2"}
+        r = reader.last_scan
+        assert len(gets) == n + 1 and r.manifests_refused == n and r.manifests_decoded == 1
+        assert r.problems == {"manifest_unauthenticated": n // 2, "manifest_auth_failed": n // 2}
+        reader.scan(collect=True)
+        assert len(gets) == n + 1 and reader.last_scan.manifests_refused == 0
+    finally:
+        reader.close()
+
+
+def test_a_manifest_named_under_a_verify_key_is_read(s3_server: MotoServer, s3_bucket: str) -> None:
+    """Key rotation: a writer still signing with the old key names its manifest with it;
+    a reader that signs with the new key and verifies the old one reads it (no header GET)."""
+    old, new = ChunkAuth(bytes(range(32, 64))), ChunkAuth(bytes(range(64, 96)), [bytes(range(32, 64))])
+    cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
+    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=old)
+    write(writer, "c0", 0, 2)
+    writer.close()
+    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=new)
+    try:
+        assert writer.manifest_key() != reader.manifest_key("writer")  # named under another key
+        assert set(reader.scan().found) == {"c0"}
+        r = reader.last_scan
+        assert r.from_manifests == 1 and r.header_gets == 0 and r.manifests_refused == 0 and not r.problems
+    finally:
+        reader.close()
+
+
+def test_a_writer_replaces_its_manifest_of_an_earlier_build(s3_server: MotoServer, s3_bucket: str) -> None:
+    """A manifest under an earlier build's name (no tag) is not read by scans with a key.
+    Its writer merges it at its next manifest write (its signature proves it its own),
+    writes the tagged name, and deletes the old one. Another writer's old name stays."""
+    cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
+    c = s3_server.client()
+    root = f"kv/{NS}/r0/manifest/"
+    old = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    write(old, "c0", 0, 2)
+    old.close()
+    legacy = f"{root}writer.kvm"  # as an earlier build named it: the same signed bytes
+    c.copy_object(Bucket=s3_bucket, Key=legacy, CopySource={"Bucket": s3_bucket, "Key": old.manifest_key()})
+    c.copy_object(Bucket=s3_bucket, Key=f"{root}other.kvm", CopySource={"Bucket": s3_bucket, "Key": legacy})
+    c.delete_object(Bucket=s3_bucket, Key=old.manifest_key())
+
+    again = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    gets = count_gets(again)
+    try:
+        assert set(again.scan().found) == {"c0"}
+        r = again.last_scan
+        assert r.from_manifests == 0 and r.problems == {"manifest_unauthenticated": 2}
+        assert not any(k.endswith(".kvm") for k in gets)  # neither old name fetched by the scan
+        write(again, "c1", 10, 2)
+        assert again.flush_manifest()
+        keys = {o["Key"] for o in c.list_objects_v2(Bucket=s3_bucket, Prefix=root)["Contents"]}
+        assert keys == {again.manifest_key(), f"{root}other.kvm"}
+    finally:
+        again.close()
+    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    try:
+        assert set(reader.scan().found) == {"c0", "c1"}
+        assert reader.last_scan.from_manifests == 2 and reader.last_scan.header_gets == 0
     finally:
         reader.close()
 

@@ -24,6 +24,13 @@ Layout (little endian)::
 
 The header bytes are exactly the chunk's own header (``chunkformat``), verified again with
 its own CRC32 when decoded; their zero padding is what zlib removes. Nothing is unpickled.
+
+Names (:func:`manifest_file_name`): without a key, ``<writer id>.kvm``. With a key,
+``<writer id>.<tag>.kvm``, the tag 16 hex digits of a MAC over the namespace, rank and
+writer id (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_name_tag`). A reader with a
+key checks the tag from the listing alone (:func:`manifest_name_refusal`). So a forger
+without the key cannot make a name it will read: a flood of forged manifests costs no GET.
+One who overwrites a real writer's manifest is caught by its signature, one GET per change.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ from vllm_kvtier.chunkformat import (
 )
 from vllm_kvtier.config.stores import MAX_MANIFEST_ENTRIES
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.keys import SAFE_ID
+from vllm_kvtier.tiers.auth import MANIFEST_NAME_TAG_BYTES, ChunkAuth
+from vllm_kvtier.tiers.s3.config import MANIFEST_SUFFIX
 
 MAGIC = b"KVTMANI1"
 VERSION = 1
@@ -242,6 +252,34 @@ class _Inflater:
         out = bytes(self._buf[:n])
         del self._buf[:n]
         return out
+
+
+# ---- names (a key is set: the name carries a tag) ---------------------------------------------
+
+
+def manifest_file_name(writer_id: str, auth: ChunkAuth | None, namespace: str, rank: int) -> str:
+    """The object name (after ``.../manifest/``) of writer ``writer_id``'s manifest."""
+    if auth is None:
+        return f"{writer_id}{MANIFEST_SUFFIX}"
+    return f"{writer_id}.{auth.manifest_name_tag(namespace, rank, writer_id)}{MANIFEST_SUFFIX}"
+
+
+def manifest_name_refusal(file_name: str, auth: ChunkAuth | None, namespace: str,
+                          rank: int) -> tuple[str, FailureReason | None]:
+    """The writer id that a manifest's object name ``file_name`` gives, and why a reader
+    holding ``auth`` must not read it (None: it may). No key: every name is read (the
+    whole stem is the writer id). With a key: a name without a tag (an earlier build's,
+    or a forger's) is ``unauthenticated``; a tag no accepted key makes is ``auth_failed``."""
+    stem = file_name.removesuffix(MANIFEST_SUFFIX)
+    if auth is None:
+        return stem, None
+    writer, _, tag = stem.rpartition(".")
+    if (len(tag) != 2 * MANIFEST_NAME_TAG_BYTES or tag.strip("0123456789abcdef")
+            or not SAFE_ID.fullmatch(writer)):
+        return stem, FailureReason.UNAUTHENTICATED
+    if not auth.verify_manifest_name_tag(namespace, rank, writer, tag):
+        return writer, FailureReason.AUTH_FAILED
+    return writer, None
 
 
 # ---- signatures (a key is set: :meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_mac`) ------

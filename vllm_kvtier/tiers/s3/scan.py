@@ -6,18 +6,21 @@ Its manifest and header GETs run on a pool of ``io_threads`` threads of its own.
 
 Cost: a scan lists the rank's prefix, one LIST request per 1,000 keys. It needs every
 listed object's header. It makes one GET per manifest whose ETag changed since this store's
-last scan. It makes one ranged GET (the first 4 KiB) per object that neither a manifest nor
-the header cache covers. The header cache holds the headers of earlier scans
-(``header_cache_entries``, LRU, listed objects only).
+last scan (with a key, none for a name whose tag does not verify). It makes one ranged GET
+(the first 4 KiB) per object that neither a manifest nor the header cache covers. The
+header cache holds the headers of earlier scans (``header_cache_entries``, LRU, listed
+objects only).
 
 Trust: the listing is the truth. A manifest entry is used only for an object the listing
 shows. So a stale or lost manifest costs requests, never correctness. Every size in a
 listed header or a manifest is bounded by what this engine could have written
 (``max_chunk_blocks`` blocks of ``block_bytes``) before it sizes anything. A manifest is
 hostile input. One longer than ``manifest_max_entries`` entries can need is refused by its
-listed size, before a GET (:meth:`S3Scanner.manifest_limit_bytes`). With a key, its
-signature is checked over the raw bytes before any is decoded. Without, it is decoded as
-its body arrives, and a payload that inflates past
+listed size, before a GET (:meth:`S3Scanner.manifest_limit_bytes`). With a key, its name
+must carry a tag only a key holder makes, checked from the listing alone
+(:func:`~vllm_kvtier.tiers.s3.manifest.manifest_name_refusal`): a forged name costs no GET.
+Its signature is then checked over the raw bytes before any is decoded. Without a key, it
+is decoded as its body arrives, and a payload that inflates past
 :data:`~vllm_kvtier.tiers.s3.manifest.MAX_INFLATION` times its size is refused. Only the
 entries of listed objects are kept (:func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest`).
 
@@ -57,7 +60,13 @@ from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.resilience import DeadlineExceeded
 from vllm_kvtier.tiers.s3.config import HEAD_PROBE_BYTES, MANIFEST_SUFFIX, SUFFIX, error_reason
-from vllm_kvtier.tiers.s3.manifest import SIG_BYTES, iter_manifest, max_manifest_bytes, signed_body
+from vllm_kvtier.tiers.s3.manifest import (
+    SIG_BYTES,
+    iter_manifest,
+    manifest_name_refusal,
+    max_manifest_bytes,
+    signed_body,
+)
 from vllm_kvtier.tiers.s3.medium import S3Medium
 
 __all__ = ["MANIFEST_READS_PER_SCAN", "MAX_MANIFEST_BYTES", "ManifestWork", "S3Scanner", "ScanReport"]
@@ -93,6 +102,9 @@ MANIFEST_HOLD_BYTES = 4 << 20
 #: Manifests refused for their bytes remembered at most (by ETag and size): one listed
 #: unchanged is not read again.
 MAX_REFUSED_MANIFESTS = 4096
+#: Manifest names whose tag was checked, remembered at most (with a key; one listed again
+#: is not checked again, nor counted refused again).
+MAX_CHECKED_MANIFEST_NAMES = 16384
 #: Why a manifest was refused that the same bytes will always give.
 _STABLE_MANIFEST_REFUSALS = _STABLE_REFUSALS | {FailureReason.CHECKSUM}
 
@@ -151,8 +163,9 @@ class ScanReport:
     #: the scan's ``deadline`` passed: the listing, manifests or header GETs not done by
     #: then were skipped (``problems["deadline"]`` counts the objects left out)
     cut_short: bool = False
-    #: manifests refused for their bytes this scan (a bad signature, size or format): not
-    #: read again while listed unchanged
+    #: manifests refused this scan, with a key by a name whose tag does not verify (no
+    #: GET), or for their bytes (a bad signature, size or format): not read again while
+    #: listed unchanged
     manifests_refused: int = 0
     #: changed manifests left to the next scans (this scan's budget was spent)
     manifests_deferred: int = 0
@@ -198,6 +211,9 @@ class S3Scanner:
         #: manifest key -> (ETag, size, why) of manifests refused for their bytes: not read
         #: again while listed unchanged (LRU, at most :data:`MAX_REFUSED_MANIFESTS`)
         self._refused_manifests: OrderedDict[str, tuple[str, int, FailureReason]] = OrderedDict()
+        #: manifest key -> why its name is refused (None: it verifies), with a key only (LRU,
+        #: at most :data:`MAX_CHECKED_MANIFEST_NAMES`; only manifests the last listing showed)
+        self._checked_names: OrderedDict[str, FailureReason | None] = OrderedDict()
         #: listed objects that this writer id's manifest names, see :meth:`take_own_objects`
         self._own_objects: frozenset[str] = frozenset()
 
@@ -276,7 +292,7 @@ class S3Scanner:
                     self._refused.move_to_end(oid)
                 if cleanup and got.damaged and got is not FailureReason.MISSING:
                     doomed.append(key)
-            list(pool.map(self._delete_quietly, doomed))
+            list(pool.map(self.delete_quietly, doomed))
         self._remember(found, objects, listing)
         from_manifests = len(found) - from_cache - sum(1 for oid, _, _ in todo if oid in found)
         cut = listing.cut or late()
@@ -314,6 +330,8 @@ class S3Scanner:
         self._manifest_etags = {m: e for m, e in self._manifest_etags.items() if m in listing.manifests}
         for m in [m for m in self._refused_manifests if m not in listing.manifests]:
             del self._refused_manifests[m]
+        for m in [m for m in self._checked_names if m not in listing.manifests]:
+            del self._checked_names[m]
 
     def _list_rank(self, out: _Listing, problem: Callable[[str], None], late: Callable[[], bool]) -> None:
         """LIST the rank's prefix, sorting keys into chunks and manifests; no page asked
@@ -369,8 +387,9 @@ class S3Scanner:
 
     def _choose_manifests(self, listing: _Listing, fresh: list[str], problem: Callable[[str], None],
                           work: ManifestWork) -> list[str]:
-        """The manifests of ``fresh`` this scan reads. Not read: one refused before and
-        listed unchanged (same ETag and size), one listed larger than
+        """The manifests of ``fresh`` this scan reads. Not read: with a key, one whose name
+        does not verify (:meth:`_name_refusal`); one refused before and listed unchanged
+        (same ETag and size), one listed larger than
         :meth:`manifest_limit_bytes` (refused), and those past this scan's budget
         (:data:`MANIFEST_READS_PER_SCAN`, :data:`MANIFEST_BYTES_PER_SCAN` or without a key
         :data:`UNSIGNED_MANIFEST_BYTES_PER_SCAN`; left to the
@@ -379,6 +398,10 @@ class S3Scanner:
         limit = self.manifest_limit_bytes()
         todo = []
         for m in fresh:
+            why = self._name_refusal(m, work)
+            if why is not None:
+                problem(f"manifest_{why}")
+                continue
             etag, _, size = listing.manifests[m]
             old = self._refused_manifests.get(m)
             if old is not None and old[:2] == (etag, size):
@@ -406,6 +429,24 @@ class S3Scanner:
             nbytes += size
         return chosen
 
+    def _name_refusal(self, key: str, work: ManifestWork) -> FailureReason | None:
+        """Why manifest ``key`` is not read, by its name alone (with a key: its tag must
+        verify; without, None). A name is checked once while listed; a refused one is
+        counted in ``work.refused`` the first time. No request is made."""
+        if self.auth is None:
+            return None
+        checked = self._checked_names
+        if key in checked:
+            checked.move_to_end(key)
+            return checked[key]
+        _, why = manifest_name_refusal(key.rsplit("/", 1)[-1], self.auth, self.namespace, self.rank)
+        checked[key] = why
+        while len(checked) > MAX_CHECKED_MANIFEST_NAMES:
+            checked.popitem(last=False)
+        if why is not None:
+            work.refused += 1
+        return why
+
     def _refuse_manifest(self, key: str, listing: _Listing, why: FailureReason, work: ManifestWork) -> None:
         etag, _, size = listing.manifests[key]
         self._manifest_etags.pop(key, None)
@@ -421,8 +462,8 @@ class S3Scanner:
         return min(MAX_MANIFEST_BYTES,
                    max_manifest_bytes(self.config.manifest_max_entries, self.max_chunk_blocks) + SIG_BYTES)
 
-    def read_manifest(self, key: str, keep: Container[str] | None,
-                      late: Callable[[], bool] = lambda: False) -> dict[str, ChunkHeader]:
+    def read_manifest(self, key: str, keep: Container[str] | None, late: Callable[[], bool] = lambda: False,
+                      *, writer_id: str | None = None) -> dict[str, ChunkHeader]:
         """The entries of manifest ``key`` whose object is in ``keep`` (None: all). The
         object's length is bounded before it is read, at most ``manifest_max_entries``
         entries are decoded, and only kept entries become objects. Raises what the GET,
@@ -430,16 +471,19 @@ class S3Scanner:
         :func:`~vllm_kvtier.tiers.s3.manifest.signed_body` raise (and DeadlineExceeded once
         ``late()`` between two pieces).
 
-        With a key, the whole manifest is verified before a byte of it is decoded: its
-        signature must be for this namespace, rank and the writer id its name says. A
-        forged one costs one GET and one HMAC pass, never a decode. A manifest of up to
+        With a key, a name whose tag does not verify is refused (ChunkFormatError) with no
+        GET; ``writer_id`` given, the name is not checked (an earlier build's name of that
+        writer, see :meth:`~vllm_kvtier.tiers.s3.store.S3Store.flush_manifest`). The whole
+        manifest is verified before a byte of it is decoded: its signature must be for this
+        namespace, rank and that writer id. A forged one costs one GET and one HMAC pass,
+        never a decode. A manifest of up to
         :data:`MANIFEST_HOLD_BYTES` is held while it is verified; a longer one is read
         twice (the second GET asks for the version verified, by its ETag) and decoded as
         it arrives. Without a key it is decoded as it arrives; its CRC is checked at the end."""
-        return self._read_manifest(key, keep, late, _Tally())
+        return self._read_manifest(key, keep, late, _Tally(), writer_id)
 
     def _read_manifest(self, key: str, keep: Container[str] | None, late: Callable[[], bool],
-                       tally: _Tally) -> dict[str, ChunkHeader]:
+                       tally: _Tally, writer_id: str | None = None) -> dict[str, ChunkHeader]:
         def in_time(pieces: Iterable[memoryview]) -> Iterator[memoryview]:
             for piece in pieces:
                 if late():
@@ -450,7 +494,11 @@ class S3Scanner:
         if self.auth is None:
             with self.medium.open_bounded(key, limit) as body:
                 return self._decode(signed_body(in_time(body), None), keep, tally)
-        writer = key.rsplit("/", 1)[-1].removesuffix(MANIFEST_SUFFIX)
+        writer, why = manifest_name_refusal(key.rsplit("/", 1)[-1], self.auth, self.namespace, self.rank)
+        if writer_id is not None:
+            writer = writer_id
+        elif why is not None:
+            raise ChunkFormatError(f"manifest {key}: its name's tag does not verify", why)
         held: bytearray | None = bytearray()
         with self.medium.open_bounded(key, limit) as body:
             etag = body.etag
@@ -524,7 +572,8 @@ class S3Scanner:
             logger.warning("kvtier s3: ignoring %s: %s", key, e)
             return error_reason(e)
 
-    def _delete_quietly(self, key: str) -> None:
+    def delete_quietly(self, key: str) -> None:
+        """Delete ``key`` of this prefix; a failure is logged, never raised."""
         try:
             self.medium.delete_key(key)
         except Exception as e:

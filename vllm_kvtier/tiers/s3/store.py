@@ -35,7 +35,8 @@ independently, instead of all landing on one. ``namespace`` digests everything t
 changes the bytes (as for NVMe). So instances sharing a bucket never read incompatible KV.
 
 Manifests: each writer keeps a manifest object
-(``.../r<rank>/manifest/<writer_id>.kvm``). It holds the headers of the writer's latest
+(``.../r<rank>/manifest/<writer_id>.kvm``; with a key ``<writer_id>.<tag>.kvm``, a tag
+only key holders make). It holds the headers of the writer's latest
 ``manifest_max_entries`` writes. The writer id is stable across restarts: a digest of host
 name, rank and namespace, or ``s3.writer_id`` (with ``-dp<engine>`` for data-parallel
 engine >= 1: engines share the rank prefixes). So a restarted writer merges and replaces
@@ -70,7 +71,7 @@ from vllm_kvtier.tiers.s3.config import (
     object_key,
     rank_prefix,
 )
-from vllm_kvtier.tiers.s3.manifest import encode_manifest, sign_manifest
+from vllm_kvtier.tiers.s3.manifest import encode_manifest, manifest_file_name, sign_manifest
 from vllm_kvtier.tiers.s3.medium import S3Medium
 from vllm_kvtier.tiers.s3.object_io import read_body_into
 from vllm_kvtier.tiers.s3.scan import S3Scanner, ScanReport
@@ -142,6 +143,9 @@ class S3Store(StoreKernel):
         self._manifest_changes = 0
         #: the predecessor's manifest (same writer id, before a restart) merged in yet?
         self._adopted = False
+        #: this writer's manifest under an earlier build's name (no tag), verified as its
+        #: own: deleted once the first manifest under the tagged name is written
+        self._legacy_manifest: str | None = None
         self._deleted_before_adopt: set[str] = set()
         self._flush_lock = threading.Lock()
         self._closing = False
@@ -188,7 +192,10 @@ class S3Store(StoreKernel):
         return self.medium.key(object_id)
 
     def manifest_key(self, writer_id: str | None = None) -> str:
-        return f"{self.medium.prefix}manifest/{writer_id or self.writer_id}{MANIFEST_SUFFIX}"
+        """The key of writer ``writer_id``'s manifest (None: this writer's). With a key its
+        name carries a tag (:func:`~vllm_kvtier.tiers.s3.manifest.manifest_file_name`)."""
+        name = manifest_file_name(writer_id or self.writer_id, self.auth, self.namespace, self.rank)
+        return f"{self.medium.prefix}manifest/{name}"
 
     # ---- the contract, where S3 adds to the kernel ------------------------------------------
 
@@ -287,6 +294,9 @@ class S3Store(StoreKernel):
             self.medium.put_key(self.manifest_key(), body, self.medium.soon())
             with self._mlock:
                 self._manifest_changes -= changes
+            if self._legacy_manifest is not None:  # ours, proved by its signature: the new name replaces it
+                self._scanner.delete_quietly(self._legacy_manifest)
+                self._legacy_manifest = None
             return True
         except Exception as e:
             logger.warning("kvtier s3: manifest write failed (%s): %s", error_reason(e), e)
@@ -297,13 +307,24 @@ class S3Store(StoreKernel):
     def _adopt_predecessor(self) -> None:
         """Merge the manifest this writer id left before a restart (one GET, once), so the
         next one still covers those objects; this process's writes stay the newest. A
-        failed GET is a lost cache, never an error."""
-        try:
-            old = self._scanner.read_manifest(self.manifest_key(), None)  # ours, but the bucket is shared: verified
-        except Exception as e:
-            if error_reason(e) is not FailureReason.MISSING:
-                logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
-            old = {}
+        failed GET is a lost cache, never an error.
+
+        With a key and no manifest under the tagged name, the name an earlier build used
+        (no tag) is read too (one more GET, once). If its signature verifies for this
+        writer id, it is merged, and deleted after the next manifest write."""
+        old: dict[str, ChunkHeader] = {}
+        keys = [self.manifest_key()]
+        if self.auth is not None:  # and the name an earlier build used
+            keys.append(f"{self.medium.prefix}manifest/{self.writer_id}{MANIFEST_SUFFIX}")
+        for i, key in enumerate(keys):
+            try:  # ours, but the bucket is shared: verified
+                old = self._scanner.read_manifest(key, None, writer_id=self.writer_id)
+                self._legacy_manifest = key if i else None
+                break
+            except Exception as e:
+                if error_reason(e) is not FailureReason.MISSING:
+                    logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
+                    break
         with self._mlock:
             self._adopted = True
             room = self.config.manifest_max_entries - len(self._manifest)
