@@ -232,7 +232,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
             continue
         lower.append(lower_tier(name, size, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
                                 block_bytes=block_bytes or 0, cfg=section))
-    eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "s3fifo")
+    eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "kvaware")
     step_blocks = max(1, _int(args.step_tokens, "--step-tokens") // trace.block_tokens)
     setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
                       step_blocks=step_blocks, save_partial_blocks=trace.block_tokens > engine_bt)
@@ -534,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--step-tokens", default="8192",
                    help="prompt tokens computed (and saved) per engine step: vLLM's max_num_batched_tokens "
                         "(default 8192)")
-    t.add_argument("--cpu-eviction", choices=["lru", "s3fifo"], help="the CPU policy to report (default: config's)")
+    t.add_argument("--cpu-eviction", choices=["lru", "s3fifo", "arc", "kvaware"], help="the CPU policy to report (default: config's)")
     t.add_argument("--ssd-bytes", help="drive size for drive writes per day (default: the NVMe tier's size)")
     t.add_argument("--s3-put-usd-per-1000", default=str(0.005), help="S3 PUT price per 1,000 (default 0.005)")
     t.add_argument("--s3-get-usd-per-1000", default=str(0.0004), help="S3 GET price per 1,000 (default 0.0004)")

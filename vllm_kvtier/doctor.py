@@ -1,4 +1,4 @@
-"""``kvtier doctor``: the brief's pre-deployment checklist, run against a config and a machine.
+"""``kvtier doctor``: a pre-deployment checklist, run against a config and a machine.
 
 Two steps, so the checks can be read and tested alone:
 
@@ -52,9 +52,9 @@ PRESET_WORKLOADS = {
     "interactive": "interactive", "shared-prompt": "interactive", "long-context": "long-context",
     "offline-batch": "batch", "batch": "batch",
 }
-#: the brief's tier choice by workload, below the GPU
+#: the tiers each workload wants, below the GPU
 WORKLOAD_TIERS = {"interactive": ("cpu",), "long-context": ("cpu", "nvme"), "batch": ("cpu", "nvme", "s3")}
-#: above this share of the GPU KV budget the brief calls usage dangerous
+#: above this share of the GPU KV budget, usage is dangerous
 GPU_USAGE_LIMIT = 0.9
 #: what an alert rule must watch, and substrings of the metrics that show it
 ALERT_SIGNALS = {
@@ -575,7 +575,7 @@ def check_key_files_readable(cfg: KVTierConfig) -> Check | None:
 
 
 def run_checks(cfg: KVTierConfig, t: Target, m: Machine) -> list[Check]:
-    """The checklist, in the brief's order (plus the machine's DRAM and disk, and the key
+    """The checklist, in order (plus the machine's DRAM and disk, and the key
     files when the config names any)."""
     req = None
     if t.model is not None and t.context_tokens is not None:

@@ -35,7 +35,7 @@ class TierName(StrEnum):
 
 
 #: Eviction policies of the CPU tier (``cpu.eviction``; :mod:`vllm_kvtier.index.policy`).
-EvictionName = Literal["lru", "s3fifo"]
+EvictionName = Literal["lru", "s3fifo", "arc", "kvaware"]
 
 #: Chunk ids, object ids and writer ids: safe in any file name, object key or log line.
 SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

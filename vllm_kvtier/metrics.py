@@ -227,6 +227,12 @@ class CounterName(_Declared):
         "manifests_collected",
         "S3 manifests deleted by a rescan: not rewritten for s3.manifest_max_age_s, or covering nothing.",
     )
+    MANIFESTS_REFUSED = (
+        "manifests_refused",
+        "S3 manifests a scan refused: with a key, by a name whose tag does not verify (never fetched); or "
+        "for their bytes (a signature that does not verify, a size or format out of bounds). Not read again "
+        "while unchanged. With a key, none of them was decoded.",
+    )
     REQUEST_PARAMS_IGNORED = (
         "request_params_ignored",
         "Request kv_transfer_params ignored because config does not enable them or they are not allowed "

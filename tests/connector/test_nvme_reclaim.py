@@ -6,16 +6,19 @@ another engine's locked directory is neither indexed nor touched."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
+
+import pytest
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.lower import make_planners, make_workers
 from vllm_kvtier.jobs import ChunkRead, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import NVMeStore, rank_dir
@@ -131,6 +134,62 @@ def test_debris_is_deleted_at_start_by_its_owners_and_counted(tmp_path: Path) ->
         assert eng.counters.totals["reclaimed_files|nvme"] == 3
     finally:
         eng.close()
+
+
+def test_chunk_a_rank_could_not_open_is_kept_and_adopted_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE (too many open files) on one rank's chunk while the engine starts: the chunk
+    is not indexed, but it is not deleted on any rank either (it is not known partial).
+    The next start reads it and indexes it. Before, the planner reclaimed it everywhere."""
+    for r in range(WORLD):
+        st = NVMeStore(tmp_path, NS, r, SLOT)
+        put(st, "good", [key(1), key(2)])
+        st.close()
+    victim = str(rank_dir(tmp_path, NS, 1) / "good.kvt")
+    real_open = os.open
+
+    def emfile(path: str | os.PathLike[str], flags: int, *args: int, **kw: int) -> int:
+        if os.fspath(path) == victim:
+            raise OSError(errno.EMFILE, "Too many open files", victim)
+        return real_open(path, flags, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", emfile)
+        eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.locate(BlockKey(key(2))) is None
+        assert eng.step() == []
+        for r in range(WORLD):
+            assert "good.kvt" in files(rank_dir(tmp_path, NS, r))
+        assert eng.counters.totals.get("reclaimed_files|nvme", 0) == 0
+    finally:
+        eng.close()
+
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        assert eng.planner.locate(BlockKey(key(2))) == ("good", 1)
+    finally:
+        eng.close()
+
+
+def test_a_failed_write_deletes_what_other_ranks_wrote_on_an_exclusive_tier(tmp_path: Path) -> None:
+    """NVMe is this engine's own: a chunk whose write failed on one rank is deleted on
+    every rank (the other rank's file is a partial chunk of ours), unlike a shared tier
+    (see test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier)."""
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, None, exclusive=True), world_size=WORLD,
+                     block_bytes_per_rank=SLOT, counters=Counters(), found=[{}, {}])
+    p.note_request([key(1), key(2)])
+    for i in (1, 2):
+        p.on_cpu_save(i, BlockKey(key(i)))
+    (job,) = p.take_jobs(set(), {BlockKey(key(i)): i for i in (1, 2)}.get)[1]
+    r0 = NVMeStore(tmp_path, NS, 0, SLOT)
+    put(r0, job.chunk_id, [key(1), key(2)])  # rank 0 wrote it; rank 1's write failed
+    p.on_worker_meta(WorkerReport(written={("nvme", job.chunk_id): 1}, failed={("nvme", job.chunk_id)}))
+    deletes = p.take_jobs(set(), lambda k: None)[2]
+    assert deletes == [job.chunk_id]
+    r0.submit_delete(job.chunk_id)
+    r0.close()
+    assert set(files(rank_dir(tmp_path, NS, 0))) == {".lock"}
+    p.close()
 
 
 def test_capacity_bounds_every_byte_in_the_rank_directories(tmp_path: Path) -> None:

@@ -149,8 +149,9 @@ def test_each_lower_tier_takes_cpu_blocks_by_its_own_mode(tmp_path):
     assert meta.persist_slots == {"nvme": [s for j in meta.saves_after for s in j.slots]}
     req.num_computed_tokens = 2 * BS
     meta = half.build_connector_meta(_Out({"r": BS}))
-    # Key 2 evicted key 0 from the 2-slot DRAM tier: NVMe demotes it; S3 already has it.
-    assert [(j.tier, j.keys) for j in meta.demotes] == [("nvme", (key(0),))]
+    # Key 2 evicted key 1 from the 2-slot DRAM tier (kvaware: the prompt's tail before its
+    # head): NVMe demotes it; S3 already has it.
+    assert [(j.tier, j.keys) for j in meta.demotes] == [("nvme", (key(1),))]
     assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(2),))]
 
 

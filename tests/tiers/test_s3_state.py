@@ -15,6 +15,7 @@ import gc
 import time
 import tracemalloc
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -567,3 +568,44 @@ def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket:
         assert st.last_scan.manifest_gets == 1 and st.last_scan.header_gets == 0
     finally:
         st.close()
+
+
+def test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier(s3_server: MotoServer, s3_bucket: str) -> None:
+    """A chunk id on a shared tier may name another instance's object (a pool's ids are
+    block keys; a bucket's may collide). A write of ours that failed on one rank, or was
+    refused (queue full), leaves the index and queues no delete: the other instance's
+    objects under that id stay. Before, the planner deleted the id on every rank."""
+    cfg = config(s3_server, s3_bucket)
+    counters = Counters()
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=2, block_bytes_per_rank=BLOCK,
+                     counters=counters, found=[{}, {}])
+    where = {BlockKey(key(i)): i for i in range(4)}
+    p.note_request([key(i) for i in range(4)])
+    for i in range(4):
+        p.on_cpu_save(i, BlockKey(key(i)))
+    failed, refused = p.take_jobs(set(), where.get)[1]
+    others = [S3Store(replace(cfg, writer_id="other"), NS, r, BLOCK) for r in range(2)]
+    for job in (failed, refused):  # the other instance stores the same ids on both ranks
+        for st in others:
+            write(st, job.chunk_id, 0, 2)
+    for st in others:
+        st.close()
+    chunks = {k for k in _bucket_keys(s3_server, s3_bucket) if k.endswith(".kvt")}
+    assert len(chunks) == 4
+    p.on_worker_meta(WorkerReport(written={("s3", failed.chunk_id): 1}, failed={("s3", failed.chunk_id)},
+                                  refused={("s3", refused.chunk_id)}))
+    deletes = p.take_jobs(set(), lambda k: None)[2]
+    ours = [S3Store(cfg, NS, r, BLOCK) for r in range(2)]
+    for st in ours:  # what the workers would do with them
+        for fid in deletes:
+            st.submit_delete(fid)
+        st.close()
+    assert deletes == []
+    assert p.locate(BlockKey(key(0))) is None and p.locate(BlockKey(key(2))) is None
+    assert {k for k in _bucket_keys(s3_server, s3_bucket) if k.endswith(".kvt")} == chunks
+    p.close()
+
+
+def _bucket_keys(server: MotoServer, bucket: str) -> set[str]:
+    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return {o["Key"] for page in pages for o in page.get("Contents", [])}

@@ -14,7 +14,7 @@ def test_defaults_and_frozen():
     cfg = parse_config({})
     assert cfg == KVTierConfig()
     assert cfg.cpu.capacity_bytes is None and cfg.cpu.capacity_fraction == 0.5
-    assert cfg.cpu.eviction == "s3fifo" and cfg.cpu.max_pinned_fraction == 0.5
+    assert cfg.cpu.eviction == "kvaware" and cfg.cpu.max_pinned_fraction == 0.5
     assert parse_config({"cpu": {"eviction": "lru"}}).cpu.eviction == "lru"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.load_mode = "async"  # type: ignore[misc]
@@ -56,7 +56,7 @@ def test_config_file(tmp_path):
         ({"cpu": {"capacity_bytes": "8G"}}, "cpu.capacity_bytes", "a size such as 32GiB"),
         ({"cpu": {"capacity_bytes": True}}, "cpu.capacity_bytes", "integer"),
         ({"cpu": {"capacity_fraction": 1.5}}, "cpu.capacity_fraction", "0.9"),
-        ({"cpu": {"eviction": "arc"}}, "cpu.eviction", "'lru', 's3fifo'"),
+        ({"cpu": {"eviction": "lfu"}}, "cpu.eviction", "'lru', 's3fifo', 'arc', 'kvaware'"),
         ({"cpu": {"max_pinned_fraction": 0.95}}, "cpu.max_pinned_fraction", "[0, 0.9]"),
         ({"cpu": {"max_pinned_fraction": -0.1}}, "cpu.max_pinned_fraction", "[0, 0.9]"),
         ({"cpu": []}, "cpu", "mapping"),
@@ -117,6 +117,7 @@ def test_config_file(tmp_path):
         ({"s3": {"bucket": "kvb", "deadline_s": 1e7}}, "s3.deadline_s", "one day"),
         ({"s3": {"bucket": "kvb", "rescan_interval_s": 1e7}}, "s3.rescan_interval_s", "one day"),
         ({"s3": {"bucket": "kvb", "max_attempts": 1000}}, "s3.max_attempts", "<= 100"),
+        ({"s3": {"bucket": "kvb", "manifest_max_entries": 10**11}}, "s3.manifest_max_entries", "<= 1048576"),
         ({"mooncake": {"master": "m:50051", "lookup_timeout_s": 1e6}}, "mooncake.lookup_timeout_s", "one day"),
         ({"mooncake": {"master": "m:50051", "max_queued_writes": 10**5}}, "mooncake.max_queued_writes", "<= 4096"),
         ({"mooncake": {"master": "m:50051", "deadline_s": 1e6}}, "mooncake.deadline_s", "one day"),

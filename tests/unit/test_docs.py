@@ -1,6 +1,7 @@
 """The repository's pages stay true: links resolve, named paths and commands exist, every
 Makefile target is named in the README, every config field is on the configuration page
-and every metric on the metrics page.
+and every metric on the metrics page. What users read names no project-internal work item,
+the benchmarks page stays a reference, and every dated run in ``bench/runs/`` is readable.
 
 Pure file reading (no vllm, no torch). The checkers return what is wrong, so each test shows
 every broken link or missing name at once; the ``*_catch_*`` tests run them on pages written
@@ -10,6 +11,7 @@ to be wrong, so a checker that never fails fails here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import typing
 from pathlib import Path
@@ -149,6 +151,53 @@ def missing_code_names(names: list[str], page: Path) -> list[str]:
     return [n for n in names if n not in inline and "_" + n.split("_", 1)[-1] not in inline]
 
 
+#: words about how the project is run, not about the plugin: no user can look them up
+_INTERNAL = re.compile(r"\bthe brief\b|\bbrief's|\bissues? #?\d+|\bthe issue's\b|\breview \d|\bclosing notes?\b",
+                       re.I)
+#: what a user reads besides the pages: preset configs, Helm values, dashboards, alert rules,
+#: and the package (its messages, its docstrings)
+USER_TEXT = [*PAGES, *sorted((ROOT / "configs").glob("*.yaml")),
+             *sorted(p for p in (ROOT / "docker").rglob("*") if p.suffix in (".yaml", ".yml", ".json", ".txt", ".tpl")),
+             *sorted((ROOT / "vllm_kvtier").rglob("*.py"))]
+
+
+def internal_words(files: list[Path], root: Path) -> list[str]:
+    """``file:line: words`` for every project-internal phrase in ``files`` ("the brief",
+    "issue 32", "review 3", ...). Other projects' references (``vllm#49250``) pass."""
+    bad = []
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            bad += [f"{f.relative_to(root).as_posix()}:{n}: {m.group(0)}" for m in _INTERNAL.finditer(line)]
+    return bad
+
+
+#: what every ``bench/runs/*.json`` holds (``bench/runs/README.md``)
+RUN_KEYS = {"name", "benchmark", "date", "time_utc", "commit", "command", "machine", "source", "tables", "notes"}
+
+
+def bad_runs(files: list[Path]) -> list[str]:
+    """``file: why`` for every run file that is not JSON, lacks a key, is named for another
+    date or name, or has a table row whose keys are not its table's columns."""
+    bad = []
+    for f in files:
+        try:
+            run = json.loads(f.read_text())
+        except ValueError as e:
+            bad.append(f"{f.name}: not JSON ({e})")
+            continue
+        if not isinstance(run, dict) or RUN_KEYS - run.keys():
+            bad.append(f"{f.name}: missing {sorted(RUN_KEYS - set(run)) if isinstance(run, dict) else 'everything'}")
+            continue
+        if f.name != f"{run['date']}-{run['name']}.json" or not re.fullmatch(r"\d{4}-\d\d-\d\d", run["date"]):
+            bad.append(f"{f.name}: named for {run['date']}-{run['name']}.json")
+        if not (isinstance(run["notes"], list) and all(isinstance(n, str) for n in run["notes"])):
+            bad.append(f"{f.name}: notes are not a list of strings")
+        for t in run["tables"]:
+            if any(list(row) != t["columns"] for row in t["rows"]) or not t["rows"]:
+                bad.append(f"{f.name}: table {t['title'][:40]!r} has rows that are not its columns")
+    return bad
+
+
 # ---- the repository's pages ---------------------------------------------------------------
 
 
@@ -207,6 +256,18 @@ def test_every_metric_is_on_the_metrics_page():
     assert missing_code_names(metric_names(), ROOT / "docs" / "metrics.md") == []
 
 
+def test_user_facing_text_names_no_internal_work_item():
+    assert len(USER_TEXT) > len(PAGES) + 10  # configs and docker/ are read too
+    assert internal_words(USER_TEXT, ROOT) == []
+
+
+def test_benchmarks_page_is_a_reference_and_every_run_file_reads():
+    assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 300
+    runs = sorted((ROOT / "bench" / "runs").glob("*.json"))
+    assert len(runs) >= 10
+    assert bad_runs(runs) == []
+
+
 def test_architecture_keeps_the_walk_placeholder_or_a_walk():
     text = (ROOT / "docs" / "architecture.md").read_text()
     assert "## One block's walk" in text and "## Dependency rules" in text
@@ -248,3 +309,38 @@ def test_name_checker_catches_a_missing_name(tmp_path):
     assert missing_code_names(["cpu.capacity_bytes", "cpu.eviction"], page) == ["cpu.eviction"]
     assert missing_code_names(["vllm:kvtier_a_total", "vllm:kvtier_b_total", "vllm:kvtier_c"], page) == [
         "vllm:kvtier_c"]
+
+
+def test_internal_word_checker_catches_internal_phrases(tmp_path):
+    page = tmp_path / "values.yaml"
+    page.write_text("# The brief's rule is 0.5-0.7 (issue 32, see Issues #6).\n"
+                    "# As review 3 said; the issue's run; closing notes.\n"
+                    "# vllm#49250 and ai-dynamo/dynamo#12456 are fine; it issues the saves briefly.\n")
+    assert internal_words([page], tmp_path) == [
+        "values.yaml:1: The brief", "values.yaml:1: issue 32", "values.yaml:1: Issues #6",
+        "values.yaml:2: review 3", "values.yaml:2: the issue's", "values.yaml:2: closing notes",
+    ]
+
+
+def test_run_checker_catches_bad_run_files(tmp_path):
+    good = {"name": "x", "benchmark": "bench/serving.py", "date": "2026-12-06", "time_utc": None,
+            "commit": "abc1234", "command": "bench/serving.py", "machine": "m", "source": "s",
+            "tables": [{"title": "t", "columns": ["a", "b"], "rows": [{"a": "1", "b": "2"}]}], "notes": ["n"]}
+    files = {
+        "2026-12-06-x.json": good,
+        "2026-12-07-x.json": good,
+        "2026-12-06-y.json": {**good, "name": "y", "machine": None} | {"notes": "one string"},
+        "2026-12-06-z.json": {**good, "name": "z", "tables": [{"title": "t", "columns": ["a", "b"],
+                                                               "rows": [{"a": "1"}]}]},
+        "2026-12-06-w.json": {k: v for k, v in good.items() if k != "commit"},
+    }
+    for name, run in files.items():
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "2026-12-06-v.json").write_text("{not json")
+    assert [b.split(" (")[0] for b in bad_runs(sorted(tmp_path.glob("*.json")))] == [
+        "2026-12-06-v.json: not JSON",
+        "2026-12-06-w.json: missing ['commit']",
+        "2026-12-06-y.json: notes are not a list of strings",
+        "2026-12-06-z.json: table 't' has rows that are not its columns",
+        "2026-12-07-x.json: named for 2026-12-06-x.json",
+    ]

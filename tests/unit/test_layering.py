@@ -47,8 +47,9 @@ ALLOWED: dict[str, set[str]] = {
     "exporter": {"keys", "errors", "metrics"},
     "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
                   "tiers", "plan", "transfer", "exporter"},
+    # and the root package, which holds only the version and imports nothing
     "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-              "tiers", "plan", "transfer", "exporter"},
+              "tiers", "plan", "transfer", "exporter", "root"},
     "root": set(),
 }
 #: layers that may not import torch

@@ -25,9 +25,10 @@ def test_a_cpu_tier_alone_reports_the_replay_and_its_bounds(capsys):
     tr = read_trace(SAMPLE)
     (cpu,) = out["tiers"]
     (b,) = out["bounds"]
-    lru, s3 = simulate_policy(tr, 300, "lru", 16).hit_share, simulate_policy(tr, 300, "s3fifo", 16).hit_share
-    assert cpu["by_policy"] == {"lru": lru, "s3fifo": s3} and cpu["hit_share"] == s3  # s3fifo: the default
-    assert (b["lru"], b["s3fifo"]) == (lru, s3)
+    share = {p: simulate_policy(tr, 300, p, 16).hit_share for p in ("lru", "s3fifo", "arc", "kvaware")}
+    s3 = share["kvaware"]
+    assert cpu["by_policy"] == share and cpu["hit_share"] == s3  # kvaware: the default
+    assert {p: b[p] for p in share} == share
     assert b["belady"] == simulate_belady(tr, 300).hit_share and b["infinite"] == simulate_infinite(tr).hit_share
     assert out["block_tokens"] == 512 and out["block_tokens_source"] == "inferred" and out["requests"] == 500
     assert out["tokens_to_compute"] == round(tr.prompt_tokens * (1 - s3))
@@ -138,11 +139,11 @@ def test_the_recommendation_follows_the_hit_shares():
 def test_with_a_hardware_profile_the_ttft_saved_decides(capsys):
     out = run_json(capsys, "--cpu-blocks", "60", "--nvme-blocks", "3000", *LLAMA8B, "--prefill-tokens-per-s", "5000")
     saved = out["ttft_saved_by_policy"]
-    assert set(saved) == {"lru", "s3fifo"} and all(v > 0 for v in saved.values())
-    assert out["ttft_saved_per_request_s"] == saved["s3fifo"]
+    assert set(saved) == {"lru", "s3fifo", "arc", "kvaware"} and all(v > 0 for v in saved.values())
+    assert out["ttft_saved_per_request_s"] == saved["kvaware"]
     best = max(saved, key=lambda p: saved[p])
-    wins = saved[best] - saved["s3fifo"] >= 0.05 * saved["s3fifo"]
-    assert out["recommended_eviction"] == (best if wins else "s3fifo")
+    wins = saved[best] - saved["kvaware"] >= 0.05 * saved["kvaware"]
+    assert out["recommended_eviction"] == (best if wins else "kvaware")
 
 
 def test_save_trace_writes_the_hash_id_form(capsys, tmp_path):

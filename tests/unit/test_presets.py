@@ -43,7 +43,7 @@ def test_presets_make_their_documented_choices():
     assert ob.nvme is not None and ob.s3 is not None and ob.load_mode == "async"
     assert ob.s3.mode == "write-through" and ob.cpu.capacity_fraction == 0.7
     sp = parse_config({"preset": "shared-prompt"})
-    assert sp.cpu.eviction == "s3fifo" and sp.cpu.max_pinned_fraction == 0.5
+    assert sp.cpu.eviction == "kvaware" and sp.cpu.max_pinned_fraction == 0.5
     assert sp.cpu.request_pins and sp.cpu.max_pin_ttl_s == 3600  # the preset's point, capped
     assert not inter.cpu.request_pins and not lc.cpu.request_pins and not ob.cpu.request_pins
     pd = parse_config({"preset": "pd-disagg", **REQUIRED["pd-disagg"]})

@@ -1,4 +1,4 @@
-"""What the tiers below CPU hold, learned off the scheduler thread (issue 34).
+"""What the tiers below CPU hold, learned off the scheduler thread.
 
 ``base``: the contract the planner consumes (:class:`~vllm_kvtier.catalog.base.Rescans`,
 :class:`~vllm_kvtier.catalog.base.PoolLookups`) and the plain data it takes. ``rescan``:

@@ -76,7 +76,7 @@ class CPUTierConfig:
     ``capacity_bytes`` is the budget for the whole engine (all TP ranks together).
     When it is not given, the budget is ``capacity_fraction`` of the DRAM that is
     *available* when the engine starts (after the OS, the model weights and vLLM's own
-    KV cache have taken theirs): the brief's 50-70% rule, at its conservative end by
+    KV cache have taken theirs): the usual 50-70% of DRAM, at its conservative end by
     default because vLLM workers and the API server keep growing after start-up.
     """
 
@@ -90,10 +90,10 @@ class CPUTierConfig:
     prefault: bool = False
     #: Pinned (page-locked) host memory for DMA; "auto" pins when the KV cache is on CUDA.
     pin_memory: Literal["auto", "on", "off"] = "auto"
-    #: Which block leaves a full pool: "s3fifo" (scan-resistant: blocks reused by
-    #: several requests, such as shared system prompts, survive a flood of one-off
-    #: documents; see bench/trace_replay.py) or "lru" (least recently used).
-    eviction: EvictionName = "s3fifo"
+    #: Which block leaves a full pool: "kvaware" (keeps a prompt's head over its tail,
+    #: and blocks that showed reuse longer; docs/planning.md), "s3fifo" (scan-resistant),
+    #: "arc" (adaptive recency and frequency) or "lru" (least recently used).
+    eviction: EvictionName = "kvaware"
     #: Share of the pool that explicit prefix pins with a TTL may hold; pins beyond it
     #: are refused (and counted), so pinned prefixes never starve ordinary traffic.
     max_pinned_fraction: float = 0.5
@@ -115,7 +115,7 @@ class CPUTierConfig:
         _at_most("cpu.max_pin_ttl_s", self.max_pin_ttl_s, MAX_PIN_TTL_S)
         if not 0.0 < self.capacity_fraction <= 0.9:
             raise ConfigError("cpu.capacity_fraction",
-                              f"must be in (0, 0.9] (the brief's rule is 0.5-0.7), got {self.capacity_fraction}")
+                              f"must be in (0, 0.9] (0.5-0.7 is usual), got {self.capacity_fraction}")
         if not 0.0 <= self.max_pinned_fraction <= 0.9:
             raise ConfigError("cpu.max_pinned_fraction",
                               f"must be in [0, 0.9] (keep room for unpinned blocks), got {self.max_pinned_fraction}")

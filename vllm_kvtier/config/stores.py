@@ -32,6 +32,9 @@ MAX_ATTEMPTS = 100
 HEADER_CACHE_ENTRIES = 1 << 17
 #: ... and the memory they hold at most (``s3.header_cache_bytes``).
 HEADER_CACHE_BYTES = 256 * MiB
+#: Entries a writer's manifest keeps at most (``s3.manifest_max_entries``): about 300 MB
+#: of a manifest, and what a reader accepts of one.
+MAX_MANIFEST_ENTRIES = 1 << 20
 
 
 def check_bounds(section: str, obj: object, *, durations: tuple[str, ...] = (), queues: tuple[str, ...] = ()) -> None:
@@ -125,6 +128,8 @@ class S3Config:
         for name in ("manifest_max_entries", "header_cache_entries", "header_cache_bytes"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
+        if self.manifest_max_entries > MAX_MANIFEST_ENTRIES:
+            raise bad("manifest_max_entries", f"must be <= {MAX_MANIFEST_ENTRIES}, got {self.manifest_max_entries}")
         if not self.manifest_max_age_s > 0:
             raise bad("manifest_max_age_s", "must be > 0")
 

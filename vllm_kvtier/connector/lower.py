@@ -18,6 +18,12 @@ that copy, and the scheduler's planners count ``copies`` shards instead of ``wor
 (existence on every copy, acknowledgements, capacity and usage): what ``kvtier plan``
 assumes. Models whose KV is sharded keep their names and counts exactly as before.
 
+Data parallelism: ranks here are ranks within one engine (``0 .. world_size - 1``), never
+vLLM's world rank across data-parallel engines. Engines of one model share the namespace
+and the names on the shared media (S3, Mooncake): each finds what the others stored, as
+another instance would. A private medium (NVMe) keeps one directory per engine
+(``engine``): its own lock, scan and capacity.
+
 Storage format (``storage_dtype``): both sides derive it, the stored block size and the
 tier's namespace from the same facts (the config, the engine's block bytes per rank and
 KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
@@ -161,13 +167,15 @@ class TierContext:
         return cls(namespace, block_bytes, kv_dtype, counters, load_auth(cfg.auth), cfg.auth.local_tiers)
 
     def store_context(self, tier: str, section: LowerTierSection, *, rank: int, buffers: BufferPool | None = None,
-                      replica: bool = False, lookup_only: bool = False) -> tuple[TierFormat, StoreContext]:
-        """Tier ``tier``'s format and the context its store of ``rank`` opens with."""
+                      replica: bool = False, lookup_only: bool = False, engine: int = 0,
+                      ) -> tuple[TierFormat, StoreContext]:
+        """Tier ``tier``'s format and the context its store of ``rank`` (of data-parallel
+        engine ``engine``) opens with."""
         f = tier_format(tier, section.storage_dtype, namespace=self.namespace, block_bytes=self.block_bytes,
                         kv_dtype=self.kv_dtype)
         auth = self.auth if tier_entry(tier).shared or self.auth_local else None
         return f, StoreContext(f.namespace, rank, f.block_bytes, buffers=buffers, auth=auth, replica=replica,
-                               lookup_only=lookup_only)
+                               lookup_only=lookup_only, engine=engine)
 
 
 def _open(tier: str, section: LowerTierSection, ctx: StoreContext, counters: Counters, verb: str) -> ChunkStore | None:
@@ -192,7 +200,7 @@ def _open(tier: str, section: LowerTierSection, ctx: StoreContext, counters: Cou
 class _Planning:
     """What each tier's planner is built with, beside its section."""
 
-    #: Rank 0's store context (the tier's namespace, stored block size, key).
+    #: Rank 0's store context (the tier's namespace, stored block size, key, engine).
     ctx: StoreContext
     #: Shards stored of each block (:func:`stored_copies`), named ``r0`` ..
     world_size: int
@@ -219,22 +227,23 @@ class _Planning:
 
 def make_planners(
     cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters,
-    kv_dtype: torch.dtype | None = None, read_only_pool: bool = False,
+    kv_dtype: torch.dtype | None = None, read_only_pool: bool = False, engine: int = 0,
 ) -> list[ChunkPlanner]:
     """Planners of the configured lower tiers, fastest first. ``world_size``: the shards
     stored of each block (:func:`stored_copies`: the ranks, or one per TP group for a
-    replicated KV cache), named ``r0`` .. ``r<world_size - 1>``. ``kv_dtype``: the KV
+    replicated KV cache), named ``r0`` .. ``r<world_size - 1>``. ``engine``: the
+    data-parallel engine (its own NVMe directories, see the module doc). ``kv_dtype``: the KV
     cache's element type (None: unknown, then every tier stores native blocks).
     ``read_only_pool``: this instance never writes the Mooncake pool (``kv_consumer``).
     Raises ConfigError when ``auth.required`` and no key is found (the scheduler only lists
     and indexes; the workers verify every chunk they read)."""
     # The scheduler verifies what it indexes with the workers' keys: a header a read would
     # refuse (a key not accepted, a MAC that does not verify, another rank) is never indexed.
-    engine = TierContext.of(cfg, namespace=namespace, block_bytes=block_bytes_per_rank, kv_dtype=kv_dtype,
-                            counters=counters)
+    tier_ctx = TierContext.of(cfg, namespace=namespace, block_bytes=block_bytes_per_rank, kv_dtype=kv_dtype,
+                              counters=counters)
     planners = []
     for tier, section in cfg.lower_tiers():
-        _, ctx = engine.store_context(tier, section, rank=0, lookup_only=True)
+        _, ctx = tier_ctx.store_context(tier, section, rank=0, lookup_only=True, engine=engine)
         planners.append(_PLANNERS[tier](section, _Planning(ctx, world_size, counters, read_only_pool)))
     return planners
 
@@ -249,13 +258,13 @@ def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
     The scheduler usually runs on the workers' host, so it sees the path as they will. A path
     that only a worker's host lacks still fails there alone: each failed write is counted,
     and the write breaker pauses the tier."""
-    ns, world_size = p.ctx.namespace, p.world_size
-    dirs = [rank_dir(n.path, ns, r) for r in range(world_size)]
+    ns, world_size, engine = p.ctx.namespace, p.world_size, p.ctx.engine
+    dirs = [rank_dir(n.path, ns, r, engine) for r in range(world_size)]
     policy = ChunkPolicy(TierName.NVME, n.mode, n.admit_min_seen, n.chunk_blocks, n.capacity_bytes,
                          flush_interval_s=n.flush_interval_s, exclusive=True)
     held = [(d, who) for d in dirs if (who := lock_holder(d)) is not None]
     unsafe = [why for r in range(world_size)
-              if (why := unsafe_reason(n.path, ns, r) or uncreatable_reason(n.path, ns, r)) is not None]
+              if (why := unsafe_reason(n.path, ns, r, engine) or uncreatable_reason(n.path, ns, r, engine)) is not None]
     if held or unsafe:
         if held:
             d, who = held[0]
@@ -266,17 +275,21 @@ def _nvme_planner(n: NVMeTierConfig, p: _Planning) -> ChunkPlanner:
         p.counters.add(CounterName.STORE_FAILURES, TierName.NVME)
         return p.empty(dataclasses.replace(policy, mode="read-only"))
     refuses = functools.partial(refusal_reason, p.ctx.auth)
-    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses)[0]
+    # A chunk some rank could not read (EMFILE, EIO...) may be whole: never reclaimed.
+    unread: set[str] = set()
+    found = [scan_dir(d, ns, max_blocks=n.chunk_blocks, block_bytes=p.ctx.block_bytes, rank=r, refuses=refuses,
+                      kept=unread)[0]
              for r, d in enumerate(dirs)]
     # Capacity covers every byte the tier leaves in its directories, not only the chunks.
     reserved = max(other_bytes(d) for d in dirs)
     return ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=p.ctx.block_bytes, counters=p.counters,
-                        found=found, reserved_bytes_per_rank=reserved)
+                        found=found, reserved_bytes_per_rank=reserved, unread=frozenset(unread))
 
 
 def _foreign_namespaces(n: NVMeTierConfig, own: str, counters: Counters) -> None:
     """Report (and with ``nvme.gc_foreign_namespaces``, collect) the directories other
-    namespaces left under ``nvme.path``: rank 0's worker, at start, once its own lock is held."""
+    namespaces left under ``nvme.path``: rank 0's worker of data-parallel engine 0 (one
+    report per host), at start, once its own lock is held."""
     left = 0
     for ns in foreign_namespaces(n.path, {own}):
         age = "no file" if ns.newest_age_s is None else f"newest file {ns.newest_age_s / 3600:.1f} h old"
@@ -340,7 +353,8 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     def rescan_counts() -> dict[CounterName, int]:
-        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores)}
+        return {CounterName.MANIFESTS_COLLECTED: sum(st.last_scan.manifests_collected for st in stores),
+                CounterName.MANIFESTS_REFUSED: sum(st.last_scan.manifests_refused for st in stores)}
 
     def rescan() -> Found:
         """A live instance's rescan (the rescan thread): collects stale manifests, and
@@ -357,6 +371,7 @@ def _s3_planner(s3: S3TierConfig, p: _Planning) -> ChunkPlanner:
         return out
 
     found = scan()
+    p.counters.add(CounterName.MANIFESTS_REFUSED, TierName.S3, sum(st.last_scan.manifests_refused for st in stores))
     cut = [st.rank for st in stores if st.last_scan.cut_short]
     if cut:
         p.counters.add(CounterName.SCAN_CUT_SHORT, TierName.S3, len(cut))
@@ -404,9 +419,10 @@ _PLANNERS: dict[TierName, Callable[[Any, _Planning], ChunkPlanner]] = {
 
 def make_workers(
     cfg: KVTierConfig, *, namespace: str, rank: int, slots: SlotTable, counters: Counters,
-    kv_dtype: torch.dtype | None = None, role: RankRole | None = None,
+    kv_dtype: torch.dtype | None = None, role: RankRole | None = None, engine: int = 0,
 ) -> dict[str, ChunkWorker]:
-    """This rank's data path of each configured lower tier, by tier name. ``slots``: the
+    """This rank's data path of each configured lower tier, by tier name. ``rank``: within
+    the engine; ``engine``: the data-parallel engine (see the module doc). ``slots``: the
     worker's slot table (its pool's slot size is the block size stored); ``kv_dtype``: the
     KV cache's (None: unknown, native storage). ``role``: whose chunks this rank's blocks
     are and whether it writes them (None: its own, written by it; see :class:`RankRole`).
@@ -418,32 +434,34 @@ def make_workers(
     Authentication (``auth``): with a key found, the shared tiers (s3, mooncake) sign and
     verify every chunk, and nvme too when ``auth.local_tiers``; ConfigError when
     ``auth.required`` and there is none."""
-    engine = TierContext.of(cfg, namespace=namespace, block_bytes=slots.pool.slot_bytes, kv_dtype=kv_dtype,
-                            counters=counters)
+    tier_ctx = TierContext.of(cfg, namespace=namespace, block_bytes=slots.pool.slot_bytes, kv_dtype=kv_dtype,
+                              counters=counters)
     role = role or RankRole(rank)
     buffers = BufferPool(DEFAULT_IDLE_BYTES)
-    return {tier: _worker(tier, section, engine, rank=rank, role=role, slots=slots, buffers=buffers)
+    return {tier: _worker(tier, section, tier_ctx, rank=rank, role=role, slots=slots, buffers=buffers,
+                          dp_engine=engine)
             for tier, section in cfg.lower_tiers()}
 
 
-def _worker(tier: TierName, section: LowerTierSection, engine: TierContext, *, rank: int, role: RankRole,
-            slots: SlotTable, buffers: BufferPool) -> ChunkWorker:
+def _worker(tier: TierName, section: LowerTierSection, tier_ctx: TierContext, *, rank: int, role: RankRole,
+            slots: SlotTable, buffers: BufferPool, dp_engine: int) -> ChunkWorker:
     """One tier's chunk driver over its store (None if the store cannot start: every
     write and read is a miss). A shared medium's headers are fetched on a chunk's first
     read (one ranged GET, then kept): no listing here, the scheduler lists. A private
     medium's writer lists and cleans it first, once its lock is held."""
     shared = tier_entry(tier).shared
-    f, ctx = engine.store_context(tier, section, rank=role.store_rank, buffers=buffers, replica=not role.writes)
-    store = _open(tier, section, ctx, engine.counters, "use")
+    f, ctx = tier_ctx.store_context(tier, section, rank=role.store_rank, buffers=buffers, replica=not role.writes,
+                                  engine=dp_engine)
+    store = _open(tier, section, ctx, tier_ctx.counters, "use")
     headers: dict[str, ChunkHeader] = {}
     if not shared and role.writes and isinstance(store, Scannable):  # a replica reader fetches them
-        headers = _start_up_scan(tier, store, engine.counters)
-        if rank == 0 and isinstance(section, NVMeTierConfig):
-            _foreign_namespaces(section, f.namespace, engine.counters)
-    return ChunkWorker(tier, store, slots=slots, counters=engine.counters, mode=section.mode,
+        headers = _start_up_scan(tier, store, tier_ctx.counters)
+        if rank == 0 and dp_engine == 0 and isinstance(section, NVMeTierConfig):
+            _foreign_namespaces(section, f.namespace, tier_ctx.counters)
+    return ChunkWorker(tier, store, slots=slots, counters=tier_ctx.counters, mode=section.mode,
                        chunk_blocks=section.chunk_blocks, flush_on_shutdown_s=section.flush_on_shutdown_s,
                        headers=headers, fetches_headers=shared,
-                       codec=make_codec(f.fmt, engine.block_bytes, engine.kv_dtype), buffers=buffers,
+                       codec=make_codec(f.fmt, tier_ctx.block_bytes, tier_ctx.kv_dtype), buffers=buffers,
                        max_headers=section.header_cache_entries, max_header_bytes=section.header_cache_bytes,
                        writes=role.writes)
 

@@ -245,14 +245,38 @@ def group_layout(cfg: KVTierConfig, kv_cache_config: KVCacheConfig) -> GroupLayo
     return GroupLayout(tuple(specs))
 
 
-def worker_rank() -> int:
-    """This worker's rank in the TP x PP world (chunk files are per rank)."""
+def worker_rank(vllm_config: VllmConfig | None = None) -> int:
+    """This worker's rank within its engine (TP x PP; chunk files are per rank).
+
+    vLLM's world group spans every data-parallel engine of a MoE model: world rank =
+    ``data_parallel_rank * world_size + rank``. The rank within the engine is what names
+    this worker's chunks: the ranks of every engine then count from 0, as each engine's
+    scheduler counts them (:func:`dp_engine` tells the engines apart)."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
-        return int(get_world_group().rank_in_group)
+        world_rank = int(get_world_group().rank_in_group)
     except Exception:  # not initialised (unit tests drive the worker directly)
         return 0
+    return engine_rank(world_rank, vllm_config)
+
+
+def engine_rank(world_rank: int, vllm_config: VllmConfig | None) -> int:
+    """The rank within its engine of vLLM's world rank ``world_rank`` (the world spans the
+    data-parallel engines of a MoE model; a dense model's engines are worlds of their own)."""
+    if vllm_config is None:
+        return world_rank
+    return world_rank % max(1, int(vllm_config.parallel_config.world_size))
+
+
+def dp_engine(vllm_config: VllmConfig | None) -> int:
+    """This engine's data-parallel index (0 without data parallelism). vLLM resets
+    ``data_parallel_rank`` to 0 in each engine of a dense model (they run independently);
+    ``data_parallel_index`` keeps the engine's place, so it is read first."""
+    if vllm_config is None:
+        return 0
+    par = vllm_config.parallel_config
+    return int(getattr(par, "data_parallel_index", None) or par.data_parallel_rank or 0)
 
 
 def engine_world_size(vllm_config: VllmConfig | None) -> int:
@@ -516,9 +540,14 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
     if replicated:
         logger.info("kvtier: MLA latent cache replicated over %d TP ranks: the lower tiers store %d copy(ies) of "
                     "each block, the CPU tier one per rank", par.tensor_parallel_size, copies)
+    engine = dp_engine(vllm_config)
+    if engine or par.data_parallel_size > 1:
+        logger.info("kvtier: data-parallel engine %d: NVMe directories of its own (capacity per engine), S3 and "
+                    "pool chunks shared with the other engines", engine)
     lower = make_planners(cfg, namespace=ns, world_size=copies, block_bytes_per_rank=block_bytes,
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
-                          read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer")
+                          read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer",
+                          engine=engine)
     half = SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
                          num_slots=pool_slots(cfg, block_bytes, world, allocating=False),
                          slot_bytes_total=block_bytes * world,
@@ -569,7 +598,7 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     (after vLLM allocated its own KV cache, in the process that allocates the pool).
     ``vllm_config``: the world size, and to tell a replicated (MLA) cache, whose lower-tier
     copy only the TP group's first rank writes (None: one rank, not replicated)."""
-    rank = worker_rank()
+    rank = worker_rank(vllm_config)
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
     tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
     world = engine_world_size(vllm_config)
@@ -578,7 +607,7 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
     return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
                       pool_slots=functools.partial(pool_slots, cfg, rank_block_bytes(kv_cache_config), world),
-                      make_tiers=functools.partial(make_workers, role=role),
+                      make_tiers=functools.partial(make_workers, role=role, engine=dp_engine(vllm_config)),
                       cache_dtype=fp8_cache_dtype(vllm_config))
 
 

@@ -46,8 +46,9 @@ class EvictionPolicy(Protocol[K]):
 
     name: str
 
-    def insert(self, key: K) -> None:
-        """``key`` was stored. It must not be held already."""
+    def insert(self, key: K, parent: K | None = None) -> None:
+        """``key`` was stored. It must not be held already. ``parent``: the key before it
+        in its prompt, when known (policies that ignore prefix structure ignore it)."""
 
     def access(self, key: K) -> None:
         """``key`` was reused (a hit, or a save that found it stored). No-op if unknown."""
@@ -75,7 +76,7 @@ class LRUPolicy(Generic[K]):
     def __init__(self, capacity: int = 0) -> None:
         self._order: OrderedDict[K, None] = OrderedDict()  # oldest first
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, parent: K | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -99,12 +100,21 @@ class LRUPolicy(Generic[K]):
         return iter(list(self._order))
 
 
-def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """A fresh policy for a pool of ``capacity`` keys; ``name`` is one of :data:`EVICTION_NAMES`."""
+def make_policy(name: str, capacity: int, *, staging: bool = False) -> EvictionPolicy:
+    """A fresh policy for a pool of ``capacity`` keys; ``name`` is one of :data:`EVICTION_NAMES`.
+    ``staging``: a write-back tier below takes the pool's evictions (``kvaware`` adapts)."""
     if name == "lru":
         return LRUPolicy(capacity)
     if name == "s3fifo":
         from vllm_kvtier.index.s3fifo import S3FIFOPolicy
 
         return S3FIFOPolicy(capacity)
+    if name == "arc":
+        from vllm_kvtier.index.arc import ARCPolicy
+
+        return ARCPolicy(capacity)
+    if name == "kvaware":
+        from vllm_kvtier.index.kvaware import KVAwarePolicy
+
+        return KVAwarePolicy(capacity, staging=staging)
     raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(EVICTION_NAMES)}")

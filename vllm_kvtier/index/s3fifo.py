@@ -54,7 +54,7 @@ class S3FIFOPolicy(Generic[K]):
         self._main: OrderedDict[K, int] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, key: K) -> None:
+    def insert(self, key: K, parent: K | None = None) -> None:
         if key in self._ghost:  # evicted from the small queue too early: straight to main
             del self._ghost[key]
             self._main[key] = 0

@@ -6,8 +6,8 @@ thread-safe, by design: the scheduler is single-threaded). It never blocks and d
 The index maps :data:`BlockKey` -> slot number in ``[0, num_slots)``. Slots are chosen
 here, not by the worker, so every TP rank writes its shard of a key into the same slot.
 
-Eviction: an :class:`~vllm_kvtier.index.policy.EvictionPolicy` (``lru`` or the
-scan-resistant ``s3fifo``) picks the victim among keys that are neither slot-pinned nor
+Eviction: an :class:`~vllm_kvtier.index.policy.EvictionPolicy` (``kvaware``, ``s3fifo``,
+``arc`` or ``lru``) picks the victim among keys that are neither slot-pinned nor
 key-pinned. Two kinds of pin, kept apart:
 
 * **slot pins** (:meth:`SlotIndex.pin` / :meth:`SlotIndex.unpin`): a reference count held
@@ -59,15 +59,18 @@ class SlotIndex:
         eviction: str | EvictionPolicy[BlockKey] = "lru",
         max_pinned_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        staging: bool = False,
     ) -> None:
         """``eviction``: a policy name (``cpu.eviction``) or a policy object for this many
         slots. ``max_pinned_fraction``: the share of slots :meth:`pin_key` may hold.
-        ``clock``: monotonic seconds, for pin deadlines (tests pass a fake one)."""
+        ``clock``: monotonic seconds, for pin deadlines (tests pass a fake one).
+        ``staging``: a write-back tier below takes what this pool evicts (for the policy)."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self._eviction = eviction
+        self._staging = staging
         self._max_pinned_fraction = max_pinned_fraction
         self._clock = clock
         self._size(num_slots)
@@ -79,7 +82,7 @@ class SlotIndex:
         self.num_slots = num_slots
         eviction = self._eviction
         self.policy: EvictionPolicy[BlockKey] = (
-            make_policy(eviction, num_slots) if isinstance(eviction, str) else eviction
+            make_policy(eviction, num_slots, staging=self._staging) if isinstance(eviction, str) else eviction
         )
         self._slot_of: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...
@@ -158,7 +161,11 @@ class SlotIndex:
         self._key_pins.expire(now)
         if key not in self._slot_of:
             return PinOutcome.ABSENT
-        return self._key_pins.pin(key, now + ttl_s)
+        outcome = self._key_pins.pin(key, now + ttl_s)
+        note_pin = getattr(self.policy, "note_pin", None)
+        if note_pin is not None and outcome is not PinOutcome.REFUSED:
+            note_pin(key)  # a request declared it hot (kvaware counts it as a reuse)
+        return outcome
 
     def unpin_key(self, key: BlockKey) -> bool:
         """Release ``key``'s pin now (it stays stored, under the eviction policy again)."""
@@ -194,11 +201,13 @@ class SlotIndex:
     def _evictable(self, key: BlockKey) -> bool:
         return self._slot_of[key] not in self._pins and key not in self._key_pins
 
-    def allocate(self, key: BlockKey) -> Allocation | None:
+    def allocate(self, key: BlockKey, parent: BlockKey | None = None) -> Allocation | None:
         """Give ``key`` a slot, evicting the policy's choice among unpinned keys if full.
 
-        Returns None when every slot is pinned (the caller skips the save). ``key`` must
-        not be present already.
+        ``parent``: the key of the block before it in its prompt (None for a first block
+        or when not known); the ``kvaware`` policy keeps parents over children. Returns
+        None when every slot is pinned (the caller skips the save). ``key`` must not be
+        present already.
         """
         if key in self._slot_of:
             raise KeyError(f"key already present: {key!r}")
@@ -215,7 +224,7 @@ class SlotIndex:
             evicted = victim
             self.evictions += 1
         self._slot_of[key] = slot
-        self.policy.insert(key)
+        self.policy.insert(key, parent)
         if self.watch is not None:
             if evicted is not None:
                 self.watch(evicted, False)

@@ -1,4 +1,4 @@
-"""Capacity planning: the brief's KV-size formula, tier by tier (``kvtier plan``).
+"""Capacity planning: the usual KV-size formula, tier by tier (``kvtier plan``).
 
     standard attention (MHA, GQA, MQA):  KV bytes = 2 x L x H_kv x D_head x S x B
     MLA (DeepSeek-V2/V3):                KV bytes = L x (kv_lora_rank + qk_rope_head_dim) x S x B
@@ -33,7 +33,7 @@ from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES
 
 #: bytes per cached value for each ``--kv-dtype`` (vLLM's ``--kv-cache-dtype``)
 KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-#: the brief's rule for the CPU offload budget: 50-70% of the DRAM left after OS and workers
+#: the usual CPU offload budget: 50-70% of the DRAM left after OS and workers
 CPU_BUDGET_RANGE = (0.5, 0.7)
 #: config.json fields of models whose KV is not (only) attention KV: refused by name
 _UNSUPPORTED_FIELDS = {
@@ -342,7 +342,7 @@ def read_model_config(path: str) -> KVModel:
 
 
 def kv_bytes_per_token(model: KVModel, kv_dtype: str) -> int:
-    """Bytes of KV one token adds in every layer (the brief's per-token figure)."""
+    """Bytes of KV one token adds in every layer (the per-token figure)."""
     return model.num_layers * model.values_per_token_layer * KV_DTYPE_BYTES[kv_dtype]
 
 

@@ -31,7 +31,7 @@ from vllm_kvtier.ops.trace_sim import (
 )
 
 #: Eviction policies the CPU tier can run (``cpu.eviction``), all replayed.
-POLICIES = ("lru", "s3fifo")
+POLICIES = ("lru", "s3fifo", "arc", "kvaware")
 #: S3 Standard request prices, us-east-1, per 1,000 requests (PUT/COPY/POST/LIST; GET).
 DEFAULT_PUT_USD_PER_1000 = 0.005
 DEFAULT_GET_USD_PER_1000 = 0.0004
@@ -90,7 +90,7 @@ class TracePlanInput:
 
 @dataclass(frozen=True)
 class TierBounds:
-    """A single cache of one tier's capacity: LRU, S3-FIFO, Belady's MIN, infinite."""
+    """A single cache of one tier's capacity: each online policy, Belady's MIN, infinite."""
 
     tier: str
     capacity_blocks: int | None
@@ -98,6 +98,8 @@ class TierBounds:
     s3fifo: float
     belady: float
     infinite: float
+    arc: float = 0.0
+    kvaware: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,10 @@ def bounds_for(trace: Trace, tier: str, capacity_blocks: int | None, infinite: C
                step_blocks: int | None = None) -> TierBounds:
     if capacity_blocks is None:
         s = infinite.hit_share
-        return TierBounds(tier, None, s, s, s, s)
-    return TierBounds(tier, capacity_blocks, simulate_policy(trace, capacity_blocks, "lru", step_blocks).hit_share,
-                      simulate_policy(trace, capacity_blocks, "s3fifo", step_blocks).hit_share,
-                      simulate_belady(trace, capacity_blocks).hit_share, infinite.hit_share)
+        return TierBounds(tier, None, s, s, s, s, s, s)
+    share = {p: simulate_policy(trace, capacity_blocks, p, step_blocks).hit_share for p in POLICIES}
+    return TierBounds(tier, capacity_blocks, share["lru"], share["s3fifo"], simulate_belady(trace, capacity_blocks).hit_share,
+                      infinite.hit_share, share["arc"], share["kvaware"])
 
 
 def make_trace_plan(inp: TracePlanInput) -> TracePlan:
@@ -283,10 +285,11 @@ def render_trace_plan(plan: TracePlan) -> str:
     lines.append(f"{'all':<5} {'':>17}  {plan.tiers[-1].cumulative_share:>9.3f}  {'':>12}  "
                  + "  ".join(f"{plan.total_by_policy[p]:>10.3f}" for p in POLICIES))
     lines += ["", "one cache of the tier's capacity (reference and bounds)",
-              f"{'tier':<5} {'capacity (blocks)':>17}  {'LRU':>6}  {'S3-FIFO':>7}  {'Belady MIN':>10}  {'infinite':>8}"]
+              f"{'tier':<5} {'capacity (blocks)':>17}  {'LRU':>6}  {'S3-FIFO':>7}  {'ARC':>6}  {'kvaware':>7}  "
+              f"{'Belady MIN':>10}  {'infinite':>8}"]
     for b in plan.bounds:
-        lines.append(f"{b.tier:<5} {_blocks(b.capacity_blocks):>17}  {b.lru:>6.3f}  {b.s3fifo:>7.3f}  "
-                     f"{b.belady:>10.3f}  {b.infinite:>8.3f}")
+        lines.append(f"{b.tier:<5} {_blocks(b.capacity_blocks):>17}  {b.lru:>6.3f}  {b.s3fifo:>7.3f}  {b.arc:>6.3f}  "
+                     f"{b.kvaware:>7.3f}  {b.belady:>10.3f}  {b.infinite:>8.3f}")
     lower = [t for t in plan.tiers if t.tier != "cpu"]
     if lower:
         lines += ["", "writes and requests (per hour)"]
@@ -359,14 +362,14 @@ def sweep(trace: Trace, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: 
 
 def render_sweep(rows: list[dict[str, Any]], infinite: float) -> str:
     lines = [f"sweep: share of prompt tokens served by all tiers (infinite cache: {infinite:.3f})",
-             f"{'cpu blocks':>10}  {'nvme blocks':>11}  {'lru':>6}  {'s3fifo':>6}  {'best':>6}  "
-             f"{'cpu-only Belady':>15}"]
+             f"{'cpu blocks':>10}  {'nvme blocks':>11}  " + "  ".join(f"{p:>7}" for p in POLICIES)
+             + f"  {'best':>7}  {'cpu-only Belady':>15}"]
     for r in rows:
         best = max(POLICIES, key=lambda p: r[p]["all"])
         if all(abs(r[p]["all"] - r[best]["all"]) < 0.0005 for p in POLICIES):
             best = "tie"
         lines.append(f"{r['cpu_blocks']:>10,}  {_blocks(r['nvme_blocks']) if r['nvme_blocks'] is not None else '-':>11}"
-                     f"  {r['lru']['all']:>6.3f}  {r['s3fifo']['all']:>6.3f}  {best:>6}  {r['belady_cpu']:>15.3f}")
+                     "  " + "  ".join(f"{r[p]['all']:>7.3f}" for p in POLICIES) + f"  {best:>7}  {r['belady_cpu']:>15.3f}")
     return "\n".join(lines)
 
 
@@ -385,7 +388,7 @@ def render_sweep_png(rows: list[dict[str, Any]], infinite: float, path: str) -> 
         sub = [r for r in rows if r["nvme_blocks"] == nv]
         xs = [r["cpu_blocks"] for r in sub]
         label = "no NVMe" if nv is None else f"NVMe {nv:,} blocks"
-        for p, style in zip(POLICIES, ("-", "--"), strict=True):
+        for p, style in zip(POLICIES, ("-", "--", "-.", ":"), strict=True):
             ax.plot(xs, [r[p]["all"] for r in sub], style, marker="o", label=f"{label}, cpu {p}")
     first = [r for r in rows if r["nvme_blocks"] == rows[0]["nvme_blocks"]]
     ax.plot([r["cpu_blocks"] for r in first], [r["belady_cpu"] for r in first], ":", color="k",

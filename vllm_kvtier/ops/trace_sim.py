@@ -27,7 +27,7 @@ figures rest on; docs/planning.md says what it leaves out):
    every chunk written is confirmed at once (writes never fail here).
 
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
-with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``), and
+with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
 :class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Bounds computed
 beside them: an infinite cache, and Belady's MIN (evict the block whose next use is furthest;
@@ -392,7 +392,7 @@ class TierSetup:
     first."""
 
     cpu_blocks: int
-    cpu_eviction: str = "s3fifo"
+    cpu_eviction: str = "kvaware"
     lower: tuple[LowerTier, ...] = ()
     #: blocks a request saves per engine step (vLLM's chunked prefill: max_num_batched_tokens
     #: / block tokens); None: the whole prompt in one step
@@ -468,7 +468,8 @@ def _lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
 def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
     """Replay ``trace`` through the CPU tier and the tiers below (module doc)."""
     clock = [0.0]
-    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction)
+    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction,
+                                 staging=any(t.mode == "write-back" for t in setup.lower))
     planners = [_lower_planner(t, clock) for t in setup.lower]
     cpu = TierResult("cpu", setup.cpu_blocks)
     lows = [TierResult(t.name, t.capacity_blocks) for t in setup.lower]
@@ -520,7 +521,7 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             k = keys[pos]
             loc = locs[pos]
             assert loc is not None
-            alloc = index.allocate(k)
+            alloc = index.allocate(k, keys[pos - 1] if pos else None)
             if alloc is None:
                 break  # no slot to read into: the rest is recomputed
             if alloc.evicted is not None:
@@ -547,11 +548,12 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
         for lo in range(0, max(1, len(keys)), step):
             saved: set[BlockKey] = set()
             held: list[int] = []
-            for k in keys[lo : min(lo + step, n_save)]:
+            for pos in range(lo, min(lo + step, n_save)):
+                k = keys[pos]
                 if k in index:
                     index.touch(k)
                     continue
-                alloc = index.allocate(k)
+                alloc = index.allocate(k, keys[pos - 1] if pos else None)
                 if alloc is None:
                     continue
                 for p in planners:

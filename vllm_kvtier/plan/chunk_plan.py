@@ -97,6 +97,7 @@ class ChunkPlanner:
         self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
         found: Found, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
         reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
+        unread: frozenset[str] = frozenset(),
     ) -> None:
         """``found``: what the start-up listing found. ``catalog``: where later changes come
         from (:mod:`vllm_kvtier.catalog`): a listed tier's rescans (changes pushed), a
@@ -106,7 +107,8 @@ class ChunkPlanner:
         else found in it), taken off the capacity so that it bounds every byte on the
         medium. ``local_chunks``: the chunks of ``found`` this instance wrote (a shared
         tier's own manifest); None: all of them on an exclusive tier, none on a shared one
-        (KV events' locality).
+        (KV events' locality). ``unread``: chunks some rank's listing saw but could not
+        read (a transient error): not indexed, and never reclaimed as partial.
 
         The planner's jobs, each its own object: :attr:`admission` (which blocks are
         written; the write breaker), :attr:`merge` (rescan deltas, sliced),
@@ -142,24 +144,25 @@ class ChunkPlanner:
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
-        n_blocks, n_files = self._adopt(found, local_chunks)
+        n_blocks, n_files = self._adopt(found, local_chunks, unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
 
     # ---- what the tier holds -------------------------------------------------------
 
-    def _adopt(self, found: Found, local_chunks: frozenset[str] | None) -> tuple[int, int]:
+    def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
         """Index the start-up listing's chunks present on every rank; (blocks, chunks)
         added. A chunk that does not fit the capacity is deleted; on an exclusive tier
         (:attr:`ChunkPolicy.exclusive`) so are chunks present on only some ranks (a write
         that did not reach every rank) and chunks of another block size, by the ranks that
-        hold them (counted as ``reclaimed_files``). A rescan's chunks are only ignored
+        hold them (counted as ``reclaimed_files``). A chunk in ``unread`` is not known
+        partial (a rank could not read it: EMFILE, EIO): it is left alone. A rescan's chunks are only ignored
         then (:meth:`_apply_slice`: another instance may be using or still writing them)."""
         reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
         if reclaim:
-            partial = {f for rank in found for f in rank if f not in common and f not in self.index}
+            partial = {f for rank in found for f in rank if f not in common and f not in self.index and f not in unread}
             if partial:
                 logger.info("kvtier %s: deleting %d chunk(s) present on only some TP ranks", self.tier, len(partial))
                 self.reclaim(sorted(partial))
@@ -479,14 +482,20 @@ class ChunkPlanner:
                 self._failed_files.popitem(last=False)
             if self.index.remove(fid):
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
-            if fid in bad and fid not in failed | refused and not self._deletes_bad(fid):
+            ours = self._deletes_bad(fid)
+            if fid in bad and fid not in failed | refused and not ours:
                 # Another writer's chunk on a shared tier: what says it is bad may be our
                 # own index (keys and header from an unsigned manifest anyone can forge), not
                 # the object. Forgotten here (a miss), never deleted for every reader.
                 self.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
                 continue
             self.origins.forget(fid, remote=False)
-            self._deletes.append(fid)  # delete whatever a rank may have left
+            if ours:  # delete whatever a rank may have left
+                self._deletes.append(fid)
+            # Else a write that failed or was refused on a shared tier: its id names the
+            # content, so the object under it may be another instance's. Nothing is
+            # deleted; what our other ranks wrote is in our manifest (our next start
+            # reclaims it).
         for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
             self._forget_untrusted(fid)
         for fid, n in written.items():
@@ -503,11 +512,11 @@ class ChunkPlanner:
                     self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
-        """Whether a chunk whose read failed as damaged is deleted, not only forgotten: on
+        """Whether a chunk whose read or write failed is deleted, not only forgotten: on
         an exclusive tier always (every chunk there is this engine's); on a shared one only
-        a chunk this process wrote, whose header and keys came from its own write, so the
-        failure is the object's. A shared object found by a listing or a manifest is left to
-        its writer (and a lifecycle rule)."""
+        a chunk this process wrote on every rank, whose header and keys came from its own
+        write, so the failure is the object's. A shared object found by a listing or a
+        manifest, or one whose write failed, is left to its writer (and a lifecycle rule)."""
         return self.policy.exclusive or self.origins.written_here(fid)
 
     def _forget_untrusted(self, fid: str) -> None:

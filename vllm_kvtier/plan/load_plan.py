@@ -107,7 +107,7 @@ class LoadPlanner:
             if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
                 continue
             tier, fid, pos = loc
-            s = self._promote(k)
+            s = self._promote(k, keys[i - 1] if i else None)
             slots[i] = s
             if s is not None:
                 reads.setdefault((tier, fid), []).append((pos, s, k))
@@ -148,7 +148,7 @@ class LoadPlanner:
         for i, k in enumerate(keys):
             if slots[i] is not None or k in self.promotions:  # the latter: recomputed
                 continue
-            s = self._promote(k)
+            s = self._promote(k, keys[i - 1] if i else None)
             slots[i] = s
             if s is not None:
                 remote.append(plan.remote_slots[i])
@@ -266,9 +266,9 @@ class LoadPlanner:
                     self.prefetcher.note_hit(k)
         return slots
 
-    def _promote(self, key: BlockKey) -> int | None:
+    def _promote(self, key: BlockKey, parent: BlockKey | None = None) -> int | None:
         """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
-        slot = self.promotions.begin(key)
+        slot = self.promotions.begin(key, parent)
         if slot is None:
             self.counters.add(CounterName.STORE_SKIPPED, TIER)
         return slot

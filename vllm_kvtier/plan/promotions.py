@@ -29,10 +29,11 @@ class Promotions:
     def __len__(self) -> int:
         return len(self._filling)
 
-    def begin(self, key: BlockKey) -> int | None:
+    def begin(self, key: BlockKey, parent: BlockKey | None = None) -> int | None:
         """A pinned CPU slot for ``key``, about to be read from below; None if every slot
-        is pinned. A key evicted for it is offered to the lower tiers (demotion)."""
-        alloc = self.index.allocate(key)
+        is pinned. A key evicted for it is offered to the lower tiers (demotion).
+        ``parent``: the block before it in its prompt, when known (for the eviction policy)."""
+        alloc = self.index.allocate(key, parent)
         if alloc is None:
             return None
         if alloc.evicted is not None:

@@ -87,7 +87,7 @@ class SavePlanner:
             if key in self.index:
                 self.index.touch(key)
                 continue
-            alloc = self.index.allocate(key)
+            alloc = self.index.allocate(key, BlockKey(hashes[i - 1]) if i else None)
             if alloc is None:
                 self.counters.add(CounterName.STORE_SKIPPED, TIER)
                 continue

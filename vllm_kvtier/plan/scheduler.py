@@ -24,8 +24,8 @@ What it decides each step (``plan_step``):
   for the next step (a failed load would make the KV computed on top of it wrong). What a
   finished request still lacks is saved before the next forward while vLLM holds its
   blocks for us (``on_finished`` returns True), released on ``finished_sending``.
-* **eviction**: S3-FIFO (default; scan-resistant: one-off documents do not push out a
-  reused system prompt) or LRU, among unpinned slots
+* **eviction**: ``kvaware`` (default: a prompt's head outlives its tail, reused blocks
+  live longer; :mod:`vllm_kvtier.index.kvaware`), S3-FIFO, ARC or LRU, among unpinned slots
   (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
   blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` if
   ``cpu.request_pins`` is on (TTL at most ``cpu.max_pin_ttl_s``, pins bounded by
@@ -108,7 +108,9 @@ class SchedulerPlanner:
         self.cfg = cfg
         self.namespace = namespace
         self.block_size = block_size
-        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction)
+        staging = any(t.policy.mode == "write-back" for t in lower or [])
+        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction,
+                               staging=staging)
         self.counters = counters if counters is not None else Counters()
         self.gauges = CpuGauges(self.index, self.counters, slot_bytes_total=slot_bytes_total)
         self.lower = list(lower or [])

@@ -19,7 +19,10 @@ What is signed (:mod:`~vllm_kvtier.chunkformat`, version 4):
   not signed, tells them apart);
 * a manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
   namespace | rank | writer id | manifest bytes)``, so a manifest cannot be forged, nor
-  moved to another rank or another writer's name.
+  moved to another rank or another writer's name;
+* a manifest's object name (:meth:`ChunkAuth.manifest_name_tag`): 8 bytes of
+  ``HMAC-SHA256(key, "kvtier.manifest-name.v1" | namespace | rank | writer id)``, in hex.
+  A reader refuses a name whose tag does not verify from the listing alone, with no GET.
 
 Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``); any number of
 *verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too on
@@ -67,6 +70,9 @@ _BLOCK = b"kvtier.block.v3\0"
 _HEADER = b"kvtier.header.v2"
 _KEY_ID = b"kvtier.key-id.v2"
 _MANIFEST = b"kvtier.manifest.v1"
+_MANIFEST_NAME = b"kvtier.manifest-name.v1"
+#: Bytes of a manifest name's tag (16 hex digits in the name).
+MANIFEST_NAME_TAG_BYTES = 8
 #: Verify keys accepted at most (a rotation needs one or two).
 MAX_VERIFY_KEYS = 8
 
@@ -154,6 +160,22 @@ class ChunkAuth:
         the trailer's key id, read last, says which one must match."""
         label = _manifest_label(namespace, rank, writer_id)
         return {kid: hmac.new(secret, label, "sha256") for kid, secret in self._keys.items()}
+
+    def manifest_name_tag(self, namespace: str, rank: int, writer_id: str) -> str:
+        """The tag (16 hex digits) in the object name of writer ``writer_id``'s manifest for
+        (namespace, rank), with the signing key. Only a key holder can make one."""
+        label = _MANIFEST_NAME + _manifest_label(namespace, rank, writer_id)[len(_MANIFEST) :]
+        return hmac.digest(self._key, label, "sha256")[:MANIFEST_NAME_TAG_BYTES].hex()
+
+    def verify_manifest_name_tag(self, namespace: str, rank: int, writer_id: str, tag: str) -> bool:
+        """Whether ``tag`` is writer ``writer_id``'s manifest name tag for (namespace, rank)
+        under any accepted key (constant-time compares, all keys tried)."""
+        label = _MANIFEST_NAME + _manifest_label(namespace, rank, writer_id)[len(_MANIFEST) :]
+        ok = False
+        for secret in self._keys.values():
+            want = hmac.digest(secret, label, "sha256")[:MANIFEST_NAME_TAG_BYTES].hex()
+            ok |= hmac.compare_digest(want, tag)
+        return ok
 
 
 def _manifest_label(namespace: str, rank: int, writer_id: str) -> bytes:

@@ -39,7 +39,8 @@ class StoreContext:
 
     #: The tier's namespace (the engine's, or its digest with the storage format).
     namespace: str
-    #: The store rank: whose chunks these are (directory ``r<rank>``, object prefix).
+    #: The store rank: whose chunks these are (directory ``r<rank>``, object prefix),
+    #: within its engine (a data-parallel engine's ranks count from 0).
     rank: int
     #: Bytes of one stored block.
     block_bytes: int
@@ -52,6 +53,10 @@ class StoreContext:
     #: True: the scheduler's store. It only lists or looks up what exists and never
     #: moves blocks, so a medium may skip its data-path resources.
     lookup_only: bool = False
+    #: The data-parallel engine (0 without data parallelism). A private medium (NVMe)
+    #: keeps one directory per engine; a shared one stores every engine's chunks under
+    #: the same names, as it does another instance's (only its writer id differs).
+    engine: int = 0
 
 
 class TierStore(Protocol):

@@ -23,6 +23,11 @@ served): every directory this tier creates is 0700 and every file 0600, set expl
   refused (:class:`UnsafeDirectory`, the tier is off, serving goes on); one of ours that is
   only readable by others (an earlier version made them 0755) is tightened to 0700.
 
+Rank directories (:func:`rank_dir_name`): ``r<rank>`` for an engine without data parallelism
+(and data-parallel engine 0), ``dp<engine>-r<rank>`` for data-parallel engine ``engine`` >= 1.
+Each engine on a host has its own directories, lock, scan and capacity: two data-parallel
+engines sharing one ``nvme.path`` never index, bound or lock each other's files.
+
 Lock (:data:`LOCK_NAME` in each rank directory, ``flock(LOCK_EX | LOCK_NB)``, held until
 the store closes): a second engine on the same directory gets :class:`DirectoryLocked`
 and runs without its NVMe tier; it never scans, cleans or writes the first one's
@@ -51,7 +56,7 @@ from pathlib import Path
 
 __all__ = [
     "LOCK_NAME", "DirectoryLocked", "ForeignNamespace", "RankDirLock", "UnsafeDirectory", "collect_namespace",
-    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "unsafe_reason",
+    "foreign_namespaces", "lock_holder", "open_rank_dir", "open_replica_dir", "rank_dir_name", "unsafe_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,9 +66,10 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 #: A namespace directory's name (:func:`vllm_kvtier.keys.namespace`: 16 hex digits).
 NAMESPACE_NAME = re.compile(r"^[0-9a-f]{16}$")
-RANK_NAME = re.compile(r"^r\d{1,6}$")
-#: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler may probe
-#: it for microseconds (a shared probe), which is not an owner.
+#: A rank directory's name (:func:`rank_dir_name`).
+RANK_NAME = re.compile(r"^(dp\d{1,6}-)?r\d{1,6}$")
+#: How long :func:`open_rank_dir` retries a held lock: another engine's scheduler or
+#: collector may probe it for microseconds (a shared probe), which is not an owner.
 _LOCK_RETRY_S = 0.2
 #: How long it waits while :func:`collect_namespace` holds the lock (its note says so): a
 #: collection deletes every file of the namespace, seconds for a large one (about 20 us an
@@ -74,6 +80,13 @@ _COLLECT_WAIT_S = 120.0
 _LOCK_ATTEMPTS = 5
 #: The first word of the lock note a collector writes.
 _COLLECTING = "collecting"
+
+
+def rank_dir_name(rank: int, engine: int = 0) -> str:
+    """The directory of ``rank`` (within its engine) of data-parallel engine ``engine``:
+    ``r<rank>``, or ``dp<engine>-r<rank>`` for ``engine`` >= 1 (engine 0 keeps the name an
+    engine without data parallelism uses, so its files stay readable)."""
+    return f"r{rank}" if engine == 0 else f"dp{engine}-r{rank}"
 
 
 class UnsafeDirectory(OSError):
@@ -176,8 +189,9 @@ def _holder_text(directory: Path) -> str:
         return "unknown"
 
 
-def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, RankDirLock]:
-    """Create (0700) or check ``<root>/<namespace>/r<rank>`` and take its lock.
+def open_rank_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> tuple[Path, RankDirLock]:
+    """Create (0700) or check ``<root>/<namespace>/<rank_dir_name(rank, engine)>`` and take
+    its lock.
 
     Raises :class:`UnsafeDirectory` (naming the path and the reason: see the module doc),
     :class:`DirectoryLocked` (another engine holds it: its pid and host in the message), or
@@ -185,7 +199,7 @@ def open_rank_dir(root: str | Path, namespace: str, rank: int) -> tuple[Path, Ra
     before the lock is held."""
     base = _make_base(Path(root))
     ns_dir = base / namespace
-    rank_dir = ns_dir / f"r{rank}"
+    rank_dir = ns_dir / rank_dir_name(rank, engine)
     start = time.monotonic()
     for attempt in range(_LOCK_ATTEMPTS):
         try:
@@ -239,8 +253,9 @@ def _lock_or_wait(fd: int, rank_dir: Path, start: float) -> None:
                                                "must not share one NVMe directory", str(rank_dir)) from None
 
 
-def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
-    """Create (0700) or check ``<root>/<namespace>/r<rank>`` for a worker that only READS it:
+def open_replica_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> Path:
+    """Create (0700) or check ``<root>/<namespace>/<rank_dir_name(rank, engine)>`` for a
+    worker that only READS it:
     a TP rank of an MLA model, whose latent cache is identical on every rank of its TP group
     and is written once, by the group's first rank (``rank`` here is that writer's store
     rank). Same checks as :func:`open_rank_dir` (its directories are never tightened here:
@@ -248,14 +263,14 @@ def open_replica_dir(root: str | Path, namespace: str, rank: int) -> Path:
     directory is refused by that lock. Raises :class:`UnsafeDirectory` or another OSError."""
     base = _make_base(Path(root))
     ns_dir = base / namespace
-    rank_dir = ns_dir / f"r{rank}"
+    rank_dir = ns_dir / rank_dir_name(rank, engine)
     for d in (ns_dir, rank_dir):
         if not _mkdir_private(d):
             _check_ours(d, tighten=False)
     return rank_dir
 
 
-def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
+def unsafe_reason(root: str | Path, namespace: str, rank: int, engine: int = 0) -> str | None:
     """Why :func:`open_rank_dir` would refuse this rank directory, checked without changing
     anything (the scheduler's start-up scan: it does not index what the worker will
     refuse); None when it would not, or when the directories do not exist yet."""
@@ -264,7 +279,7 @@ def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
         if not base.exists():
             return None
         _check_base(base)
-        for d in (base / namespace, base / namespace / f"r{rank}"):
+        for d in (base / namespace, base / namespace / rank_dir_name(rank, engine)):
             if not os.path.lexists(d):
                 return None
             _check_ours(d, tighten=False)
@@ -275,12 +290,12 @@ def unsafe_reason(root: str | Path, namespace: str, rank: int) -> str | None:
     return None
 
 
-def uncreatable_reason(root: str | Path, namespace: str, rank: int) -> str | None:
+def uncreatable_reason(root: str | Path, namespace: str, rank: int, engine: int = 0) -> str | None:
     """Why :func:`open_rank_dir` could not create this rank directory or its lock file,
     checked without changing anything (the scheduler's start-up check, so that it plans no
     write the worker cannot make): the deepest existing part of the path must be a
     directory this process may write into. None when it is."""
-    want = Path(os.path.abspath(root)) / namespace / f"r{rank}"
+    want = Path(os.path.abspath(root)) / namespace / rank_dir_name(rank, engine)
     p = want
     while not os.path.lexists(p) and p != p.parent:
         p = p.parent

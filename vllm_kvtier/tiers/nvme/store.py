@@ -69,7 +69,14 @@ from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.nvme.dirs import FILE_MODE, LOCK_NAME, RankDirLock, open_rank_dir, open_replica_dir
+from vllm_kvtier.tiers.nvme.dirs import (
+    FILE_MODE,
+    LOCK_NAME,
+    RankDirLock,
+    open_rank_dir,
+    open_replica_dir,
+    rank_dir_name,
+)
 from vllm_kvtier.tiers.nvme.file_io import FileIO, make_file_io
 
 if TYPE_CHECKING:
@@ -87,8 +94,10 @@ SUFFIX = ".kvt"
 DEFAULT_READ_DEADLINE_S = 30.0
 
 
-def rank_dir(root: str | Path, namespace: str, rank: int) -> Path:
-    return Path(root) / namespace / f"r{rank}"
+def rank_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> Path:
+    """Rank ``rank``'s directory of data-parallel engine ``engine`` (see
+    :func:`~vllm_kvtier.tiers.nvme.dirs.rank_dir_name`)."""
+    return Path(root) / namespace / rank_dir_name(rank, engine)
 
 
 class NotRegularFile(OSError):
@@ -176,7 +185,7 @@ UNREADABLE_KEPT = "unreadable_kept"
 def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_blocks: int = MAX_CHUNK_BLOCKS,
              block_bytes: int | None = None, rank: int | None = None,
              refuses: Callable[[str, ChunkHeader], FailureReason | None] | None = None,
-             ) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
+             kept: set[str] | None = None) -> tuple[dict[str, ChunkHeader], dict[str, int]]:
     """Read every chunk header in ``directory``.
 
     ``rank``: the directory's rank (a header of another is ``key_mismatch``); ``refuses``:
@@ -189,7 +198,8 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
     deleted; the scheduler scans read-only. A file that could not be read (an OSError:
     EMFILE, EIO, EACCES...) may be good: it is skipped, never deleted, and counted as
     :data:`UNREADABLE_KEPT`. Entries that are not regular files are skipped
-    (``not_regular``) and never opened, nor deleted.
+    (``not_regular``) and never opened, nor deleted. The ids of both go to ``kept`` when
+    given: a chunk there is not known absent (a caller must not reclaim it as partial).
     """
     found: dict[str, ChunkHeader] = {}
     problems: dict[str, int] = {}
@@ -219,6 +229,8 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
             damaged = isinstance(err, ChunkFormatError)
             if not damaged and not isinstance(err, NotRegularFile):
                 reason = UNREADABLE_KEPT  # not read, so not known damaged: kept
+            if not damaged and not isinstance(err, FileNotFoundError) and kept is not None:
+                kept.add(e.name[: -len(SUFFIX)])  # present, maybe good (EMFILE, EIO...)
             problems[reason] = problems.get(reason, 0) + 1
             logger.warning("kvtier nvme: ignoring %s (%s): %s", e.path, reason, err)
             if damaged and cleanup:
@@ -342,7 +354,7 @@ class NVMeStore(StoreKernel):
         direct_io: Literal["auto", "on", "off"] = "auto", io_threads: int = 2, max_queued_writes: int = 64,
         io_engine: str = "posix", max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
         read_deadline_s: float = DEFAULT_READ_DEADLINE_S, auth: ChunkAuth | None = None,
-        replica: bool = False,
+        replica: bool = False, engine: int = 0,
     ) -> None:
         """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
         (:mod:`~vllm_kvtier.tiers.nvme.dirs`: an OSError, ``UnsafeDirectory`` or
@@ -357,7 +369,8 @@ class NVMeStore(StoreKernel):
         :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`): no lock is taken and nothing
         is written there by this store's owner (its driver never submits writes or deletes);
         reads are buffered (no O_DIRECT probe file in a directory another process cleans)
-        unless ``direct_io`` is "on"."""
+        unless ``direct_io`` is "on". ``engine``: the data-parallel engine (its own
+        directories, see :func:`rank_dir`); chunk headers carry ``rank`` alone."""
         io = make_file_io(io_engine)
         self.io_engine = io_engine
         self.replica = replica
@@ -366,9 +379,9 @@ class NVMeStore(StoreKernel):
         lock: RankDirLock | None = None
         try:
             if replica:
-                self.dir = open_replica_dir(root, namespace, rank)
+                self.dir = open_replica_dir(root, namespace, rank, engine)
             else:
-                self.dir, lock = open_rank_dir(root, namespace, rank)
+                self.dir, lock = open_rank_dir(root, namespace, rank, engine)
         except BaseException:
             io.close()
             raise
@@ -407,7 +420,7 @@ class NVMeStore(StoreKernel):
         return cls(section.path, ctx.namespace, ctx.rank, ctx.block_bytes, direct_io=section.direct_io,
                    io_threads=section.io_threads, max_queued_writes=section.max_queued_writes,
                    io_engine=section.io_engine, max_chunk_blocks=section.chunk_blocks, buffers=ctx.buffers,
-                   auth=ctx.auth, replica=ctx.replica)
+                   auth=ctx.auth, replica=ctx.replica, engine=ctx.engine)
 
     def path(self, chunk_id: str) -> Path:
         """Where the chunk's file is (for tools and fault drills)."""

@@ -13,7 +13,8 @@ Python objects.
 Signed (a key is set): the bytes below, then a trailer of :data:`SIG_MAGIC`, the key id
 and an HMAC over them bound to the namespace, rank and writer id (:func:`sign_manifest`).
 A reader streams the bytes through :func:`signed_body`, which checks the trailer when they
-end: the decoded entries are kept only if it verifies (as with the CRC32, last).
+end. The scanner does so over the raw bytes before it decodes any of them: a forged
+manifest costs an HMAC pass, never a decode.
 
 Layout (little endian)::
 
@@ -23,6 +24,13 @@ Layout (little endian)::
 
 The header bytes are exactly the chunk's own header (``chunkformat``), verified again with
 its own CRC32 when decoded; their zero padding is what zlib removes. Nothing is unpickled.
+
+Names (:func:`manifest_file_name`): without a key, ``<writer id>.kvm``. With a key,
+``<writer id>.<tag>.kvm``, the tag 16 hex digits of a MAC over the namespace, rank and
+writer id (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_name_tag`). A reader with a
+key checks the tag from the listing alone (:func:`manifest_name_refusal`). So a forger
+without the key cannot make a name it will read: a flood of forged manifests costs no GET.
+One who overwrites a real writer's manifest is caught by its signature, one GET per change.
 """
 
 from __future__ import annotations
@@ -41,16 +49,28 @@ from vllm_kvtier.chunkformat import (
     encode_header,
     header_bytes_for,
 )
+from vllm_kvtier.config.stores import MAX_MANIFEST_ENTRIES
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.keys import SAFE_ID
+from vllm_kvtier.tiers.auth import MANIFEST_NAME_TAG_BYTES, ChunkAuth
+from vllm_kvtier.tiers.s3.config import MANIFEST_SUFFIX
 
 MAGIC = b"KVTMANI1"
 VERSION = 1
 #: The most entries a manifest may announce when the caller gives no bound of its own (a
 #: store passes ``s3.manifest_max_entries``); checked before anything is decoded.
-MAX_ENTRIES = 1 << 20
+MAX_ENTRIES = MAX_MANIFEST_ENTRIES
 #: Compressed bytes fed to zlib per step: the decompressed bytes held at once stay about
 #: one entry plus what this much input can expand to.
 _STEP = 64 << 10
+#: The most a manifest's payload may inflate, per compressed byte. An honest one inflates
+#: at most about 43 times (one-block chunks: a 4 KiB header of which ~100 B are not zero
+#: padding; block keys are hashes); a zip bomb a thousand times. So decoding costs CPU in
+#: proportion to the bytes read, whoever wrote them.
+MAX_INFLATION = 128
+#: Inflated bytes allowed beyond that ratio: small manifests of test-like keys (which
+#: compress far better than hashes) always decode.
+_INFLATION_SLACK = 4 << 20
 
 _FIXED = struct.Struct("<8sI16sIQ")
 _ID = struct.Struct("<H")
@@ -198,26 +218,68 @@ class _Stream:
 
 
 class _Inflater:
-    """The decompressed payload, handed out in pieces as it is inflated."""
+    """The decompressed payload, handed out in pieces as it is inflated. It never inflates
+    more than :data:`MAX_INFLATION` times the compressed bytes it consumed (plus
+    4 MiB): a zip bomb costs CPU in proportion to its size, as an honest manifest does."""
 
     def __init__(self, more: Callable[[], bytes | None], max_piece: int) -> None:
         self._d = zlib.decompressobj()
         self._more = more
         self._buf = bytearray()
         self._max = max_piece
+        self._fed = 0  # compressed bytes handed to zlib (its unconsumed tail included)
+        self._made = 0  # bytes inflated
 
     def take(self, n: int) -> bytes:
         while len(self._buf) < n:
-            chunk = self._d.unconsumed_tail or self._more()
-            if chunk is None:
-                raise ChunkFormatError("truncated manifest entry", FailureReason.TRUNCATED)
+            chunk = self._d.unconsumed_tail
+            if not chunk:
+                got = self._more()
+                if got is None:
+                    raise ChunkFormatError("truncated manifest entry", FailureReason.TRUNCATED)
+                chunk = got
+                self._fed += len(chunk)
             try:
-                self._buf += self._d.decompress(chunk, self._max)
+                out = self._d.decompress(chunk, self._max)
             except zlib.error as e:
                 raise ChunkFormatError(f"manifest payload: {e}", FailureReason.FORMAT) from e
+            self._made += len(out)
+            used = self._fed - len(self._d.unconsumed_tail)
+            if self._made > MAX_INFLATION * used + _INFLATION_SLACK:
+                raise ChunkFormatError(f"too large: a manifest payload inflating more than {MAX_INFLATION}x",
+                                       FailureReason.TOO_LARGE)
+            self._buf += out
         out = bytes(self._buf[:n])
         del self._buf[:n]
         return out
+
+
+# ---- names (a key is set: the name carries a tag) ---------------------------------------------
+
+
+def manifest_file_name(writer_id: str, auth: ChunkAuth | None, namespace: str, rank: int) -> str:
+    """The object name (after ``.../manifest/``) of writer ``writer_id``'s manifest."""
+    if auth is None:
+        return f"{writer_id}{MANIFEST_SUFFIX}"
+    return f"{writer_id}.{auth.manifest_name_tag(namespace, rank, writer_id)}{MANIFEST_SUFFIX}"
+
+
+def manifest_name_refusal(file_name: str, auth: ChunkAuth | None, namespace: str,
+                          rank: int) -> tuple[str, FailureReason | None]:
+    """The writer id that a manifest's object name ``file_name`` gives, and why a reader
+    holding ``auth`` must not read it (None: it may). No key: every name is read (the
+    whole stem is the writer id). With a key: a name without a tag (an earlier build's,
+    or a forger's) is ``unauthenticated``; a tag no accepted key makes is ``auth_failed``."""
+    stem = file_name.removesuffix(MANIFEST_SUFFIX)
+    if auth is None:
+        return stem, None
+    writer, _, tag = stem.rpartition(".")
+    if (len(tag) != 2 * MANIFEST_NAME_TAG_BYTES or tag.strip("0123456789abcdef")
+            or not SAFE_ID.fullmatch(writer)):
+        return stem, FailureReason.UNAUTHENTICATED
+    if not auth.verify_manifest_name_tag(namespace, rank, writer, tag):
+        return writer, FailureReason.AUTH_FAILED
+    return writer, None
 
 
 # ---- signatures (a key is set: :meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_mac`) ------

@@ -69,21 +69,31 @@ from vllm_kvtier.tiers.s3.config import (
 )
 from vllm_kvtier.tiers.s3.object_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
 
-__all__ = ["MANIFEST_STEP_BYTES", "S3Medium"]
+__all__ = ["MANIFEST_STEP_BYTES", "BoundedBody", "S3Medium"]
 
 #: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
 MANIFEST_STEP_BYTES = 256 << 10
 
 
-def _body_pieces(body: Any, nbytes: int, step: int) -> Iterator[memoryview]:
-    """``nbytes`` of a GET body, ``step`` at a time, into one reused buffer."""
-    buf = memoryview(bytearray(min(nbytes, step)))
-    got = 0
-    while got < nbytes:
-        k = min(step, nbytes - got)
-        read_body_into(body, buf[:k])
-        got += k
-        yield buf[:k]
+class BoundedBody:
+    """A GET body of ``nbytes`` (at most the caller's bound), handed out ``step`` bytes at
+    a time into one reused buffer (a piece is valid until the next is asked for); ``etag``
+    names the version read (a second GET of that version sends it as ``IfMatch``)."""
+
+    def __init__(self, body: Any, nbytes: int, step: int, etag: str) -> None:
+        self._body = body
+        self.nbytes = nbytes
+        self.etag = etag
+        self._step = step
+
+    def __iter__(self) -> Iterator[memoryview]:
+        buf = memoryview(bytearray(min(self.nbytes, self._step)))
+        got = 0
+        while got < self.nbytes:
+            k = min(self._step, self.nbytes - got)
+            read_body_into(self._body, buf[:k])
+            got += k
+            yield buf[:k]
 
 
 class S3Medium:
@@ -210,19 +220,23 @@ class S3Medium:
         self.call(functools.partial(self.boto.get_into, key, start, dst, deadline), deadline)
 
     @contextlib.contextmanager
-    def open_bounded(self, key: str, max_bytes: int, step: int = MANIFEST_STEP_BYTES) -> Iterator[Iterator[memoryview]]:
+    def open_bounded(self, key: str, max_bytes: int, step: int = MANIFEST_STEP_BYTES, *,
+                     if_match: str | None = None) -> Iterator[BoundedBody]:
         """A GET of a whole object of at most ``max_bytes``, its body handed out in pieces of
-        at most ``step`` bytes as it arrives (each piece is a view of one reused buffer,
-        valid until the next is asked for). ``ContentLength`` above ``max_bytes`` is
-        ``too_large`` before a byte of the body is read; never more than ``ContentLength``
-        bytes are read (a body that ends sooner is ``truncated``), so a length that lies
-        cannot make the reader hold more. The body is closed on leaving the block."""
-        r = self.call(lambda: self.client.get_object(Bucket=self.config.bucket, Key=key), self.soon())
+        at most ``step`` bytes as it arrives (:class:`BoundedBody`). ``ContentLength`` above
+        ``max_bytes`` is ``too_large`` before a byte of the body is read; never more than
+        ``ContentLength`` bytes are read (a body that ends sooner is ``truncated``), so a
+        length that lies cannot make the reader hold more. ``if_match``: only that version
+        (an ETag); another one fails the request. The body is closed on leaving the block."""
+        kw: dict[str, Any] = {"Bucket": self.config.bucket, "Key": key}
+        if if_match is not None:
+            kw["IfMatch"] = if_match
+        r = self.call(lambda: self.client.get_object(**kw), self.soon())
         with contextlib.closing(r["Body"]) as body:
             n = int(r.get("ContentLength") or 0)
             if n > max_bytes:
                 raise ChunkFormatError(f"too large: an object of {n} B, at most {max_bytes}", FailureReason.TOO_LARGE)
-            yield _body_pieces(body, n, step)
+            yield BoundedBody(body, n, step, str(r.get("ETag", "")))
 
     def get_bounded(self, key: str, max_bytes: int) -> bytes:
         """A whole object of at most ``max_bytes`` (larger: ``too_large``, nothing read)."""

@@ -35,9 +35,11 @@ independently, instead of all landing on one. ``namespace`` digests everything t
 changes the bytes (as for NVMe). So instances sharing a bucket never read incompatible KV.
 
 Manifests: each writer keeps a manifest object
-(``.../r<rank>/manifest/<writer_id>.kvm``). It holds the headers of the writer's latest
+(``.../r<rank>/manifest/<writer_id>.kvm``; with a key ``<writer_id>.<tag>.kvm``, a tag
+only key holders make). It holds the headers of the writer's latest
 ``manifest_max_entries`` writes. The writer id is stable across restarts: a digest of host
-name, rank and namespace, or ``s3.writer_id``. So a restarted writer merges and replaces
+name, rank and namespace, or ``s3.writer_id`` (with ``-dp<engine>`` for data-parallel
+engine >= 1: engines share the rank prefixes). So a restarted writer merges and replaces
 its predecessor's manifest instead of adding one. The manifest is rewritten after
 ``manifest_every_writes`` writes, or after an eighth of its entries once that is more. So
 the bytes uploaded per write stay bounded. It is rewritten at close too. Scans read the
@@ -69,7 +71,7 @@ from vllm_kvtier.tiers.s3.config import (
     object_key,
     rank_prefix,
 )
-from vllm_kvtier.tiers.s3.manifest import encode_manifest, sign_manifest
+from vllm_kvtier.tiers.s3.manifest import encode_manifest, manifest_file_name, sign_manifest
 from vllm_kvtier.tiers.s3.medium import S3Medium
 from vllm_kvtier.tiers.s3.object_io import read_body_into
 from vllm_kvtier.tiers.s3.scan import S3Scanner, ScanReport
@@ -88,6 +90,7 @@ __all__ = [
     "object_key",
     "rank_prefix",
     "read_body_into",
+    "writer_id_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,12 +99,22 @@ logger = logging.getLogger(__name__)
 S3Stats = RemoteStats
 
 
-def default_writer_id(namespace: str, rank: int) -> str:
+def default_writer_id(namespace: str, rank: int, engine: int = 0) -> str:
     """A writer id stable across restarts: a digest of the host name (a pod's name in
-    Kubernetes), the rank and the namespace. Two instances of one model and rank on one
-    host name share it: they then overwrite each other's manifest (costing header GETs,
-    never correctness) unless ``s3.writer_id`` tells them apart."""
-    return hashlib.sha256(f"{socket.gethostname()}|{rank}|{namespace}".encode()).hexdigest()[:16]
+    Kubernetes), the data-parallel engine, the rank and the namespace. Engine 0 keeps the
+    digest of the other three (an engine without data parallelism). Two instances of one
+    model and rank on one host name share it: they then overwrite each other's manifest
+    (costing header GETs, never correctness) unless ``s3.writer_id`` tells them apart."""
+    dp = f"dp{engine}|" if engine else ""
+    return hashlib.sha256(f"{socket.gethostname()}|{dp}{rank}|{namespace}".encode()).hexdigest()[:16]
+
+
+def writer_id_of(config: S3Config, namespace: str, rank: int, engine: int = 0) -> str:
+    """This store's writer id: ``s3.writer_id`` (``-dp<engine>`` added for data-parallel
+    engine >= 1, whose chunks share the rank's prefix) or :func:`default_writer_id`."""
+    if not config.writer_id:
+        return default_writer_id(namespace, rank, engine)
+    return config.writer_id if engine == 0 else f"{config.writer_id}-dp{engine}"
 
 
 class S3Store(StoreKernel):
@@ -113,22 +126,26 @@ class S3Store(StoreKernel):
 
     def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
                  buffers: BufferPool | None = None, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
-                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None) -> None:
+                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None, engine: int = 0) -> None:
         """Builds the client (ImportError with the install hint without boto3; ConfigError
         naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
         request. ``buffers``: the worker's read-buffer pool (None: the process default);
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``read_deadline_s``: None is ``s3.deadline_s``."""
+        count); ``read_deadline_s``: None is ``s3.deadline_s``; ``engine``: the data-parallel
+        engine, which names this writer (:func:`writer_id_of`), not its keys."""
         medium = S3Medium(config, namespace, rank)
         self.config = config
         self.rank = rank
-        self.writer_id = config.writer_id or default_writer_id(namespace, rank)
+        self.writer_id = writer_id_of(config, namespace, rank, engine)
         self._mlock = threading.Lock()
         #: this writer's latest objects, oldest first (at most ``manifest_max_entries``)
         self._manifest: OrderedDict[str, ChunkHeader] = OrderedDict()
         self._manifest_changes = 0
         #: the predecessor's manifest (same writer id, before a restart) merged in yet?
         self._adopted = False
+        #: this writer's manifest under an earlier build's name (no tag), verified as its
+        #: own: deleted once the first manifest under the tagged name is written
+        self._legacy_manifest: str | None = None
         self._deleted_before_adopt: set[str] = set()
         self._flush_lock = threading.Lock()
         self._closing = False
@@ -150,7 +167,7 @@ class S3Store(StoreKernel):
         ``s3.io_engine`` says: the workers check that it runs."""
         config = replace(section.store, io_engine="boto3") if ctx.lookup_only else section.store
         return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, buffers=ctx.buffers,
-                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth)
+                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth, engine=ctx.engine)
 
     def __repr__(self) -> str:
         c = self.config
@@ -175,7 +192,10 @@ class S3Store(StoreKernel):
         return self.medium.key(object_id)
 
     def manifest_key(self, writer_id: str | None = None) -> str:
-        return f"{self.medium.prefix}manifest/{writer_id or self.writer_id}{MANIFEST_SUFFIX}"
+        """The key of writer ``writer_id``'s manifest (None: this writer's). With a key its
+        name carries a tag (:func:`~vllm_kvtier.tiers.s3.manifest.manifest_file_name`)."""
+        name = manifest_file_name(writer_id or self.writer_id, self.auth, self.namespace, self.rank)
+        return f"{self.medium.prefix}manifest/{name}"
 
     # ---- the contract, where S3 adds to the kernel ------------------------------------------
 
@@ -274,6 +294,9 @@ class S3Store(StoreKernel):
             self.medium.put_key(self.manifest_key(), body, self.medium.soon())
             with self._mlock:
                 self._manifest_changes -= changes
+            if self._legacy_manifest is not None:  # ours, proved by its signature: the new name replaces it
+                self._scanner.delete_quietly(self._legacy_manifest)
+                self._legacy_manifest = None
             return True
         except Exception as e:
             logger.warning("kvtier s3: manifest write failed (%s): %s", error_reason(e), e)
@@ -284,13 +307,24 @@ class S3Store(StoreKernel):
     def _adopt_predecessor(self) -> None:
         """Merge the manifest this writer id left before a restart (one GET, once), so the
         next one still covers those objects; this process's writes stay the newest. A
-        failed GET is a lost cache, never an error."""
-        try:
-            old = self._scanner.read_manifest(self.manifest_key(), None)  # ours, but the bucket is shared: verified
-        except Exception as e:
-            if error_reason(e) is not FailureReason.MISSING:
-                logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
-            old = {}
+        failed GET is a lost cache, never an error.
+
+        With a key and no manifest under the tagged name, the name an earlier build used
+        (no tag) is read too (one more GET, once). If its signature verifies for this
+        writer id, it is merged, and deleted after the next manifest write."""
+        old: dict[str, ChunkHeader] = {}
+        keys = [self.manifest_key()]
+        if self.auth is not None:  # and the name an earlier build used
+            keys.append(f"{self.medium.prefix}manifest/{self.writer_id}{MANIFEST_SUFFIX}")
+        for i, key in enumerate(keys):
+            try:  # ours, but the bucket is shared: verified
+                old = self._scanner.read_manifest(key, None, writer_id=self.writer_id)
+                self._legacy_manifest = key if i else None
+                break
+            except Exception as e:
+                if error_reason(e) is not FailureReason.MISSING:
+                    logger.info("kvtier s3: previous manifest of %s not merged: %s", self.writer_id, e)
+                    break
         with self._mlock:
             self._adopted = True
             room = self.config.manifest_max_entries - len(self._manifest)
