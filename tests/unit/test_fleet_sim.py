@@ -43,12 +43,12 @@ def fleet(n: int, *, cpu: int = 64, shared: LowerTier | None = None, **kw) -> Fl
     return FleetSetup(n, TierSetup(cpu_blocks=cpu), shared, **kw)
 
 
-@pytest.mark.parametrize("s3_blocks", [None, 2000])
-def test_one_instance_is_the_single_instance_replay(s3_blocks):
+@pytest.mark.parametrize(("s3_blocks", "eviction"), [(None, "kvaware"), (2000, "kvaware"), (None, "lru")])
+def test_one_instance_is_the_single_instance_replay(s3_blocks, eviction):
     trace = read_trace(SAMPLE)
     tiers = {n: lower_tier(n, size, trace_block_tokens=512, engine_block_tokens=16, block_bytes=0)
              for n, size in (("nvme", 400), ("s3", s3_blocks))}
-    setup = TierSetup(cpu_blocks=150, lower=(tiers["nvme"],), step_blocks=16)
+    setup = TierSetup(cpu_blocks=150, cpu_eviction=eviction, lower=(tiers["nvme"],), step_blocks=16)
     one = simulate_tiers(trace, dataclasses.replace(setup, lower=(tiers["nvme"], tiers["s3"])))
     got = simulate_fleet(trace, FleetSetup(1, setup, tiers["s3"]), make_router("round-robin", trace.keys))
     assert got.hit_tokens == {"cpu": one.tiers[0].hit_tokens, "nvme": one.tiers[1].hit_tokens,

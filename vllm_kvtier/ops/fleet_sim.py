@@ -183,7 +183,10 @@ class Instance:
 
     def __init__(self, setup: TierSetup, shared: LowerTier | None, clock: list[float]) -> None:
         self.setup = setup
-        self.index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction)
+        below = [*setup.lower, *([shared] if shared is not None else [])]
+        # as simulate_tiers builds it: a write-back tier below makes the pool a staging one
+        self.index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction,
+                                          staging=any(t.mode == "write-back" for t in below))
         self.planners = [make_lower_planner(t, clock) for t in setup.lower]
         self.tiers = list(setup.lower)
         if shared is not None:
@@ -269,7 +272,7 @@ def _serve(inst: Instance, me: int, trace: Trace, i: int, shared: SharedTier | N
         k = keys[pos]
         loc = locs[pos]
         assert loc is not None
-        alloc = index.allocate(k)
+        alloc = index.allocate(k, keys[pos - 1] if pos else None)
         if alloc is None:
             break
         if alloc.evicted is not None:
@@ -301,11 +304,12 @@ def _serve(inst: Instance, me: int, trace: Trace, i: int, shared: SharedTier | N
     for lo in range(0, max(1, len(keys)), step):
         saved: set[BlockKey] = set()
         held: list[int] = []
-        for k in keys[lo : min(lo + step, n_save)]:
+        for pos in range(lo, min(lo + step, n_save)):
+            k = keys[pos]
             if k in index:
                 index.touch(k)
                 continue
-            alloc = index.allocate(k)
+            alloc = index.allocate(k, keys[pos - 1] if pos else None)
             if alloc is None:
                 continue
             for j, p in enumerate(planners):
