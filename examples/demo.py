@@ -38,7 +38,7 @@ float32 keeps the with/without comparison exact.
 vLLM's log lines (and the plugin's) go to ``~/.cache/vllm_kvtier/demo.log``; the terminal
 shows the demo's own lines only, and the log's tail if an engine fails.
 
-    python examples/demo.py                 # ~2-3 min on 2 CPU cores
+    python examples/demo.py                 # under a minute on 2 idle CPU cores
     python examples/demo.py --size bench    # bigger model: larger TTFT differences
 """
 
