@@ -44,6 +44,7 @@ from vllm_kvtier.ops.capacity import (
     kv_bytes_per_token,
     make_plan,
     model_from_dims,
+    parse_count,
     parse_positive,
     parse_size,
     parse_tokens,
@@ -78,16 +79,6 @@ def _add_hw_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tokens-per-s", help="prefill rate, to compare loading with recomputing")
 
 
-def _int(text: str, option: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise PlanInputError(option, f"not an integer: {text!r}") from None
-    if n <= 0:
-        raise PlanInputError(option, f"must be a positive integer, got {n}")
-    return n
-
-
 def _opt(parse: Any, text: str | None, option: str, **kw: Any) -> Any:
     return None if text is None else parse(text, option, **kw)
 
@@ -103,7 +94,7 @@ def _model(args: argparse.Namespace, required: bool) -> KVModel | None:
         return None
     if missing:
         raise PlanInputError(missing[0], "required (or give --model-config)")
-    layers, kv_heads, head_dim = (_int(v, k) for k, v in dims.items() if v is not None)
+    layers, kv_heads, head_dim = (parse_count(v, k) for k, v in dims.items() if v is not None)
     return model_from_dims(layers, kv_heads, head_dim)
 
 
@@ -118,7 +109,7 @@ def _common(args: argparse.Namespace, *, require_model: bool) -> dict[str, Any]:
     mem = _opt(parse_size, args.gpu_memory_bytes, "--gpu-memory-bytes")
     return dict(
         model=model, kv_dtype=args.kv_dtype, context_tokens=context,
-        concurrency=_int(args.concurrency, "--concurrency"),
+        concurrency=parse_count(args.concurrency, "--concurrency"),
         gpu_memory_bytes=mem, gpu_util=parse_positive(args.gpu_util, "--gpu-util", upper=1.0),
         weights_bytes=_opt(parse_size, args.weights_bytes, "--weights-bytes", allow_zero=True),
         gpu_kv_bytes=_opt(parse_size, args.gpu_kv_bytes, "--gpu-kv-bytes"),
@@ -128,7 +119,7 @@ def _common(args: argparse.Namespace, *, require_model: bool) -> dict[str, Any]:
 
 
 def _int_list(text: str, option: str) -> list[int]:
-    return [_int(v.strip(), option) for v in text.split(",") if v.strip()] or [_int("", option)]
+    return [parse_count(v.strip(), option) for v in text.split(",") if v.strip()] or [parse_count("", option)]
 
 
 def _blocks_opt(text: str | None, option: str, block_bytes: int | None) -> int | None:
@@ -136,7 +127,7 @@ def _blocks_opt(text: str | None, option: str, block_bytes: int | None) -> int |
     if text is None:
         return None
     if text.strip().isdigit():
-        return _int(text, option)
+        return parse_count(text, option)
     if block_bytes is None:
         raise PlanInputError(option, f"{text!r}: a size in bytes needs the model (--model-config or --layers/"
                                      "--kv-heads/--head-dim); or give blocks")
@@ -173,8 +164,8 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     if args.kv_dtype not in KV_DTYPE_BYTES:
         raise PlanInputError("--kv-dtype", f"must be one of {', '.join(KV_DTYPE_BYTES)}, got {args.kv_dtype!r}")
     model = _model(args, required=False)
-    given_bt = _opt(_int, args.trace_block_tokens, "--trace-block-tokens")
-    engine_bt = _int(args.engine_block_tokens, "--engine-block-tokens")
+    given_bt = _opt(parse_count, args.trace_block_tokens, "--trace-block-tokens")
+    engine_bt = parse_count(args.engine_block_tokens, "--engine-block-tokens")
     if args.save_trace and _same_file(args.save_trace, args.trace):
         raise PlanInputError("--save-trace", f"{args.save_trace} is the input trace: writing it would replace "
                                              "the input; give another file")
@@ -233,7 +224,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         lower.append(lower_tier(name, size, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
                                 block_bytes=block_bytes or 0, cfg=section))
     eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "kvaware")
-    step_blocks = max(1, _int(args.step_tokens, "--step-tokens") // trace.block_tokens)
+    step_blocks = max(1, parse_count(args.step_tokens, "--step-tokens") // trace.block_tokens)
     setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
                       step_blocks=step_blocks, save_partial_blocks=trace.block_tokens > engine_bt)
     pcie = parse_positive(args.pcie_gb_per_s, "--pcie-gb-per-s") * 1e9

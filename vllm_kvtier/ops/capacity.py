@@ -430,6 +430,17 @@ def parse_positive(text: str, option: str, *, upper: float = math.inf) -> float:
     return v
 
 
+def parse_count(text: str, option: str) -> int:
+    """A positive integer (a count of blocks, requests, instances)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise PlanInputError(option, f"not an integer: {text!r}") from None
+    if n <= 0:
+        raise PlanInputError(option, f"must be a positive integer, got {n}")
+    return n
+
+
 def human_bytes(n: int) -> str:
     """``"42.95 GB = 40.00 GiB"``: both a decimal (10^3) and a binary (2^10) unit."""
     def scaled(base: int, units: tuple[str, ...]) -> str:

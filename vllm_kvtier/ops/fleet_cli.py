@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from vllm_kvtier.ops.capacity import PlanInputError, parse_positive
+from vllm_kvtier.ops.capacity import parse_count, parse_positive
 
 _ROUTER_NAMES = ("round-robin", "session", "prefix")
 
@@ -42,19 +42,9 @@ def add_fleet_args(parser: argparse.ArgumentParser | Any) -> None:
                    help="shared tier sizes of the sweep: blocks, 'unbounded', 'none' (default none,unbounded)")
 
 
-def _count(text: str, option: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise PlanInputError(option, f"not an integer: {text!r}") from None
-    if n <= 0:
-        raise PlanInputError(option, f"must be a positive integer, got {n}")
-    return n
-
-
 def _shared_size(text: str, option: str) -> int | None | str:
     t = text.strip()
-    return t if t in ("none", "unbounded") else _count(t, option)
+    return t if t in ("none", "unbounded") else parse_count(t, option)
 
 
 def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, engine_block_tokens: int,
@@ -74,7 +64,7 @@ def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, 
     from vllm_kvtier.ops.trace_plan import lower_tier
     from vllm_kvtier.ops.trace_sim import LowerTier
 
-    n = _count(args.instances, "--instances")
+    n = parse_count(args.instances, "--instances")
     s3 = next((t for t in setup.lower if t.name == "s3"), None)
     local = tuple(t for t in setup.lower if t.name != "s3")
     size: int | None | str = "none" if s3 is None else s3.capacity_blocks
@@ -97,7 +87,7 @@ def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, 
                        parse_positive(args.decode_s_per_token, "--decode-s-per-token"))
     routers = _ROUTER_NAMES if args.router == "all" else (args.router,)
     kw: dict[str, Any] = {"max_imbalance": parse_positive(args.max_imbalance, "--max-imbalance"),
-                          "session_fanout": _count(args.session_fanout, "--session-fanout")}
+                          "session_fanout": parse_count(args.session_fanout, "--session-fanout")}
     if args.sweep:
         sizes = [_shared_size(v, "--sweep-shared-blocks") for v in args.sweep_shared_blocks.split(",") if v.strip()]
         if shared is None and any(s != "none" for s in sizes):
@@ -105,7 +95,7 @@ def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, 
                                 engine_block_tokens=engine_block_tokens, block_bytes=setup.block_bytes)
             fleet = dataclasses.replace(fleet, shared=shared)
         single, infinite = reference_shares(trace, fleet)
-        ns = [_count(v, "--sweep-instances") for v in args.sweep_instances.split(",") if v.strip()]
+        ns = [parse_count(v, "--sweep-instances") for v in args.sweep_instances.split(",") if v.strip()]
         rows = sweep_fleet(trace, fleet, routers, prices, ns,
                            [None if s == "unbounded" else s for s in sizes], **kw)
         if args.json:
