@@ -56,6 +56,13 @@ def test_one_instance_is_the_single_instance_replay(s3_blocks, eviction):
     assert (got.shared_write_ops, got.shared_read_ops) == (one.tiers[2].write_ops, one.tiers[2].read_ops)
     assert got.cross_hit_tokens == 0 and got.hit_tokens["nvme"] > 0 and got.hit_tokens["shared"] > 0
 
+    def figures(t):
+        return t.hit_tokens, t.hit_blocks, t.write_ops, t.written_blocks, t.written_bytes, t.read_ops
+
+    # every tier's reads and writes too, not only the hits: one code path serves both replays
+    assert [figures(t) for t in got.tiers] == [figures(t) for t in one.tiers]
+    assert got.tiers[1].write_ops > 0 and got.tiers[1].read_ops > 0
+
 
 def test_round_robin_takes_the_instances_in_turn():
     trace = trace_of(*((i, [i]) for i in range(7)))
