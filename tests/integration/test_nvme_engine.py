@@ -136,8 +136,7 @@ def test_tiny_cpu_tier_hits_come_from_nvme(tiny_model, baseline_of, tmp_path):
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
 def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
     """Process 1 stores; it exits; process 2 (same directory, empty DRAM) loads from NVMe.
-    Write-back relies on the shutdown flush of blocks still only in DRAM. The flush in a
-    multiprocess engine's worker process is tested with the default config (write-back)."""
+    Write-back relies on the shutdown flush of blocks still only in DRAM."""
     ps = SETS[2]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode=mode)
     run_process(tiny_model, kv, ps, tmp_path)
@@ -149,22 +148,20 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
     assert data["counters"].get("blocks_loaded|nvme", 0) == 2 * ((330 - 1) // BLOCK_SIZE)
 
 
-@pytest.mark.parametrize(("set_id", "multiprocess"), [
-    (2, False), (5, False), pytest.param(2, True, marks=pytest.mark.slow)],
-    ids=["inproc-330-tokens", "inproc-320-tokens-whole-blocks", "multiprocess-330-tokens"])
-def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, multiprocess, set_id):
+@pytest.mark.parametrize("set_id", [2, 5], ids=["330-tokens", "320-tokens-whole-blocks"])
+def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, set_id):
     """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 2. Prompts
     seen once are still on NVMe for the next process (the shutdown flush and the idle flush
     ignore admission counts), and a fresh process loads them with the baseline's tokens:
-    every full block, the last one too for a prompt of whole blocks. Multiprocess (as
-    ``vllm serve`` runs it), the shutdown flush runs in the worker process. Whole blocks are
-    the scheduler's business, the same in both modes, so they run in-process only."""
+    every full block, the last one too for a prompt of whole blocks. The exit flush in a
+    multiprocess engine's worker is tested by test_s3_engine's multiprocess case, a warm
+    ``vllm serve`` by test_serving's restarts."""
     ps = SETS[set_id]
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20}})
-    run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
+    run_process(tiny_model, kv, ps, tmp_path)
     assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
-    data = run_process(tiny_model, kv, ps, tmp_path, multiprocess=multiprocess)
+    data = run_process(tiny_model, kv, ps, tmp_path)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     assert data["counters"].get("blocks_loaded|nvme", 0) == sum(loadable_blocks(p) for p in ps)

@@ -18,6 +18,7 @@ from testkit.s3_server import FaultProxy, MotoServer
 from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
 from tests.integration import test_nvme_engine as nvme_engine
 from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS, results, run_engine, run_process
+from vllm_kvtier.tiers.nvme.store import read_header
 
 # Fixtures from other modules, bound to names in this one.
 s3_server = s3srv.s3_server
@@ -53,13 +54,17 @@ def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_ser
     """A (its own process, CPU + NVMe + S3) serves two long prompts and exits. B, another
     process with empty CPU and NVMe tiers on the same bucket, loads every loadable block
     of both prompts from S3, with the baseline's tokens (also with both engines run as
-    ``vllm serve`` runs them, multiprocess)."""
+    ``vllm serve`` runs them, multiprocess). A's NVMe tier has the default admission and
+    write-back: its exit flush (in the worker process when multiprocess) leaves every
+    loadable block of the prompts, seen once, in chunk files that verify."""
     ps = SETS[2]
     kv_a = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-a")
     run_process(tiny_model, kv_a, ps, tmp_path, multiprocess=multiprocess)
     keys = objects(s3_server, s3_bucket)
     assert any(k.endswith(".kvt") for k in keys), keys
     assert any(k.endswith(".kvm") for k in keys), "A writes its manifest at shutdown"
+    chunks = list((tmp_path / "nvme-a").rglob("*.kvt"))
+    assert sum(read_header(f, f.parent.parent.name).nblocks for f in chunks) >= 2 * LOADABLE, chunks
 
     # another writer id: A's chunks are another instance's (both would default to this host's)
     kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b", writer_id="writer-b")
