@@ -33,9 +33,9 @@ was served) are refused as ``format``: a miss, never read (see docs/upgrading.md
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
-import uuid
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -141,7 +141,7 @@ def chunk_id_for(keys: Iterable[bytes]) -> str:
     """A new chunk's id: the first key (a chained hash naming the whole prefix) plus a
     random suffix, so a re-written chunk never collides with one being deleted."""
     first = next(iter(keys))
-    return f"{first.hex()[:32]}-{uuid.uuid4().hex[:8]}"
+    return f"{first.hex()[:32]}-{os.urandom(4).hex()}"
 
 
 def max_chunk_bytes(max_blocks: int, block_bytes: int) -> int:
