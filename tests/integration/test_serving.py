@@ -209,37 +209,58 @@ def _stored_blocks(root: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
-def test_api_server_comes_back_warm_after_a_plain_stop(tiny_model, baseline, tmp_path, stop):
+def test_api_server_comes_back_warm_after_a_plain_stop_and_after_a_crash(tiny_model, baseline, tmp_path):
     """The default config (cpu + nvme, nothing else) behind vLLM's own API server, stopped
-    as operators stop it: a plain SIGTERM (vLLM's default --shutdown-timeout 0 aborts the
-    engine at once, so no shutdown flush runs) or a SIGKILL of every process (a crash).
-    What the idle engine flushed after serving is on NVMe, no chunk file is torn, and a new
-    server loads the prompt's blocks from NVMe with the baseline's tokens."""
+    as operators stop it, twice on one NVMe path: a plain SIGTERM (vLLM's default
+    --shutdown-timeout 0 aborts the engine at once, so no shutdown flush runs), then a
+    SIGKILL of every process (a crash). Each time, what the idle engine flushed after
+    serving is on NVMe, no chunk file is torn, and the next server loads the prompt's
+    blocks from NVMe with the baseline's tokens."""
     nvme = tmp_path / "nvme"
     kv = kvtier_config({"cpu": {"capacity_bytes": 32 * 2**20},
                         "nvme": {"path": str(nvme), "capacity_bytes": 256 * 2**20}})
-    _, make_prompt, max_tokens = reuse_scenario()[0]
-    prompt = make_prompt({})
+    scenario = {name: (make_prompt, max_tokens) for name, make_prompt, max_tokens in reuse_scenario()}
+    prompts = {name: scenario[name][0]({}) for name in ("first", "unrelated")}
+    blocks = {name: len(prompts[name]) // BLOCK_SIZE for name in prompts}  # async loads: whole blocks
+    assert blocks["first"] == P1_BLOCKS_ASYNC and blocks["unrelated"] >= 1
+
+    def serve(name: str, url: str) -> None:
+        assert _complete(url, tiny_model, prompts[name], scenario[name][1]) == baseline[name].tokens
+
+    def flushed(at_least: int) -> None:
+        deadline = time.monotonic() + 120  # the idle flush: an outcome, waited for generously
+        while _stored_blocks(nvme) < at_least and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _stored_blocks(nvme) >= at_least, "the idle engine flushed nothing new to NVMe"
+
     server, url = _start_server(tiny_model, kv, tmp_path / "server-1.log")
     try:
-        assert _complete(url, tiny_model, prompt, max_tokens) == baseline["first"].tokens
-        deadline = time.monotonic() + 120  # the idle flush: an outcome, waited for generously
-        while _stored_blocks(nvme) < P1_BLOCKS_ASYNC and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _stored_blocks(nvme) >= P1_BLOCKS_ASYNC, "the idle engine flushed nothing to NVMe"
-        if stop == "sigterm":
-            server.send_signal(signal.SIGTERM)  # the API server alone, as a pod stop or ^C does
-        else:
-            os.killpg(server.pid, signal.SIGKILL)
+        serve("first", url)
+        flushed(blocks["first"])
+        server.send_signal(signal.SIGTERM)  # the API server alone, as a pod stop or ^C does
         server.wait(timeout=60)
     finally:
         _stop_server(server)
-    assert _stored_blocks(nvme) >= P1_BLOCKS_ASYNC  # every chunk file left verifies: nothing torn
+    assert _stored_blocks(nvme) >= blocks["first"]  # every chunk file left verifies: nothing torn
+
     server, url = _start_server(tiny_model, kv, tmp_path / "server-2.log")
     try:
-        assert _complete(url, tiny_model, prompt, max_tokens) == baseline["first"].tokens
-        assert _wait_metric(url, "vllm:kvtier_blocks_loaded_total", "nvme", P1_BLOCKS_ASYNC) == P1_BLOCKS_ASYNC
+        serve("first", url)
+        assert _wait_metric(url, "vllm:kvtier_blocks_loaded_total", "nvme", blocks["first"]) == blocks["first"]
+        serve("unrelated", url)
+        flushed(blocks["first"] + blocks["unrelated"])
+        os.killpg(server.pid, signal.SIGKILL)  # a crash: every process at once
+        server.wait(timeout=60)
+    finally:
+        _stop_server(server)
+    assert _stored_blocks(nvme) >= blocks["first"] + blocks["unrelated"]
+
+    server, url = _start_server(tiny_model, kv, tmp_path / "server-3.log")
+    try:
+        serve("unrelated", url)
+        serve("first", url)
+        want = blocks["first"] + blocks["unrelated"]
+        assert _wait_metric(url, "vllm:kvtier_blocks_loaded_total", "nvme", want) == want
     finally:
         _stop_server(server)
 
