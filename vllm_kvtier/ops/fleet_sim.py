@@ -193,6 +193,8 @@ class Instance:
             # unbounded here: the bucket's own LRU bounds what every writer holds
             self.planners.append(make_lower_planner(replace(shared, capacity_blocks=None), clock))
             self.tiers.append(shared)
+        for p in self.planners:  # as the scheduler wires them
+            p.on_durable = self.index.note_below
 
     def holds_prefix(self, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` in this instance's own tiers (what its KV events told

@@ -144,6 +144,9 @@ class ChunkPlanner:
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
+        #: Called with a chunk's keys once every rank reported it durable (this thread).
+        #: The scheduler points it at the CPU index, whose policy learns what is below.
+        self.on_durable: Callable[[Sequence[BlockKey]], None] | None = None
         n_blocks, n_files = self._adopt(found, local_chunks, unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
@@ -508,6 +511,8 @@ class ChunkPlanner:
                 self.origins.mark_ours(fid, shared=not self.policy.exclusive)
                 self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
                 self.index.confirm(fid)
+                if self.on_durable is not None:
+                    self.on_durable(self.index.loadable_keys(fid))
                 if self._rescans is not None:
                     self._rescans.note_written(fid)
 
