@@ -23,7 +23,7 @@ from vllm_kvtier.ops.trace_sim import (
     LowerTier,
     TierSetup,
     TiersResult,
-    Trace,
+    TraceSource,
     simulate_belady,
     simulate_infinite,
     simulate_policy,
@@ -77,7 +77,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class TracePlanInput:
-    trace: Trace
+    trace: TraceSource
     setup: TierSetup
     trace_path: str = ""
     #: KV bytes of one token (None: the model is not known; no byte figures)
@@ -150,7 +150,7 @@ class TracePlan:
     notes: list[str] = field(default_factory=list)
 
 
-def bounds_for(trace: Trace, tier: str, capacity_blocks: int | None, infinite: CacheResult,
+def bounds_for(trace: TraceSource, tier: str, capacity_blocks: int | None, infinite: CacheResult,
                step_blocks: int | None = None) -> TierBounds:
     if capacity_blocks is None:
         s = infinite.hit_share
@@ -335,7 +335,7 @@ def cpu_blocks_from_config(cfg: KVTierConfig, block_bytes: int, dram_bytes: int 
     return blocks_of(int((dram_bytes - reserved) * cfg.cpu.capacity_fraction), block_bytes, "--dram-bytes")
 
 
-def sweep(trace: Trace, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None],
+def sweep(trace: TraceSource, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None],
           nvme_base: LowerTier | None = None) -> list[dict[str, Any]]:
     """The hierarchy's hit shares over a grid of CPU and NVMe sizes (blocks; NVMe None: no
     NVMe tier), each CPU policy. One row per (cpu, nvme) pair. The NVMe tier is the setup's,
