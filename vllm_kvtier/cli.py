@@ -534,7 +534,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
     t.add_argument("--extra-config", dest="extra", metavar="JSON", help="kv_connector_extra_config as JSON")
     t.add_argument("--cpu-blocks", help="CPU tier size: trace blocks, or bytes with a unit (needs the model)")
-    t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 2 unless the config says)")
+    t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 1 unless the config says)")
     t.add_argument("--s3-blocks", help="S3 tier size, or 'unbounded' (write-through, admit 1 unless the config says)")
     t.add_argument("--step-tokens", default="8192",
                    help="prompt tokens computed (and saved) per engine step: vLLM's max_num_batched_tokens "

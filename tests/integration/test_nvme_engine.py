@@ -153,7 +153,7 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
     (2, False), (5, False), pytest.param(2, True, marks=pytest.mark.slow)],
     ids=["inproc-330-tokens", "inproc-320-tokens-whole-blocks", "multiprocess-330-tokens"])
 def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, multiprocess, set_id):
-    """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 2. Prompts
+    """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 1. Prompts
     seen once are still on NVMe for the next process (the shutdown flush and the idle flush
     ignore admission counts), and a fresh process loads them with the baseline's tokens:
     every full block, the last one too for a prompt of whole blocks. Multiprocess (as

@@ -3,6 +3,7 @@ the tier below, and the streamed replay of ``kvtier plan --trace``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tracemalloc
 from dataclasses import dataclass, field
@@ -11,15 +12,21 @@ from pathlib import Path
 import pytest
 
 from vllm_kvtier.config import parse_config
+from vllm_kvtier.config.sections import NVMeTierConfig
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
+from vllm_kvtier.ops.trace_plan import lower_tier
 from vllm_kvtier.ops.trace_sim import (
+    LowerTier,
     TierSetup,
+    Trace,
     TraceError,
+    make_trace,
     read_trace,
     simulate_belady,
     simulate_infinite,
+    simulate_policy,
     simulate_tiers,
 )
 from vllm_kvtier.ops.trace_stream import TraceFile, open_trace
@@ -118,3 +125,53 @@ def test_the_streamed_replay_holds_the_indexes_not_the_trace(tmp_path):
     path = _write(tmp_path / "t.jsonl", _records(8000))
     whole, streamed = _peak_bytes(path, False), _peak_bytes(path, True)
     assert streamed < whole / 4, (streamed, whole)
+
+
+# ---- two tiers on hand-made traces ------------------------------------------------------
+
+
+def _chats(turns: int, convs: int) -> Trace:
+    """``convs`` conversations of two new blocks a turn, interleaved, one request a second:
+    each turn comes back after every other conversation's turn (a small DRAM has cycled)."""
+    records, prompt = [], {c: [] for c in range(convs)}
+    for t in range(turns):
+        for c in range(convs):
+            prompt[c] = prompt[c] + [100 * c + 2 * t + 1, 100 * c + 2 * t + 2]
+            records.append({"timestamp": 1000 * len(records), "input_length": 512 * len(prompt[c]),
+                            "output_length": 1, "hash_ids": list(prompt[c])})
+    return make_trace(records, 512)
+
+
+def _nvme(blocks: int, **kw: object) -> LowerTier:
+    """The NVMe tier with the section's defaults, as ``kvtier plan --trace`` builds it."""
+    t = lower_tier("nvme", blocks, trace_block_tokens=512, engine_block_tokens=16, block_bytes=0)
+    return dataclasses.replace(t, **kw)
+
+
+def test_dram_over_nvme_serves_no_less_than_one_lru_cache_of_the_nvme_size():
+    """The defaults: every block DRAM evicts reaches the SSD, so a turn that comes back
+    after DRAM cycled is served from NVMe. Waiting for a second sight (2) serves nothing
+    of the first reuses, far below one LRU cache of the SSD's size."""
+    trace = _chats(turns=3, convs=4)
+    lru = simulate_policy(trace, 24, "lru").hit_tokens
+    assert lru > 0
+    for dram in (4, 6, 8, 12):  # room for a prompt's hits to be read into DRAM
+        default = simulate_tiers(trace, TierSetup(cpu_blocks=dram, lower=(_nvme(24),)))
+        assert default.hit_tokens >= lru, dram
+    second_sight = simulate_tiers(trace, TierSetup(cpu_blocks=4, lower=(_nvme(24, admit_min_seen=2),)))
+    assert second_sight.hit_tokens < lru / 2
+
+
+def test_admission_trades_ssd_writes_for_hits_and_the_default_takes_the_hits():
+    """The frontier: each step up of ``admit_min_seen`` writes fewer blocks and serves
+    fewer tokens. With no background flush, 2 writes exactly the blocks seen twice."""
+    trace = _chats(turns=4, convs=3)
+    runs = {n: simulate_tiers(trace, TierSetup(cpu_blocks=8, lower=(_nvme(64, admit_min_seen=n, flush_interval_s=0.0),)))
+            for n in (1, 2, 3)}
+    writes = [runs[n].tiers[1].written_blocks for n in (1, 2, 3)]
+    hits = [runs[n].hit_tokens for n in (1, 2, 3)]
+    assert writes[0] > writes[1] > writes[2] and hits[0] > hits[1] > hits[2]
+    # blocks of turns 1-3 are seen again by a later turn; those of turn 4 never are
+    assert writes[1] <= 3 * 6 < writes[0]
+    assert NVMeTierConfig.__dataclass_fields__["admit_min_seen"].default == 1
+

@@ -13,8 +13,10 @@ indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
-  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). NVMe defaults to 2 (SSD
-  endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
+  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). Both
+  NVMe and S3 default to 1: a block's first reuse comes long after a small DRAM pool has
+  cycled, so a tier that waits for a second sight never serves it (2 trades those hits
+  for SSD writes; docs/planning.md).
 * **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
   copies the slot out before the same step's saves reuse it. So that a restart (or an
   abort, or a crash) finds what DRAM held, write-back also **flushes in the background**
