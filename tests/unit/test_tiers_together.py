@@ -16,7 +16,7 @@ from vllm_kvtier.config.sections import NVMeTierConfig
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.ops.trace_plan import lower_tier
+from vllm_kvtier.ops.trace_plan import TracePlanInput, lower_tier, make_trace_plan, render_trace_plan
 from vllm_kvtier.ops.trace_sim import (
     LowerTier,
     TierSetup,
@@ -175,3 +175,16 @@ def test_admission_trades_ssd_writes_for_hits_and_the_default_takes_the_hits():
     assert writes[1] <= 3 * 6 < writes[0]
     assert NVMeTierConfig.__dataclass_fields__["admit_min_seen"].default == 1
 
+
+def test_plan_trace_replays_the_admission_frontier_and_recommends_from_it():
+    """``kvtier plan --trace`` replays NVMe admission 1 and 2 through the engine's own
+    planner code and recommends the value that serves the most (writes shown beside)."""
+    trace = _chats(turns=4, convs=3)
+    setup = TierSetup(cpu_blocks=8, lower=(_nvme(64, admit_min_seen=2),))
+    plan = make_trace_plan(TracePlanInput(trace=trace, setup=setup))
+    once = simulate_tiers(trace, dataclasses.replace(setup, lower=(_nvme(64, admit_min_seen=1),)))
+    assert plan.admission_frontier[1] == (once.hit_tokens / once.prompt_tokens,
+                                          once.tiers[1].written_blocks * 3600.0 / once.duration_s)
+    assert plan.admission_frontier[1][0] > plan.admission_frontier[2][0]
+    assert plan.recommended_admit_min_seen == 1
+    assert "recommendation: nvme.admit_min_seen: set 1" in render_trace_plan(plan)
