@@ -23,7 +23,8 @@ counts the policy's operations (inserts and reuses), so it measures traffic, not
 * **Request hints.** A key pinned with a TTL (``kvtier_pin_ttl_s``) counts as reused:
   the index calls :meth:`KVAwarePolicy.note_pin` when it pins it.
 * **The tier below.** :meth:`KVAwarePolicy.note_below` marks a block that a lower tier
-  also stores. Dropping it from DRAM loses only a copy: it loses its extra time.
+  also stores (the scheduler calls it when a chunk is confirmed on every rank). Dropping
+  it from DRAM loses only a copy: it loses its extra time, not its place in time.
   Over a write-back tier (``staging``), DRAM is where new blocks wait to be written:
   the NVMe tier writes a block seen once only if it is still in DRAM when the
   background flush comes. Protecting reused blocks there shortens that wait, and on
