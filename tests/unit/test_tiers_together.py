@@ -16,7 +16,13 @@ from vllm_kvtier.config.sections import NVMeTierConfig
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.ops.trace_plan import TracePlanInput, lower_tier, make_trace_plan, render_trace_plan
+from vllm_kvtier.ops.trace_plan import (
+    TracePlanInput,
+    lower_tier,
+    make_trace_plan,
+    recommend_admission,
+    render_trace_plan,
+)
 from vllm_kvtier.ops.trace_sim import (
     LowerTier,
     TierSetup,
@@ -188,3 +194,17 @@ def test_plan_trace_replays_the_admission_frontier_and_recommends_from_it():
     assert plan.admission_frontier[1][0] > plan.admission_frontier[2][0]
     assert plan.recommended_admit_min_seen == 1
     assert "recommendation: nvme.admit_min_seen: set 1" in render_trace_plan(plan)
+
+
+def test_the_admission_recommendation_keeps_the_configured_value_on_a_tie():
+    """A large DRAM outlives the flush: both values write the same blocks and serve the
+    same share, so the plan keeps what the config says."""
+    trace = _chats(turns=4, convs=3)
+    for configured in (1, 2):
+        setup = TierSetup(cpu_blocks=64, lower=(_nvme(64, admit_min_seen=configured),))
+        plan = make_trace_plan(TracePlanInput(trace=trace, setup=setup))
+        assert plan.admission_frontier[1] == plan.admission_frontier[2]
+        assert plan.recommended_admit_min_seen == configured
+        assert plan.admission_recommendation.startswith(f"nvme.admit_min_seen: keep {configured} ")
+    # within the margin, the one writing less wins
+    assert recommend_admission(setup, {1: (0.300, 200.0), 2: (0.298, 150.0)})[0] == 2

@@ -248,12 +248,14 @@ def admission_frontier(trace: TraceSource, setup: TierSetup, configured: TiersRe
 
 def recommend_admission(setup: TierSetup, frontier: dict[int, tuple[float, float]]) -> tuple[int | None, str]:
     """(admit_min_seen, why): the value that serves the most, unless another serves within
-    :data:`RECOMMEND_MARGIN` of it with fewer SSD writes. (None, "") without NVMe."""
+    :data:`RECOMMEND_MARGIN` of it with fewer SSD writes; the configured one on a tie.
+    (None, "") without NVMe."""
     if not frontier:
         return None, ""
     configured = next(t.admit_min_seen for t in setup.lower if t.name == "nvme")
     top = max(v[0] for v in frontier.values())
-    best = min((n for n, v in frontier.items() if v[0] >= top - RECOMMEND_MARGIN), key=lambda n: frontier[n][1])
+    best = min((n for n, v in frontier.items() if v[0] >= top - RECOMMEND_MARGIN),
+               key=lambda n: (frontier[n][1], n != configured))
     shown = ", ".join(f"{n}: {v[0]:.3f} served, {v[1]:,.0f} blocks/h written" for n, v in sorted(frontier.items()))
     verb = "keep" if best == configured else "set"
     return best, f"nvme.admit_min_seen: {verb} {best} ({shown})"
