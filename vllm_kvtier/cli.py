@@ -159,7 +159,15 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         sweep,
         trace_plan_to_dict,
     )
-    from vllm_kvtier.ops.trace_sim import TierSetup, TraceError, read_trace, simulate_infinite
+    from vllm_kvtier.ops.trace_sim import (
+        TierSetup,
+        Trace,
+        TraceError,
+        TraceSource,
+        read_trace,
+        simulate_infinite,
+    )
+    from vllm_kvtier.ops.trace_stream import open_trace
 
     if args.kv_dtype not in KV_DTYPE_BYTES:
         raise PlanInputError("--kv-dtype", f"must be one of {', '.join(KV_DTYPE_BYTES)}, got {args.kv_dtype!r}")
@@ -169,11 +177,15 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     if args.save_trace and _same_file(args.save_trace, args.trace):
         raise PlanInputError("--save-trace", f"{args.save_trace} is the input trace: writing it would replace "
                                              "the input; give another file")
+    # Sampling, saving and fleets take the trace in memory; a replay reads it at each pass.
+    whole = args.sample is not None or bool(args.save_trace) or args.instances is not None
+    trace: TraceSource
     try:
-        trace = read_trace(args.trace, given_bt)
+        trace = read_trace(args.trace, given_bt) if whole else open_trace(args.trace, given_bt)
     except TraceError as e:
         raise PlanInputError("--trace", str(e)) from None
     if args.sample is not None:
+        assert isinstance(trace, Trace)
         from vllm_kvtier.ops.trace_sim import make_trace, sample_conversations, trace_records
 
         frac = parse_positive(args.sample, "--sample", upper=1.0)
@@ -184,6 +196,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     if args.save_trace:
         from vllm_kvtier.ops.trace_sim import trace_records
 
+        assert isinstance(trace, Trace)
         try:
             with open(args.save_trace, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in trace_records(trace))
@@ -245,6 +258,7 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
     if args.instances is not None:  # a fleet of these instances (vllm_kvtier/ops/fleet_sim.py)
         from vllm_kvtier.ops.fleet_cli import run_fleet
 
+        assert isinstance(trace, Trace)
         return run_fleet(args, trace, setup, prices, engine_block_tokens=engine_bt,
                          rescan_interval_s=cfg.s3.rescan_interval_s if cfg is not None and cfg.s3 is not None else 60.0)
     if args.sweep:
@@ -521,7 +535,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", help=f"a shipped preset ({', '.join(available_presets())})")
     t.add_argument("--extra-config", dest="extra", metavar="JSON", help="kv_connector_extra_config as JSON")
     t.add_argument("--cpu-blocks", help="CPU tier size: trace blocks, or bytes with a unit (needs the model)")
-    t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 2 unless the config says)")
+    t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 1 unless the config says)")
     t.add_argument("--s3-blocks", help="S3 tier size, or 'unbounded' (write-through, admit 1 unless the config says)")
     t.add_argument("--step-tokens", default="8192",
                    help="prompt tokens computed (and saved) per engine step: vLLM's max_num_batched_tokens "

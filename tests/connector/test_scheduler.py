@@ -483,12 +483,13 @@ def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
 
 
 def test_an_idle_engine_writes_back_what_dram_holds_whatever_the_admission(model_dir, tmp_path):
-    """Default NVMe config (write-back, admit_min_seen 2): a prompt seen once is still on
-    NVMe for the next process. vLLM's real scheduler is kept stepping while the engine is
+    """NVMe write-back with ``admit_min_seen: 2``: a prompt seen once is still on NVMe for
+    the next process. vLLM's real scheduler is kept stepping while the engine is
     idle until those blocks are planned for writing, and each is marked for the shutdown
     flush; then the engine goes quiet."""
     sched, _ = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 64 * block_bytes()},
-                                         "nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30}})
+                                         "nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30,
+                                                  "admit_min_seen": 2}})
     worker = FakeWorker()
     prompt = prompt_tokens(4 * BS + 8)
     store_prompt(sched, worker, "a", prompt)  # runs until the scheduler has nothing to do

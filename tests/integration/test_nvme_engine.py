@@ -150,7 +150,7 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
 
 @pytest.mark.parametrize("set_id", [2, 5], ids=["330-tokens", "320-tokens-whole-blocks"])
 def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, set_id):
-    """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 2. Prompts
+    """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 1. Prompts
     seen once are still on NVMe for the next process (the shutdown flush and the idle flush
     ignore admission counts), and a fresh process loads them with the baseline's tokens:
     every full block, the last one too for a prompt of whole blocks. The exit flush in a

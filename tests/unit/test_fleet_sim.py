@@ -49,6 +49,8 @@ def test_one_instance_is_the_single_instance_replay(s3_blocks, eviction):
     trace = read_trace(SAMPLE)
     tiers = {n: lower_tier(n, size, trace_block_tokens=512, engine_block_tokens=16, block_bytes=0)
              for n, size in (("nvme", 400), ("s3", s3_blocks))}
+    # admission 2: an NVMe of under 3x the DRAM written with everything serves nothing here
+    tiers["nvme"] = dataclasses.replace(tiers["nvme"], admit_min_seen=2)
     setup = TierSetup(cpu_blocks=150, cpu_eviction=eviction, lower=(tiers["nvme"],), step_blocks=16)
     one = simulate_tiers(trace, dataclasses.replace(setup, lower=(tiers["nvme"], tiers["s3"])))
     got = simulate_fleet(trace, FleetSetup(1, setup, tiers["s3"]), make_router("round-robin", trace.keys))

@@ -204,3 +204,12 @@ def test_the_history_window_follows_its_bets():
     while len(kv2) > 0:
         kv2.evict(anything)
     assert kv2.window < start
+
+
+def test_a_copy_noted_below_keeps_its_place_in_time():
+    """Hearing that a lower tier stores a key is not a use: it must not make it younger."""
+    kv = KVAwarePolicy(4)
+    for k in (1, 2, 3):
+        kv.insert(k)
+    kv.note_below(1)
+    assert [kv.evict(anything) for _ in range(3)] == [1, 2, 3]

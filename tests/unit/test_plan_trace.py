@@ -176,6 +176,6 @@ def test_the_sweeps_nvme_tier_has_the_sections_defaults(capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     (row,) = [r for r in rows if r["nvme_blocks"] == 3000]
     nvme = lower_tier("nvme", 3000, trace_block_tokens=512, engine_block_tokens=16, block_bytes=0)
-    assert (nvme.mode, nvme.admit_min_seen, nvme.flush_interval_s) == ("write-back", 2, 10.0)
+    assert (nvme.mode, nvme.admit_min_seen, nvme.flush_interval_s) == ("write-back", 1, 10.0)
     r = simulate_tiers(read_trace(sampled), TierSetup(cpu_blocks=50, cpu_eviction="lru", lower=(nvme,), step_blocks=16))
     assert row["lru"]["nvme"] == r.share(r.tiers[1]) > 0.28

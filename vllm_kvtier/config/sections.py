@@ -179,10 +179,12 @@ class NVMeTierConfig(_FixedHeaderCache):
     #: every admitted block still only in DRAM is flushed). "write-through": every block
     #: saved to the CPU tier is also written to NVMe at once (for shared or durable caches).
     mode: Literal["write-back", "write-through"] = "write-back"
-    #: SSD endurance: write a block only once it was part of at least this many requests'
-    #: prompts. 2 keeps one-off documents (most long prompts in mixed traffic) off the
-    #: flash; 1 writes everything.
-    admit_min_seen: int = 2
+    #: Write a block only once it was part of at least this many requests' prompts. 1
+    #: writes what DRAM evicts: a chat turn comes back long after a small DRAM pool has
+    #: cycled, and only then is the hierarchy never below one LRU cache of the SSD's
+    #: size. 2 keeps blocks seen once off the flash, and loses every first reuse
+    #: (docs/planning.md has the measured trade-off).
+    admit_min_seen: int = 1
     #: Blocks per chunk file: consecutive blocks go to disk together so I/Os are large.
     chunk_blocks: int = 16
     direct_io: Literal["auto", "on", "off"] = "auto"

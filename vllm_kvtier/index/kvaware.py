@@ -23,7 +23,8 @@ counts the policy's operations (inserts and reuses), so it measures traffic, not
 * **Request hints.** A key pinned with a TTL (``kvtier_pin_ttl_s``) counts as reused:
   the index calls :meth:`KVAwarePolicy.note_pin` when it pins it.
 * **The tier below.** :meth:`KVAwarePolicy.note_below` marks a block that a lower tier
-  also stores. Dropping it from DRAM loses only a copy: it loses its extra time.
+  also stores (the scheduler calls it when a chunk is confirmed on every rank). Dropping
+  it from DRAM loses only a copy: it loses its extra time, not its place in time.
   Over a write-back tier (``staging``), DRAM is where new blocks wait to be written:
   the NVMe tier writes a block seen once only if it is still in DRAM when the
   background flush comes. Protecting reused blocks there shortens that wait, and on
@@ -62,10 +63,12 @@ MAX_LEVEL = 255
 
 
 class _Entry:
-    __slots__ = ("below", "deadline", "depth", "level", "parent", "trial")
+    __slots__ = ("below", "deadline", "depth", "level", "parent", "trial", "used")
 
     def __init__(self, depth: int, level: int, parent: object) -> None:
         self.deadline = 0
+        #: the clock at its last use
+        self.used = 0
         self.depth = depth
         self.level = level
         self.parent = parent
@@ -102,15 +105,19 @@ class KVAwarePolicy(Generic[K]):
 
     def _schedule(self, key: K, e: _Entry) -> None:
         self.clock += 1
+        e.used = self.clock
         if e.level:
             deadline = self.clock + self.capacity + (0 if e.below else self.protect_ops)
         else:
             deadline = self.clock + int(self.capacity * self.new_share)
+        self._push(key, e, deadline)
+
+    def _push(self, key: K, e: _Entry, deadline: int) -> None:
         if e.parent is not None:
             p = self._held.get(e.parent)  # type: ignore[arg-type]
-            deadline = self.clock if p is None else min(deadline, p.deadline)
+            deadline = e.used if p is None else min(deadline, p.deadline)
         e.deadline = deadline
-        heapq.heappush(self._heap, (deadline, -e.depth, self.clock, key))
+        heapq.heappush(self._heap, (deadline, -e.depth, e.used, key))
         if len(self._heap) > 2 * len(self._held) + 64:  # drop stale entries
             self._heap = [(x.deadline, -x.depth, 0, k) for k, x in self._held.items()]
             heapq.heapify(self._heap)
@@ -150,8 +157,8 @@ class KVAwarePolicy(Generic[K]):
         e = self._held.get(key)
         if e is not None and not e.below:
             e.below = True
-            self.clock -= 1  # not a use: keep its place in time
-            self._schedule(key, e)
+            if e.level:  # not a use: it keeps its last use, and loses its extra time
+                self._push(key, e, e.used + self.capacity)
 
     def discard(self, key: K) -> None:
         self._held.pop(key, None)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from vllm_kvtier.index.key_pins import KeyPins, PinOutcome
@@ -125,6 +125,17 @@ class SlotIndex:
         the most recently used; S3-FIFO raises its reuse counter."""
         if key in self._slot_of:
             self.policy.access(key)
+
+    def note_below(self, keys: Iterable[BlockKey]) -> None:
+        """A lower tier now stores ``keys`` durably (a write confirmed by every rank).
+        The ``kvaware`` policy drops a held key's extra lifetime: losing it costs a read.
+        Other policies ignore it. O(log n) per held key."""
+        note = getattr(self.policy, "note_below", None)
+        if note is None:
+            return
+        for k in keys:
+            if k in self._slot_of:
+                note(k)
 
     # ---- slot pins (in-flight transfers) -----------------------------------------------
 

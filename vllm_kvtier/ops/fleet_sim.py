@@ -225,7 +225,8 @@ def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResu
         me = router.route(i, trace.keys[i], view)
         if not 0 <= me < n:
             raise ValueError(f"router {router.name} picked instance {me} of {n}")
-        hits, cross = serve_request(insts[me], trace, i, res.tiers, bucket=shared, me=me, now=now)
+        hits, cross = serve_request(insts[me], trace.request(i), trace.block_tokens, res.tiers,
+                                    bucket=shared, me=me, now=now)
         res.cross_hit_tokens += cross
         computed = trace.input_lengths[i] - hits
         res.requests_per_instance[me] += 1

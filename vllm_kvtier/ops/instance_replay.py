@@ -22,7 +22,13 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
 
 if TYPE_CHECKING:
     from vllm_kvtier.ops.fleet_sim import SharedTier
-    from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, Trace
+    from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, TraceRequest
+
+def block_tokens_in(block_tokens: int, input_length: int, j: int) -> int:
+    """Prompt tokens of block ``j`` of a prompt of ``input_length`` tokens (the last may
+    be partial)."""
+    return max(0, min(block_tokens, input_length - j * block_tokens))
+
 
 #: A trace block's bytes when the model is not known: large against a chunk's 4 KiB header,
 #: so that a tier's capacity in blocks is what it holds.
@@ -86,6 +92,8 @@ class Instance:
             # unbounded here: the bucket's own LRU bounds what every writer holds
             self.planners.append(make_lower_planner(replace(shared, capacity_blocks=None), self.clock))
             self.shared_at = len(setup.lower)
+        for p in self.planners:  # as the scheduler wires them (plan/scheduler.py)
+            p.on_durable = self.index.note_below
 
     def holds_prefix(self, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` in this instance's own tiers (what its KV events told
@@ -103,14 +111,14 @@ def _in_bucket(bucket: SharedTier | None, key: BlockKey, me: int, now: float) ->
     return bucket is not None and bucket.locate(key, me, now) is not None
 
 
-def serve_request(inst: Instance, trace: Trace, i: int, stats: Sequence[TierResult], *,
+def serve_request(inst: Instance, rq: TraceRequest, block_tokens: int, stats: Sequence[TierResult], *,
                   bucket: SharedTier | None = None, me: int = 0, now: float = 0.0,
                   confirm: Confirm | None = None) -> tuple[int, int]:
-    """Replay request ``i`` on ``inst`` (instance ``me`` of a fleet sharing ``bucket``, at
+    """Replay request ``rq`` (of ``block_tokens`` a block) on ``inst`` (instance ``me`` of a fleet sharing ``bucket``, at
     ``now`` seconds); ``stats``: the CPU tier's figures, then each planner's, added to.
     ``confirm``: what to do with each step's write reports (None: confirm them at once).
     Returns (hit tokens, of which shared-tier hits on another instance's chunks)."""
-    keys = trace.keys[i]
+    keys = rq.keys
     index, planners, setup = inst.index, inst.planners, inst.setup
     sj = inst.shared_at if bucket is not None else None
     # 1. lookup: 0: CPU, j + 1: planners[j]; a bucket hit counts as the shared planner's
@@ -153,7 +161,7 @@ def serve_request(inst: Instance, trace: Trace, i: int, stats: Sequence[TierResu
     reads: dict[tuple[int, str, bool], list[int]] = {}
     hits = cross = 0
     for pos, w in enumerate(where):
-        tokens = trace.block_tokens_of(i, pos)
+        tokens = block_tokens_in(block_tokens, rq.input_length, pos)
         if w == 0:
             stats[0].hit_tokens += tokens
             stats[0].hit_blocks += 1
@@ -190,7 +198,7 @@ def serve_request(inst: Instance, trace: Trace, i: int, stats: Sequence[TierResu
     # 4. save every block not stored yet, a step at a time, 5. each step's writes below
     step = setup.step_blocks or max(1, len(keys))
     n_save = len(keys)
-    if not setup.save_partial_blocks and n_save and trace.block_tokens_of(i, n_save - 1) < trace.block_tokens:
+    if not setup.save_partial_blocks and n_save and block_tokens_in(block_tokens, rq.input_length, n_save - 1) < block_tokens:
         n_save -= 1
     for lo in range(0, max(1, len(keys)), step):
         saved: set[BlockKey] = set()

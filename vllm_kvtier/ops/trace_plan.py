@@ -23,7 +23,7 @@ from vllm_kvtier.ops.trace_sim import (
     LowerTier,
     TierSetup,
     TiersResult,
-    Trace,
+    TraceSource,
     simulate_belady,
     simulate_infinite,
     simulate_policy,
@@ -77,7 +77,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class TracePlanInput:
-    trace: Trace
+    trace: TraceSource
     setup: TierSetup
     trace_path: str = ""
     #: KV bytes of one token (None: the model is not known; no byte figures)
@@ -148,9 +148,13 @@ class TracePlan:
     #: TTFT saved per request with each CPU policy (with a hardware profile)
     ttft_saved_by_policy: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: with an NVMe tier: nvme.admit_min_seen -> (share of all tiers, NVMe blocks written per hour)
+    admission_frontier: dict[int, tuple[float, float]] = field(default_factory=dict)
+    recommended_admit_min_seen: int | None = None
+    admission_recommendation: str = ""
 
 
-def bounds_for(trace: Trace, tier: str, capacity_blocks: int | None, infinite: CacheResult,
+def bounds_for(trace: TraceSource, tier: str, capacity_blocks: int | None, infinite: CacheResult,
                step_blocks: int | None = None) -> TierBounds:
     if capacity_blocks is None:
         s = infinite.hit_share
@@ -205,6 +209,8 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
                 ttft_by[p] = (rc - ld, rc, ld)
     best, rec = recommend(setup.cpu_eviction, runs, {p: v[0] for p, v in ttft_by.items()})
     ttft, recompute, load = ttft_by.get(setup.cpu_eviction, (None, None, None))
+    frontier = admission_frontier(trace, setup, main)
+    admit, admit_rec = recommend_admission(setup, frontier)
     return TracePlan(
         requests=main.requests, prompt_tokens=main.prompt_tokens, duration_s=main.duration_s,
         block_tokens=trace.block_tokens, block_tokens_source=trace.block_tokens_source,
@@ -213,7 +219,46 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
         tokens_to_compute=main.tokens_to_compute, recommended_eviction=best, recommendation=rec,
         ssd_bytes=inp.ssd_bytes, ttft_saved_per_request_s=ttft, recompute_s_per_request=recompute,
         load_s_per_request=load, ttft_saved_by_policy={p: v[0] for p, v in ttft_by.items()}, notes=notes,
+        admission_frontier=frontier, recommended_admit_min_seen=admit, admission_recommendation=admit_rec,
     )
+
+
+#: ``nvme.admit_min_seen`` values replayed for the admission frontier.
+ADMISSIONS = (1, 2)
+
+
+def admission_frontier(trace: TraceSource, setup: TierSetup, configured: TiersResult) -> dict[int, tuple[float, float]]:
+    """Each of :data:`ADMISSIONS` on the NVMe tier, the rest as configured: (share of
+    prompt tokens served by all tiers, NVMe blocks written per hour). Empty without NVMe."""
+    j = next((j for j, t in enumerate(setup.lower) if t.name == "nvme"), None)
+    if j is None:
+        return {}
+    out = {}
+    for n in ADMISSIONS:
+        if n == setup.lower[j].admit_min_seen:
+            r = configured
+        else:
+            lower = list(setup.lower)
+            lower[j] = dataclasses.replace(lower[j], admit_min_seen=n)
+            r = simulate_tiers(trace, dataclasses.replace(setup, lower=tuple(lower)))
+        share = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        out[n] = (share, r.tiers[j + 1].written_blocks * 3600.0 / r.duration_s)
+    return out
+
+
+def recommend_admission(setup: TierSetup, frontier: dict[int, tuple[float, float]]) -> tuple[int | None, str]:
+    """(admit_min_seen, why): the value that serves the most, unless another serves within
+    :data:`RECOMMEND_MARGIN` of it with fewer SSD writes; the configured one on a tie.
+    (None, "") without NVMe."""
+    if not frontier:
+        return None, ""
+    configured = next(t.admit_min_seen for t in setup.lower if t.name == "nvme")
+    top = max(v[0] for v in frontier.values())
+    best = min((n for n, v in frontier.items() if v[0] >= top - RECOMMEND_MARGIN),
+               key=lambda n: (frontier[n][1], n != configured))
+    shown = ", ".join(f"{n}: {v[0]:.3f} served, {v[1]:,.0f} blocks/h written" for n, v in sorted(frontier.items()))
+    verb = "keep" if best == configured else "set"
+    return best, f"nvme.admit_min_seen: {verb} {best} ({shown})"
 
 
 def recommend(configured: str, runs: dict[str, TiersResult], ttft_saved: dict[str, float]) -> tuple[str, str]:
@@ -312,6 +357,8 @@ def render_trace_plan(plan: TracePlan) -> str:
                      f"(prefill of the hit tokens {plan.recompute_s_per_request:.3f} s, their load "
                      f"{plan.load_s_per_request:.3f} s)")
     lines.append(f"recommendation: {plan.recommendation}")
+    if plan.admission_recommendation:
+        lines.append(f"recommendation: {plan.admission_recommendation}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -335,7 +382,7 @@ def cpu_blocks_from_config(cfg: KVTierConfig, block_bytes: int, dram_bytes: int 
     return blocks_of(int((dram_bytes - reserved) * cfg.cpu.capacity_fraction), block_bytes, "--dram-bytes")
 
 
-def sweep(trace: Trace, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None],
+def sweep(trace: TraceSource, setup: TierSetup, cpu_sizes: Sequence[int], nvme_sizes: Sequence[int | None],
           nvme_base: LowerTier | None = None) -> list[dict[str, Any]]:
     """The hierarchy's hit shares over a grid of CPU and NVMe sizes (blocks; NVMe None: no
     NVMe tier), each CPU policy. One row per (cpu, nvme) pair. The NVMe tier is the setup's,

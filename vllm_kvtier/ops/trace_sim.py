@@ -34,9 +34,11 @@ beside them: an infinite cache, and Belady's MIN (evict the block whose next use
 a block used never again, or later than every held one, is not stored).
 
 A hit of ``n`` leading blocks covers ``min(n x block_tokens, input_length)`` prompt tokens.
-Pure: no vLLM, no torch, no I/O except :func:`read_trace`. Memory: the trace (ids and three
-integers a request) plus the indexes, bounded by the capacities (Belady's MIN adds one
-integer per block of the trace).
+Pure: no vLLM, no torch, no I/O except :func:`read_trace`. The replays read a
+:class:`TraceSource` one request at a time: a :class:`Trace` in memory, or a file read at
+each pass (:mod:`vllm_kvtier.ops.trace_stream`). Then memory is the indexes, bounded by
+the capacities; the infinite cache adds each distinct block, Belady's MIN 8 bytes a block
+of the trace.
 """
 
 from __future__ import annotations
@@ -46,16 +48,17 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Container, Iterable, Sequence
+from array import array
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple, Protocol
 
 from vllm_kvtier.config.files import read_lines
 from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
-from vllm_kvtier.ops.instance_replay import Instance, serve_request
+from vllm_kvtier.ops.instance_replay import Instance, block_tokens_in, serve_request
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 #: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
@@ -75,6 +78,38 @@ class TraceError(KVTierError, ValueError):
     def __init__(self, where: str, message: str) -> None:
         self.where = where
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class TraceRequest(NamedTuple):
+    """One request of a trace: its prompt's block keys, in order."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    keys: tuple[BlockKey, ...]
+
+
+class TraceSource(Protocol):
+    """What a replay reads: a :class:`Trace` in memory, or a file read at each pass
+    (:class:`~vllm_kvtier.ops.trace_stream.TraceFile`)."""
+
+    @property
+    def block_tokens(self) -> int: ...
+
+    @property
+    def block_tokens_source(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def duration_s(self) -> float: ...
+
+    def __len__(self) -> int: ...
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """The requests in timestamp order, one at a time."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -103,9 +138,16 @@ class Trace:
             return 1.0
         return max(1.0, (self.timestamps_ms[-1] - self.timestamps_ms[0]) / 1000.0)
 
+    def requests(self) -> Iterator[TraceRequest]:
+        return map(self.request, range(len(self.keys)))
+
+    def request(self, i: int) -> TraceRequest:
+        """Request ``i``."""
+        return TraceRequest(self.timestamps_ms[i], self.input_lengths[i], self.output_lengths[i], self.keys[i])
+
     def block_tokens_of(self, i: int, j: int) -> int:
         """Prompt tokens of block ``j`` of request ``i`` (the last one may be partial)."""
-        return max(0, min(self.block_tokens, self.input_lengths[i] - j * self.block_tokens))
+        return block_tokens_in(self.block_tokens, self.input_lengths[i], j)
 
     def hit_tokens(self, i: int, n: int) -> int:
         """Prompt tokens covered by a hit of ``n`` leading blocks of request ``i``."""
@@ -284,7 +326,7 @@ class CacheResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def simulate_policy(trace: Trace, capacity_blocks: int, eviction: str, step_blocks: int | None = None) -> CacheResult:
+def simulate_policy(trace: TraceSource, capacity_blocks: int, eviction: str, step_blocks: int | None = None) -> CacheResult:
     """One CPU-like tier of ``capacity_blocks`` slots under ``eviction`` (``lru``,
     ``s3fifo``): the hierarchy of :func:`simulate_tiers` with no tier below."""
     r = simulate_tiers(trace, TierSetup(cpu_blocks=capacity_blocks, cpu_eviction=eviction, step_blocks=step_blocks))
@@ -302,41 +344,48 @@ def _prefix_hits(keys: Sequence[BlockKey], cached: Container[BlockKey]) -> int:
     return n
 
 
-def simulate_infinite(trace: Trace) -> CacheResult:
+def simulate_infinite(trace: TraceSource) -> CacheResult:
     """A cache that never evicts: the share of prompt tokens that any cache could serve."""
     seen: set[BlockKey] = set()
     hit_tokens = hit_blocks = 0
-    for i, keys in enumerate(trace.keys):
-        n = _prefix_hits(keys, seen)
-        hit_tokens += trace.hit_tokens(i, n)
+    for rq in trace.requests():
+        n = _prefix_hits(rq.keys, seen)
+        hit_tokens += min(n * trace.block_tokens, rq.input_length)
         hit_blocks += n
-        seen.update(keys)
+        seen.update(rq.keys)
     return CacheResult("infinite", None, hit_tokens, trace.prompt_tokens, hit_blocks)
 
 
-def simulate_belady(trace: Trace, capacity_blocks: int) -> CacheResult:
+def simulate_belady(trace: TraceSource, capacity_blocks: int) -> CacheResult:
     """Belady's MIN at ``capacity_blocks``: on a miss with the cache full, the block whose
     next use is furthest leaves, or the incoming block is not stored when its own next use
-    is further still (or never). Hits are prefix hits, as for the other caches."""
+    is further still (or never). Hits are prefix hits, as for the other caches.
+
+    Two passes: the first finds each access's next use (8 bytes an access, and the last
+    use of each distinct block), the second replays."""
     never = 1 << 62
     # next use of each access, in the flattened order of the trace's blocks
-    flat = [k for keys in trace.keys for k in keys]
-    nxt = [never] * len(flat)
+    nxt = array("q")
     last: dict[BlockKey, int] = {}
-    for pos in range(len(flat) - 1, -1, -1):
-        k = flat[pos]
-        nxt[pos] = last.get(k, never)
-        last[k] = pos
-    del last, flat
+    pos = 0
+    for rq in trace.requests():
+        for k in rq.keys:
+            nxt.append(never)
+            prev = last.get(k)
+            if prev is not None:
+                nxt[prev] = pos
+            last[k] = pos
+            pos += 1
+    del last
     held: dict[BlockKey, int] = {}  # key -> its next use
     heap: list[tuple[int, BlockKey]] = []  # (-next use, key); stale entries skipped
     hit_tokens = hit_blocks = 0
     pos = 0
-    for i, keys in enumerate(trace.keys):
-        n = _prefix_hits(keys, held)
-        hit_tokens += trace.hit_tokens(i, n)
+    for rq in trace.requests():
+        n = _prefix_hits(rq.keys, held)
+        hit_tokens += min(n * trace.block_tokens, rq.input_length)
         hit_blocks += n
-        for k in keys:
+        for k in rq.keys:
             nu = nxt[pos]
             pos += 1
             if k in held:
@@ -445,19 +494,22 @@ class TiersResult:
         return self.prompt_tokens - self.hit_tokens
 
 
-def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
+def simulate_tiers(trace: TraceSource, setup: TierSetup) -> TiersResult:
     """Replay ``trace`` through the CPU tier and the tiers below (module doc): one
     :class:`~vllm_kvtier.ops.instance_replay.Instance`, the fleet replay's with one instance
-    and no shared tier."""
+    and no shared tier. One request at a time: memory is the tiers' indexes, whatever
+    the trace's length."""
     inst = Instance(setup)
     cpu = TierResult("cpu", setup.cpu_blocks)
     lows = [TierResult(t.name, t.capacity_blocks) for t in setup.lower]
     result = TiersResult(setup, len(trace), trace.prompt_tokens, trace.duration_s, [cpu, *lows])
-    t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
+    t0: int | None = None
+    bt = trace.block_tokens
     # (request index from which they are loadable, planner, report) of writes in flight
     inflight: list[tuple[int, ChunkPlanner, WorkerReport]] = []
-    for i in range(len(trace)):
-        inst.clock[0] = (trace.timestamps_ms[i] - t0) / 1000.0
+    for i, rq in enumerate(trace.requests()):
+        t0 = rq.timestamp_ms if t0 is None else t0
+        inst.clock[0] = (rq.timestamp_ms - t0) / 1000.0
         while inflight and inflight[0][0] <= i:
             _, p, report = inflight.pop(0)
             p.on_worker_meta(report)
@@ -468,7 +520,7 @@ def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
             def confirm(p: ChunkPlanner, report: WorkerReport, due: int = due) -> None:
                 inflight.append((due, p, report))
 
-        serve_request(inst, trace, i, result.tiers, confirm=confirm)
+        serve_request(inst, rq, bt, result.tiers, confirm=confirm)
     cpu.evicted_blocks = inst.index.evictions
     for j, p in enumerate(inst.planners):
         lows[j].evicted_blocks = p.index.evicted_blocks

@@ -13,8 +13,10 @@ indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
-  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). NVMe defaults to 2 (SSD
-  endurance), S3 to 1 (no wear; a shared bucket is where a prefix seen once is reused).
+  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). Both
+  NVMe and S3 default to 1: a block's first reuse comes long after a small DRAM pool has
+  cycled, so a tier that waits for a second sight never serves it (2 trades those hits
+  for SSD writes; docs/planning.md).
 * **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
   copies the slot out before the same step's saves reuse it. So that a restart (or an
   abort, or a crash) finds what DRAM held, write-back also **flushes in the background**
@@ -144,6 +146,9 @@ class ChunkPlanner:
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
         self._events: EventLog | None = None
+        #: Called with a chunk's keys once every rank reported it durable (this thread).
+        #: The scheduler points it at the CPU index, whose policy learns what is below.
+        self.on_durable: Callable[[Sequence[BlockKey]], None] | None = None
         n_blocks, n_files = self._adopt(found, local_chunks, unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
@@ -508,6 +513,8 @@ class ChunkPlanner:
                 self.origins.mark_ours(fid, shared=not self.policy.exclusive)
                 self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
                 self.index.confirm(fid)
+                if self.on_durable is not None:
+                    self.on_durable(self.index.loadable_keys(fid))
                 if self._rescans is not None:
                     self._rescans.note_written(fid)
 

@@ -114,6 +114,8 @@ class SchedulerPlanner:
         self.counters = counters if counters is not None else Counters()
         self.gauges = CpuGauges(self.index, self.counters, slot_bytes_total=slot_bytes_total)
         self.lower = list(lower or [])
+        for tier in self.lower:  # what is stored below is cheaper to drop from DRAM
+            tier.on_durable = self.index.note_below
         self.events = events
         if events is not None:
             self.index.watch = lambda key, present: events.record(TIER, (key,), present)
