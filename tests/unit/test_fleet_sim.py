@@ -19,6 +19,15 @@ from vllm_kvtier.ops.trace_plan import lower_tier
 from vllm_kvtier.ops.trace_sim import LowerTier, TierSetup, key_of, make_trace, read_trace, simulate_tiers
 
 SAMPLE = str(Path(__file__).parent / "data" / "mooncake_conversation_first500.jsonl")
+
+
+@pytest.fixture(scope="module")
+def short_sample(tmp_path_factory) -> str:
+    """The sample's first 150 requests: enough for the command's output shape, a third
+    of its time."""
+    path = tmp_path_factory.mktemp("trace") / "first150.jsonl"
+    path.write_text("".join(Path(SAMPLE).read_text().splitlines(keepends=True)[:150]))
+    return str(path)
 #: one trace block per chunk, written at once, admitted on first sight
 S3 = LowerTier("s3", None, "write-through", 1, 1)
 
@@ -166,8 +175,8 @@ def test_the_synthetic_trace_is_deterministic_and_shares_documents():
     assert len(firsts) < shape.documents + 1 < 40
 
 
-def test_the_cli_prints_a_row_per_router_and_refuses_bad_options(capsys, tmp_path):
-    args = ["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--s3-blocks", "unbounded", "--instances", "4"]
+def test_the_cli_prints_a_row_per_router_and_refuses_bad_options(capsys, tmp_path, short_sample):
+    args = ["plan", "--trace", short_sample, "--cpu-blocks", "100", "--s3-blocks", "unbounded", "--instances", "4"]
     assert main([*args, "--json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert [r["router"] for r in out["rows"]] == ["round-robin", "session", "prefix"]
@@ -200,8 +209,8 @@ def test_a_shared_document_is_not_taken_for_a_conversation():
     assert keys == [key_of(200 + u) for u in range(10)] * 2
 
 
-def test_the_sweep_writes_a_csv_that_any_tool_plots(capsys, tmp_path):
-    args = ["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--s3-blocks", "unbounded", "--instances", "4",
+def test_the_sweep_writes_a_csv_that_any_tool_plots(capsys, tmp_path, short_sample):
+    args = ["plan", "--trace", short_sample, "--cpu-blocks", "100", "--s3-blocks", "unbounded", "--instances", "4",
             "--sweep", "--sweep-instances", "1,2", "--sweep-shared-blocks", "none,3000", "--router", "round-robin"]
     assert main([*args, "--json"]) == 0, capsys.readouterr().err
     want = json.loads(capsys.readouterr().out)

@@ -9,7 +9,7 @@ from pathlib import Path
 from vllm_kvtier.cli import main
 from vllm_kvtier.ops.trace_sim import read_trace, simulate_belady, simulate_infinite, simulate_policy
 
-SAMPLE = str(Path(__file__).parent / "data" / "mooncake_conversation_first500.jsonl")
+SAMPLE = str(Path(__file__).parent / "data" / "mooncake_conversation_sampled3pct.jsonl")  # 177 requests
 #: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B (bf16) = 131,072 B a token; 64 MiB a 512-token block
 LLAMA8B = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
 BLOCK = 131072 * 512
@@ -30,7 +30,7 @@ def test_a_cpu_tier_alone_reports_the_replay_and_its_bounds(capsys):
     assert cpu["by_policy"] == share and cpu["hit_share"] == s3  # kvaware: the default
     assert {p: b[p] for p in share} == share
     assert b["belady"] == simulate_belady(tr, 300).hit_share and b["infinite"] == simulate_infinite(tr).hit_share
-    assert out["block_tokens"] == 512 and out["block_tokens_source"] == "inferred" and out["requests"] == 500
+    assert out["block_tokens"] == 512 and out["block_tokens_source"] == "inferred" and out["requests"] == 177
     assert out["tokens_to_compute"] == round(tr.prompt_tokens * (1 - s3))
     assert out["block_bytes"] is None  # no model: no byte figures
 
@@ -149,7 +149,7 @@ def test_with_a_hardware_profile_the_ttft_saved_decides(capsys):
 def test_save_trace_writes_the_hash_id_form(capsys, tmp_path):
     out = tmp_path / "ids.jsonl"
     assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--save-trace", str(out)]) == 0
-    assert "500 requests written" in capsys.readouterr().err
+    assert "177 requests written" in capsys.readouterr().err
     assert read_trace(out).keys == read_trace(SAMPLE).keys
     assert main(["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--save-trace", str(tmp_path / "no" / "x")]) == 2
     assert "--save-trace: cannot write" in capsys.readouterr().err
