@@ -3,7 +3,7 @@ CPU store it once, as ``kvtier plan`` counts it.
 
 Two TP ranks in one process, through the real start-up path (the scheduler's planner from
 make_planners, each rank's driver from make_workers with the role the connector gives it,
-:func:`~vllm_kvtier.connector.lower.rank_role`), on real files and the real moto S3 server:
+:func:`~vllm_kvtier.engine.lower.rank_role`), on real files and the real moto S3 server:
 one chunk file/object per block set, written by rank 0 only, under rank 0's name; both ranks
 load it, byte for byte; the scheduler confirms it on the one acknowledgement and counts one
 copy in its usage gauge; a delete is the writer's. A sharded model's ranks keep their own
@@ -24,7 +24,7 @@ from testkit.mooncake_server import MooncakeMaster
 from testkit.s3_server import MotoServer
 from vllm_kvtier.chunkformat import ALIGN, align_up, header_bytes_for
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
+from vllm_kvtier.engine.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners, make_workers
+from vllm_kvtier.engine.lower import make_planners, make_workers
 from vllm_kvtier.jobs import ChunkRead, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters

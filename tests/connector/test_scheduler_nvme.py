@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.engine.lower import make_planners
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy

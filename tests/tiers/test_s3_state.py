@@ -39,7 +39,7 @@ s3_bucket = s3srv.s3_bucket
 
 
 def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Rescanner]:
-    """The S3 tier's planner as the connector builds it (connector/lower.py), its rescans
+    """The S3 tier's planner as the connector builds it (engine/lower.py), its rescans
     run by the test (a long interval: the thread never fires on its own)."""
 
     def scan() -> Found:
@@ -135,7 +135,7 @@ def test_own_write_deleted_before_any_rescan_listed_it_is_removed() -> None:
 
 
 def test_a_failed_listing_removes_nothing() -> None:
-    """A listing that could not complete raises (connector/lower.py checks each store's
+    """A listing that could not complete raises (engine/lower.py checks each store's
     ``last_scan.complete``): nothing is queued, and our writes are still checked next time."""
     h = make_header(NS, [key(1)], [0], BLOCK)
     results: list[Any] = [RuntimeError("listing failed"), [{}]]
@@ -380,7 +380,7 @@ def test_partial_rank_chunks_of_our_crashed_predecessor_are_deleted_at_start(
     own manifest names it) is deleted by the scheduler at start; another writer's partial
     chunk (maybe a write in flight) is only left out of the index."""
     from vllm_kvtier.config import parse_config
-    from vllm_kvtier.connector.lower import make_planners, tier_format
+    from vllm_kvtier.engine.lower import make_planners, tier_format
 
     ns = tier_format("s3", "native", namespace="ns", block_bytes=BLOCK, kv_dtype=None).namespace
     base = config(s3_server, s3_bucket)

@@ -221,7 +221,7 @@ def test_a_lora_block_is_published_under_vllms_hash_not_our_adapter_bound_key():
     from types import SimpleNamespace
 
     from vllm_kvtier.connector.events import describe
-    from vllm_kvtier.connector.scheduler import AdapterRequest
+    from vllm_kvtier.engine.scheduler import AdapterRequest
 
     live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
                            lora_request=SimpleNamespace(name="sql", adapter_id=5))
@@ -288,7 +288,7 @@ def test_a_hybrid_group_view_is_published_under_vllms_hash_with_its_group():
     from types import SimpleNamespace
 
     from vllm_kvtier.connector.events import describe
-    from vllm_kvtier.connector.scheduler import GroupView
+    from vllm_kvtier.engine.scheduler import GroupView
 
     live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
                            lora_request=None)

@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "keys": set(),
     "errors": set(),
     "jobs": {"keys"},  # a job names its tier by TierName
-    "config": {"keys", "errors", "cpus"},
+    # plugins: an object named "package.module:Name" (an out-of-tree tier's spec)
+    "plugins": set(),
+    "config": {"keys", "errors", "cpus", "plugins"},
     "index": {"keys", "errors"},
     "metrics": {"keys", "errors"},
     "sysmem": set(),
@@ -39,17 +41,21 @@ ALLOWED: dict[str, set[str]] = {
     # what the tiers below CPU hold, learned on the catalog's own threads: below plan (which
     # takes its deltas and answers), beside tiers (the connector hands it the listing)
     "catalog": {"keys", "errors", "metrics", "chunkformat"},
-    "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus"},
+    # a medium's spec builds its scheduler half too: the catalog of what the tier holds
+    "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus", "catalog", "plugins"},
     "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat", "catalog"},
     # design.md lists "tiers, jobs, keys, config"; metrics (plain counters, importing nothing
     # internal) is allowed too: the tiers below transfer may import it, so transfer may
     "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics", "cpus"},
     "exporter": {"keys", "errors", "metrics"},
+    # what the connector builds that needs no vLLM: the tiers' planners and data paths
+    "engine": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
+               "tiers", "plan", "transfer", "exporter", "plugins"},
     "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-                  "tiers", "plan", "transfer", "exporter"},
+                  "tiers", "plan", "transfer", "exporter", "plugins", "engine"},
     # and the root package, which holds only the version and imports nothing
     "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-              "tiers", "plan", "transfer", "exporter", "root"},
+              "tiers", "plan", "transfer", "exporter", "plugins", "engine", "root"},
     "root": set(),
 }
 #: layers that may not import torch
@@ -77,7 +83,7 @@ def layer_of(module: str) -> str | None:
         return "root"
     head = parts[0]
     if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-                "tiers", "plan", "transfer", "exporter", "connector"):
+                "tiers", "plan", "transfer", "exporter", "connector", "plugins", "engine"):
         return head
     if head in ("cli", "ops", "doctor"):
         return "tools"
@@ -249,3 +255,22 @@ def test_the_planners_run_without_vllm_or_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)
+
+
+def test_the_connector_only_adapts_vllm():
+    """Every module of ``connector/`` imports vLLM, or is imported only by modules of
+    ``connector/`` that do: what needs no vLLM lives below it (``engine/`` and the rest)."""
+    sources = package_sources()
+    modules = set(sources)
+    imports = {m: [_known(n, modules) if n.startswith(PKG) else n.split(".")[0]
+                   for n, _ in imports_of(m, src, is_package=pkg)]
+               for m, (src, pkg) in sources.items()}
+    adapters = {m for m in sources if layer_of(m) == "connector" and "vllm" in imports[m]}
+    idle = []
+    for m in sorted(sources):
+        if layer_of(m) != "connector" or m in adapters:
+            continue
+        users = {u for u, names in imports.items() if m in names and u != m}
+        if not users or not users <= adapters:
+            idle.append(f"{m} (imported by {sorted(users) or 'nothing'})")
+    assert not idle, "connector/ modules that neither import vLLM nor serve one that does:\n  " + "\n  ".join(idle)

@@ -35,6 +35,7 @@ from vllm_kvtier.connector.metadata import KVTierHandshake, KVTierMetadata, KVTi
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
 from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
+from vllm_kvtier.engine.identity import digest_cache_dir
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName
@@ -90,7 +91,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config, salt=self.cfg.namespace_salt,
                                                  log=role == KVConnectorRole.SCHEDULER, groups=self.groups,
                                                  fingerprint=self.cfg.weights_fingerprint,
-                                                 cache_dir=wiring.digest_cache_dir(self.cfg.weights_digest_cache_dir),
+                                                 cache_dir=digest_cache_dir(self.cfg.weights_digest_cache_dir),
                                                  require_fingerprint=self.cfg.require_weights_fingerprint)
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None

@@ -38,7 +38,7 @@ What it decides each step (``plan_step``):
   from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
 * **Hybrid models** (several KV cache groups): the connector presents each group of a
-  request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
+  request as a request of its own (:class:`~vllm_kvtier.engine.scheduler.GroupView`)
   and decides the hit every group can serve; here, positions holding vLLM's null block
   are neither loaded nor saved (``skip_null_blocks``), every load is async
   (``always_async``; both :class:`~vllm_kvtier.plan.load_plan.LoadOptions`), a request's

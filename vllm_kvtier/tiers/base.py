@@ -24,8 +24,8 @@ with ``ok`` False and a :class:`~vllm_kvtier.errors.FailureReason` whose ``damag
 property tells the caller whether to drop the chunk (the bytes are wrong or gone) or keep
 it (the way to it failed). Programming errors (a malformed chunk id) may raise.
 
-Every store opens the same way, through the tier registry
-(:mod:`~vllm_kvtier.tiers.registry`): ``from_config(section, ctx)``.
+Every store opens the same way, through its medium's spec in the tier registry
+(:mod:`~vllm_kvtier.tiers.registry`): ``open_store(section, ctx)``.
 
 Optional abilities are separate small protocols, checked with ``isinstance``:
 :class:`Scannable` (list and verify what the medium holds, at start-up),

@@ -94,7 +94,7 @@ class ChunkWorker:
 
         ``writes`` False: a *replica reader*. Another rank stores the bytes this rank would
         store (an MLA model's latent cache is the same on every TP rank: its TP group's
-        first rank writes the one copy, see :class:`~vllm_kvtier.connector.lower.RankRole`),
+        first rank writes the one copy, see :class:`~vllm_kvtier.engine.lower.RankRole`),
         and ``store`` reads that rank's chunks. Writes, shutdown flushes, deletes and
         manifest changes are then the writer's: here they only drop cached headers, and
         report nothing (the scheduler counts the writer's acknowledgement alone). Reads

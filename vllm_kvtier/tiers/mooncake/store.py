@@ -60,7 +60,7 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
 from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.registry import install_hint
+from vllm_kvtier.tiers.mooncake.spec import INSTALL_HINT
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeMedium", "MooncakeStats", 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-INSTALL_HINT = install_hint("mooncake")
 
 
 #: Mooncake's ErrorCode values (mooncake-store/include/types.h) -> our failure labels.
