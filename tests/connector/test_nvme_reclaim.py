@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.engine.lower import make_planners, make_workers
 from vllm_kvtier.jobs import ChunkRead, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import NVMeStore, rank_dir
@@ -175,8 +176,7 @@ def test_a_failed_write_deletes_what_other_ranks_wrote_on_an_exclusive_tier(tmp_
     """NVMe is this engine's own: a chunk whose write failed on one rank is deleted on
     every rank (the other rank's file is a partial chunk of ours), unlike a shared tier
     (see test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier)."""
-    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, None, exclusive=True), world_size=WORLD,
-                     block_bytes_per_rank=SLOT, counters=Counters(), found=[{}, {}])
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, None, exclusive=True), PlannerContext(WORLD, SLOT, Counters()), Listing([{}, {}]))
     p.note_request([key(1), key(2)])
     for i in (1, 2):
         p.on_cpu_save(i, BlockKey(key(i)))

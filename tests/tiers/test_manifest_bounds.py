@@ -192,10 +192,11 @@ def test_forged_manifest_naming_real_objects_gets_nothing_deleted(s3_server: Any
     chunk leaves the reader's index: a miss, counted, and the object stays for everyone
     else. Before, the scheduler deleted it."""
     from tests.tiers.test_s3_store import BLOCK, config, read, write
+    from vllm_kvtier.catalog.base import Listing
     from vllm_kvtier.jobs import WorkerReport
     from vllm_kvtier.keys import BlockKey
     from vllm_kvtier.metrics import Counters
-    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
     cfg = config(s3_server, s3_bucket)
     other = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)  # another instance's writes
@@ -213,8 +214,7 @@ def test_forged_manifest_naming_real_objects_gets_nothing_deleted(s3_server: Any
     try:
         found = reader.scan(collect=True).found
         assert {oid: h.keys for oid, h in found.items()} == {oid: h.keys for oid, h in forged.items()}
-        p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                         counters=counters, found=[found])
+        p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, counters), Listing([found]))
         bad: set[tuple[str, str]] = set()
         for job, (oid, h) in enumerate(found.items(), start=10):
             r = read(reader, oid, h, [0, 1], job=job)

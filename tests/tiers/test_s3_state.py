@@ -23,13 +23,13 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
-from vllm_kvtier.catalog.base import Found
+from vllm_kvtier.catalog.base import Found, Listing
 from vllm_kvtier.catalog.rescan import Rescanner
 from vllm_kvtier.chunkformat import ChunkHeader, make_header
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.tiers.s3.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3.store import S3Store
 
@@ -53,8 +53,7 @@ def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Re
     found = scan()
     rescanner = Rescanner("s3", scan, 3600.0, initial=found)
     policy = ChunkPolicy("s3", "write-through", 1, 16, None)
-    p = ChunkPlanner(policy, world_size=len(stores), block_bytes_per_rank=BLOCK, counters=counters, found=found,
-                     catalog=rescanner)
+    p = ChunkPlanner(policy, PlannerContext(len(stores), BLOCK, counters), Listing(found, catalog=rescanner))
     return p, rescanner
 
 
@@ -109,8 +108,7 @@ def test_pinned_chunk_listed_again_before_unpin_stays() -> None:
     h = make_header(NS, [key(1)], [0], BLOCK)
     listing: list[Found] = [[{"a": h}], [{}], [{"a": h}]]
     r = Rescanner("s3", lambda: listing.pop(0), 3600.0, initial=[{"a": h}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{"a": h}], catalog=r))
     p.index.pin("a")
     for _ in range(2):  # unchanged, then gone
         r.rescan_once()
@@ -147,8 +145,7 @@ def test_a_failed_listing_removes_nothing() -> None:
         return got  # type: ignore[no-any-return]
 
     r = Rescanner("s3", scan, 3600.0, initial=[{"a": h}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{"a": h}], catalog=r))
     r.note_written("b")
     with pytest.raises(RuntimeError):
         r.rescan_once()
@@ -162,8 +159,7 @@ def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
     n = 10_000
     found: Found = [{f"f{i}": make_header(NS, [key(i)], [0], BLOCK) for i in range(n)}]
     r = Rescanner("s3", lambda: found, 3600.0, initial=[{}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{}], catalog=r))
     r.rescan_once()
     sizes = []
     while True:
@@ -446,8 +442,7 @@ def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
     entry's: see test_forged_manifest_naming_real_objects_gets_nothing_deleted)."""
     theirs = make_header(NS, [key(1)], [0], BLOCK)
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{"theirs": theirs}])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), PlannerContext(1, BLOCK, counters), Listing([{"theirs": theirs}]))
     p.note_request([key(2)])
     p.on_cpu_save(0, BlockKey(key(2)))
     (job,) = p.take_jobs(set(), lambda k: 0)[1]
@@ -473,8 +468,7 @@ def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: py
     monkeypatch.setattr("vllm_kvtier.catalog.rescan._MAX_PENDING_CHUNKS", 2000)
     rounds = iter(range(1, 41))
     r = Rescanner("s3", lambda: [_churn_listing(500 * next(rounds), 500)], 3600.0, initial=[_churn_listing(0, 500)])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[_churn_listing(0, 500)], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([_churn_listing(0, 500)], catalog=r))
     gc.collect()
     tracemalloc.start()
     try:
@@ -502,8 +496,7 @@ def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.Monkey
     rounds = iter(range(1, 11))
     r = Rescanner("s3", lambda: [_churn_listing(0, 500 * next(rounds))], 3600.0, initial=[{}])
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, counters), Listing([{}], catalog=r))
     for _ in range(10):
         r.rescan_once()
     while True:
@@ -577,8 +570,7 @@ def test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier(s3_server: M
     objects under that id stay. Before, the planner deleted the id on every rank."""
     cfg = config(s3_server, s3_bucket)
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=2, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{}, {}])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(2, BLOCK, counters), Listing([{}, {}]))
     where = {BlockKey(key(i)): i for i in range(4)}
     p.note_request([key(i) for i in range(4)])
     for i in range(4):

@@ -23,7 +23,7 @@ from vllm_kvtier.tiers.registry import TIERS, StoreContext, install_hint, lower_
 from vllm_kvtier.tiers.resilience import BreakerSnapshot, BreakerState, RemoteStats
 from vllm_kvtier.tiers.spec import MediumSpec
 from vllm_kvtier.transfer.slots import SlotTable
-from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
 
 BLOCK = 4096
 
@@ -131,8 +131,7 @@ def test_every_store_opens_from_its_section_and_its_abilities_are_found_by_proto
 def test_the_driver_reports_remote_figures_only_of_a_store_that_has_them(store_type: type[MemoryStore]) -> None:
     slots = SlotTable(CPUPool(2, (BLOCK,), pin=False, prefault=False))
     counters = Counters()
-    w = ChunkWorker("t", store_type("ns", BLOCK), slots=slots, counters=counters, mode="write-through",
-                    chunk_blocks=1, flush_on_shutdown_s=0.0)
+    w = ChunkWorker("t", store_type("ns", BLOCK), DriverSettings("write-through", 1, 0.0), DriverContext(slots, counters))
     try:
         w.poll()
         drained = counters.drain() or {"counters": {}, "gauges": {}}

@@ -42,7 +42,7 @@ from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.sections import LowerTierSection
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth
 from vllm_kvtier.tiers.buffers import DEFAULT_IDLE_BYTES, BufferPool
 from vllm_kvtier.tiers.registry import CatalogContext, StoreContext, TierSpec, lower_tiers
@@ -55,7 +55,7 @@ from vllm_kvtier.transfer.fp8 import (
     stored_block_bytes,
 )
 from vllm_kvtier.transfer.slots import SlotTable
-from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext
 
 logger = logging.getLogger(__name__)
 
@@ -178,17 +178,10 @@ def make_planners(
     for spec, section in lower_tiers(cfg):
         _, ctx = tier_ctx.store_context(spec, section, rank=0, lookup_only=True, engine=engine)
         listing = spec.open_catalog(section, CatalogContext(ctx, world_size, counters, read_only_pool))
-        policy = ChunkPolicy(cast(TierName, spec.name),
-                             section.mode if listing.writable else "read-only", section.admit_min_seen,
-                             section.chunk_blocks, section.capacity_bytes, key_named=spec.key_named,
+        policy = ChunkPolicy(cast(TierName, spec.name), section.mode, section.admit_min_seen, section.chunk_blocks,
+                             section.capacity_bytes, key_named=spec.key_named,
                              flush_interval_s=section.flush_interval_s, exclusive=not spec.shared)
-        planner = ChunkPlanner(policy, world_size=world_size, block_bytes_per_rank=ctx.block_bytes, counters=counters,
-                               found=listing.found, catalog=listing.catalog, local_chunks=listing.local_chunks,
-                               reserved_bytes_per_rank=listing.reserved_bytes_per_rank, unread=listing.unread)
-        if listing.reclaim:
-            logger.info("kvtier %s: deleting %d chunk(s) a previous run left on only some ranks", spec.name,
-                        len(listing.reclaim))
-            planner.reclaim(list(listing.reclaim))
+        planner = ChunkPlanner(policy, PlannerContext(world_size, ctx.block_bytes, counters), listing)
         planners.append(planner)
     return planners
 
@@ -222,10 +215,7 @@ def make_workers(
                                         replica=not role.writes, engine=engine)
         store = open_or_none(spec, section, ctx, counters, "use")
         headers = spec.start_up(store, section, ctx, counters) if store is not None else {}
-        workers[spec.name] = ChunkWorker(
-            cast(TierName, spec.name), store, slots=slots, counters=counters, mode=section.mode,
-            chunk_blocks=section.chunk_blocks, flush_on_shutdown_s=section.flush_on_shutdown_s, headers=headers,
-            fetches_headers=spec.shared, codec=make_codec(f.fmt, tier_ctx.block_bytes, tier_ctx.kv_dtype),
-            buffers=buffers, max_headers=section.header_cache_entries,
-            max_header_bytes=section.header_cache_bytes, writes=role.writes)
+        codec = make_codec(f.fmt, tier_ctx.block_bytes, tier_ctx.kv_dtype)
+        driver = DriverContext(slots, counters, codec, buffers, fetches_headers=spec.shared, writes=role.writes)
+        workers[spec.name] = ChunkWorker(cast(TierName, spec.name), store, section, driver, headers)
     return workers
