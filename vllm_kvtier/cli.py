@@ -261,7 +261,8 @@ def _run_plan_trace(args: argparse.Namespace) -> int:
         else:
             print(render_sweep(rows, infinite))
             print(f"chart: {png}" if png else
-                  "chart: not drawn (matplotlib is not installed: pip install matplotlib); the table has the figures")
+                  "chart: not drawn (matplotlib is not installed: pip install 'vllm-kvtier[plot]'); the table has "
+                  "the figures")
         return 0
     plan = make_trace_plan(TracePlanInput(
         trace=trace, setup=setup, trace_path=args.trace,

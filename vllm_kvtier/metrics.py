@@ -42,6 +42,10 @@ class CounterName(_Declared):
 
     LOOKUP_BLOCKS = "lookup_blocks", "Prompt blocks looked up in the tiers for newly scheduled requests."
     HIT_BLOCKS = "hit_blocks", "Prompt blocks found in a tier (hits), by tier."
+    REMOTE_HIT_BLOCKS = (
+        "remote_hit_blocks",
+        "Hits (hit_blocks) on a shared tier's chunks another instance wrote: what sharing the tier serves.",
+    )
     BLOCKS_LOADED = "blocks_loaded", "Blocks copied from a tier into the engine's KV cache (swap in)."
     BYTES_LOADED = "bytes_loaded", "Bytes copied from a tier into the engine's KV cache."
     BLOCKS_STORED = "blocks_stored", "Blocks copied from the engine's KV cache into a tier (swap out)."

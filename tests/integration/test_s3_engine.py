@@ -61,13 +61,15 @@ def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_ser
     assert any(k.endswith(".kvt") for k in keys), keys
     assert any(k.endswith(".kvm") for k in keys), "A writes its manifest at shutdown"
 
-    kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b")
+    # another writer id: A's chunks are another instance's (both would default to this host's)
+    kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b", writer_id="writer-b")
     data = run_process(tiny_model, kv_b, ps, tmp_path, multiprocess=multiprocess)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     c = data["counters"]
     assert c.get("blocks_loaded|s3", 0) == 2 * LOADABLE
     assert c.get("hit_blocks|s3", 0) == 2 * LOADABLE
+    assert c.get("remote_hit_blocks|s3", 0) == 2 * LOADABLE, "every hit is on A's chunks"
     assert c.get("blocks_loaded|nvme", 0) == 0 and c.get("load_failures|s3", 0) == 0
     assert c.get("requests|s3", 0) > 0
 

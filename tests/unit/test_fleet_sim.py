@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -55,6 +56,13 @@ def test_one_instance_is_the_single_instance_replay(s3_blocks, eviction):
                               "shared": one.tiers[2].hit_tokens}
     assert (got.shared_write_ops, got.shared_read_ops) == (one.tiers[2].write_ops, one.tiers[2].read_ops)
     assert got.cross_hit_tokens == 0 and got.hit_tokens["nvme"] > 0 and got.hit_tokens["shared"] > 0
+
+    def figures(t):
+        return t.hit_tokens, t.hit_blocks, t.write_ops, t.written_blocks, t.written_bytes, t.read_ops
+
+    # every tier's reads and writes too, not only the hits: one code path serves both replays
+    assert [figures(t) for t in got.tiers] == [figures(t) for t in one.tiers]
+    assert got.tiers[1].write_ops > 0 and got.tiers[1].read_ops > 0
 
 
 def test_round_robin_takes_the_instances_in_turn():
@@ -188,3 +196,23 @@ def test_a_shared_document_is_not_taken_for_a_conversation():
             for turn in range(2) for u in range(10)]
     keys = session_keys(trace_of(*reqs).keys, fanout=8)
     assert keys == [key_of(200 + u) for u in range(10)] * 2
+
+
+def test_the_sweep_writes_a_csv_that_any_tool_plots(capsys, tmp_path):
+    args = ["plan", "--trace", SAMPLE, "--cpu-blocks", "100", "--s3-blocks", "unbounded", "--instances", "4",
+            "--sweep", "--sweep-instances", "1,2", "--sweep-shared-blocks", "none,3000", "--router", "round-robin"]
+    assert main([*args, "--json"]) == 0, capsys.readouterr().err
+    want = json.loads(capsys.readouterr().out)
+    path = tmp_path / "fleet.csv"
+    assert main([*args, "--csv", str(path), "--png", str(tmp_path / "f.png")]) == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["shared_blocks"], r["instances"], r["router"]) for r in rows] == [
+        ("none", "1", "round-robin"), ("none", "2", "round-robin"), ("3000", "1", "round-robin"),
+        ("3000", "2", "round-robin")]
+    for got, row in zip(rows, want["rows"], strict=True):
+        assert float(got["all"]) == pytest.approx(row["total"], abs=1e-6)
+        assert float(got["cross"]) == pytest.approx(row["cross"], abs=1e-6)
+        assert float(got["single_instance"]) == pytest.approx(want["single_instance"], abs=1e-6)
+    assert float(rows[3]["shared"]) > 0 and rows[0]["shared_usd_per_h"] == ""
+    assert main([*args, "--csv", str(tmp_path / "no" / "such" / "dir.csv")]) == 2
+    assert "--csv" in capsys.readouterr().err

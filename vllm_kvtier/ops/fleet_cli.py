@@ -40,6 +40,9 @@ def add_fleet_args(parser: argparse.ArgumentParser | Any) -> None:
     g.add_argument("--sweep-instances", default="1,2,4,8,16", help="fleet sizes of the sweep (default 1,2,4,8,16)")
     g.add_argument("--sweep-shared-blocks", default="none,unbounded",
                    help="shared tier sizes of the sweep: blocks, 'unbounded', 'none' (default none,unbounded)")
+    g.add_argument("--csv", metavar="FILE",
+                   help="also write the fleet's rows (with --sweep: every shared size, N and router) as CSV, "
+                        "for any plotting tool")
 
 
 def _shared_size(text: str, option: str) -> int | None | str:
@@ -47,11 +50,26 @@ def _shared_size(text: str, option: str) -> int | None | str:
     return t if t in ("none", "unbounded") else parse_count(t, option)
 
 
+def _write_csv(path: str | None, text: str) -> None:
+    """Write ``text`` to ``path`` (None: nothing); a file that cannot be written is an
+    error naming it (before any figure is printed)."""
+    if path is None:
+        return
+    from vllm_kvtier.ops.capacity import PlanInputError
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise PlanInputError("--csv", f"cannot write {path}: {e.strerror or e}") from None
+
+
 def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, engine_block_tokens: int,
               rescan_interval_s: float) -> int:
     """Print the fleet's table (or its sweep and PNG); ``setup``: one instance's tiers,
     its S3 tier (if any) the shared one."""
     from vllm_kvtier.ops.fleet_plan import (
+        fleet_csv,
         fleet_to_dict,
         plan_fleet,
         reference_shares,
@@ -98,15 +116,18 @@ def run_fleet(args: argparse.Namespace, trace: Any, setup: Any, prices: Any, *, 
         ns = [parse_count(v, "--sweep-instances") for v in args.sweep_instances.split(",") if v.strip()]
         rows = sweep_fleet(trace, fleet, routers, prices, ns,
                            [None if s == "unbounded" else s for s in sizes], **kw)
+        _write_csv(args.csv, fleet_csv(rows, single, infinite))
         if args.json:
             print(json.dumps(fleet_to_dict(rows, single, infinite), indent=2))
             return 0
         print(render_fleet_sweep(rows, single, infinite))
         png = render_fleet_png(rows, single, infinite, args.png)
         print(f"chart: {png}" if png else
-              "chart: not drawn (matplotlib is not installed: pip install matplotlib); the table has the figures")
+              "chart: not drawn (matplotlib is not installed: pip install 'vllm-kvtier[plot]'); the table "
+              "has the figures" + (", and the CSV" if args.csv else "; --csv FILE writes them for any plotting tool"))
         return 0
     rows, single, infinite = plan_fleet(trace, fleet, routers, prices, **kw)
+    _write_csv(args.csv, fleet_csv(rows, single, infinite))
     print(json.dumps(fleet_to_dict(rows, single, infinite), indent=2) if args.json
           else render_fleet(rows, fleet, single, infinite))
     return 0

@@ -8,7 +8,9 @@ money US dollars (S3 request prices; a Mooncake pool bills no request).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,6 +147,25 @@ def render_fleet_sweep(rows: Sequence[FleetRow], single: float, infinite: float)
 def fleet_to_dict(rows: Sequence[FleetRow], single: float, infinite: float) -> dict[str, Any]:
     return {"single_instance": single, "infinite": infinite, "rows": [dataclasses.asdict(r) for r in rows],
             "units": {"rates": "per hour of trace time", "money": "USD", "shares": "of prompt tokens"}}
+
+
+def fleet_csv(rows: Sequence[FleetRow], single: float, infinite: float) -> str:
+    """The rows as CSV, one line per (shared size, N, router), for any plotting tool. Shares
+    of prompt tokens; ``shared_blocks``: blocks, ``unbounded`` or ``none``; the last two
+    columns repeat the header's references (one instance, the infinite cache)."""
+    tiers = list(dict.fromkeys(t for r in rows for t in r.shares))
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["shared_blocks", "instances", "router", "all", "of_infinite", *tiers, "cross", "request_imbalance",
+                "compute_imbalance", "shared_puts_per_h", "shared_gets_per_h", "shared_usd_per_h",
+                "single_instance", "infinite"])
+    for r in rows:
+        w.writerow([_size(r).replace(",", ""), r.instances, r.router, f"{r.total:.6f}", f"{r.of_infinite:.6f}",
+                    *(f"{r.shares.get(t, 0.0):.6f}" for t in tiers), f"{r.cross:.6f}", f"{r.request_imbalance:.4f}",
+                    f"{r.compute_imbalance:.4f}", f"{r.shared_puts_per_h:.1f}", f"{r.shared_gets_per_h:.1f}",
+                    "" if r.shared_usd_per_h is None else f"{r.shared_usd_per_h:.6f}", f"{single:.6f}",
+                    f"{infinite:.6f}"])
+    return out.getvalue()
 
 
 def render_fleet_png(rows: Sequence[FleetRow], single: float, infinite: float, path: str) -> str | None:

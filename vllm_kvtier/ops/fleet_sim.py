@@ -1,14 +1,13 @@
 """Replay a request trace through a fleet of instances (``kvtier plan --trace --instances N``).
 
-Each instance has its own CPU tier and local tiers below it (NVMe), built by
-:func:`make_instance` from the classes the single-instance replay uses
-(:class:`~vllm_kvtier.index.slot_index.SlotIndex`,
-:class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner`). All instances share one tier (S3 or the
-Mooncake pool): :class:`SharedTier`. A router (:mod:`vllm_kvtier.ops.routers`) picks the
-instance of each request, in trace order.
+Each instance has its own CPU tier and local tiers below it (NVMe): an
+:class:`~vllm_kvtier.ops.instance_replay.Instance`, the single-instance replay's. All
+instances share one tier (S3 or the Mooncake pool): :class:`SharedTier`. A router
+(:mod:`vllm_kvtier.ops.routers`) picks the instance of each request, in trace order.
 
-Per request the instance does what :func:`~vllm_kvtier.ops.trace_sim.simulate_tiers` does
-(its module doc), with the shared tier last in the lookup. What the shared tier models:
+Per request the instance runs :func:`~vllm_kvtier.ops.instance_replay.serve_request`, the
+code :func:`~vllm_kvtier.ops.trace_sim.simulate_tiers` runs (its module doc says what it does),
+with the shared tier last in the lookup. What the shared tier models:
 
 * **writes**: each instance decides its own writes with its own planner for the shared tier
   (mode, admission counts, chunking), as the engine does; a written chunk goes into the
@@ -32,14 +31,14 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
+from vllm_kvtier.ops.instance_replay import Instance, serve_request
 from vllm_kvtier.ops.routers import Router, RouterView
-from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, Trace, make_lower_planner, step_writes
+from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, Trace
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 SharedKind = Literal["s3", "mooncake"]
@@ -82,6 +81,8 @@ class FleetResult:
     computed_per_instance: list[int] = field(default_factory=list)
     #: most requests in flight on one instance at once
     peak_in_flight: int = 0
+    #: each tier's figures over the fleet: "cpu", each local tier, "shared" (when there is one)
+    tiers: list[TierResult] = field(default_factory=list)
 
     def share(self, tier: str) -> float:
         return self.hit_tokens.get(tier, 0) / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -167,6 +168,13 @@ class SharedTier:
         c = self._chunks[loc[0]]
         return loc if c.writer == reader or c.listed_at <= now else None
 
+    def publish(self, p: ChunkPlanner, report: WorkerReport, writer: int, now: float) -> None:
+        """``writer``'s planner ``p`` confirmed the chunks of ``report`` at ``now``."""
+        for _tier, fid in report.written:
+            keys = p.index.loadable_keys(fid)
+            if keys:
+                self.put(fid, keys, p.file_bytes(len(keys)), writer, now)
+
     def writer_of(self, fid: str) -> int:
         return self._chunks[fid].writer
 
@@ -178,173 +186,10 @@ class SharedTier:
         return len(self._where)
 
 
-class Instance:
-    """One replica: its CPU tier, its local tiers and its planner for the shared tier."""
-
-    def __init__(self, setup: TierSetup, shared: LowerTier | None, clock: list[float]) -> None:
-        self.setup = setup
-        below = [*setup.lower, *([shared] if shared is not None else [])]
-        # as simulate_tiers builds it: a write-back tier below makes the pool a staging one
-        self.index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction,
-                                          staging=any(t.mode == "write-back" for t in below))
-        self.planners = [make_lower_planner(t, clock) for t in setup.lower]
-        self.tiers = list(setup.lower)
-        if shared is not None:
-            # unbounded here: the bucket's own LRU bounds what every writer holds
-            self.planners.append(make_lower_planner(replace(shared, capacity_blocks=None), clock))
-            self.tiers.append(shared)
-
-    def holds_prefix(self, keys: Sequence[BlockKey]) -> int:
-        """Leading blocks of ``keys`` in this instance's own tiers (what its KV events told
-        a router); the shared tier is left out: every instance reads it alike."""
-        local = self.planners[: len(self.setup.lower)]
-        n = 0
-        for k in keys:
-            if k not in self.index and not any(p.locate(k) is not None for p in local):
-                break
-            n += 1
-        return n
-
-
 def make_instance(setup: TierSetup, shared: LowerTier | None = None, clock: list[float] | None = None) -> Instance:
     """One instance's tiers (the factory the fleet replay uses; ``clock``: a one-item list
     of seconds that the write-back flush reads)."""
-    return Instance(setup, shared, clock if clock is not None else [0.0])
-
-
-def _serve(inst: Instance, me: int, trace: Trace, i: int, shared: SharedTier | None, now: float,
-           res: FleetResult) -> int:
-    """Replay request ``i`` on ``inst`` (instance ``me``); its hit tokens."""
-    keys = trace.keys[i]
-    index, planners, setup = inst.index, inst.planners, inst.setup
-    n_local = len(setup.lower)
-    has_shared = shared is not None
-    names = ["cpu", *(t.name for t in setup.lower), "shared"]
-    # 1. lookup: 0: CPU, j+1: planners[j]; n_local+1: the shared tier (own planner or bucket)
-    where: list[int] = []
-    locs: list[tuple[str, int] | None] = []
-    from_bucket: list[bool] = []
-    for k in keys:
-        if k in index:
-            where.append(0)
-            locs.append(None)
-            from_bucket.append(False)
-            continue
-        found = False
-        for j, p in enumerate(planners):
-            loc = p.locate(k)
-            if loc is not None:
-                where.append(j + 1)
-                locs.append(loc)
-                from_bucket.append(False)
-                found = True
-                break
-        if not found and has_shared:
-            assert shared is not None
-            loc = shared.locate(k, me, now)
-            if loc is not None:
-                where.append(n_local + 1)
-                locs.append(loc)
-                from_bucket.append(True)
-                found = True
-        if not found:
-            break
-    for p in planners:
-        p.note_request(keys)
-    # 3. load: pin DRAM hits, then promote the lower-tier ones
-    pinned: list[int] = []
-    for pos, w in enumerate(where):
-        if w == 0:
-            k = keys[pos]
-            index.touch(k)
-            s = index.slot(k)
-            assert s is not None
-            index.pin(s)
-            pinned.append(s)
-    reads: dict[tuple[int, str, bool], list[int]] = {}
-    hits = 0
-    for pos, w in enumerate(where):
-        tokens = trace.block_tokens_of(i, pos)
-        if w == 0:
-            res.hit_tokens["cpu"] += tokens
-            hits += tokens
-            continue
-        k = keys[pos]
-        loc = locs[pos]
-        assert loc is not None
-        alloc = index.allocate(k, keys[pos - 1] if pos else None)
-        if alloc is None:
-            break
-        if alloc.evicted is not None:
-            for p in planners:
-                p.on_cpu_evict(alloc.slot, alloc.evicted)
-        index.pin(alloc.slot)
-        pinned.append(alloc.slot)
-        reads.setdefault((w - 1, loc[0], from_bucket[pos]), []).append(loc[1])
-        res.hit_tokens[names[min(w, n_local + 1)]] += tokens
-        hits += tokens
-        if from_bucket[pos] and shared is not None and shared.writer_of(loc[0]) != me:
-            res.cross_hit_tokens += tokens
-    for (j, fid, bucket), positions in reads.items():
-        if not bucket:
-            planners[j].index.touch(fid)
-        if j == n_local and shared is not None:
-            shared.touch(fid)
-        positions.sort()
-        runs = 1 + sum(1 for a, b in zip(positions, positions[1:], strict=False) if b != a + 1)
-        if j == n_local:
-            res.shared_read_ops += runs * inst.tiers[j].objects_per_chunk
-    for s in pinned:
-        index.unpin(s)
-    # 4. save a step at a time, 5. each step's writes below
-    step = setup.step_blocks or max(1, len(keys))
-    n_save = len(keys)
-    if not setup.save_partial_blocks and n_save and trace.block_tokens_of(i, n_save - 1) < trace.block_tokens:
-        n_save -= 1
-    for lo in range(0, max(1, len(keys)), step):
-        saved: set[BlockKey] = set()
-        held: list[int] = []
-        for pos in range(lo, min(lo + step, n_save)):
-            k = keys[pos]
-            if k in index:
-                index.touch(k)
-                continue
-            alloc = index.allocate(k, keys[pos - 1] if pos else None)
-            if alloc is None:
-                continue
-            for j, p in enumerate(planners):
-                # the engine's index of the bucket knows a listed block: it is not written again
-                listed = j == n_local and shared is not None
-                if alloc.evicted is not None and not (listed and _listed(shared, alloc.evicted, me, now)):
-                    p.on_cpu_evict(alloc.slot, alloc.evicted)
-                if not (listed and _listed(shared, k, me, now)):
-                    p.on_cpu_save(alloc.slot, k)
-            index.pin(alloc.slot)
-            held.append(alloc.slot)
-            saved.add(k)
-        for s in held:
-            index.unpin(s)
-        for j, p in enumerate(planners):
-            tier = inst.tiers[j]
-            tr = TierResult(tier.name, tier.capacity_blocks)
-            for report in step_writes(p, tr, tier, saved, index.slot):
-                p.on_worker_meta(report)
-                if j == n_local and shared is not None:
-                    _publish(shared, p, report, me, now)
-            if j == n_local:
-                res.shared_write_ops += tr.write_ops
-    return hits
-
-
-def _listed(shared: SharedTier | None, key: BlockKey, me: int, now: float) -> bool:
-    return shared is not None and shared.locate(key, me, now) is not None
-
-
-def _publish(shared: SharedTier, p: ChunkPlanner, report: WorkerReport, me: int, now: float) -> None:
-    for _tier, fid in report.written:
-        keys = p.index.loadable_keys(fid)
-        if keys:
-            shared.put(fid, keys, p.file_bytes(len(keys)), me, now)
+    return Instance(setup, shared, clock)
 
 
 def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResult:
@@ -362,10 +207,12 @@ def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResu
             cap = -(-fleet.shared.capacity_blocks // fleet.shared.chunk_blocks) * full
         shared = SharedTier(cap, fleet.shared_kind, fleet.rescan_interval_s)
         shared.writers = [inst.planners[-1] for inst in insts]
-    names = ["cpu", *(t.name for t in fleet.setup.lower), "shared"]
+    names = ["cpu", *(t.name for t in fleet.setup.lower), *(["shared"] if shared is not None else [])]
+    caps = [fleet.setup.cpu_blocks, *(t.capacity_blocks for t in fleet.setup.lower),
+            *([fleet.shared.capacity_blocks] if fleet.shared is not None else [])]
     res = FleetResult(router.name, n, len(trace), trace.prompt_tokens, trace.duration_s,
-                      hit_tokens={k: 0 for k in names}, requests_per_instance=[0] * n,
-                      computed_per_instance=[0] * n)
+                      requests_per_instance=[0] * n, computed_per_instance=[0] * n,
+                      tiers=[TierResult(name, cap) for name, cap in zip(names, caps, strict=True)])
     view = RouterView(insts, [0] * n, res.requests_per_instance)
     finishing: list[tuple[float, int]] = []  # (finish time, instance) of requests in flight
     t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
@@ -378,7 +225,8 @@ def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResu
         me = router.route(i, trace.keys[i], view)
         if not 0 <= me < n:
             raise ValueError(f"router {router.name} picked instance {me} of {n}")
-        hits = _serve(insts[me], me, trace, i, shared, now, res)
+        hits, cross = serve_request(insts[me], trace, i, res.tiers, bucket=shared, me=me, now=now)
+        res.cross_hit_tokens += cross
         computed = trace.input_lengths[i] - hits
         res.requests_per_instance[me] += 1
         res.computed_per_instance[me] += computed
@@ -386,4 +234,8 @@ def simulate_fleet(trace: Trace, fleet: FleetSetup, router: Router) -> FleetResu
         view.in_flight[me] += 1
         res.peak_in_flight = max(res.peak_in_flight, view.in_flight[me])
         heapq.heappush(finishing, (now + busy, me))
+    res.hit_tokens = {t.name: t.hit_tokens for t in res.tiers}
+    res.hit_tokens.setdefault("shared", 0)
+    if shared is not None:
+        res.shared_write_ops, res.shared_read_ops = res.tiers[-1].write_ops, res.tiers[-1].read_ops
     return res

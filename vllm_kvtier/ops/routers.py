@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from vllm_kvtier.keys import BlockKey
 
 if TYPE_CHECKING:
-    from vllm_kvtier.ops.fleet_sim import Instance
+    from vllm_kvtier.ops.instance_replay import Instance
 
 ROUTERS = ("round-robin", "session", "prefix")
 #: A block followed by at least this many different next blocks over the trace is a shared

@@ -51,14 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config.files import read_lines
 from vllm_kvtier.errors import KVTierError
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
-from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
+from vllm_kvtier.keys import BlockKey
+from vllm_kvtier.ops.instance_replay import Instance, serve_request
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 #: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
 MAX_TRACE_BYTES = 4 << 30
@@ -447,160 +445,31 @@ class TiersResult:
         return self.prompt_tokens - self.hit_tokens
 
 
-#: A trace block's bytes when the model is not known: large against a chunk's 4 KiB header,
-#: so that a tier's capacity in blocks is what it holds.
-_UNKNOWN_BLOCK_BYTES = 1 << 20
-
-
-def _lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
-    block_bytes = t.block_bytes or _UNKNOWN_BLOCK_BYTES
-    policy = ChunkPolicy(tier=TierName(t.name), mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
-                         capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True)
-    planner = ChunkPlanner(policy, PlannerContext(1, block_bytes, Counters(), clock=lambda: clock[0]), Listing([]))
-    if t.capacity_blocks is not None:
-        # Capacity in whole chunks of this tier's own file size, so that it holds
-        # capacity_blocks blocks (headers included) whatever the block's bytes.
-        full = planner.file_bytes(t.chunk_blocks)
-        planner.index.capacity_bytes = -(-t.capacity_blocks // t.chunk_blocks) * full
-    return planner
-
-
 def simulate_tiers(trace: Trace, setup: TierSetup) -> TiersResult:
-    """Replay ``trace`` through the CPU tier and the tiers below (module doc)."""
-    clock = [0.0]
-    index: SlotIndex = SlotIndex(setup.cpu_blocks, eviction=setup.cpu_eviction,
-                                 staging=any(t.mode == "write-back" for t in setup.lower))
-    planners = [_lower_planner(t, clock) for t in setup.lower]
+    """Replay ``trace`` through the CPU tier and the tiers below (module doc): one
+    :class:`~vllm_kvtier.ops.instance_replay.Instance`, the fleet replay's with one instance
+    and no shared tier."""
+    inst = Instance(setup)
     cpu = TierResult("cpu", setup.cpu_blocks)
     lows = [TierResult(t.name, t.capacity_blocks) for t in setup.lower]
     result = TiersResult(setup, len(trace), trace.prompt_tokens, trace.duration_s, [cpu, *lows])
-    slot_of = index.slot
     t0 = trace.timestamps_ms[0] if trace.timestamps_ms else 0
     # (request index from which they are loadable, planner, report) of writes in flight
     inflight: list[tuple[int, ChunkPlanner, WorkerReport]] = []
-    for i, keys in enumerate(trace.keys):
-        clock[0] = (trace.timestamps_ms[i] - t0) / 1000.0
+    for i in range(len(trace)):
+        inst.clock[0] = (trace.timestamps_ms[i] - t0) / 1000.0
         while inflight and inflight[0][0] <= i:
             _, p, report = inflight.pop(0)
             p.on_worker_meta(report)
-        # 1. lookup: the tier of each key of the leading run
-        where: list[int] = []  # 0: CPU, j+1: planners[j]
-        locs: list[tuple[str, int] | None] = []
-        for k in keys:
-            if k in index:
-                where.append(0)
-                locs.append(None)
-                continue
-            for j, p in enumerate(planners):
-                loc = p.locate(k)
-                if loc is not None:
-                    where.append(j + 1)
-                    locs.append(loc)
-                    break
-            else:
-                break
-        for p in planners:
-            p.note_request(keys)
-        # 3. load: pin DRAM hits first, then promote the lower-tier ones
-        pinned: list[int] = []
-        for pos, w in enumerate(where):
-            if w == 0:
-                k = keys[pos]
-                index.touch(k)
-                s = slot_of(k)
-                assert s is not None
-                index.pin(s)
-                pinned.append(s)
-        reads: dict[tuple[int, str], list[int]] = {}
-        for pos, w in enumerate(where):
-            tokens = trace.block_tokens_of(i, pos)
-            if w == 0:
-                cpu.hit_tokens += tokens
-                cpu.hit_blocks += 1
-                continue
-            k = keys[pos]
-            loc = locs[pos]
-            assert loc is not None
-            alloc = index.allocate(k, keys[pos - 1] if pos else None)
-            if alloc is None:
-                break  # no slot to read into: the rest is recomputed
-            if alloc.evicted is not None:
-                for p in planners:
-                    p.on_cpu_evict(alloc.slot, alloc.evicted)
-            index.pin(alloc.slot)
-            pinned.append(alloc.slot)
-            reads.setdefault((w - 1, loc[0]), []).append(loc[1])
-            lows[w - 1].hit_tokens += tokens
-            lows[w - 1].hit_blocks += 1
-        for (j, fid), positions in reads.items():
-            planners[j].index.touch(fid)
-            positions.sort()
-            runs = 1 + sum(1 for a, b in zip(positions, positions[1:], strict=False) if b != a + 1)
-            lows[j].read_ops += runs * setup.lower[j].objects_per_chunk
-        # the load is done before the request computes: its slots are free to go again
-        for s in pinned:
-            index.unpin(s)
-        # 4. save every block not stored yet, a step at a time, 5. each step's writes below
-        step = setup.step_blocks or max(1, len(keys))
-        n_save = len(keys)
-        if not setup.save_partial_blocks and n_save and trace.block_tokens_of(i, n_save - 1) < trace.block_tokens:
-            n_save -= 1
-        for lo in range(0, max(1, len(keys)), step):
-            saved: set[BlockKey] = set()
-            held: list[int] = []
-            for pos in range(lo, min(lo + step, n_save)):
-                k = keys[pos]
-                if k in index:
-                    index.touch(k)
-                    continue
-                alloc = index.allocate(k, keys[pos - 1] if pos else None)
-                if alloc is None:
-                    continue
-                for p in planners:
-                    if alloc.evicted is not None:
-                        p.on_cpu_evict(alloc.slot, alloc.evicted)
-                    p.on_cpu_save(alloc.slot, k)
-                # held until the step's save is planned (SavePlanner): a later block of the
-                # same step must not evict it
-                index.pin(alloc.slot)
-                held.append(alloc.slot)
-                saved.add(k)
-            for s in held:
-                index.unpin(s)
-            for j, p in enumerate(planners):
-                for report in _step(p, lows[j], setup.lower[j], saved, slot_of):
-                    if setup.confirm_lag_requests:
-                        inflight.append((i + 1 + setup.confirm_lag_requests, p, report))
-                    else:
-                        p.on_worker_meta(report)
-    cpu.evicted_blocks = index.evictions
-    for j, p in enumerate(planners):
+        confirm = None
+        if setup.confirm_lag_requests:
+            due = i + 1 + setup.confirm_lag_requests
+
+            def confirm(p: ChunkPlanner, report: WorkerReport, due: int = due) -> None:
+                inflight.append((due, p, report))
+
+        serve_request(inst, trace, i, result.tiers, confirm=confirm)
+    cpu.evicted_blocks = inst.index.evictions
+    for j, p in enumerate(inst.planners):
         lows[j].evicted_blocks = p.index.evicted_blocks
     return result
-
-
-def _step(p: ChunkPlanner, res: TierResult, tier: LowerTier, saved: set[BlockKey],
-          slot_of: object) -> list[WorkerReport]:
-    """The step's writes (counted in ``res``), as the worker's reports that confirm them."""
-    reports = []
-    for _ in range(1 << 16):
-        demotes, through, _deletes = p.take_jobs(saved, slot_of)  # type: ignore[arg-type]
-        jobs = demotes + through
-        if not jobs:
-            break
-        written = {}
-        for job in jobs:
-            res.write_ops += tier.objects_per_chunk
-            res.written_blocks += len(job.keys)
-            if tier.block_bytes:  # the chunk's file (header and aligned blocks)
-                res.written_bytes += p.file_bytes(len(job.keys))
-            written[(p.tier, job.chunk_id)] = 1
-        reports.append(WorkerReport(written=written))
-        saved = set()
-    return reports
-
-
-#: What the fleet replay (:mod:`vllm_kvtier.ops.fleet_sim`) builds each instance's lower
-#: tiers with, and runs each step's writes through: the same code as :func:`simulate_tiers`.
-make_lower_planner = _lower_planner
-step_writes = _step

@@ -114,6 +114,8 @@ class LoadPlanner:
                 state.promoting.append(k)
                 state.sources[k] = (tier, fid)
             self.counters.add(CounterName.HIT_BLOCKS, tier.tier)
+            if tier.origins.is_remote(fid):
+                self.counters.add(CounterName.REMOTE_HIT_BLOCKS, tier.tier)
         blocks = [state.block_ids[p] for p in positions]
         unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
         asynchronous = (self.options.always_async or self.load_mode == "async" or bool(reads)
