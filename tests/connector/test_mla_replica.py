@@ -32,6 +32,7 @@ from vllm_kvtier.ops.capacity import kv_bytes_per_token, model_from_hf_config
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import rank_dir
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 
@@ -252,7 +253,8 @@ def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: 
     pool = {"master": mooncake_master.address, "local_hostname": "127.0.0.1", "global_segment_bytes": 16 * 2**20,
             "local_buffer_bytes": 4 * 2**20, "transfer_buffer_bytes": 4 * 2**20, "lookup_timeout_s": 2.0}
     eng = Ranks({"mooncake": pool}, "mooncake", replicated=True)
-    probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0), NS, r, SLOT) for r in range(TP)]
+    probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0),
+                           StoreContext(NS, r, SLOT)) for r in range(TP)]
     try:
         jobs = eng.save([0, 1])
         assert [j.chunk_id for j in jobs] == [key(0).hex(), key(1).hex()]  # one object per block, by its key

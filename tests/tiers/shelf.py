@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.tiers.buffers import shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, ReadShape, StoreKernel
 from vllm_kvtier.tiers.registry import CatalogContext, StoreContext
 from vllm_kvtier.tiers.spec import MediumSpec
 
@@ -83,15 +83,13 @@ class ShelfMedium:
         pass
 
 
-class ShelfStore(StoreKernel):
+class ShelfStore(KernelStore[ShelfMedium]):
     """Chunk files under ``root/<namespace>/r<rank>``: the kernel does the rest."""
 
-    def __init__(self, root: Path, namespace: str, block_bytes: int, *, rank: int = 0, **kernel: Any) -> None:
-        self.medium = ShelfMedium(root / namespace / f"r{rank}")
-        kernel["buffers"] = kernel.get("buffers") or shared_pool()
-        kernel.setdefault("read_deadline_s", 5.0)
-        kernel.setdefault("max_chunk_blocks", 16)
-        super().__init__(self.medium, namespace=namespace, block_bytes=block_bytes, rank=rank, **kernel)
+    def __init__(self, section: ShelfConfig, ctx: StoreContext) -> None:
+        medium = ShelfMedium(Path(section.path) / ctx.namespace / f"r{ctx.rank}")
+        settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, section.chunk_blocks, read_deadline_s=5.0)
+        super().__init__(medium, StoreKernel(medium, settings, buffers=ctx.buffers or shared_pool(), auth=ctx.auth))
 
 
 class ShelfSpec(MediumSpec):
@@ -99,8 +97,7 @@ class ShelfSpec(MediumSpec):
     section_type = ShelfConfig
 
     def open_store(self, section: ShelfConfig, ctx: StoreContext) -> ShelfStore:
-        return ShelfStore(Path(section.path), ctx.namespace, ctx.block_bytes, rank=ctx.rank, auth=ctx.auth,
-                          buffers=ctx.buffers, max_chunk_blocks=section.chunk_blocks)
+        return ShelfStore(section, ctx)
 
     def open_catalog(self, section: ShelfConfig, ctx: CatalogContext) -> Listing:
         return Listing.empty(ctx.world_size)

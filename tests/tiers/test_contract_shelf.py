@@ -19,7 +19,9 @@ SHELF = "tests.tiers.shelf:SPEC"
 
 class TestShelfStore(StoreContract):
     def make_store(self, tmp_path: Path, **kw: Any) -> ShelfStore:
-        return ShelfStore(tmp_path / "shelf", NS, BLOCK, **kw)
+        assert kw.pop("read_deadline_s", 5.0) == 5.0  # the shelf's own deadline
+        section = ShelfConfig(str(tmp_path / "shelf"), chunk_blocks=kw.pop("max_chunk_blocks", 16))
+        return ShelfStore(section, StoreContext(NS, kw.pop("rank", 0), BLOCK, **kw))
 
     def get_raw(self, store: ShelfStore, chunk_id: str) -> bytes:  # type: ignore[override]
         return store.medium.path(chunk_id).read_bytes()

@@ -29,6 +29,7 @@ from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContex
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.store import S3Store
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
@@ -53,9 +54,8 @@ class Instance:
         self.pool = CPUPool(8, (SLOT,), pin=False, prefault=False)
         self.slots = SlotTable(self.pool)
         self.counters = Counters()
-        self.store = s3 = S3Store(
-            config(server, bucket, writer_id=writer, manifest_every_writes=1), NS, 0, SLOT, auth=auth,
-            max_chunk_blocks=2)
+        self.store = s3 = S3Store(config(server, bucket, writer_id=writer, manifest_every_writes=1),
+                                  StoreContext(NS, 0, SLOT, auth=auth), max_chunk_blocks=2)
         self.worker = ChunkWorker(TIER, s3, DriverSettings("write-through", 2, 1.0), DriverContext(self.slots, self.counters, fetches_headers=True))
         self.scan = s3.scan()
         self.planner = ChunkPlanner(ChunkPolicy(TIER, "write-through", 1, 2, None), PlannerContext(1, SLOT, self.counters), Listing([self.scan.found]))

@@ -57,9 +57,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
 from vllm_kvtier.config.stores import MooncakeConfig
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.buffers import shared_pool
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, ReadShape, StoreKernel
 from vllm_kvtier.tiers.mooncake.spec import INSTALL_HINT
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 
@@ -215,12 +214,12 @@ class MooncakeMedium:
     #: a pool object is fetched whole (the client has no ranged get)
     read_shape: ReadShape = "whole"
 
-    def __init__(self, client: Any, arena: _Arena, *, namespace: str, rank: int, replicate: Any,
-                 breaker: CircuitBreaker, max_batch: int) -> None:
+    def __init__(self, client: Any, arena: _Arena, *, prefix: str, replicate: Any, breaker: CircuitBreaker,
+                 max_batch: int) -> None:
+        """``prefix``: the keys' common start, one (namespace, rank)'s (:func:`object_key`)."""
         self.client = client
         self.arena = arena
-        self.namespace = namespace
-        self.rank = rank
+        self.prefix = prefix
         self.replicate = replicate
         self.breaker = breaker
         #: operations the kernel hands over per batch call (``mooncake.max_batch``)
@@ -229,7 +228,7 @@ class MooncakeMedium:
         self._requests: dict[str, int] = {}
 
     def key(self, chunk_id: str) -> str:
-        return object_key(self.namespace, self.rank, chunk_id)
+        return self.prefix + chunk_id
 
     def requests(self) -> dict[str, int]:
         """Client calls so far, by method (a batch counts once)."""
@@ -453,28 +452,27 @@ def _address(view: memoryview) -> int:
 _BACKGROUND_CLOSE_S = 24 * 3600.0
 
 
-class MooncakeStore(StoreKernel):
+class MooncakeStore(KernelStore[MooncakeMedium]):
     """The Mooncake tier's :class:`~vllm_kvtier.tiers.base.ChunkStore` for one (namespace,
     rank), also :class:`~vllm_kvtier.tiers.base.Probeable` and
     :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`. See the module doc.
 
-    ``max_chunk_blocks``: the most blocks this engine puts in an object (the Mooncake tier
-    stores one per object): the bound of every size the master reports. ``buffers``: the
-    worker's pool (None: the process default; reads land in the arena, not in it).
+    ``ctx``: the namespace, rank and block size, ``ctx.buffers`` the worker's pool (None:
+    the process default; reads land in the arena, not in it). ``max_chunk_blocks``: the
+    most blocks this engine puts in an object (the Mooncake tier stores one per object):
+    the bound of every size the master reports.
 
     Raises ImportError (with an install hint) when the mooncake package or its system
     libraries are missing, and ConnectionError when the master cannot be reached or the
     client cannot join the pool."""
 
-    def __init__(self, config: MooncakeConfig, namespace: str, rank: int, block_bytes: int, *,
-                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
-                 auth: ChunkAuth | None = None) -> None:
+    def __init__(self, config: MooncakeConfig, ctx: StoreContext, *,
+                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:  # also a missing libibverbs.so.1 (an ImportError of the extension)
             raise ImportError(f"{INSTALL_HINT} ({e})") from e
         self.config = config
-        self.rank = rank
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         host, port = config.master_host_port
         _probe(host, port, config.connect_timeout_s)
@@ -494,13 +492,15 @@ class MooncakeStore(StoreKernel):
             raise ConnectionError(f"mooncake: registering the {arena.nbytes} B transfer buffer failed (rc {rc})")
         replicate = ReplicateConfig()
         replicate.replica_num = config.replicas
-        self._pool = MooncakeMedium(client, arena, namespace=namespace, rank=rank, replicate=replicate,
-                                    breaker=self.breaker, max_batch=config.max_batch)
+        medium = MooncakeMedium(client, arena, prefix=object_key(ctx.namespace, ctx.rank, ""), replicate=replicate,
+                                breaker=self.breaker, max_batch=config.max_batch)
         self._closer: threading.Thread | None = None
-        super().__init__(self._pool, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
-                         buffers=buffers or shared_pool(), read_deadline_s=config.deadline_s,
-                         io_threads=config.io_threads, write_threads=config.io_threads,
-                         max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
+        settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks,
+                                  read_deadline_s=config.deadline_s,
+                                  io_threads=config.io_threads, write_threads=config.io_threads,
+                                  max_queued_writes=config.max_queued_writes)
+        kernel = StoreKernel(medium, settings, buffers=ctx.buffers or shared_pool(), auth=ctx.auth)
+        super().__init__(medium, kernel)
         logger.info("kvtier mooncake: joined master %s as %s over %s (segment %d B)", config.master,
                     self.local_hostname, config.protocol, config.global_segment_bytes)
 
@@ -512,8 +512,7 @@ class MooncakeStore(StoreKernel):
         config = section.store
         if ctx.lookup_only:
             config = dataclasses.replace(config, global_segment_bytes=0, transfer_buffer_bytes=1 << 20, io_threads=1)
-        return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks=section.chunk_blocks,
-                   buffers=ctx.buffers, auth=ctx.auth)
+        return cls(config, ctx, max_chunk_blocks=section.chunk_blocks)
 
     def __repr__(self) -> str:
         return (f"MooncakeStore(master={self.config.master!r}, protocol={self.config.protocol!r}, "
@@ -521,27 +520,27 @@ class MooncakeStore(StoreKernel):
 
     def key(self, chunk_id: str) -> str:
         """The chunk's object key in the pool (for tools and fault drills)."""
-        return self._pool.key(chunk_id)
+        return self.medium.key(chunk_id)
 
     def exists(self, chunk_ids: list[str]) -> list[bool]:
         """Whether each chunk is in the pool now (one batch call; blocks). An error reads
         as False: a chunk that cannot be confirmed is a miss."""
         if not chunk_ids or self._closer is not None:
             return [False] * len(chunk_ids)
-        rcs = self._pool.batch("batch_is_exist", [self.key(c) for c in chunk_ids])
+        rcs = self.medium.batch("batch_is_exist", [self.key(c) for c in chunk_ids])
         return [rc == 1 for rc in rcs]
 
     def stats(self) -> MooncakeStats:
         failures = {str(reason): n for reason, n in self.op_stats().failures.items()}
-        return MooncakeStats(self._pool.requests(), 0, failures, self.breaker.snapshot())
+        return MooncakeStats(self.medium.requests(), 0, failures, self.breaker.snapshot())
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued I/O, leave the pool and free the arena, waiting up to ``timeout_s``;
         what is not done by then finishes on a background (non-daemon) thread, so the
         process still exits cleanly. New work is refused from the call on. Idempotent."""
-        if not self._stop_accepting():
+        if not self.kernel.stop_accepting():
             return
-        self._closer = threading.Thread(target=self._shut_down, args=(_BACKGROUND_CLOSE_S,),
+        self._closer = threading.Thread(target=self.kernel.shut_down, args=(_BACKGROUND_CLOSE_S,),
                                         name="kvtier-mooncake-close")
         self._closer.start()
         self._closer.join(timeout_s)
