@@ -12,6 +12,7 @@ from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
+from vllm_kvtier.plan.parts import PlanParts
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.tiers.cpu import CPUPool
@@ -92,8 +93,8 @@ def test_prefetched_keys_are_bounded() -> None:
         loc = tier.locate(k)
         return None if loc is None else (tier, *loc)
 
-    p = Prefetcher(index, [tier], Counters(), promotions, world_size=1, max_inflight_blocks=64, max_age_s=60.0,
-                   locate=locate, max_prefetched_keys=3)
+    p = Prefetcher(PlanParts(index, [tier], Counters(), promotions, locate), world_size=1, max_inflight_blocks=64,
+                   max_age_s=60.0, max_prefetched_keys=3)
     for ch in chains:
         p.predict(ch)
         (job,) = p.take_jobs()
