@@ -71,7 +71,7 @@ How the media map onto it:
   of every block is one plain GET of the whole object (:class:`WholeObjectMedium`).
   ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.s3.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
-* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake.store`): ``SizedMedium.size_of`` = ``get_size``
+* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake.medium`): ``SizedMedium.size_of`` = ``get_size``
   from the master (the kernel bounds it by :func:`max_chunk_bytes` before it takes memory);
   ``AllocatingMedium.take_buffer`` = a slice of the registered arena (None: ``no_buffer``);
   ``BatchingMedium.read_batch`` = ``batch_get_into`` of whole objects, ``put_batch`` = copy
