@@ -19,7 +19,7 @@ from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, Releasable, out_of_memory
 from vllm_kvtier.tiers.kernel.jobs import Failed, KernelStats, Op, Part, QueueItem, ReadJob, WriteJob
-from vllm_kvtier.tiers.medium import AllocatingMedium, BatchingMedium, Medium
+from vllm_kvtier.tiers.medium import AllocatingMedium, Medium
 
 __all__ = ["KernelCore", "KernelSettings", "OnWritten"]
 
@@ -143,10 +143,6 @@ class KernelCore:
     @property
     def _max_bytes(self) -> int:
         return max_chunk_bytes(self.settings.max_chunk_blocks, self.settings.block_bytes)
-
-    @property
-    def _batch(self) -> int:
-        return self.medium.max_batch if isinstance(self.medium, BatchingMedium) else 1
 
     @property
     def _reads_q(self) -> queue.PriorityQueue[QueueItem]:

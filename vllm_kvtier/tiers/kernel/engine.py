@@ -21,7 +21,7 @@ from vllm_kvtier.tiers.kernel.core import KernelSettings, OnWritten
 from vllm_kvtier.tiers.kernel.jobs import Op, QueueItem, ReadJob, WriteJob, check_id
 from vllm_kvtier.tiers.kernel.reads import VerifiedReads
 from vllm_kvtier.tiers.kernel.stamping import StampedWrites
-from vllm_kvtier.tiers.medium import Medium
+from vllm_kvtier.tiers.medium import BatchingMedium, Medium
 
 __all__ = ["StoreKernel"]
 
@@ -46,8 +46,9 @@ class StoreKernel(VerifiedReads, StampedWrites):
                  auth: ChunkAuth | None = None, on_written: OnWritten | None = None) -> None:
         super().__init__(medium, settings, buffers=buffers, auth=auth, on_written=on_written)
         queues = [self._reads_q] * settings.io_threads + [self._writes_q] * max(0, settings.write_threads)
+        batch = medium.max_batch if isinstance(medium, BatchingMedium) else 1
         self._workers = [
-            (threading.Thread(target=self._run, args=(q,), name=f"kvtier-{medium.name}-{i}", daemon=True), q)
+            (threading.Thread(target=self._run, args=(q, batch), name=f"kvtier-{medium.name}-{i}", daemon=True), q)
             for i, q in enumerate(queues)
         ]
         for t, _ in self._workers:
@@ -150,14 +151,15 @@ class StoreKernel(VerifiedReads, StampedWrites):
 
     # ---- I/O threads ----------------------------------------------------------------------
 
-    def _run(self, q: queue.PriorityQueue[QueueItem]) -> None:
+    def _run(self, q: queue.PriorityQueue[QueueItem], max_batch: int) -> None:
+        """One I/O thread: items of ``q``, up to ``max_batch`` of one kind at once."""
         cpus.enter_background()
         while True:
             item = q.get()
             if item.op is Op.STOP:
                 return
             batch = [item]
-            while self._batch > 1 and len(batch) < self._batch and item.op in (Op.PART, Op.WRITE):
+            while len(batch) < max_batch and item.op in (Op.PART, Op.WRITE):
                 try:
                     nxt = q.get_nowait()
                 except queue.Empty:
