@@ -30,6 +30,7 @@ from bench._common import save_json  # noqa: E402
 from testkit.s3_server import MotoServer, aws_test_env  # noqa: E402
 from tests.tiers.test_forged_manifests import AUTH, bomb, forged_names, plant  # noqa: E402
 from tests.tiers.test_s3_store import BLOCK, NS, config, write  # noqa: E402
+from vllm_kvtier.tiers.registry import StoreContext  # noqa: E402
 from vllm_kvtier.tiers.s3.manifest import SIG_MAGIC  # noqa: E402
 from vllm_kvtier.tiers.s3.store import S3Store  # noqa: E402
 
@@ -41,14 +42,16 @@ def run(forged: int, mib: int, key: bool, max_scans: int) -> dict[str, Any]:
         server.start()
         try:
             cfg = config(server, server.create_bucket(), deadline_s=30.0, read_timeout_s=30.0)
-            writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=auth)
+            writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=auth),
+                             max_chunk_blocks=16)
             for i in range(3):
                 write(writer, f"c{i}", 10 * i, 2, job=i + 1)
             writer.close()
             body = bomb(mib << 20)
             bodies = [body, body + SIG_MAGIC + AUTH.key_id + bytes(32)] if key else [body]
             plant(server, cfg.bucket, writer, bodies, forged, forged_names(writer, forged) if key else None)
-            reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=auth)
+            reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=auth),
+                             max_chunk_blocks=16)
             scans: list[dict[str, Any]] = []
             try:
                 while len(scans) < max_scans:  # until nothing is left for later, then once more

@@ -61,7 +61,9 @@ sys.path.insert(0, str(ROOT))
 from bench import nvme_throughput as nv  # noqa: E402
 from bench import s3_throughput as s3b  # noqa: E402
 from bench._common import save_json  # noqa: E402
+from testkit.stores import nvme_section  # noqa: E402
 from vllm_kvtier.tiers.nvme.store import NVMeStore  # noqa: E402
+from vllm_kvtier.tiers.registry import StoreContext  # noqa: E402
 from vllm_kvtier.tiers.s3.store import S3Config, S3Store  # noqa: E402
 
 MB = 1e6
@@ -156,8 +158,9 @@ def run_nvme(a: argparse.Namespace) -> dict[str, Any]:
     cases = []
     try:
         for block_bytes in a.blocks:
-            stores = {e: NVMeStore(base / e, nv.NAMESPACE, 0, block_bytes, direct_io=a.direct_io,
-                                   io_threads=a.io_threads, max_queued_writes=64, io_engine=e)
+            stores = {e: NVMeStore(nvme_section(base / e, direct_io=a.direct_io, io_threads=a.io_threads,
+                                                max_queued_writes=64, io_engine=e),
+                                   StoreContext(nv.NAMESPACE, 0, block_bytes))
                       for e in ("posix", "nixl")}
             w = nv.Workload(a.total_mib * MiB, block_bytes, a.chunk_blocks, tag=0xB10C)
             direct = stores["posix"].direct
@@ -254,7 +257,7 @@ def run_s3(a: argparse.Namespace) -> dict[str, Any]:
                            io_threads=a.threads, max_queued_writes=w.nchunks, deadline_s=60.0, read_timeout_s=30.0,
                            multipart_threshold_bytes=max(64 * MiB, 2 * w.chunk_blocks * w.block_bytes),
                            io_engine=engine)  # type: ignore[arg-type]
-            stores[engine] = S3Store(cfg, nv.NAMESPACE, 0, a.s3_block_bytes)
+            stores[engine] = S3Store(cfg, StoreContext(nv.NAMESPACE, 0, a.s3_block_bytes))
             stack.callback(stores[engine].close)
         import boto3
         from botocore.config import Config

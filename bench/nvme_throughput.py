@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -66,6 +67,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from testkit.stores import nvme_section  # noqa: E402
 from vllm_kvtier.chunkformat import (  # noqa: E402
     align_up,
     block_crc,
@@ -78,6 +80,7 @@ from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.base import IOResult  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.nvme.store import NVMeStore, scan_dir  # noqa: E402
+from vllm_kvtier.tiers.registry import StoreContext  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -361,8 +364,9 @@ def sweep(base: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     total = a.total_mib * MiB
     for threads, cb in [(1, 16), (2, 16), (4, 16), (2, 4), (2, 64), (4, 64)]:
         d = base / f"sweep-t{threads}-c{cb}"
-        store = NVMeStore(d, NAMESPACE, 0, a.block_bytes, direct_io=a.direct_io, io_threads=threads,
-                          max_queued_writes=a.max_queued_writes)
+        store = NVMeStore(nvme_section(d, direct_io=a.direct_io, io_threads=threads,
+                                       max_queued_writes=a.max_queued_writes),
+                          StoreContext(NAMESPACE, 0, a.block_bytes))
         try:
             w = Workload(total, a.block_bytes, cb, tag=0x5EE9)
             ws, headers, _ = time_ours_write(store, w, prefill=True)
@@ -388,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="kvtier-nvme-bench-", dir=parent))
     fs = fs_type(base)
     try:
-        store = NVMeStore(base / "store", NAMESPACE, 0, a.block_bytes, direct_io=a.direct_io,
-                          io_threads=a.io_threads, max_queued_writes=a.max_queued_writes)
-        auth_store = (NVMeStore(base / "store-auth", NAMESPACE, 0, a.block_bytes, direct_io=a.direct_io,
-                                io_threads=a.io_threads, max_queued_writes=a.max_queued_writes,
-                                auth=ChunkAuth(os.urandom(32))) if a.auth else None)
+        section = nvme_section(base / "store", direct_io=a.direct_io, io_threads=a.io_threads,
+                               max_queued_writes=a.max_queued_writes)
+        store = NVMeStore(section, StoreContext(NAMESPACE, 0, a.block_bytes))
+        auth_store = (NVMeStore(dataclasses.replace(section, path=str(base / "store-auth")),
+                                StoreContext(NAMESPACE, 0, a.block_bytes, auth=ChunkAuth(os.urandom(32))))
+                      if a.auth else None)
         w = Workload(a.total_mib * MiB, a.block_bytes, a.chunk_blocks, tag=0xB10C)
         dd_path = base / "dd.bin"
         print(f"dir {base} ({fs.get('type')} on {fs.get('device')}), O_DIRECT: {store.direct}, "

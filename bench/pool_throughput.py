@@ -71,6 +71,7 @@ from testkit.mooncake_server import MooncakeMaster  # noqa: E402
 from vllm_kvtier.chunkformat import CRC_IMPL, ChunkHeader, align_up, header_bytes_for  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
 from vllm_kvtier.tiers.mooncake.store import MooncakeConfig, MooncakeStore  # noqa: E402
+from vllm_kvtier.tiers.registry import StoreContext  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                              transfer_buffer_bytes=w.nchunks * align_up(object_bytes) + 16 * MiB,
                              deadline_s=120.0, io_threads=a.threads, max_batch=a.batch,
                              max_queued_writes=w.nchunks)
-        store = MooncakeStore(cfg, NAMESPACE, 0, w.block_bytes, max_chunk_blocks=w.chunk_blocks)
+        store = MooncakeStore(cfg, StoreContext(NAMESPACE, 0, w.block_bytes), max_chunk_blocks=w.chunk_blocks)
         stack.callback(store.close)
 
         # Plain: the same kind of client, two registered buffers (source and destination).

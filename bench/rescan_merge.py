@@ -83,8 +83,14 @@ def run(objects: int, churn: float, blocks: int) -> dict[str, Any]:
     kw: dict[str, Any] = {"initial": [start]} if after else {}
     rescanner = Rescanner("s3", scan, 0.01, **kw)
     policy = ChunkPolicy("s3", "write-through", 1, blocks, None)
-    planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=BLOCK, counters=Counters(), found=[start],
-                           **{"catalog" if CATALOG else "rescanner": rescanner})
+    if "ctx" in inspect.signature(ChunkPlanner.__init__).parameters:  # a context and a listing
+        from vllm_kvtier.catalog.base import Listing
+        from vllm_kvtier.plan.chunk_plan import PlannerContext  # type: ignore[attr-defined]
+
+        planner = ChunkPlanner(policy, PlannerContext(1, BLOCK, Counters()), Listing([start], catalog=rescanner))
+    else:
+        planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=BLOCK, counters=Counters(),  # type: ignore[call-arg]
+                               found=[start], **{"catalog" if CATALOG else "rescanner": rescanner})
     want_in = next(iter(listing(objects + gone - 1, 1, blocks).values())).keys[0]
     want_out = next(iter(start.values())).keys[0] if gone else None
     gc.collect()

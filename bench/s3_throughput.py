@@ -55,6 +55,7 @@ from testkit.s3_server import MotoServer, aws_test_env  # noqa: E402
 from vllm_kvtier.chunkformat import ChunkHeader  # noqa: E402
 from vllm_kvtier.tiers.auth import ChunkAuth  # noqa: E402
 from vllm_kvtier.tiers.buffers import WriteBuffer  # noqa: E402
+from vllm_kvtier.tiers.registry import StoreContext  # noqa: E402
 from vllm_kvtier.tiers.s3.store import S3Config, S3Store  # noqa: E402
 
 MB = 1e6
@@ -283,14 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = S3Config(bucket=a.bucket, prefix=a.prefix, endpoint_url=endpoint, path_style=path_style,
                        io_threads=a.threads, max_queued_writes=w.nchunks, deadline_s=60.0, read_timeout_s=30.0,
                        multipart_threshold_bytes=max(64 * MiB, 2 * w.chunk_blocks * w.block_bytes))
-        store = S3Store(cfg, NAMESPACE, 0, a.block_bytes)
+        store = S3Store(cfg, StoreContext(NAMESPACE, 0, a.block_bytes))
         stack.callback(store.close)
         stores = {"ours": store}
         if a.auth:  # its own prefix: the same payload, MACs on
             import dataclasses
 
-            stores["auth"] = S3Store(dataclasses.replace(cfg, prefix=a.prefix + "auth/"), NAMESPACE, 0, a.block_bytes,
-                                     auth=ChunkAuth(os.urandom(32)))
+            stores["auth"] = S3Store(dataclasses.replace(cfg, prefix=a.prefix + "auth/"),
+                                     StoreContext(NAMESPACE, 0, a.block_bytes,
+                                                  auth=ChunkAuth(os.urandom(32))))
             stack.callback(stores["auth"].close)
         # The baseline client: the same botocore settings as the store's (a fair comparison).
         import boto3

@@ -91,7 +91,7 @@ def test_a_request_that_reads_no_cache_is_not_followed_under_either_name():
     """vLLM 0.32/0.33 call it ``skip_reading_prefix_cache``, 0.34 ``skip_reading_external_kv``."""
     from types import SimpleNamespace
 
-    from vllm_kvtier.connector.scheduler import followed
+    from vllm_kvtier.engine.scheduler import followed
 
     assert followed(SimpleNamespace())
     assert not followed(SimpleNamespace(skip_reading_prefix_cache=True))

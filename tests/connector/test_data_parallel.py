@@ -31,7 +31,7 @@ from tests.sched_helpers import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_KV_HEADS, NUM_
 from vllm_kvtier.chunkformat import ALIGN, align_up, header_bytes_for
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector import wiring
-from vllm_kvtier.connector.lower import make_workers
+from vllm_kvtier.engine.lower import make_workers
 from vllm_kvtier.jobs import ChunkRead, StepPlan, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters

@@ -20,7 +20,7 @@ from tests.sched_helpers import (
     prompt_tokens,
     sched_half,
 )
-from vllm_kvtier.connector.scheduler import view_id
+from vllm_kvtier.engine.scheduler import view_id
 from vllm_kvtier.index.groups import group_key
 from vllm_kvtier.keys import BlockKey
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.unit.test_identity import model_dir
-from vllm_kvtier.connector.wiring import engine_namespace, model_identity
+from vllm_kvtier.connector.wiring import engine_namespace
+from vllm_kvtier.engine.identity import model_identity
 from vllm_kvtier.index.identity import fingerprint_weights
 
 

@@ -3,7 +3,7 @@ CPU store it once, as ``kvtier plan`` counts it.
 
 Two TP ranks in one process, through the real start-up path (the scheduler's planner from
 make_planners, each rank's driver from make_workers with the role the connector gives it,
-:func:`~vllm_kvtier.connector.lower.rank_role`), on real files and the real moto S3 server:
+:func:`~vllm_kvtier.engine.lower.rank_role`), on real files and the real moto S3 server:
 one chunk file/object per block set, written by rank 0 only, under rank 0's name; both ranks
 load it, byte for byte; the scheduler confirms it on the one acknowledgement and counts one
 copy in its usage gauge; a delete is the writer's. A sharded model's ranks keep their own
@@ -24,7 +24,7 @@ from testkit.mooncake_server import MooncakeMaster
 from testkit.s3_server import MotoServer
 from vllm_kvtier.chunkformat import ALIGN, align_up, header_bytes_for
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
+from vllm_kvtier.engine.lower import RankRole, make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
@@ -32,6 +32,7 @@ from vllm_kvtier.ops.capacity import kv_bytes_per_token, model_from_hf_config
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import rank_dir
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 
@@ -252,7 +253,8 @@ def test_mooncake_pool_holds_one_object_and_both_ranks_load_it(mooncake_master: 
     pool = {"master": mooncake_master.address, "local_hostname": "127.0.0.1", "global_segment_bytes": 16 * 2**20,
             "local_buffer_bytes": 4 * 2**20, "transfer_buffer_bytes": 4 * 2**20, "lookup_timeout_s": 2.0}
     eng = Ranks({"mooncake": pool}, "mooncake", replicated=True)
-    probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0), NS, r, SLOT) for r in range(TP)]
+    probe = [MooncakeStore(mooncake_master.config(global_segment_bytes=0),
+                           StoreContext(NS, r, SLOT)) for r in range(TP)]
     try:
         jobs = eng.save([0, 1])
         assert [j.chunk_id for j in jobs] == [key(0).hex(), key(1).hex()]  # one object per block, by its key

@@ -13,15 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from testkit.stores import nvme_section
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners, make_workers
+from vllm_kvtier.engine.lower import make_planners, make_workers
 from vllm_kvtier.jobs import ChunkRead, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import NVMeStore, rank_dir
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.transfer.slots import SlotTable
 from vllm_kvtier.transfer.tier_io import ChunkWorker
 
@@ -111,13 +114,14 @@ class Engine:
 
 
 def test_debris_is_deleted_at_start_by_its_owners_and_counted(tmp_path: Path) -> None:
-    r0, r1 = (NVMeStore(tmp_path, NS, r, SLOT) for r in range(WORLD))
+    r0, r1 = (NVMeStore(nvme_section(tmp_path), StoreContext(NS, r, SLOT)) for r in range(WORLD))
     put(r0, "good", [key(1), key(2)])
     put(r1, "good", [key(1), key(2)])
     put(r0, "partial", [key(3), key(4)])  # the crash came before rank 1 wrote it
     r0.close()
     r1.close()
-    misfit = NVMeStore(tmp_path, NS, 1, 2 * SLOT)  # another block size, inside the namespace
+    misfit = NVMeStore(nvme_section(tmp_path),
+                       StoreContext(NS, 1, 2 * SLOT))  # another block size, inside the namespace
     put(misfit, "misfit", [key(5)], 2 * SLOT)
     misfit.close()
     (rank_dir(tmp_path, NS, 0) / ".tmp-torn-0badf00d").write_bytes(b"\0" * 10000)
@@ -141,7 +145,7 @@ def test_chunk_a_rank_could_not_open_is_kept_and_adopted_later(tmp_path: Path, m
     is not indexed, but it is not deleted on any rank either (it is not known partial).
     The next start reads it and indexes it. Before, the planner reclaimed it everywhere."""
     for r in range(WORLD):
-        st = NVMeStore(tmp_path, NS, r, SLOT)
+        st = NVMeStore(nvme_section(tmp_path), StoreContext(NS, r, SLOT))
         put(st, "good", [key(1), key(2)])
         st.close()
     victim = str(rank_dir(tmp_path, NS, 1) / "good.kvt")
@@ -175,13 +179,12 @@ def test_a_failed_write_deletes_what_other_ranks_wrote_on_an_exclusive_tier(tmp_
     """NVMe is this engine's own: a chunk whose write failed on one rank is deleted on
     every rank (the other rank's file is a partial chunk of ours), unlike a shared tier
     (see test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier)."""
-    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, None, exclusive=True), world_size=WORLD,
-                     block_bytes_per_rank=SLOT, counters=Counters(), found=[{}, {}])
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, None, exclusive=True), PlannerContext(WORLD, SLOT, Counters()), Listing([{}, {}]))
     p.note_request([key(1), key(2)])
     for i in (1, 2):
         p.on_cpu_save(i, BlockKey(key(i)))
     (job,) = p.take_jobs(set(), {BlockKey(key(i)): i for i in (1, 2)}.get)[1]
-    r0 = NVMeStore(tmp_path, NS, 0, SLOT)
+    r0 = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, SLOT))
     put(r0, job.chunk_id, [key(1), key(2)])  # rank 0 wrote it; rank 1's write failed
     p.on_worker_meta(WorkerReport(written={("nvme", job.chunk_id): 1}, failed={("nvme", job.chunk_id)}))
     deletes = p.take_jobs(set(), lambda k: None)[2]
@@ -197,7 +200,7 @@ def test_capacity_bounds_every_byte_in_the_rank_directories(tmp_path: Path) -> N
     lock files are taken off the capacity: after filling far past it, the bytes in each
     rank directory stay within its share, and in all of them within capacity_bytes."""
     for r in range(WORLD):
-        NVMeStore(tmp_path, NS, r, SLOT).close()
+        NVMeStore(nvme_section(tmp_path), StoreContext(NS, r, SLOT)).close()
     (rank_dir(tmp_path, NS, 1) / "notes.txt").write_bytes(b"x" * 30000)
     (rank_dir(tmp_path, NS, 0) / ".tmp-torn-0badf00d").write_bytes(b"\0" * 20000)
     probe = Engine(tmp_path / "probe", capacity_bytes=1 << 30)  # a two-block chunk's file, as planned
@@ -259,7 +262,7 @@ def test_a_directory_locked_by_another_engine_is_neither_indexed_nor_touched(tmp
 def test_foreign_namespaces_are_reported_at_start_and_collected_when_asked(tmp_path: Path, caplog) -> None:
     old = "aaaaaaaaaaaaaaaa"  # an earlier model's namespace under the same nvme.path
     for r in range(WORLD):
-        t = NVMeStore(tmp_path, old, r, SLOT)
+        t = NVMeStore(nvme_section(tmp_path), StoreContext(old, r, SLOT))
         put(t, "c", [key(1), key(2)])
         t.close()
     eng = Engine(tmp_path, capacity_bytes=1 << 30)
@@ -280,7 +283,7 @@ def test_an_unsafe_directory_is_not_indexed_either(tmp_path: Path) -> None:
     """Chunks in a rank directory others can write (planted, perhaps): the planner indexes
     none of them, and the workers refuse the directory."""
     for r in range(WORLD):
-        t = NVMeStore(tmp_path, NS, r, SLOT)
+        t = NVMeStore(nvme_section(tmp_path), StoreContext(NS, r, SLOT))
         put(t, "planted", [key(1), key(2)])
         t.close()
     os.chmod(rank_dir(tmp_path, NS, 1), 0o777)
@@ -297,7 +300,7 @@ def test_an_unsafe_directory_is_not_indexed_either(tmp_path: Path) -> None:
 def test_start_up_deletes_ask_for_a_step_of_an_idle_engine(tmp_path: Path) -> None:
     """A partial chunk found at start is deleted at the first step, which an idle engine
     is asked for (has_flush_work), not only once a request comes."""
-    t = NVMeStore(tmp_path, NS, 0, SLOT)
+    t = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, SLOT))
     put(t, "partial", [key(1)])
     t.close()
     eng = Engine(tmp_path, capacity_bytes=1 << 30)

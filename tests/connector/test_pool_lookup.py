@@ -19,10 +19,11 @@ import time
 import pytest
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners
+from vllm_kvtier.engine.lower import make_planners
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.tiers.registry import TIERS, TierEntry
+from vllm_kvtier.tiers.mooncake.spec import MooncakeSpec
+from vllm_kvtier.tiers.registry import TIERS
 
 
 class SlowPool:
@@ -35,9 +36,6 @@ class SlowPool:
     gate = threading.Event()
     answered = threading.Event()
 
-    @classmethod
-    def from_config(cls, section, ctx) -> SlowPool:
-        return cls()
 
     def exists(self, ids: list[str]) -> list[bool]:
         SlowPool.calls += 1
@@ -49,9 +47,21 @@ class SlowPool:
         SlowPool.gate.set()
 
 
+class SlowPoolSpec(MooncakeSpec):
+    """The Mooncake tier's spec over :class:`SlowPool`."""
+
+    requires = ()
+
+    def open_store(self, section, ctx) -> SlowPool:  # type: ignore[override]
+        return SlowPool()
+
+
+SLOW_POOL = SlowPoolSpec()
+
+
 @pytest.fixture
 def slow_pool(monkeypatch):
-    monkeypatch.setitem(TIERS, "mooncake", TierEntry("mooncake", f"{__name__}:SlowPool"))
+    monkeypatch.setitem(TIERS, "mooncake", f"{__name__}:SLOW_POOL")
     SlowPool.calls = 0
     SlowPool.gate = threading.Event()
     SlowPool.answered = threading.Event()

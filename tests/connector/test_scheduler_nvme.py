@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners
 from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.engine.lower import make_planners
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
 BS = 32
 
@@ -112,8 +113,7 @@ def make_two_tiers(tmp_path, num_slots: int, s3_mode: str = "write-through") -> 
     cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, "admit_min_seen": 1}})
     counters = Counters()
     planners = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
-    s3 = ChunkPlanner(ChunkPolicy("s3", s3_mode, 1, 16, None), world_size=1, block_bytes_per_rank=4096,
-                      counters=counters, found=[{}])
+    s3 = ChunkPlanner(ChunkPolicy("s3", s3_mode, 1, 16, None), PlannerContext(1, 4096, counters), Listing([{}]))
     return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096,
                          lower=[*planners, s3], counters=counters)
 
@@ -159,10 +159,8 @@ def test_s3_capacity_evicts_lru_objects_and_deletes_them(tmp_path):
     """With s3.capacity_bytes, the oldest objects make room and go out as s3 deletes."""
     cfg = parse_config({})
     counters = Counters()
-    per_object = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=1,
-                              block_bytes_per_rank=4096, counters=counters, found=[{}]).file_bytes(2)
-    s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, 2 * per_object), world_size=1,
-                      block_bytes_per_rank=4096, counters=counters, found=[{}])
+    per_object = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(1, 4096, counters), Listing([{}])).file_bytes(2)
+    s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, 2 * per_object), PlannerContext(1, 4096, counters), Listing([{}]))
     half = SchedulerHalf(cfg, block_size=BS, num_slots=16, slot_bytes_total=4096, lower=[s3], counters=counters)
     s3.index.add_existing("old", [key(100), key(101)], per_object)
     s3.index.add_existing("newer", [key(102), key(103)], per_object)
@@ -181,8 +179,7 @@ def test_write_back_flushes_aged_blocks_while_busy_and_all_of_them_when_idle():
     before it aged is not written unless admitted, and a slot reused meanwhile is skipped."""
     now = [0.0]
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("nvme", "write-back", 2, 4, None, flush_interval_s=10.0), world_size=1,
-                     block_bytes_per_rank=4096, counters=counters, found=[{}], clock=lambda: now[0])
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-back", 2, 4, None, flush_interval_s=10.0), PlannerContext(1, 4096, counters, clock=lambda: now[0]), Listing([{}]))
     where = {key(i): i for i in range(6)}
     for i in range(6):
         p.on_cpu_save(i, key(i))  # none admitted: each was seen in no earlier prompt

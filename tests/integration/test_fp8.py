@@ -13,7 +13,7 @@ from tests.conftest import BLOCK_SIZE, close_llm, kvtier_counters, make_llm
 from tests.integration.test_nvme_engine import BLOCK_BYTES, nvme_config, prompts
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_planners, make_workers, tier_namespace
+from vllm_kvtier.engine.lower import make_planners, make_workers, tier_namespace
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey

@@ -44,7 +44,7 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ChunkStore, IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
-from vllm_kvtier.tiers.kernel import Medium, StoreKernel
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, Medium, StoreKernel
 
 BLOCK = 3000  # deliberately not a multiple of 4096: the format pads it
 NS = "contract00000000"
@@ -204,14 +204,14 @@ class StoreContract:
 
     # ---- the binding --------------------------------------------------------------------
 
-    def make_store(self, tmp_path: Path, **kw: Any) -> StoreKernel:
+    def make_store(self, tmp_path: Path, **kw: Any) -> KernelStore[Any]:
         raise NotImplementedError
 
-    def get_raw(self, store: StoreKernel, chunk_id: str) -> bytes:
+    def get_raw(self, store: KernelStore[Any], chunk_id: str) -> bytes:
         """The stored bytes of a chunk, read through the medium."""
         raise NotImplementedError
 
-    def put_raw(self, store: StoreKernel, chunk_id: str, data: bytes) -> None:
+    def put_raw(self, store: KernelStore[Any], chunk_id: str, data: bytes) -> None:
         """Store ``data`` as the chunk, through the medium (a foreign or damaged writer)."""
         raise NotImplementedError
 
@@ -222,12 +222,12 @@ class StoreContract:
         return BufferPool(64 << 20)
 
     @pytest.fixture
-    def store(self, tmp_path: Path, pool: BufferPool) -> Iterator[StoreKernel]:
+    def store(self, tmp_path: Path, pool: BufferPool) -> Iterator[KernelStore[Any]]:
         s = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS)
         yield s
         s.close(timeout_s=10.0)
 
-    def write(self, store: StoreKernel, pool: BufferPool, chunk_id: str, first: int = 0, n: int = 5,
+    def write(self, store: KernelStore[Any], pool: BufferPool, chunk_id: str, first: int = 0, n: int = 5,
               job: int = 1) -> ChunkHeader:
         assert store.submit_write(job, chunk_id, fill(pool, first, n))
         r = wait_for(store, job)
@@ -235,12 +235,12 @@ class StoreContract:
         assert r.header.keys == tuple(key(first + i) for i in range(n))
         return r.header
 
-    def read(self, store: StoreKernel, chunk_id: str, header: ChunkHeader | None, positions: list[int],
+    def read(self, store: KernelStore[Any], chunk_id: str, header: ChunkHeader | None, positions: list[int],
              keys: list[bytes] | None = None, job: int = 100) -> IOResult:
         store.submit_read(job, chunk_id, header, positions, keys if keys is not None else [key(p) for p in positions])
         return wait_for(store, job)
 
-    def assert_miss(self, store: StoreKernel, pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
+    def assert_miss(self, store: KernelStore[Any], pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
                     positions: list[int], reason: FailureReason, keys: list[bytes] | None = None) -> None:
         """The read fails with ``reason``, and cost no more than SMALL bytes of memory."""
         before = pool.allocated_bytes
@@ -256,12 +256,12 @@ class StoreContract:
 
     # ---- the plain contract ---------------------------------------------------------------
 
-    def test_is_a_chunk_store(self, store: StoreKernel) -> None:
+    def test_is_a_chunk_store(self, store: KernelStore[Any]) -> None:
         assert isinstance(store, ChunkStore)
         assert store.block_bytes == BLOCK
         assert store.poll() == []
 
-    def test_round_trip(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_round_trip(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 5)
         assert h.nblocks == 5 and h.block_bytes == BLOCK and h.namespace == NS
         r = self.read(store, "c1", h, [0, 1, 2, 3, 4])
@@ -271,7 +271,7 @@ class StoreContract:
 
     @pytest.mark.parametrize("positions", [[3, 1, 4], [0], [4], [0, 4], [2, 3], [1, 3, 2, 0]])
     @pytest.mark.parametrize("known", [True, False], ids=["header", "no-header"])
-    def test_ranged_reads_of_any_positions(self, store: StoreKernel, pool: BufferPool, positions: list[int],
+    def test_ranged_reads_of_any_positions(self, store: KernelStore[Any], pool: BufferPool, positions: list[int],
                                            known: bool) -> None:
         h = self.write(store, pool, "c1", 10, 5)
         r = self.read(store, "c1", h if known else None, positions, [key(10 + p) for p in positions])
@@ -280,7 +280,7 @@ class StoreContract:
         assert r.header == h  # a read without a header returns the verified one
         r.release()
 
-    def test_duplicate_ids_and_chunks(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_duplicate_ids_and_chunks(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h1 = self.write(store, pool, "dup", 0, 3, job=1)
         h2 = self.write(store, pool, "dup", 0, 3, job=2)  # the same chunk again: fine
         assert h1 == h2
@@ -290,7 +290,7 @@ class StoreContract:
             assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(2), r.reason
             r.release()
 
-    def test_exactly_one_result_per_job(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_exactly_one_result_per_job(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 4)
         for j in range(10, 20):
             store.submit_read(j, "c1", h, [j % 4], [key(j % 4)])
@@ -305,7 +305,7 @@ class StoreContract:
         time.sleep(0.05)
         assert sorted(seen + [r.job_id for r in store.poll()]) == list(range(10, 20))
 
-    def test_delete(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_delete(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         self.write(store, pool, "c2", 5, 2, job=2)
         store.submit_delete("c1")
@@ -321,7 +321,7 @@ class StoreContract:
         assert r.ok, r.reason
         r.release()
 
-    def test_bad_requests(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_bad_requests(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         for positions, keys in (([2], [key(2)]), ([], []), ([0, 1], [key(0)])):
             r = self.read(store, "c1", h, positions, keys)
@@ -335,7 +335,7 @@ class StoreContract:
         assert not r.ok and r.reason is FailureReason.BAD_REQUEST
 
     def test_a_deferred_fill_runs_on_the_store_and_a_changed_source_writes_nothing(
-            self, store: StoreKernel, pool: BufferPool) -> None:
+            self, store: KernelStore[Any], pool: BufferPool) -> None:
         threads: list[int] = []
 
         def copy_in(first: int, ok: bool) -> Any:
@@ -374,11 +374,11 @@ class StoreContract:
             assert got.ok and [bytes(b) for b in got.blocks or ()] == [block(5), block(6)], got.reason
             got.release()
 
-    def test_full_write_queue_refuses_and_the_caller_keeps_the_buffer(self, store: StoreKernel,
+    def test_full_write_queue_refuses_and_the_caller_keeps_the_buffer(self, store: KernelStore[Any],
                                                                       pool: BufferPool) -> None:
         slow = Stalled(store.medium, writes=True)
-        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        rank=store.rank, read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+        k = StoreKernel(slow, KernelSettings(NS, store.rank, BLOCK, MAX_BLOCKS, read_deadline_s=5.0, io_threads=1,
+                                             max_queued_writes=2), buffers=pool)
         try:
             assert k.submit_write(1, "w1", fill(pool, 0, 1))
             assert slow.entered.wait(5)
@@ -396,7 +396,7 @@ class StoreContract:
             slow.go.set()
             k.close(timeout_s=5)
 
-    def test_a_medium_that_raises_ends_its_jobs_and_returns_their_buffers(self, store: StoreKernel,
+    def test_a_medium_that_raises_ends_its_jobs_and_returns_their_buffers(self, store: KernelStore[Any],
                                                                           pool: BufferPool) -> None:
         """A batch put or read that raises (instead of answering per item) fails its jobs,
         with a result each: the write queue's room and the buffers come back, so writes
@@ -404,8 +404,8 @@ class StoreContract:
         next write reuses a failed one's buffer."""
         h = self.write(store, pool, "c1", 0, 2)
         bad = Raising(store.medium, fail=3)
-        k = StoreKernel(bad, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        rank=store.rank, read_deadline_s=5.0, io_threads=1, max_queued_writes=2)
+        k = StoreKernel(bad, KernelSettings(NS, store.rank, BLOCK, MAX_BLOCKS, read_deadline_s=5.0, io_threads=1,
+                                            max_queued_writes=2), buffers=pool)
         try:
             for job in (1, 2, 3):
                 assert k.submit_write(job, f"w{job}", fill(pool, job, 1))
@@ -442,7 +442,7 @@ class StoreContract:
 
     # ---- adversarial: a read must verify everything it uses ---------------------------------
 
-    def test_damaged_block_is_a_checksum_miss_and_the_rest_serves(self, store: StoreKernel,
+    def test_damaged_block_is_a_checksum_miss_and_the_rest_serves(self, store: KernelStore[Any],
                                                                   pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 4)
         data = bytearray(self.get_raw(store, "c1"))
@@ -455,7 +455,7 @@ class StoreContract:
         r.release()
         assert FailureReason.CHECKSUM.damaged
 
-    def test_key_mismatch_at_a_read_position(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_key_mismatch_at_a_read_position(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 3)
         self.write(store, pool, "c2", 20, 3, job=2)
         # Asking for keys the chunk does not hold there: never served.
@@ -468,7 +468,7 @@ class StoreContract:
         assert not r.ok and r.reason is not None and r.reason.damaged  # the stored CRCs are not c1's
         assert FailureReason.KEY_MISMATCH.damaged
 
-    def test_stale_header_read_along_is_a_checksum_miss(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_stale_header_read_along_is_a_checksum_miss(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         h2 = self.write(store, pool, "c2", 0, 2, job=2)
         assert h == h2
@@ -480,7 +480,7 @@ class StoreContract:
         assert store.submit_write(3, "c1", wb) and wait_for(store, 3).ok
         self.assert_miss(store, pool, "c1", h, [0], FailureReason.CHECKSUM)
 
-    def test_truncated_chunk(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_truncated_chunk(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 4)
         data = self.get_raw(store, "c1")
         self.put_raw(store, "c1", data[: h.block_offset(3) + BLOCK // 2])
@@ -489,7 +489,7 @@ class StoreContract:
         self.assert_miss(store, pool, "c1", None, [0], FailureReason.TRUNCATED)
 
     @pytest.mark.parametrize("forge", ["nblocks", "block_bytes", "header_bytes", "many_keys"])
-    def test_forged_sizes_in_a_header_allocate_nothing(self, store: StoreKernel, pool: BufferPool,
+    def test_forged_sizes_in_a_header_allocate_nothing(self, store: KernelStore[Any], pool: BufferPool,
                                                        forge: str) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         data = bytearray(self.get_raw(store, "c1"))
@@ -517,7 +517,7 @@ class StoreContract:
         assert not r.ok and r.reason is not None and r.reason.damaged
 
     @pytest.mark.parametrize("version", [1, 2])
-    def test_a_chunk_of_an_earlier_format_version_is_a_format_miss(self, store: StoreKernel, pool: BufferPool,
+    def test_a_chunk_of_an_earlier_format_version_is_a_format_miss(self, store: KernelStore[Any], pool: BufferPool,
                                                                     version: int) -> None:
         """Versions 1 and 2 (earlier builds: no rank in the header) are never read: a miss
         (``format``, damaged), bounded like any other, never an exception."""
@@ -529,11 +529,11 @@ class StoreContract:
         r = self.read(store, "c1", h, [0])  # the header read along is not the indexed one
         assert not r.ok and r.reason is not None and r.reason.damaged and r.blocks is None, r.reason
 
-    def test_read_stalled_past_its_deadline(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_read_stalled_past_its_deadline(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 2)
         slow = Stalled(store.medium)
-        k = StoreKernel(slow, namespace=NS, block_bytes=BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool,
-                        rank=store.rank, read_deadline_s=0.3, io_threads=1)
+        k = StoreKernel(slow, KernelSettings(NS, store.rank, BLOCK, MAX_BLOCKS, read_deadline_s=0.3, io_threads=1),
+                        buffers=pool)
         try:
             t0 = time.monotonic()
             k.submit_read(7, "c1", h, [1], [key(1)])
@@ -557,14 +557,14 @@ class StoreContract:
     # ---- authenticated chunks: a MAC only key holders can make, verified before use ----------
 
     @pytest.fixture
-    def signed(self, tmp_path: Path, pool: BufferPool) -> Iterator[StoreKernel]:
+    def signed(self, tmp_path: Path, pool: BufferPool) -> Iterator[KernelStore[Any]]:
         """A store that signs and verifies with :data:`KEY`."""
         s = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS,
                             auth=ChunkAuth(KEY))
         yield s
         s.close(timeout_s=10.0)
 
-    def write_signed(self, store: StoreKernel, pool: BufferPool, chunk_id: str, first: int = 0, n: int = 4,
+    def write_signed(self, store: KernelStore[Any], pool: BufferPool, chunk_id: str, first: int = 0, n: int = 4,
                      job: int = 1) -> ChunkHeader:
         assert store.authenticated
         assert store.submit_write(job, chunk_id, fill(pool, first, n, authenticated=True))
@@ -572,14 +572,14 @@ class StoreContract:
         assert r.ok and r.header is not None, r.reason
         return r.header
 
-    def refused(self, store: StoreKernel, pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
+    def refused(self, store: KernelStore[Any], pool: BufferPool, chunk_id: str, header: ChunkHeader | None,
                 positions: list[int], reason: FailureReason, first: int = 0) -> None:
         """The read is a miss with ``reason``, counted in the store's failures."""
         before = store.op_stats().failures.get(reason, 0)
         self.assert_miss(store, pool, chunk_id, header, positions, reason, [key(first + p) for p in positions])
         assert store.op_stats().failures.get(reason, 0) == before + 1
 
-    def test_auth_round_trip(self, signed: StoreKernel, pool: BufferPool) -> None:
+    def test_auth_round_trip(self, signed: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write_signed(signed, pool, "c1", 0, 5)
         assert h.authenticated and h.key_id == ChunkAuth(KEY).key_id and len(h.mac) == 32
         for positions, known in (([0, 1, 2, 3, 4], True), ([3, 1], True), ([4], False), ([0, 2], False)):
@@ -593,7 +593,7 @@ class StoreContract:
         assert KEY not in raw and KEY.hex().encode() not in raw and KEY.hex() not in repr(signed.auth)
 
     @pytest.mark.parametrize("known", [True, False], ids=["header", "no-header"])
-    def test_forged_block_with_a_valid_crc_is_refused(self, signed: StoreKernel, pool: BufferPool,
+    def test_forged_block_with_a_valid_crc_is_refused(self, signed: KernelStore[Any], pool: BufferPool,
                                                       known: bool) -> None:
         """Right keys, a valid header (MAC and all), a block of other bytes whose CRC32 is
         the original's: only the block's tag tells."""
@@ -611,7 +611,7 @@ class StoreContract:
         assert FailureReason.AUTH_FAILED.damaged
 
     @pytest.mark.parametrize("forge", ["crcs", "keys", "own_key"])
-    def test_forged_header_is_refused(self, tmp_path: Path, signed: StoreKernel, pool: BufferPool,
+    def test_forged_header_is_refused(self, tmp_path: Path, signed: KernelStore[Any], pool: BufferPool,
                                       forge: str) -> None:
         """A writer without the key rewrites a signed chunk: new bytes and their CRCs, or
         other keys, or everything signed with its own key under our key id; every CRC is
@@ -640,14 +640,14 @@ class StoreContract:
         self.refused(signed, pool, "c1", None, positions, FailureReason.AUTH_FAILED, first=first)
         self.refused(signed, pool, "c1", fake, positions, FailureReason.AUTH_FAILED, first=first)
 
-    def test_signed_chunk_replayed_under_another_id_is_refused(self, signed: StoreKernel, pool: BufferPool) -> None:
+    def test_signed_chunk_replayed_under_another_id_is_refused(self, signed: KernelStore[Any], pool: BufferPool) -> None:
         """The same blocks, validly signed, but for chunk id c2: the MAC binds the id."""
         self.write_signed(signed, pool, "c1", 0, 3)
         self.write_signed(signed, pool, "c2", 0, 3, job=2)
         self.put_raw(signed, "c1", self.get_raw(signed, "c2"))
         self.refused(signed, pool, "c1", None, [0, 2], FailureReason.AUTH_FAILED)
 
-    def test_unsigned_chunk_is_refused_by_a_store_with_a_key(self, store: StoreKernel, signed: StoreKernel,
+    def test_unsigned_chunk_is_refused_by_a_store_with_a_key(self, store: KernelStore[Any], signed: KernelStore[Any],
                                                              pool: BufferPool) -> None:
         h = self.write(store, pool, "plain", 0, 3)
         self.put_raw(signed, "plain", self.get_raw(store, "plain"))
@@ -655,14 +655,14 @@ class StoreContract:
         self.refused(signed, pool, "plain", h, [0, 1], FailureReason.UNAUTHENTICATED)
         assert not FailureReason.UNAUTHENTICATED.damaged  # kept: it may be another fleet's
 
-    def test_signed_chunk_is_refused_by_a_store_without_the_key(self, store: StoreKernel, signed: StoreKernel,
+    def test_signed_chunk_is_refused_by_a_store_without_the_key(self, store: KernelStore[Any], signed: KernelStore[Any],
                                                                 pool: BufferPool) -> None:
         h = self.write_signed(signed, pool, "c1", 0, 3)
         self.put_raw(store, "c1", self.get_raw(signed, "c1"))
         self.refused(store, pool, "c1", None, [1], FailureReason.UNAUTHENTICATED)
         self.refused(store, pool, "c1", h, [0], FailureReason.UNAUTHENTICATED)
 
-    def test_signed_chunk_is_refused_under_another_key(self, tmp_path: Path, signed: StoreKernel,
+    def test_signed_chunk_is_refused_under_another_key(self, tmp_path: Path, signed: KernelStore[Any],
                                                        pool: BufferPool) -> None:
         h = self.write_signed(signed, pool, "c1", 0, 3)
         other = self.make_store(tmp_path, buffers=pool, read_deadline_s=5.0, max_chunk_blocks=MAX_BLOCKS,
@@ -736,10 +736,10 @@ class FileMediumContract:
     """Cases of media made of files in a directory (NVMe). The binding gives ``path_of``
     (the chunk's file) and ``scan`` (the store's start-up scan)."""
 
-    def path_of(self, store: StoreKernel, chunk_id: str) -> Path:
+    def path_of(self, store: KernelStore[Any], chunk_id: str) -> Path:
         raise NotImplementedError
 
-    def test_sparse_file_is_truncated_without_reading_its_holes(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_sparse_file_is_truncated_without_reading_its_holes(self, store: KernelStore[Any], pool: BufferPool) -> None:
         h = self.write(store, pool, "c1", 0, 4)  # type: ignore[attr-defined]
         p = self.path_of(store, "c1")
         head = p.read_bytes()[: h.header_bytes]
@@ -753,7 +753,7 @@ class FileMediumContract:
         found = store.scan().found  # type: ignore[attr-defined]
         assert "c1" not in found
 
-    def test_fifo_in_the_directory_never_hangs(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_fifo_in_the_directory_never_hangs(self, store: KernelStore[Any], pool: BufferPool) -> None:
         self.write(store, pool, "ok", 0, 1)  # type: ignore[attr-defined]
         fifo = self.path_of(store, "fifo")
         os.mkfifo(fifo)
@@ -768,7 +768,7 @@ class FileMediumContract:
         self.assert_miss(store, pool, "fifo", None, [0], FailureReason.NOT_REGULAR)  # type: ignore[attr-defined]
         assert FailureReason.NOT_REGULAR.damaged
 
-    def test_forged_header_in_the_directory_is_dropped_at_scan(self, store: StoreKernel, pool: BufferPool) -> None:
+    def test_forged_header_in_the_directory_is_dropped_at_scan(self, store: KernelStore[Any], pool: BufferPool) -> None:
         self.write(store, pool, "ok", 0, 1)  # type: ignore[attr-defined]
         n = MAX_BLOCKS * 40
         fake = make_header(NS, [key(i) for i in range(n)], [0] * n, BLOCK)

@@ -11,6 +11,7 @@ from vllm_kvtier.tiers.memory import MemoryStore
 
 class TestMemoryStore(StoreContract):
     def make_store(self, tmp_path: Path, **kw: Any) -> MemoryStore:
+        assert kw.pop("read_deadline_s", 5.0) == 5.0  # the memory store's own deadline
         return MemoryStore(NS, BLOCK, **kw)
 
     def get_raw(self, store: MemoryStore, chunk_id: str) -> bytes:  # type: ignore[override]

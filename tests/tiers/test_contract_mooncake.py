@@ -24,6 +24,7 @@ from vllm_kvtier.chunkformat import ChunkHeader, max_chunk_bytes
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
 from vllm_kvtier.tiers.mooncake.store import MooncakeStore
+from vllm_kvtier.tiers.registry import StoreContext
 
 pytestmark = pytest.mark.mooncake
 
@@ -48,7 +49,8 @@ class TestMooncakeStore(StoreContract):
                                  **({"max_queued_writes": kw.pop("max_queued_writes")}
                                     if "max_queued_writes" in kw else {}))
         kw.pop("rank", None)  # a rank of its own whatever was asked (distinct, as asked)
-        return MooncakeStore(cfg, NS, next(_ranks), BLOCK, **kw)
+        ctx = StoreContext(NS, next(_ranks), BLOCK, buffers=kw.pop("buffers", None), auth=kw.pop("auth", None))
+        return MooncakeStore(cfg, ctx, **kw)
 
     def get_raw(self, store: MooncakeStore, chunk_id: str) -> bytes:  # type: ignore[override]
         return bytes(self.raw.get(store.key(chunk_id)))
@@ -91,7 +93,8 @@ class TestMooncakeStore(StoreContract):
         """A 3 MiB object under our key, a 1 MiB arena: refused by the bound, never sized into
         the arena (which would only say ``no_buffer``, a transient miss kept for retries)."""
         cfg = self.master.config(global_segment_bytes=16 << 20, transfer_buffer_bytes=1 << 20)
-        s = MooncakeStore(cfg, NS, next(_ranks), BLOCK, max_chunk_blocks=MAX_BLOCKS, buffers=pool)
+        s = MooncakeStore(cfg, StoreContext(NS, next(_ranks), BLOCK, buffers=pool),
+                          max_chunk_blocks=MAX_BLOCKS)
         try:
             self.put_raw(s, "big", bytes(3 << 20))
             self.assert_miss(s, pool, "big", None, [0], FailureReason.TOO_LARGE)

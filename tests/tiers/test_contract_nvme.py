@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
+from testkit.stores import nvme_section
 from tests.nixl_env import nixl_engine_env, nixl_env, or_skip, requires_nixl
 from tests.tiers.contract import BLOCK, NS, FileMediumContract, StoreContract
 from vllm_kvtier.tiers.nvme.dirs import DirectoryLocked
 from vllm_kvtier.tiers.nvme.store import NVMeStore
+from vllm_kvtier.tiers.registry import StoreContext
 
 nixl_env = nixl_env  # fixtures: the UCX/NIXL environment of the nixl binding
 nixl_engine_env = nixl_engine_env
@@ -27,11 +29,15 @@ class NVMeBinding(FileMediumContract, StoreContract):
         free ``nvme-<n>`` (one engine per directory: the lock refuses a second one). A store
         reopened after the first closed gets the first directory back. ``rank``: its rank
         directory under the root (``r<rank>``)."""
-        rank = kw.pop("rank", 0)
+        ctx = StoreContext(NS, kw.pop("rank", 0), BLOCK, buffers=kw.pop("buffers", None), auth=kw.pop("auth", None))
+        if "max_chunk_blocks" in kw:
+            kw["chunk_blocks"] = kw.pop("max_chunk_blocks")
+        deadline = {"read_deadline_s": kw.pop("read_deadline_s")} if "read_deadline_s" in kw else {}
         for n in range(8):
             path = tmp_path / ("nvme" if n == 0 else f"nvme-{n}")
             try:
-                return or_skip(lambda p=path: NVMeStore(p, NS, rank, BLOCK, io_engine=self.io_engine, **kw))
+                return or_skip(lambda p=path: NVMeStore(nvme_section(p, io_engine=self.io_engine, **kw), ctx,
+                                                        **deadline))
             except DirectoryLocked:
                 continue
         raise AssertionError("8 stores of one test hold their directories")

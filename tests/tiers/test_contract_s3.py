@@ -23,6 +23,7 @@ from vllm_kvtier.chunkformat import encode_header, make_header
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.manifest import MAGIC, SIG_BYTES, VERSION, encode_manifest, sign_manifest
 from vllm_kvtier.tiers.s3.store import S3Config, S3Store
 
@@ -55,7 +56,8 @@ class S3Binding(StoreContract):
     def make_store(self, tmp_path: Path, **kw: Any) -> S3Store:
         queued = kw.pop("max_queued_writes", 64)
         rank = kw.pop("rank", 0)
-        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), NS, rank, BLOCK, **kw))
+        ctx = StoreContext(NS, rank, BLOCK, buffers=kw.pop("buffers", None), auth=kw.pop("auth", None))
+        return or_skip(lambda: S3Store(self.config(max_queued_writes=queued), ctx, **kw))
 
     def get_raw(self, store: S3Store, chunk_id: str) -> bytes:  # type: ignore[override]
         return bytes(self.raw.get_object(Bucket=self.bucket, Key=store.key(chunk_id))["Body"].read())

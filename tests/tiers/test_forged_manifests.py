@@ -27,6 +27,7 @@ from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, write
 from vllm_kvtier.chunkformat import header_bytes_for
 from vllm_kvtier.tiers.auth import ChunkAuth
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.manifest import MAGIC, SIG_MAGIC, VERSION
 from vllm_kvtier.tiers.s3.medium import MANIFEST_STEP_BYTES
 from vllm_kvtier.tiers.s3.scan import MANIFEST_READS_PER_SCAN
@@ -113,7 +114,8 @@ def test_forged_manifests_are_refused_by_name_with_a_key(s3_server: MotoServer, 
     once (``manifests_refused``), never checked again. Before: each was fetched (one GET
     of 1 MiB), and 64 per scan, for 16 scans."""
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)  # moto lists 1,000 keys slowly
-    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     for i in range(3):
         write(writer, f"c{i}", 10 * i, 2, job=i + 1)
     writer.close()
@@ -123,7 +125,8 @@ def test_forged_manifests_are_refused_by_name_with_a_key(s3_server: MotoServer, 
     names = forged_names(writer, FORGED)
     plant(s3_server, s3_bucket, writer, [bomb(), wrong_mac], FORGED, names)
 
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     gets = count_gets(reader)
     try:
         assert set(reader.scan(collect=True).found) == {"c0", "c1", "c2"}
@@ -147,13 +150,15 @@ def test_a_forged_body_under_a_real_name_costs_one_get_and_no_decode(s3_server: 
     GET and an HMAC pass, never a decode, and is not read again while unchanged."""
     n = 8
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
-    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     for i in range(3):
         write(writer, f"c{i}", 10 * i, 2, job=i + 1)
     writer.close()
     wrong_mac = bomb() + SIG_MAGIC + AUTH.key_id + bytes(32)
     plant(s3_server, s3_bucket, writer, [bomb(), wrong_mac], n)  # names made with the key
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     gets = count_gets(reader)
     try:
         assert set(reader.scan(collect=True).found) == {"c0", "c1", "c2"}
@@ -171,10 +176,12 @@ def test_a_manifest_named_under_a_verify_key_is_read(s3_server: MotoServer, s3_b
     a reader that signs with the new key and verifies the old one reads it (no header GET)."""
     old, new = ChunkAuth(bytes(range(32, 64))), ChunkAuth(bytes(range(64, 96)), [bytes(range(32, 64))])
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
-    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=old)
+    writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=old),
+                     max_chunk_blocks=16)
     write(writer, "c0", 0, 2)
     writer.close()
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=new)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=new),
+                     max_chunk_blocks=16)
     try:
         assert writer.manifest_key() != reader.manifest_key("writer")  # named under another key
         assert set(reader.scan().found) == {"c0"}
@@ -191,7 +198,8 @@ def test_a_writer_replaces_its_manifest_of_an_earlier_build(s3_server: MotoServe
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
     c = s3_server.client()
     root = f"kv/{NS}/r0/manifest/"
-    old = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    old = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                  max_chunk_blocks=16)
     write(old, "c0", 0, 2)
     old.close()
     legacy = f"{root}writer.kvm"  # as an earlier build named it: the same signed bytes
@@ -199,7 +207,8 @@ def test_a_writer_replaces_its_manifest_of_an_earlier_build(s3_server: MotoServe
     c.copy_object(Bucket=s3_bucket, Key=f"{root}other.kvm", CopySource={"Bucket": s3_bucket, "Key": legacy})
     c.delete_object(Bucket=s3_bucket, Key=old.manifest_key())
 
-    again = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    again = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                    max_chunk_blocks=16)
     gets = count_gets(again)
     try:
         assert set(again.scan().found) == {"c0"}
@@ -212,7 +221,8 @@ def test_a_writer_replaces_its_manifest_of_an_earlier_build(s3_server: MotoServe
         assert keys == {again.manifest_key(), f"{root}other.kvm"}
     finally:
         again.close()
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     try:
         assert set(reader.scan().found) == {"c0", "c1"}
         assert reader.last_scan.from_manifests == 2 and reader.last_scan.header_gets == 0
@@ -226,14 +236,14 @@ def test_forged_manifests_cost_bounded_decoding_without_a_key(s3_server: MotoSer
     refused for good. Before: every one inflated to its last entry at every rescan."""
     n = 40
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)  # moto lists 1,000 keys slowly
-    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16)
+    writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     for i in range(3):
         write(writer, f"c{i}", 10 * i, 2, job=i + 1)
     writer.close()
     good = s3_server.client().head_object(Bucket=s3_bucket, Key=writer.manifest_key())["ContentLength"]
     plant(s3_server, s3_bucket, writer, [bomb()], n)
 
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     try:
         total = scan_until_read(reader)
         assert total["found"] == {"c0", "c1", "c2"}
@@ -257,7 +267,8 @@ def test_a_signed_manifest_too_long_to_hold_is_verified_then_read_again(s3_serve
     from vllm_kvtier.tiers.s3.manifest import encode_manifest, sign_manifest
 
     cfg = config(s3_server, s3_bucket, read_timeout_s=30.0, deadline_s=30.0)
-    writer = S3Store(replace(cfg, writer_id="writer"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    writer = S3Store(replace(cfg, writer_id="writer"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     real = write(writer, "real", 0, 2)
     writer.close()
     c = s3_server.client()
@@ -269,7 +280,8 @@ def test_a_signed_manifest_too_long_to_hold_is_verified_then_read_again(s3_serve
     assert len(body) > 4 * MIB
     c.put_object(Bucket=s3_bucket, Key=writer.manifest_key("big"),
                  Body=sign_manifest(body, AUTH.key_id, AUTH.manifest_mac(NS, 0, "big", body)))
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16, auth=AUTH)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK, auth=AUTH),
+                     max_chunk_blocks=16)
     try:
         assert set(reader.scan().found) == {"real"}
         r = reader.last_scan

@@ -19,18 +19,20 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import NS, config
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config.sections import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.tiers.auth import ChunkAuth, load_auth
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.store import S3Store
 from vllm_kvtier.transfer.slots import SlotTable
-from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
 
 s3_server = s3srv.s3_server  # fixtures: a moto server for this module, a fresh bucket per test
 s3_bucket = s3srv.s3_bucket
@@ -52,14 +54,11 @@ class Instance:
         self.pool = CPUPool(8, (SLOT,), pin=False, prefault=False)
         self.slots = SlotTable(self.pool)
         self.counters = Counters()
-        self.store = s3 = S3Store(
-            config(server, bucket, writer_id=writer, manifest_every_writes=1), NS, 0, SLOT, auth=auth,
-            max_chunk_blocks=2)
-        self.worker = ChunkWorker(TIER, s3, slots=self.slots, counters=self.counters, mode="write-through",
-                                  chunk_blocks=2, flush_on_shutdown_s=1.0, fetches_headers=True)
+        self.store = s3 = S3Store(config(server, bucket, writer_id=writer, manifest_every_writes=1),
+                                  StoreContext(NS, 0, SLOT, auth=auth), max_chunk_blocks=2)
+        self.worker = ChunkWorker(TIER, s3, DriverSettings("write-through", 2, 1.0), DriverContext(self.slots, self.counters, fetches_headers=True))
         self.scan = s3.scan()
-        self.planner = ChunkPlanner(ChunkPolicy(TIER, "write-through", 1, 2, None), world_size=1,
-                                    block_bytes_per_rank=SLOT, counters=self.counters, found=[self.scan.found])
+        self.planner = ChunkPlanner(ChunkPolicy(TIER, "write-through", 1, 2, None), PlannerContext(1, SLOT, self.counters), Listing([self.scan.found]))
 
     def count(self, name: str) -> float:
         return self.counters.totals.get(f"{name}|{TIER}", 0)
@@ -155,10 +154,8 @@ def test_a_chunk_refused_as_unauthenticated_is_forgotten_and_written_again() -> 
     counters = Counters()
     old_fleet = MemoryStore(NS, SLOT, auth=ChunkAuth(K1), max_chunk_blocks=2)
     mine = MemoryStore(NS, SLOT, auth=ChunkAuth(K2), max_chunk_blocks=2)
-    w = ChunkWorker(TIER, mine, slots=slots, counters=counters, mode="write-through", chunk_blocks=2,
-                    flush_on_shutdown_s=1.0, fetches_headers=True)
-    other = ChunkWorker(TIER, old_fleet, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=2,
-                        flush_on_shutdown_s=1.0, fetches_headers=True)
+    w = ChunkWorker(TIER, mine, DriverSettings("write-through", 2, 1.0), DriverContext(slots, counters, fetches_headers=True))
+    other = ChunkWorker(TIER, old_fleet, DriverSettings("write-through", 2, 1.0), DriverContext(slots, Counters(), fetches_headers=True))
     keys = [key(1), key(2)]
     try:
         for i, k in enumerate(keys):
@@ -173,8 +170,7 @@ def test_a_chunk_refused_as_unauthenticated_is_forgotten_and_written_again() -> 
         raw = old_fleet.raw("c1")
         assert raw is not None
         mine.forge("c1", bytes(raw))  # one medium, as a shared bucket is
-        planner = ChunkPlanner(ChunkPolicy(TIER, "write-through", 1, 2, None), world_size=1,
-                               block_bytes_per_rank=SLOT, counters=counters, found=[{}])
+        planner = ChunkPlanner(ChunkPolicy(TIER, "write-through", 1, 2, None), PlannerContext(1, SLOT, counters), Listing([{}]))
         planner.index.add_existing("c1", keys, 2 * SLOT)  # indexed before (e.g. a header cached)
         assert planner.locate(keys[0]) == ("c1", 0) and not planner.admitted(keys[0])
         rid = w.start_read(ChunkRead(TIER, "c1", (0,), (5,), (keys[0],)))
@@ -205,8 +201,7 @@ def test_a_chunk_refused_as_unauthenticated_is_forgotten_and_written_again() -> 
 def test_a_key_named_chunk_refused_as_unauthenticated_is_deleted_for_its_rewrite() -> None:
     """A pool (Mooncake) names a chunk by its key and keeps an existing object on a put:
     the rewrite needs the old object gone."""
-    planner = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), world_size=1,
-                           block_bytes_per_rank=SLOT, counters=Counters(), found=[{}])
+    planner = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), PlannerContext(1, SLOT, Counters()), Listing([{}]))
     k = key(3)
     planner.index.add_existing(k.hex(), [k], SLOT)
     planner.on_worker_meta(WorkerReport(untrusted={("mooncake", k.hex())}))

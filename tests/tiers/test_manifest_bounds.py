@@ -17,6 +17,7 @@ import pytest
 
 from vllm_kvtier.chunkformat import ChunkFormatError, make_header
 from vllm_kvtier.errors import FailureReason
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.manifest import MAGIC, VERSION, decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3.store import S3Store
 
@@ -132,14 +133,14 @@ def test_huge_junk_object_named_like_a_manifest_is_refused_by_its_length(s3_serv
     from tests.tiers.test_s3_store import BLOCK, config, write
 
     cfg = config(s3_server, s3_bucket, manifest_max_entries=1000)
-    writer = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)
+    writer = S3Store(cfg, StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     for i in range(3):
         write(writer, f"c{i}", 10 * i, 2, job=i + 1)
     writer.close()
     s3_server.client().put_object(Bucket=s3_bucket, Key=writer.manifest_key("junk"),
                                   Body=random.Random(0).randbytes(48 * MIB))
     chunks = chunk_keys(s3_server, s3_bucket)
-    reader = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)
+    reader = S3Store(cfg, StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     try:
         got: dict[str, Any] = {}
         peak = traced_peak(lambda: got.update(reader.scan(collect=True).found))
@@ -161,7 +162,7 @@ def test_manifest_of_the_most_entries_naming_no_listed_object_costs_no_memory(s3
 
     n = 20_000
     cfg = config(s3_server, s3_bucket, manifest_max_entries=n)
-    writer = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)
+    writer = S3Store(cfg, StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     write(writer, "real", 0, 2)
     writer.close()
     rng = random.Random(1)
@@ -172,7 +173,7 @@ def test_manifest_of_the_most_entries_naming_no_listed_object_costs_no_memory(s3
     s3_server.client().put_object(Bucket=s3_bucket, Key=writer.manifest_key("bomb"), Body=body)
     del body
     chunks = chunk_keys(s3_server, s3_bucket)
-    reader = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)
+    reader = S3Store(cfg, StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     try:
         got: dict[str, Any] = {}
         peak = traced_peak(lambda: got.update(reader.scan(collect=True).found))
@@ -192,13 +193,14 @@ def test_forged_manifest_naming_real_objects_gets_nothing_deleted(s3_server: Any
     chunk leaves the reader's index: a miss, counted, and the object stays for everyone
     else. Before, the scheduler deleted it."""
     from tests.tiers.test_s3_store import BLOCK, config, read, write
+    from vllm_kvtier.catalog.base import Listing
     from vllm_kvtier.jobs import WorkerReport
     from vllm_kvtier.keys import BlockKey
     from vllm_kvtier.metrics import Counters
-    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
     cfg = config(s3_server, s3_bucket)
-    other = S3Store(cfg, NS, 0, BLOCK, max_chunk_blocks=16)  # another instance's writes
+    other = S3Store(cfg, StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)  # another instance's writes
     real = {f"c{i}": write(other, f"c{i}", 10 * i, 2, job=i + 1) for i in range(3)}
     other.close()
     s3_server.client().delete_object(Bucket=s3_bucket, Key=other.manifest_key())  # the forged one alone
@@ -208,13 +210,12 @@ def test_forged_manifest_naming_real_objects_gets_nothing_deleted(s3_server: Any
                                   Body=encode_manifest(NS, forged.items()))
     chunks = chunk_keys(s3_server, s3_bucket)
 
-    reader = S3Store(replace(cfg, writer_id="reader"), NS, 0, BLOCK, max_chunk_blocks=16)
+    reader = S3Store(replace(cfg, writer_id="reader"), StoreContext(NS, 0, BLOCK), max_chunk_blocks=16)
     counters = Counters()
     try:
         found = reader.scan(collect=True).found
         assert {oid: h.keys for oid, h in found.items()} == {oid: h.keys for oid, h in forged.items()}
-        p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                         counters=counters, found=[found])
+        p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, counters), Listing([found]))
         bad: set[tuple[str, str]] = set()
         for job, (oid, h) in enumerate(found.items(), start=10):
             r = read(reader, oid, h, [0, 1], job=job)

@@ -17,6 +17,7 @@ from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
 from vllm_kvtier.tiers.mooncake.store import MooncakeConfig, MooncakeStore
+from vllm_kvtier.tiers.registry import StoreContext
 
 mooncake_master = mcsrv.mooncake_master  # fixture: one master for this module
 
@@ -72,7 +73,7 @@ def read(store: MooncakeStore, job_id: int, chunk_id: str, header: ChunkHeader |
 
 @pytest.fixture
 def store(mooncake_master: MooncakeMaster) -> Iterator[MooncakeStore]:
-    s = MooncakeStore(mooncake_master.config(), NS, 0, BLOCK)
+    s = MooncakeStore(mooncake_master.config(), StoreContext(NS, 0, BLOCK))
     yield s
     s.close(30.0)
 
@@ -167,7 +168,8 @@ def test_damaged_value_fails_its_checksum(store: MooncakeStore, mooncake_master:
 @requires_mooncake
 def test_another_namespace_is_never_read(store: MooncakeStore, mooncake_master: MooncakeMaster) -> None:
     """A value copied under our key from another namespace (an incompatible engine) is refused."""
-    other = MooncakeStore(mooncake_master.config(global_segment_bytes=0), "othermodel00000", 0, BLOCK)
+    other = MooncakeStore(mooncake_master.config(global_segment_bytes=0),
+                          StoreContext("othermodel00000", 0, BLOCK))
     try:
         put(other, 1, "shared", 4, 1)
         with mooncake_master.raw_client() as raw:
@@ -181,7 +183,7 @@ def test_another_namespace_is_never_read(store: MooncakeStore, mooncake_master: 
 @pytest.mark.mooncake
 @requires_mooncake
 def test_closed_store_refuses_work(mooncake_master: MooncakeMaster) -> None:
-    s = MooncakeStore(mooncake_master.config(), NS, 1, BLOCK)
+    s = MooncakeStore(mooncake_master.config(), StoreContext(NS, 1, BLOCK))
     s.close(30.0)
     wb = write_buffer(5, 1)
     assert not s.submit_write(1, "late", wb)
@@ -198,7 +200,7 @@ def test_closed_store_refuses_work(mooncake_master: MooncakeMaster) -> None:
 def test_master_gone_reads_fail_within_the_deadline(tmp_path: Path) -> None:
     master = MooncakeMaster(tmp_path)
     master.start()
-    s = MooncakeStore(master.config(deadline_s=1.0, breaker_cooldown_s=0.5), NS, 0, BLOCK)
+    s = MooncakeStore(master.config(deadline_s=1.0, breaker_cooldown_s=0.5), StoreContext(NS, 0, BLOCK))
     try:
         h = put(s, 1, "before", 6, 1)
         master.stop()
@@ -238,7 +240,7 @@ def test_unreachable_master_fails_fast(tmp_path: Path) -> None:
     cfg = MooncakeConfig(master=f"127.0.0.1:{mcsrv.free_port()}", connect_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match="not reachable"):
-        MooncakeStore(cfg, NS, 0, BLOCK)
+        MooncakeStore(cfg, StoreContext(NS, 0, BLOCK))
     assert time.monotonic() - t0 < 5  # not Mooncake's own 90 s of setup retries
 
 

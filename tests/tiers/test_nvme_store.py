@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.stores import nvme_section
 from tests.nixl_env import HAVE_NIXL, nixl_engine_env, nixl_env, requires_nixl
 from vllm_kvtier.chunkformat import ChunkHeader, align_up, header_bytes_for
 from vllm_kvtier.errors import ConfigError, FailureReason
@@ -38,6 +39,7 @@ from vllm_kvtier.tiers.nvme.dirs import (
     lock_holder,
 )
 from vllm_kvtier.tiers.nvme.store import NVMeStore
+from vllm_kvtier.tiers.registry import StoreContext
 
 BLOCK = 3000
 FILE = header_bytes_for(1) + align_up(BLOCK)  # one one-block chunk on disk
@@ -103,11 +105,11 @@ def read_blocks(store: NVMeStore, chunk_id: str, header: ChunkHeader | None, pos
 
 
 def test_restart_finds_what_was_stored(tmp_path: Path) -> None:
-    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    a = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     headers = {f"c{i}": write_chunk(a, f"c{i}", 10 * i, 3, job=i) for i in range(4)}
     assert read_blocks(a, "c0", headers["c0"], [2]) == [block(2)]
     a.close()
-    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    b = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     found = b.scan(cleanup=True)
     assert found.found == headers and found.problems == {}
     for i in range(4):  # read with the scanned header, and with none (probed from the file)
@@ -117,7 +119,7 @@ def test_restart_finds_what_was_stored(tmp_path: Path) -> None:
 
 
 def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) -> None:
-    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    a = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     write_chunk(a, "one", 1, 1, job=1)
     write_chunk(a, "two", 2, 1, job=2)
     a.close()
@@ -125,7 +127,7 @@ def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) 
     p = a.path("one")
     p.rename(p.parent / f".tmp-{p.stem}-deadbeef")
     (p.parent / ".tmp-partial-0badf00d").write_bytes(b"\0" * 100)
-    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    b = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     res = b.scan(cleanup=True)
     assert set(res.found) == {"two"} and res.problems == {"partial_write": 2}
     assert read_blocks(b, "one", None, [0], first=1) is FailureReason.MISSING
@@ -137,7 +139,7 @@ def test_leftover_tmp_file_is_never_served_and_cleaned_at_start(tmp_path: Path) 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
 def test_truncated_file_is_a_miss(tmp_path: Path, direct_io, engine, caplog) -> None:
-    t = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=engine)
+    t = NVMeStore(nvme_section(tmp_path, direct_io=direct_io, io_engine=engine), StoreContext(NS, 0, BLOCK))
     h1 = write_chunk(t, "one", 1, 1, job=1)
     h2 = write_chunk(t, "two", 2, 1, job=2)
     os.truncate(t.path("one"), FILE - BLOCK // 2)  # cut inside the block, at an unaligned length
@@ -149,7 +151,7 @@ def test_truncated_file_is_a_miss(tmp_path: Path, direct_io, engine, caplog) -> 
     h3 = write_chunk(t, "three", 3, 1, job=3)
     assert read_blocks(t, "three", h3, [0], first=3) == [block(3)]
     t.close()
-    u = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=engine)
+    u = NVMeStore(nvme_section(tmp_path, direct_io=direct_io, io_engine=engine), StoreContext(NS, 0, BLOCK))
     res = u.scan(cleanup=True)
     assert set(res.found) == {"two", "three"} and res.problems == {"truncated": 1}
     assert not t.path("one").exists()  # the damaged file was deleted by its owner's scan
@@ -158,7 +160,7 @@ def test_truncated_file_is_a_miss(tmp_path: Path, direct_io, engine, caplog) -> 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_file_overwritten_by_someone_else(tmp_path: Path, engine: str) -> None:
-    t = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine=engine)
+    t = NVMeStore(nvme_section(tmp_path, io_engine=engine), StoreContext(NS, 0, BLOCK))
     h1 = write_chunk(t, "one", 1, 1, job=1)
     h2 = write_chunk(t, "two", 2, 1, job=2)
     p1, p2 = t.path("one"), t.path("two")
@@ -172,7 +174,7 @@ def test_file_overwritten_by_someone_else(tmp_path: Path, engine: str) -> None:
     p1.write_bytes(b"\xff" * FILE)
     other = p2.with_name("0" * 32 + "-00000000.kvt")
     other.write_bytes(b"\0" * 10)
-    u = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine=engine)
+    u = NVMeStore(nvme_section(tmp_path, io_engine=engine), StoreContext(NS, 0, BLOCK))
     res = u.scan(cleanup=True)
     assert set(res.found) == {"two"} and sum(res.problems.values()) == 2
     assert read_blocks(u, "two", res.found["two"], [0], first=2) == [block(2)]
@@ -181,10 +183,10 @@ def test_file_overwritten_by_someone_else(tmp_path: Path, engine: str) -> None:
 
 
 def test_namespace_mismatch_is_never_read(tmp_path: Path) -> None:
-    a = NVMeStore(tmp_path, "modelA", 0, BLOCK)
+    a = NVMeStore(nvme_section(tmp_path), StoreContext("modelA", 0, BLOCK))
     write_chunk(a, "one", 1, 1)
     a.close()
-    b = NVMeStore(tmp_path, "modelB", 0, BLOCK)
+    b = NVMeStore(nvme_section(tmp_path), StoreContext("modelB", 0, BLOCK))
     assert b.scan(cleanup=True).found == {}
     # Even placed inside modelB's directory, a modelA chunk is rejected by its header.
     shutil.copy(a.path("one"), b.dir)
@@ -193,7 +195,7 @@ def test_namespace_mismatch_is_never_read(tmp_path: Path) -> None:
     assert res.found == {} and res.problems == {"namespace": 1}
     assert chunk_files(b.dir) == []
     b.close()
-    a2 = NVMeStore(tmp_path, "modelA", 0, BLOCK)
+    a2 = NVMeStore(nvme_section(tmp_path), StoreContext("modelA", 0, BLOCK))
     found = a2.scan().found
     assert read_blocks(a2, "one", found["one"], [0], first=1) == [block(1)]
     a2.close()
@@ -230,7 +232,7 @@ def mounted(target: Path, *how: list[str]) -> Iterator[None]:
 def test_disk_full_refuses_puts(tmp_path: Path, engine: str, caplog) -> None:
     root = tmp_path / "small"
     with mounted(root, ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)]):
-        t = NVMeStore(root, NS, 0, BLOCK, io_engine=engine)
+        t = NVMeStore(nvme_section(root, io_engine=engine), StoreContext(NS, 0, BLOCK))
         stored: dict[str, ChunkHeader] = {}
         failed = None
         with caplog.at_level(logging.WARNING):
@@ -251,7 +253,7 @@ def test_disk_full_refuses_puts(tmp_path: Path, engine: str, caplog) -> None:
         for cid in list(stored)[:4]:
             t.submit_delete(cid)
         t.close()  # drains the deletes
-        u = NVMeStore(root, NS, 0, BLOCK, io_engine=engine)
+        u = NVMeStore(nvme_section(root, io_engine=engine), StoreContext(NS, 0, BLOCK))
         h = write_chunk(u, "again", 100, 1)
         assert read_blocks(u, "again", h, [0], first=100) == [block(100)]
         u.close()
@@ -260,7 +262,7 @@ def test_disk_full_refuses_puts(tmp_path: Path, engine: str, caplog) -> None:
 def test_read_only_filesystem_refuses_puts(tmp_path: Path, caplog) -> None:
     root = tmp_path / "ro"
     root.mkdir()
-    t = NVMeStore(root, NS, 0, BLOCK)
+    t = NVMeStore(nvme_section(root), StoreContext(NS, 0, BLOCK))
     h = write_chunk(t, "one", 1, 1)
     with mounted(
         root, ["mount", "--bind", str(root), str(root)], ["mount", "-o", "remount,bind,ro", str(root)]
@@ -278,9 +280,12 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import resource, signal, sys, time
         from vllm_kvtier.tiers.buffers import WriteBuffer
+        from vllm_kvtier.config.sections import NVMeTierConfig
         from vllm_kvtier.tiers.nvme.store import NVMeStore
+        from vllm_kvtier.tiers.registry import StoreContext
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
-        t = NVMeStore(sys.argv[1], "ns", 0, {BLOCK})
+        section = NVMeTierConfig(path=sys.argv[1], capacity_bytes=1 << 30, io_threads=2, chunk_blocks=256)
+        t = NVMeStore(section, StoreContext("ns", 0, {BLOCK}))
         def result(job):
             while True:
                 for r in t.poll():
@@ -319,12 +324,14 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("writer", "reader"), [("posix", "nixl"), ("nixl", "posix")])
 def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: str, direct_io: str) -> None:
     # One engine at a time per directory (its lock): the writer closes, the reader opens.
-    w = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=writer)  # type: ignore[arg-type]
+    w = NVMeStore(nvme_section(tmp_path, direct_io=direct_io, io_engine=writer),
+                  StoreContext(NS, 0, BLOCK))
     try:
         h = write_chunk(w, "mine", 0, 5)
     finally:
         w.close()
-    other = NVMeStore(tmp_path, NS, 0, BLOCK, direct_io=direct_io, io_engine=reader)  # type: ignore[arg-type]
+    other = NVMeStore(nvme_section(tmp_path, direct_io=direct_io, io_engine=reader),
+                      StoreContext(NS, 0, BLOCK))
     try:
         assert write_chunk(other, "theirs", 0, 5) == h
         # The same chunk written by either engine: the same bytes on disk.
@@ -335,10 +342,12 @@ def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: st
     finally:
         other.close()
     # A store reopened with the other engine finds and serves what the first one stored.
-    t = NVMeStore(tmp_path / "tier", NS, 0, BLOCK, io_engine=writer, direct_io=direct_io)  # type: ignore[arg-type]
+    t = NVMeStore(nvme_section(tmp_path / "tier", io_engine=writer, direct_io=direct_io),
+                  StoreContext(NS, 0, BLOCK))
     write_chunk(t, "seven", 7, 1)
     t.close()
-    u = NVMeStore(tmp_path / "tier", NS, 0, BLOCK, io_engine=reader, direct_io=direct_io)  # type: ignore[arg-type]
+    u = NVMeStore(nvme_section(tmp_path / "tier", io_engine=reader, direct_io=direct_io),
+                  StoreContext(NS, 0, BLOCK))
     found = u.scan(cleanup=True).found
     assert read_blocks(u, "seven", found["seven"], [0], first=7) == [block(7)]
     u.close()
@@ -347,7 +356,7 @@ def test_engines_read_each_others_chunks(tmp_path: Path, writer: str, reader: st
 @pytest.mark.nixl
 @requires_nixl
 def test_damaged_block_read_through_nixl_is_a_miss(tmp_path: Path) -> None:
-    t = NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl")
+    t = NVMeStore(nvme_section(tmp_path, io_engine="nixl"), StoreContext(NS, 0, BLOCK))
     h1 = write_chunk(t, "one", 1, 1, job=1)
     h2 = write_chunk(t, "two", 2, 1, job=2)
     with open(t.path("one"), "r+b") as f:  # one bit of the block flipped, through the filesystem
@@ -363,18 +372,19 @@ def test_damaged_block_read_through_nixl_is_a_miss(tmp_path: Path) -> None:
 
 def test_io_engine_errors_name_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nixl_env: None) -> None:
     with pytest.raises(ConfigError, match="'posix', 'nixl', 'nixl-gds'") as e:
-        NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="spdk")
+        NVMeStore(nvme_section(tmp_path, io_engine="spdk"), StoreContext(NS, 0, BLOCK))
     assert e.value.field == "nvme.io_engine"
     if HAVE_NIXL:  # GDS needs CUDA and libcufile: where its plugin does not load, start-up says so
         try:
-            NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl-gds").close()  # it loads here
+            NVMeStore(nvme_section(tmp_path, io_engine="nixl-gds"),
+                      StoreContext(NS, 0, BLOCK)).close()  # it loads here
         except ConfigError as err:
             assert err.field == "nvme.io_engine" and "GDS plugin, which does not load here" in str(err)
     # No nixl package: the install hint.
     for m in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         monkeypatch.setitem(sys.modules, m, None)
     with pytest.raises(ConfigError, match="pip install nixl-cu12") as e:
-        NVMeStore(tmp_path, NS, 0, BLOCK, io_engine="nixl")
+        NVMeStore(nvme_section(tmp_path, io_engine="nixl"), StoreContext(NS, 0, BLOCK))
     assert e.value.field == "nvme.io_engine"
 
 
@@ -396,7 +406,7 @@ def mode(p: Path) -> int:
 
 def test_created_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path: Path) -> None:
     with umask(0):  # a permissive umask: every bit the code asks for is kept
-        t = NVMeStore(tmp_path / "a" / "b", NS, 0, BLOCK)
+        t = NVMeStore(nvme_section(tmp_path / "a" / "b"), StoreContext(NS, 0, BLOCK))
         write_chunk(t, "one", 1, 2)
         t.close()
     for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / NS, t.dir):
@@ -404,7 +414,7 @@ def test_created_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path
     assert mode(t.path("one")) == 0o600
     assert mode(t.dir / LOCK_NAME) == 0o600
     with umask(0o077):  # a strict one changes nothing either
-        t = NVMeStore(tmp_path / "c", NS, 0, BLOCK)
+        t = NVMeStore(nvme_section(tmp_path / "c"), StoreContext(NS, 0, BLOCK))
         write_chunk(t, "two", 1, 1)
         t.close()
     assert mode(t.dir) == 0o700 and mode(t.path("two")) == 0o600
@@ -412,7 +422,7 @@ def test_created_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path
 
 @pytest.mark.parametrize("which", ["rank", "namespace"])
 def test_group_or_other_writable_directory_is_refused_and_left_alone(tmp_path: Path, which: str) -> None:
-    t = NVMeStore(tmp_path, NS, 0, BLOCK)
+    t = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     write_chunk(t, "one", 1, 1)
     t.close()
     planted = t.dir / ".tmp-someones-12345678"
@@ -420,7 +430,7 @@ def test_group_or_other_writable_directory_is_refused_and_left_alone(tmp_path: P
     target = t.dir if which == "rank" else t.dir.parent
     os.chmod(target, 0o770)
     with pytest.raises(UnsafeDirectory, match="writable by group or others") as e:
-        NVMeStore(tmp_path, NS, 0, BLOCK)
+        NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     assert str(target) in str(e.value)
     assert planted.exists() and t.path("one").exists() and mode(target) == 0o770  # nothing touched
 
@@ -428,22 +438,22 @@ def test_group_or_other_writable_directory_is_refused_and_left_alone(tmp_path: P
 def test_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to chown a directory to another user")
-    t = NVMeStore(tmp_path, NS, 0, BLOCK)
+    t = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     t.close()
     os.chown(t.dir, 65534, 65534)  # nobody: e.g. a local user who pre-created it to plant chunks
     with pytest.raises(UnsafeDirectory, match="owned by uid 65534"):
-        NVMeStore(tmp_path, NS, 0, BLOCK)
+        NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     os.chown(tmp_path, 65534, 65534)  # a base path of another (non-root) user
     os.chown(t.dir, 0, 0)
     with pytest.raises(UnsafeDirectory, match="nvme.path is owned by uid 65534"):
-        NVMeStore(tmp_path, NS, 0, BLOCK)
+        NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
 
 
 def test_symlinks_resolved_in_the_base_path_refused_below_it(tmp_path: Path) -> None:
     real = tmp_path / "data"
     real.mkdir(mode=0o755)
     (tmp_path / "mnt").symlink_to(real)  # an operator's /mnt/nvme -> /data/nvme: accepted
-    t = NVMeStore(tmp_path / "mnt", NS, 0, BLOCK)
+    t = NVMeStore(nvme_section(tmp_path / "mnt"), StoreContext(NS, 0, BLOCK))
     write_chunk(t, "one", 1, 1)
     t.close()
     assert (real / NS / "r0" / "one.kvt").is_file()
@@ -451,7 +461,7 @@ def test_symlinks_resolved_in_the_base_path_refused_below_it(tmp_path: Path) -> 
     elsewhere.mkdir(mode=0o700)
     (real / "0123456789abcdef").symlink_to(elsewhere)  # a namespace directory that is a link
     with pytest.raises(UnsafeDirectory, match="symlink"):
-        NVMeStore(real, "0123456789abcdef", 0, BLOCK)
+        NVMeStore(nvme_section(real), StoreContext("0123456789abcdef", 0, BLOCK))
     assert list(elsewhere.iterdir()) == []
 
 
@@ -460,43 +470,44 @@ def test_world_writable_base_needs_the_sticky_bit(tmp_path: Path) -> None:
     base.mkdir()
     os.chmod(base, 0o777)
     with pytest.raises(UnsafeDirectory, match="without the sticky bit"):
-        NVMeStore(base, NS, 0, BLOCK)
+        NVMeStore(nvme_section(base), StoreContext(NS, 0, BLOCK))
     assert list(base.iterdir()) == []
     os.chmod(base, 0o1777)  # like /tmp: nobody else can rename what we create there
-    NVMeStore(base, NS, 0, BLOCK).close()
+    NVMeStore(nvme_section(base), StoreContext(NS, 0, BLOCK)).close()
 
 
 def test_second_store_on_a_locked_directory_is_refused_and_touches_nothing(tmp_path: Path) -> None:
     """Reproduced bug: a second engine's start-up scan deleted the first one's in-flight
     tmp writes. Now its store is refused before it touches anything."""
-    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    a = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     h = write_chunk(a, "one", 1, 2)
     in_flight = a.dir / ".tmp-two-0badf00d"  # a write of the first store, not renamed yet
     in_flight.write_bytes(b"\0" * 100)
     before = {p.name: p.stat().st_mtime_ns for p in a.dir.iterdir()}
     assert lock_holder(a.dir) is not None and f"pid {os.getpid()}" in lock_holder(a.dir)  # type: ignore[operator]
     with pytest.raises(DirectoryLocked, match=f"held by another engine \\(pid {os.getpid()} host"):
-        NVMeStore(tmp_path, NS, 0, BLOCK)
+        NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     assert {p.name: p.stat().st_mtime_ns for p in a.dir.iterdir()} == before
     assert read_blocks(a, "one", h, [0, 1], first=1) == [block(1), block(2)]
     a.close()
     assert lock_holder(a.dir) is None  # released with the store
-    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    b = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     assert set(b.scan(cleanup=True).found) == {"one"} and not in_flight.exists()  # now it is ours to clean
     b.close()
 
 
 def test_other_namespaces_are_reported_and_collected_only_when_free_and_ours(tmp_path: Path) -> None:
     own, old, live, odd = "0" * 16, "1" * 16, "2" * 16, "3" * 16
-    mine = NVMeStore(tmp_path, own, 0, BLOCK)
+    mine = NVMeStore(nvme_section(tmp_path), StoreContext(own, 0, BLOCK))
     for ns in (old, live, odd):
         for r in (0, 1):
-            t = NVMeStore(tmp_path, ns, r, BLOCK)
+            t = NVMeStore(nvme_section(tmp_path), StoreContext(ns, r, BLOCK))
             write_chunk(t, f"c{r}", r, 2)
             t.close()
     (tmp_path / odd / "r0" / "readme").write_text("someone else's")  # a file this tier never writes
     (tmp_path / "not-a-namespace").mkdir()
-    holder = NVMeStore(tmp_path, live, 1, BLOCK)  # a live engine on that namespace
+    holder = NVMeStore(nvme_section(tmp_path),
+                       StoreContext(live, 1, BLOCK))  # a live engine on that namespace
     try:
         found = {f.path.name: f for f in foreign_namespaces(tmp_path, {own})}
         assert set(found) == {old, live, odd}
@@ -525,7 +536,7 @@ def test_an_engine_starting_while_its_namespace_is_collected_waits_and_gets_its_
     import threading
 
     old = "1" * 16
-    t = NVMeStore(tmp_path, old, 0, BLOCK)
+    t = NVMeStore(nvme_section(tmp_path), StoreContext(old, 0, BLOCK))
     write_chunk(t, "c0", 0, 2)
     t.close()
     (found,) = foreign_namespaces(tmp_path, {"0" * 16})
@@ -562,7 +573,7 @@ def test_an_engine_starting_while_its_namespace_is_collected_waits_and_gets_its_
 
 def _try_open(root: Path, ns: str) -> object:
     try:
-        return NVMeStore(root, ns, 0, BLOCK)
+        return NVMeStore(nvme_section(root), StoreContext(ns, 0, BLOCK))
     except OSError as e:
         return e
 
@@ -576,7 +587,7 @@ def test_owner_scan_keeps_a_chunk_it_could_not_read(tmp_path: Path, monkeypatch:
     scan finds the kept one."""
     import vllm_kvtier.tiers.nvme.store as nvme_mod
 
-    a = NVMeStore(tmp_path, NS, 0, BLOCK)
+    a = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     h = write_chunk(a, "good", 1, 1, job=1)
     write_chunk(a, "bad", 2, 1, job=2)
     a.close()
@@ -590,7 +601,7 @@ def test_owner_scan_keeps_a_chunk_it_could_not_read(tmp_path: Path, monkeypatch:
         return real(path, flags)
 
     monkeypatch.setattr(nvme_mod, "_open_regular", flaky)
-    b = NVMeStore(tmp_path, NS, 0, BLOCK)
+    b = NVMeStore(nvme_section(tmp_path), StoreContext(NS, 0, BLOCK))
     res = b.scan(cleanup=True)
     assert res.found == {} and res.problems == {"unreadable_kept": 1, "format": 1}
     assert a.path("good").exists() and not a.path("bad").exists()

@@ -23,13 +23,14 @@ import pytest
 from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import BLOCK, NS, config, key, write
-from vllm_kvtier.catalog.base import Found
+from vllm_kvtier.catalog.base import Found, Listing
 from vllm_kvtier.catalog.rescan import Rescanner
 from vllm_kvtier.chunkformat import ChunkHeader, make_header
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.s3.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3.store import S3Store
 
@@ -39,7 +40,7 @@ s3_bucket = s3srv.s3_bucket
 
 
 def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Rescanner]:
-    """The S3 tier's planner as the connector builds it (connector/lower.py), its rescans
+    """The S3 tier's planner as the connector builds it (engine/lower.py), its rescans
     run by the test (a long interval: the thread never fires on its own)."""
 
     def scan() -> Found:
@@ -53,8 +54,7 @@ def planner(stores: list[S3Store], counters: Counters) -> tuple[ChunkPlanner, Re
     found = scan()
     rescanner = Rescanner("s3", scan, 3600.0, initial=found)
     policy = ChunkPolicy("s3", "write-through", 1, 16, None)
-    p = ChunkPlanner(policy, world_size=len(stores), block_bytes_per_rank=BLOCK, counters=counters, found=found,
-                     catalog=rescanner)
+    p = ChunkPlanner(policy, PlannerContext(len(stores), BLOCK, counters), Listing(found, catalog=rescanner))
     return p, rescanner
 
 
@@ -69,7 +69,7 @@ def loadable(p: ChunkPlanner, first: int, n: int) -> bool:
 
 @pytest.fixture
 def store(s3_server: MotoServer, s3_bucket: str) -> Iterator[S3Store]:
-    s = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    s = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     yield s
     s.close()
 
@@ -109,8 +109,7 @@ def test_pinned_chunk_listed_again_before_unpin_stays() -> None:
     h = make_header(NS, [key(1)], [0], BLOCK)
     listing: list[Found] = [[{"a": h}], [{}], [{"a": h}]]
     r = Rescanner("s3", lambda: listing.pop(0), 3600.0, initial=[{"a": h}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{"a": h}], catalog=r))
     p.index.pin("a")
     for _ in range(2):  # unchanged, then gone
         r.rescan_once()
@@ -135,7 +134,7 @@ def test_own_write_deleted_before_any_rescan_listed_it_is_removed() -> None:
 
 
 def test_a_failed_listing_removes_nothing() -> None:
-    """A listing that could not complete raises (connector/lower.py checks each store's
+    """A listing that could not complete raises (engine/lower.py checks each store's
     ``last_scan.complete``): nothing is queued, and our writes are still checked next time."""
     h = make_header(NS, [key(1)], [0], BLOCK)
     results: list[Any] = [RuntimeError("listing failed"), [{}]]
@@ -147,8 +146,7 @@ def test_a_failed_listing_removes_nothing() -> None:
         return got  # type: ignore[no-any-return]
 
     r = Rescanner("s3", scan, 3600.0, initial=[{"a": h}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{"a": h}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{"a": h}], catalog=r))
     r.note_written("b")
     with pytest.raises(RuntimeError):
         r.rescan_once()
@@ -162,8 +160,7 @@ def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
     n = 10_000
     found: Found = [{f"f{i}": make_header(NS, [key(i)], [0], BLOCK) for i in range(n)}]
     r = Rescanner("s3", lambda: found, 3600.0, initial=[{}])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[{}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([{}], catalog=r))
     r.rescan_once()
     sizes = []
     while True:
@@ -180,8 +177,8 @@ def test_a_huge_delta_is_applied_in_bounded_slices() -> None:
 
 
 def test_chunks_on_only_some_ranks_are_never_indexed_and_counted(s3_server: MotoServer, s3_bucket: str) -> None:
-    r0 = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
-    r1 = S3Store(config(s3_server, s3_bucket), NS, 1, BLOCK)
+    r0 = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
+    r1 = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 1, BLOCK))
     try:
         for st in (r0, r1):
             write(st, "both", 0, 2)
@@ -212,7 +209,8 @@ def _manifest(s3_server: MotoServer, store: S3Store) -> tuple[int, dict[str, Chu
 def test_manifest_stays_bounded_across_ten_times_its_bound_with_lifecycle_deletes(
         s3_server: MotoServer, s3_bucket: str) -> None:
     bound = 12
-    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=bound, manifest_every_writes=3), NS, 0, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=bound, manifest_every_writes=3),
+                 StoreContext(NS, 0, BLOCK))
     client = s3_server.client()
     biggest = encode_manifest(NS, [(f"o{i:04d}", make_header(NS, [key(i)], [0], BLOCK)) for i in range(bound)])
     sizes = []
@@ -233,7 +231,7 @@ def test_manifest_stays_bounded_across_ten_times_its_bound_with_lifecycle_delete
     assert len(entries) == bound and max([*sizes, n]) <= 2 * len(biggest)
     # The newest writes, so a reader's scan covers what is live with no header GET.
     assert f"o{10 * bound - 1:04d}" in entries
-    reader = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    reader = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     try:
         assert len(reader.scan().found) == 4 and reader.last_scan.header_gets == 0
     finally:
@@ -241,10 +239,10 @@ def test_manifest_stays_bounded_across_ten_times_its_bound_with_lifecycle_delete
 
 
 def test_restart_keeps_the_manifest_of_the_same_writer(s3_server: MotoServer, s3_bucket: str) -> None:
-    a = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    a = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     write(a, "old", 0, 1)
     a.close()
-    b = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)  # same host, rank, namespace
+    b = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))  # same host, rank, namespace
     assert b.writer_id == a.writer_id
     write(b, "new", 5, 1)
     b.close()
@@ -255,16 +253,16 @@ def test_restart_keeps_the_manifest_of_the_same_writer(s3_server: MotoServer, s3
 
 def test_stale_manifests_collected_and_unchanged_ones_not_fetched_again(
         s3_server: MotoServer, s3_bucket: str) -> None:
-    gone = S3Store(config(s3_server, s3_bucket, writer_id="gone-writer"), NS, 0, BLOCK)
+    gone = S3Store(config(s3_server, s3_bucket, writer_id="gone-writer"), StoreContext(NS, 0, BLOCK))
     write(gone, "g", 0, 1)
     gone.close()
-    idle = S3Store(config(s3_server, s3_bucket, writer_id="idle-writer"), NS, 0, BLOCK)
+    idle = S3Store(config(s3_server, s3_bucket, writer_id="idle-writer"), StoreContext(NS, 0, BLOCK))
     write(idle, "i", 5, 1)
     idle.close()
     client = s3_server.client()
     client.delete_object(Bucket=s3_bucket, Key=gone.key("g"))  # its only object expired
 
-    live = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    live = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     try:
         assert set(live.scan(collect=True).found) == {"i"}
         assert live.last_scan.manifests_collected == 1  # covers nothing any more
@@ -278,7 +276,7 @@ def test_stale_manifests_collected_and_unchanged_ones_not_fetched_again(
         live.close()
 
     # Not rewritten for manifest_max_age_s: its writer is gone, the manifest is collected.
-    old = S3Store(config(s3_server, s3_bucket, manifest_max_age_s=0.5), NS, 0, BLOCK)
+    old = S3Store(config(s3_server, s3_bucket, manifest_max_age_s=0.5), StoreContext(NS, 0, BLOCK))
     try:
         time.sleep(1.1)
         assert set(old.scan(collect=True).found) == {"i"}  # the object stays: only the manifest goes
@@ -302,7 +300,8 @@ def test_scan_header_cache_and_manifest_table_stay_bounded_past_their_limits(
     a rescan fetches nothing again; the writer's manifest table holds at most
     ``manifest_max_entries`` however many chunks it wrote."""
     # The writer's table (rank 5: its manifest is not in the way of the scans below).
-    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0, manifest_max_entries=8192), NS, 5, BLOCK)
+    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0, manifest_max_entries=8192),
+                     StoreContext(NS, 5, BLOCK))
     for i in range(N_OBJECTS):
         writer.on_written(f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK))
         assert writer.manifest_entries() <= writer.config.manifest_max_entries
@@ -312,7 +311,7 @@ def test_scan_header_cache_and_manifest_table_stay_bounded_past_their_limits(
     def listed(rank: int, n: int) -> Any:
         """Fake listing pages of ``n`` objects on ``rank`` plus the real manifests there,
         and one real manifest covering the ``n`` objects, as another writer leaves it."""
-        st = S3Store(config(s3_server, s3_bucket), NS, rank, BLOCK)
+        st = S3Store(config(s3_server, s3_bucket), StoreContext(NS, rank, BLOCK))
         s3_server.client().put_object(Bucket=s3_bucket, Key=st.manifest_key("other"), Body=encode_manifest(
             NS, ((f"{i:06d}", make_header(NS, [key(i)], [0], BLOCK, rank=rank)) for i in range(n))))
         st.close()
@@ -333,7 +332,7 @@ def test_scan_header_cache_and_manifest_table_stay_bounded_past_their_limits(
 
     install = listed(0, N_OBJECTS)
     # A reader refuses a manifest of more entries than its own bound: the fleet's is larger.
-    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=N_OBJECTS), NS, 0, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, manifest_max_entries=N_OBJECTS), StoreContext(NS, 0, BLOCK))
     install(st)
     try:
         assert len(st.scan().found) == N_OBJECTS and st.last_scan.header_gets == 0
@@ -347,7 +346,8 @@ def test_scan_header_cache_and_manifest_table_stay_bounded_past_their_limits(
     # on a smaller listing: tracing makes every allocation ten times slower).
     cap, n = 5_000, 20_000
     install = listed(1, n)
-    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap, manifest_max_entries=n), NS, 1, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, header_cache_entries=cap, manifest_max_entries=n),
+                 StoreContext(NS, 1, BLOCK))
     install(st)
     try:
         tracemalloc.start()
@@ -380,12 +380,12 @@ def test_partial_rank_chunks_of_our_crashed_predecessor_are_deleted_at_start(
     own manifest names it) is deleted by the scheduler at start; another writer's partial
     chunk (maybe a write in flight) is only left out of the index."""
     from vllm_kvtier.config import parse_config
-    from vllm_kvtier.connector.lower import make_planners, tier_format
+    from vllm_kvtier.engine.lower import make_planners, tier_format
 
     ns = tier_format("s3", "native", namespace="ns", block_bytes=BLOCK, kv_dtype=None).namespace
     base = config(s3_server, s3_bucket)
-    ranks = [S3Store(base, ns, r, BLOCK) for r in range(2)]
-    other = S3Store(config(s3_server, s3_bucket, writer_id="someone-else"), ns, 0, BLOCK)
+    ranks = [S3Store(base, StoreContext(ns, r, BLOCK)) for r in range(2)]
+    other = S3Store(config(s3_server, s3_bucket, writer_id="someone-else"), StoreContext(ns, 0, BLOCK))
     for st in ranks:
         write(st, "whole", 0, 2)
     write(ranks[0], "ours-torn", 10, 2, job=2)  # rank 1's write never happened (a crash)
@@ -446,8 +446,7 @@ def test_a_bad_read_deletes_only_chunks_this_instance_wrote() -> None:
     entry's: see test_forged_manifest_naming_real_objects_gets_nothing_deleted)."""
     theirs = make_header(NS, [key(1)], [0], BLOCK)
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{"theirs": theirs}])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 1, None), PlannerContext(1, BLOCK, counters), Listing([{"theirs": theirs}]))
     p.note_request([key(2)])
     p.on_cpu_save(0, BlockKey(key(2)))
     (job,) = p.take_jobs(set(), lambda k: 0)[1]
@@ -473,8 +472,7 @@ def test_an_idle_engine_holds_one_merged_delta_not_every_rescans(monkeypatch: py
     monkeypatch.setattr("vllm_kvtier.catalog.rescan._MAX_PENDING_CHUNKS", 2000)
     rounds = iter(range(1, 41))
     r = Rescanner("s3", lambda: [_churn_listing(500 * next(rounds), 500)], 3600.0, initial=[_churn_listing(0, 500)])
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=Counters(), found=[_churn_listing(0, 500)], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, Counters()), Listing([_churn_listing(0, 500)], catalog=r))
     gc.collect()
     tracemalloc.start()
     try:
@@ -502,8 +500,7 @@ def test_pending_rescan_changes_past_the_bound_resync(monkeypatch: pytest.Monkey
     rounds = iter(range(1, 11))
     r = Rescanner("s3", lambda: [_churn_listing(0, 500 * next(rounds))], 3600.0, initial=[{}])
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{}], catalog=r)
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, BLOCK, counters), Listing([{}], catalog=r))
     for _ in range(10):
         r.rescan_once()
     while True:
@@ -555,12 +552,13 @@ def test_scan_header_cache_is_bounded_by_bytes(s3_server: MotoServer, s3_bucket:
     makes the next scan read the unchanged manifest again instead of GETting headers."""
     from vllm_kvtier.chunkformat import header_memory_bytes
 
-    writer = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    writer = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     for i in range(12):
         write(writer, f"c{i:02d}", 10 * i, 4, job=i + 1)
     writer.close()
     one = header_memory_bytes(make_header(NS, [key(0)] * 4, [0] * 4, BLOCK))
-    st = S3Store(config(s3_server, s3_bucket, header_cache_bytes=5 * one, writer_id="reader"), NS, 0, BLOCK)
+    st = S3Store(config(s3_server, s3_bucket, header_cache_bytes=5 * one, writer_id="reader"),
+                 StoreContext(NS, 0, BLOCK))
     try:
         assert len(st.scan().found) == 12
         assert st.header_cache_bytes() <= 5 * one and st.header_cache_entries() == 5
@@ -577,14 +575,13 @@ def test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier(s3_server: M
     objects under that id stay. Before, the planner deleted the id on every rank."""
     cfg = config(s3_server, s3_bucket)
     counters = Counters()
-    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=2, block_bytes_per_rank=BLOCK,
-                     counters=counters, found=[{}, {}])
+    p = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(2, BLOCK, counters), Listing([{}, {}]))
     where = {BlockKey(key(i)): i for i in range(4)}
     p.note_request([key(i) for i in range(4)])
     for i in range(4):
         p.on_cpu_save(i, BlockKey(key(i)))
     failed, refused = p.take_jobs(set(), where.get)[1]
-    others = [S3Store(replace(cfg, writer_id="other"), NS, r, BLOCK) for r in range(2)]
+    others = [S3Store(replace(cfg, writer_id="other"), StoreContext(NS, r, BLOCK)) for r in range(2)]
     for job in (failed, refused):  # the other instance stores the same ids on both ranks
         for st in others:
             write(st, job.chunk_id, 0, 2)
@@ -595,7 +592,7 @@ def test_a_failed_or_refused_write_deletes_nothing_on_a_shared_tier(s3_server: M
     p.on_worker_meta(WorkerReport(written={("s3", failed.chunk_id): 1}, failed={("s3", failed.chunk_id)},
                                   refused={("s3", refused.chunk_id)}))
     deletes = p.take_jobs(set(), lambda k: None)[2]
-    ours = [S3Store(cfg, NS, r, BLOCK) for r in range(2)]
+    ours = [S3Store(cfg, StoreContext(NS, r, BLOCK)) for r in range(2)]
     for st in ours:  # what the workers would do with them
         for fid in deletes:
             st.submit_delete(fid)

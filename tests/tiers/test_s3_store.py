@@ -28,6 +28,7 @@ from vllm_kvtier.chunkformat import ChunkHeader
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import WriteBuffer
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.tiers.resilience import BreakerState, CircuitBreaker
 from vllm_kvtier.tiers.s3.manifest import decode_manifest, encode_manifest
 from vllm_kvtier.tiers.s3.store import S3Config, S3Store
@@ -61,7 +62,7 @@ def config(server: MotoServer, bucket: str, **kw: Any) -> S3Config:
 
 @pytest.fixture(params=ENGINES)
 def store(request: pytest.FixtureRequest, s3_server: MotoServer, s3_bucket: str) -> Iterator[S3Store]:
-    s = S3Store(config(s3_server, s3_bucket, io_engine=request.param), NS, 0, BLOCK)
+    s = S3Store(config(s3_server, s3_bucket, io_engine=request.param), StoreContext(NS, 0, BLOCK))
     yield s
     s.close()
 
@@ -139,7 +140,7 @@ def test_key_layout_spreads_over_hashed_prefixes(store: S3Store) -> None:
 def test_multipart_upload_above_threshold(s3_server: MotoServer, s3_bucket: str, engine: str) -> None:
     mib = 1 << 20
     s = S3Store(config(s3_server, s3_bucket, multipart_threshold_bytes=5 * mib, multipart_part_bytes=5 * mib,
-                       io_engine=engine), NS, 0, mib)
+                       io_engine=engine), StoreContext(NS, 0, mib))
     try:
         h = write(s, "big", 0, 6)  # 6 MiB of blocks + a 4 KiB header: two parts
         assert requests(s) == {"CreateMultipartUpload": 1, "UploadPart": 2, "CompleteMultipartUpload": 1}
@@ -178,8 +179,8 @@ def test_garbage_object_is_a_checksum_miss(store: S3Store, s3_server: MotoServer
 @pytest.mark.nixl
 @requires_nixl
 def test_engines_read_each_others_objects(s3_server: MotoServer, s3_bucket: str) -> None:
-    a = S3Store(config(s3_server, s3_bucket, io_engine="boto3"), NS, 0, BLOCK)
-    b = S3Store(config(s3_server, s3_bucket, io_engine="nixl"), NS, 0, BLOCK)
+    a = S3Store(config(s3_server, s3_bucket, io_engine="boto3"), StoreContext(NS, 0, BLOCK))
+    b = S3Store(config(s3_server, s3_bucket, io_engine="nixl"), StoreContext(NS, 0, BLOCK))
     try:
         ha, hb = write(a, "by-boto3", 0, 6, job=1), write(b, "by-nixl", 0, 6, job=2)
         assert ha == hb
@@ -201,12 +202,12 @@ def test_engines_read_each_others_objects(s3_server: MotoServer, s3_bucket: str)
 
 
 def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoServer, s3_bucket: str) -> None:
-    a = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    a = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     headers = {f"c{i}": write(a, f"c{i}", 10 * i, 3, job=i) for i in range(3)}
     a.close()  # writes a's manifest
     assert requests(a)["PutObject"] == 4
 
-    b = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    b = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     try:
         found = b.scan().found
         assert found == headers
@@ -217,7 +218,7 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
         r.release()
         # Written since the last manifest: found by its header (one ranged GET).
         headers["c9"] = write(b, "c9", 90, 2, job=9)
-        again = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+        again = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
         assert again.scan().found == headers
         assert (again.last_scan.header_gets, again.last_scan.from_manifests) == (1, 3)
         again.close()
@@ -230,7 +231,7 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
     client.delete_object(Bucket=s3_bucket, Key=b.key("c0"))
     for m in client.list_objects_v2(Bucket=s3_bucket, Prefix=f"kv/{NS}/r0/manifest/")["Contents"][:1]:
         client.delete_object(Bucket=s3_bucket, Key=m["Key"])
-    c = S3Store(config(s3_server, s3_bucket), NS, 0, BLOCK)
+    c = S3Store(config(s3_server, s3_bucket), StoreContext(NS, 0, BLOCK))
     try:
         found = c.scan().found
         assert set(found) == {"c1", "c2", "c9"}
@@ -240,10 +241,10 @@ def test_restart_finds_previous_writes_with_manifest_or_headers(s3_server: MotoS
 
 
 def test_namespaces_and_prefixes_are_isolated(s3_server: MotoServer, s3_bucket: str) -> None:
-    a = S3Store(config(s3_server, s3_bucket), "nsA", 0, BLOCK)
-    b = S3Store(config(s3_server, s3_bucket), "nsB", 0, BLOCK)
-    other_prefix = S3Store(config(s3_server, s3_bucket, prefix="elsewhere/"), "nsA", 0, BLOCK)
-    other_rank = S3Store(config(s3_server, s3_bucket), "nsA", 1, BLOCK)
+    a = S3Store(config(s3_server, s3_bucket), StoreContext("nsA", 0, BLOCK))
+    b = S3Store(config(s3_server, s3_bucket), StoreContext("nsB", 0, BLOCK))
+    other_prefix = S3Store(config(s3_server, s3_bucket, prefix="elsewhere/"), StoreContext("nsA", 0, BLOCK))
+    other_rank = S3Store(config(s3_server, s3_bucket), StoreContext("nsA", 1, BLOCK))
     try:
         write(a, "x1", 0, 2)
         assert b.scan().found == {} and other_prefix.scan().found == {} and other_rank.scan().found == {}
@@ -260,7 +261,7 @@ def test_namespaces_and_prefixes_are_isolated(s3_server: MotoServer, s3_bucket: 
 def test_write_queue_is_bounded(s3_server: MotoServer, s3_bucket: str) -> None:
     proxy = FaultProxy(s3_server.url)
     s = S3Store(config(s3_server, s3_bucket, endpoint_url=proxy.url, max_queued_writes=1, read_timeout_s=0.5,
-                       max_attempts=1), NS, 0, BLOCK)
+                       max_attempts=1), StoreContext(NS, 0, BLOCK))
     try:
         proxy.hang(5)
         assert s.submit_write(1, "q1", chunk(0, 1))
@@ -279,7 +280,8 @@ def test_write_queue_is_bounded(s3_server: MotoServer, s3_bucket: str) -> None:
 
 def test_slowdown_is_retried_with_backoff(s3_server: MotoServer, s3_bucket: str) -> None:
     proxy = FaultProxy(s3_server.url)
-    s = S3Store(config(s3_server, s3_bucket, endpoint_url=proxy.url, breaker_failures=10), NS, 0, BLOCK)
+    s = S3Store(config(s3_server, s3_bucket, endpoint_url=proxy.url, breaker_failures=10),
+                StoreContext(NS, 0, BLOCK))
     try:
         proxy.slowdown(2)
         h = write(s, "slow", 0, 3)
@@ -300,7 +302,7 @@ def test_persistent_slowdown_fails_within_the_deadline(s3_server: MotoServer, s3
     proxy = FaultProxy(s3_server.url)
     cfg = config(s3_server, s3_bucket, endpoint_url=proxy.url, max_attempts=100, deadline_s=1.0,
                  breaker_failures=1000)
-    s = S3Store(cfg, NS, 0, BLOCK)
+    s = S3Store(cfg, StoreContext(NS, 0, BLOCK))
     try:
         h = write(s, "w", 0, 2)
         proxy.slowdown(None)
@@ -327,7 +329,7 @@ def test_unanswered_request_is_a_deadline_miss_not_a_stall(s3_server: MotoServer
     proxy = FaultProxy(s3_server.url)
     cfg = config(s3_server, s3_bucket, endpoint_url=proxy.url, deadline_s=0.8, read_timeout_s=5.0,
                  io_engine=engine)
-    s = S3Store(cfg, NS, 0, BLOCK)
+    s = S3Store(cfg, StoreContext(NS, 0, BLOCK))
     try:
         h = write(s, "h", 0, 2)
         proxy.hang(2.0)
@@ -360,7 +362,7 @@ def test_server_stopped_then_restarted(tmp_path: Path) -> None:
         server.start()
         bucket = server.create_bucket()
         cfg = config(server, bucket)
-        s = S3Store(cfg, NS, 0, BLOCK)
+        s = S3Store(cfg, StoreContext(NS, 0, BLOCK))
         try:
             h = write(s, "before", 0, 2, job=1)
             server.stop()
@@ -403,14 +405,14 @@ def test_tls_endpoint_with_a_private_ca_bundle(tmp_path: Path) -> None:
         server.start()
         try:
             bucket = server.create_bucket()
-            s = S3Store(config(server, bucket, ca_bundle=server.ca_bundle), NS, 0, BLOCK)
+            s = S3Store(config(server, bucket, ca_bundle=server.ca_bundle), StoreContext(NS, 0, BLOCK))
             h = write(s, "tls", 0, 2)
             r = read(s, "tls", h, [1])
             assert r.ok and r.blocks is not None and r.blocks[0].tobytes() == block(1)
             r.release()
             s.close()
             # Without the CA the certificate does not verify: a prompt failure, not retried.
-            untrusted = S3Store(config(server, bucket, deadline_s=10.0), NS, 0, BLOCK)
+            untrusted = S3Store(config(server, bucket, deadline_s=10.0), StoreContext(NS, 0, BLOCK))
             t0 = time.monotonic()
             r = read(untrusted, "tls", h, [1])
             assert not r.ok and r.reason == "tls" and time.monotonic() - t0 < 2.0
@@ -424,7 +426,8 @@ def test_credentials_never_in_repr_or_logs(s3_server: MotoServer, s3_bucket: str
                                            caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     proxy = FaultProxy(s3_server.url)
-    s = S3Store(config(s3_server, s3_bucket, endpoint_url=proxy.url, breaker_failures=2), NS, 0, BLOCK)
+    s = S3Store(config(s3_server, s3_bucket, endpoint_url=proxy.url, breaker_failures=2),
+                StoreContext(NS, 0, BLOCK))
     try:
         h = write(s, "c", 0, 1)
         proxy.slowdown(None)
@@ -527,7 +530,7 @@ def test_missing_boto3_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
     with pytest.raises(ImportError, match=re.escape("pip install 'vllm-kvtier[s3]'")):
-        S3Store(S3Config(bucket="b-1"), NS, 0, BLOCK)
+        S3Store(S3Config(bucket="b-1"), StoreContext(NS, 0, BLOCK))
 
 
 def test_missing_nixl_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -537,7 +540,7 @@ def test_missing_nixl_gives_an_install_hint(monkeypatch: pytest.MonkeyPatch) -> 
     for m in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         monkeypatch.setitem(sys.modules, m, None)  # as if not installed
     with pytest.raises(ConfigError, match=re.escape("pip install nixl-cu12")) as e:
-        S3Store(S3Config(bucket="b-1", io_engine="nixl"), NS, 0, BLOCK)
+        S3Store(S3Config(bucket="b-1", io_engine="nixl"), StoreContext(NS, 0, BLOCK))
     assert e.value.field == "s3.io_engine"
 
 
@@ -572,10 +575,10 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
     the objects left out counted as ``deadline``), and the next scan GETs only the
     headers the first did not read. The planner built on it counts ``scan_cut_short``."""
     from vllm_kvtier.config.sections import KVTierConfig, S3TierConfig
-    from vllm_kvtier.connector.lower import make_planners
+    from vllm_kvtier.engine.lower import make_planners
     from vllm_kvtier.metrics import Counters
 
-    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0), NS, 0, BLOCK)
+    writer = S3Store(config(s3_server, s3_bucket, manifest_every_writes=0), StoreContext(NS, 0, BLOCK))
     for i in range(30):
         write(writer, f"c{i:02d}", i, 1, job=i + 1)
     writer.close()
@@ -583,7 +586,7 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
     proxy = FaultProxy(s3_server.url)
     cfg = config(s3_server, s3_bucket, endpoint_url=proxy.url, scan_deadline_s=1.5, writer_id="reader")
     proxy.delay(0.3)
-    st = S3Store(cfg, NS, 0, BLOCK)
+    st = S3Store(cfg, StoreContext(NS, 0, BLOCK))
     try:
         found = st.scan(deadline=time.monotonic() + cfg.scan_deadline_s).found
         rep = st.last_scan

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
 MB = 1e6
 BS = 32
@@ -113,8 +114,7 @@ class _Req:
 
 def test_scheduler_recomputes_blocks_of_a_slow_tier_and_counts_them():
     counters = Counters()
-    s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), world_size=1, block_bytes_per_rank=1 << 20,
-                      counters=counters, found=[{}])
+    s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, 1 << 20, counters), Listing([{}]))
     s3.index.add_existing("o", [_key(i) for i in range(2, 8)], 7 << 20)
     cfg = parse_config({"load_or_recompute": {"prefill_tokens_per_s": 10_000}})
     half = SchedulerHalf(cfg, block_size=BS, num_slots=16, slot_bytes_total=1 << 20, lower=[s3], counters=counters)

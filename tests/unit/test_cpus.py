@@ -12,11 +12,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from testkit.stores import nvme_section
 from vllm_kvtier import cpus
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import NVMeStore
+from vllm_kvtier.tiers.registry import StoreContext
 from vllm_kvtier.transfer.copier import HostCopyEngine
 from vllm_kvtier.transfer.layout import build_layout
 
@@ -83,7 +85,7 @@ def test_background_threads_leave_the_compute_core(bound_main, tmp_path):
     other = ALLOWED[1]
     assert cpus.configure(str(other)) == {other}
     eng = _engine()
-    store = NVMeStore(tmp_path / "nvme", "cpus0000", 0, 3000, io_engine="posix")
+    store = NVMeStore(nvme_section(tmp_path / "nvme", io_engine="posix"), StoreContext("cpus0000", 0, 3000))
     try:
         assert _copy_thread_mask(eng) == {other}
         io = _masks("kvtier-nvme")

@@ -10,7 +10,7 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from vllm_kvtier.catalog.base import MemoryLookups
+from vllm_kvtier.catalog.base import Listing, MemoryLookups
 from vllm_kvtier.catalog.rescan import Rescanner
 from vllm_kvtier.chunkformat import align_up, header_bytes_for, make_header
 from vllm_kvtier.config import EventsConfig, parse_config
@@ -20,7 +20,7 @@ from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block
 from vllm_kvtier.plan.inputs import StepInput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
@@ -115,9 +115,7 @@ def test_chunk_index_reports_only_loadability_changes():
 
 
 def _chunk_planner(found=None, rescanner=None, local=None, exclusive=False) -> ChunkPlanner:
-    return ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None, exclusive=exclusive), world_size=1,
-                        block_bytes_per_rank=64, counters=Counters(), found=found or [{}], catalog=rescanner,
-                        local_chunks=local)
+    return ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None, exclusive=exclusive), PlannerContext(1, 64, Counters()), Listing(found or [{}], catalog=rescanner, local_chunks=local))
 
 
 def test_lower_tier_locality_our_writes_local_other_writers_remote():
@@ -140,8 +138,7 @@ def test_lower_tier_locality_our_writes_local_other_writers_remote():
 
 def test_lower_tier_write_is_announced_at_the_ack_and_eviction_removes_it():
     one_chunk = header_bytes_for(1) + align_up(64)
-    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, 2 * one_chunk, exclusive=True), world_size=2,
-                     block_bytes_per_rank=64, counters=Counters(), found=[{}, {}])
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-through", 1, 2, 2 * one_chunk, exclusive=True), PlannerContext(2, 64, Counters()), Listing([{}, {}]))
     ev = log()
     p.attach_events(ev)
     p.note_request([key(1), key(2), key(3)])
@@ -221,7 +218,7 @@ def test_a_lora_block_is_published_under_vllms_hash_not_our_adapter_bound_key():
     from types import SimpleNamespace
 
     from vllm_kvtier.connector.events import describe
-    from vllm_kvtier.connector.scheduler import AdapterRequest
+    from vllm_kvtier.engine.scheduler import AdapterRequest
 
     live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
                            lora_request=SimpleNamespace(name="sql", adapter_id=5))
@@ -257,9 +254,7 @@ def test_a_pool_lookup_finds_another_instances_block_remote_and_our_write_local(
     """Mooncake (key-named, no listing): a block a lookup finds in the pool was put by
     another instance (REMOTE); one we wrote is LOCAL once every rank acknowledged it."""
     present = {key(1).hex()}
-    p = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), world_size=1,
-                     block_bytes_per_rank=64, counters=Counters(), found=[{}],
-                     catalog=MemoryLookups(lambda ids: [i in present for i in ids]))
+    p = ChunkPlanner(ChunkPolicy("mooncake", "write-through", 1, 1, None, key_named=True), PlannerContext(1, 64, Counters()), Listing([{}], catalog=MemoryLookups(lambda ids: [i in present for i in ids])))
     ev = log()
     p.attach_events(ev)
     p.discover([key(1), key(2)])
@@ -288,7 +283,7 @@ def test_a_hybrid_group_view_is_published_under_vllms_hash_with_its_group():
     from types import SimpleNamespace
 
     from vllm_kvtier.connector.events import describe
-    from vllm_kvtier.connector.scheduler import GroupView
+    from vllm_kvtier.engine.scheduler import GroupView
 
     live = SimpleNamespace(request_id="r", block_hashes=[key(0), key(1)], all_token_ids=list(range(2 * BS)),
                            lora_request=None)

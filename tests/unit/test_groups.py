@@ -168,7 +168,7 @@ class _Live:
 
 
 def test_group_views_compose_with_the_live_request():
-    from vllm_kvtier.connector.scheduler import GroupView, real_id, view_id
+    from vllm_kvtier.engine.scheduler import GroupView, real_id, view_id
 
     live = _Live()
     v0, v1 = GroupView(live, 0), GroupView(live, 1)
@@ -182,7 +182,7 @@ def test_group_views_compose_with_the_live_request():
 
 
 def test_a_plan_for_group_views_goes_to_the_workers_with_vllms_ids():
-    from vllm_kvtier.connector.scheduler import to_real_ids, view_id
+    from vllm_kvtier.engine.scheduler import to_real_ids, view_id
     from vllm_kvtier.jobs import ChunkRead, LoadJob, SaveJob, StepPlan
 
     a0, a1, b1 = view_id("a", 0), view_id("a", 1), view_id("b", 1)

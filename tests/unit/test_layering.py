@@ -20,7 +20,12 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
 
 PKG = "vllm_kvtier"
 ROOT = Path(__file__).resolve().parents[2] / PKG
@@ -30,26 +35,32 @@ ALLOWED: dict[str, set[str]] = {
     "keys": set(),
     "errors": set(),
     "jobs": {"keys"},  # a job names its tier by TierName
-    "config": {"keys", "errors", "cpus"},
+    # plugins: an object named "package.module:Name" (an out-of-tree tier's spec)
+    "plugins": set(),
+    "config": {"keys", "errors", "cpus", "plugins"},
     "index": {"keys", "errors"},
     "metrics": {"keys", "errors"},
     "sysmem": set(),
     "cpus": set(),  # where the plugin's own threads run: imports nothing of the package
     "chunkformat": {"keys", "errors"},
     # what the tiers below CPU hold, learned on the catalog's own threads: below plan (which
-    # takes its deltas and answers), beside tiers (the connector hands it the listing)
+    # takes its deltas and answers) and below tiers (a medium's spec builds its catalog)
     "catalog": {"keys", "errors", "metrics", "chunkformat"},
-    "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus"},
+    # a medium's spec builds its scheduler half too: the catalog of what the tier holds
+    "tiers": {"keys", "errors", "config", "metrics", "chunkformat", "cpus", "catalog", "plugins"},
     "plan": {"keys", "errors", "jobs", "config", "index", "metrics", "chunkformat", "catalog"},
     # design.md lists "tiers, jobs, keys, config"; metrics (plain counters, importing nothing
     # internal) is allowed too: the tiers below transfer may import it, so transfer may
     "transfer": {"keys", "errors", "jobs", "config", "tiers", "chunkformat", "metrics", "cpus"},
     "exporter": {"keys", "errors", "metrics"},
+    # what the connector builds that needs no vLLM: the tiers' planners and data paths
+    "engine": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
+               "tiers", "plan", "transfer", "exporter", "plugins"},
     "connector": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-                  "tiers", "plan", "transfer", "exporter"},
+                  "tiers", "plan", "transfer", "exporter", "plugins", "engine"},
     # and the root package, which holds only the version and imports nothing
     "tools": {"keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-              "tiers", "plan", "transfer", "exporter", "root"},
+              "tiers", "plan", "transfer", "exporter", "plugins", "engine", "root"},
     "root": set(),
 }
 #: layers that may not import torch
@@ -77,7 +88,7 @@ def layer_of(module: str) -> str | None:
         return "root"
     head = parts[0]
     if head in ("keys", "errors", "jobs", "config", "index", "metrics", "sysmem", "cpus", "chunkformat", "catalog",
-                "tiers", "plan", "transfer", "exporter", "connector"):
+                "tiers", "plan", "transfer", "exporter", "connector", "plugins", "engine"):
         return head
     if head in ("cli", "ops", "doctor"):
         return "tools"
@@ -249,3 +260,119 @@ def test_the_planners_run_without_vllm_or_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent, timeout=120)
+
+
+def test_the_connector_only_adapts_vllm():
+    """Every module of ``connector/`` imports vLLM, or is imported only by modules of
+    ``connector/`` that do: what needs no vLLM lives below it (``engine/`` and the rest)."""
+    sources = package_sources()
+    modules = set(sources)
+    imports = {m: [_known(n, modules) if n.startswith(PKG) else n.split(".")[0]
+                   for n, _ in imports_of(m, src, is_package=pkg)]
+               for m, (src, pkg) in sources.items()}
+    adapters = {m for m in sources if layer_of(m) == "connector" and "vllm" in imports[m]}
+    idle = []
+    for m in sorted(sources):
+        if layer_of(m) != "connector" or m in adapters:
+            continue
+        users = {u for u, names in imports.items() if m in names and u != m}
+        if not users or not users <= adapters:
+            idle.append(f"{m} (imported by {sorted(users) or 'nothing'})")
+    assert not idle, "connector/ modules that neither import vLLM nor serve one that does:\n  " + "\n  ".join(idle)
+
+
+def floors(allowed: Mapping[str, set[str]]) -> list[set[str]]:
+    """The layers bottom up, in floors: each layer imports only layers on floors below its
+    own. Raises AssertionError naming the layers left when some import each other (an
+    arrow back up)."""
+    left, below, out = dict(allowed), set(), []
+    while left:
+        floor = {layer for layer, imports in left.items() if imports <= below}
+        if not floor:
+            raise AssertionError(f"an arrow back up among {sorted(left)}")
+        out.append(floor)
+        below |= floor
+        for layer in floor:
+            del left[layer]
+    return out
+
+
+def test_the_layers_stack_in_floors_with_no_arrow_back_up():
+    stack = floors(ALLOWED)
+    floor = {layer: i for i, f in enumerate(stack) for layer in f}
+    assert floor["keys"] == floor["errors"] == 0
+    assert floor["catalog"] < floor["tiers"] < floor["transfer"] < floor["engine"] < floor["connector"]
+    assert floor["plan"] < floor["engine"]
+    with pytest.raises(AssertionError, match="an arrow back up"):
+        floors({**ALLOWED, "tiers": ALLOWED["tiers"] | {"transfer"}})
+
+
+def climbs(calls: list[tuple[str, str]]) -> list[str]:
+    """The calls of ``calls`` ((caller module, callee module)) that go back up a floor: into
+    a layer the caller's layer may not import."""
+    out = []
+    for caller, callee in calls:
+        mine, theirs = layer_of(caller), layer_of(callee)
+        if mine is not None and theirs is not None and theirs != mine and theirs not in ALLOWED[mine]:
+            out.append(f"{caller} -> {callee}")
+    return out
+
+
+def test_the_climb_check_catches_a_call_back_up():
+    assert climbs([("vllm_kvtier.engine.lower", "vllm_kvtier.tiers.spec"),
+                   ("vllm_kvtier.tiers.nvme.spec", "vllm_kvtier.config.sections")]) == []
+    assert climbs([("vllm_kvtier.tiers.nvme.spec", "vllm_kvtier.transfer.fp8"),
+                   ("vllm_kvtier.transfer.tier_io", "vllm_kvtier.engine.lower")]) == [
+        "vllm_kvtier.tiers.nvme.spec -> vllm_kvtier.transfer.fp8",
+        "vllm_kvtier.transfer.tier_io -> vllm_kvtier.engine.lower"]
+
+
+def _calls_passing(obj: object, run: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """``run()``'s result, and every call of a package function that received ``obj`` as an
+    argument (or local), as (the nearest package caller's module, the callee's module)."""
+    calls: list[tuple[str, str]] = []
+
+    def package_module(frame: FrameType | None) -> str:
+        while frame is not None and layer_of(frame.f_globals.get("__name__", "")) is None:
+            frame = frame.f_back
+        return "" if frame is None else frame.f_globals["__name__"]
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call" or layer_of(frame.f_globals.get("__name__", "")) is None:
+            return
+        if any(v is obj for v in frame.f_locals.values()):
+            calls.append((package_module(frame.f_back), frame.f_globals["__name__"]))
+
+    sys.setprofile(profile)
+    try:
+        result = run()
+    finally:
+        sys.setprofile(None)
+    return result, calls
+
+
+def test_a_tier_section_goes_down_to_its_store_and_catalog(tmp_path):
+    """The NVMe section, from the engine's builders to the worker's store and the
+    scheduler's catalog: every call that hands it on goes to the caller's layer or below."""
+    from vllm_kvtier.config import parse_config
+    from vllm_kvtier.engine.lower import make_planners, make_workers
+    from vllm_kvtier.metrics import Counters
+    from vllm_kvtier.tiers.cpu import CPUPool
+    from vllm_kvtier.transfer.slots import SlotTable
+
+    cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30}})
+    section, counters = cfg.nvme, Counters()
+    slots = SlotTable(CPUPool(2, (4096,), pin=False, prefault=False))
+    workers, to_store = _calls_passing(section, lambda: make_workers(cfg, namespace="ns", rank=0, slots=slots,
+                                                                      counters=counters))
+    try:
+        assert workers["nvme"].store is not None
+    finally:
+        workers["nvme"].close()
+    _, to_catalog = _calls_passing(section, lambda: make_planners(
+        cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters))
+    for calls in (to_store, to_catalog):
+        assert ("vllm_kvtier.engine.lower", "vllm_kvtier.tiers.spec") in calls or (
+            "vllm_kvtier.engine.lower", "vllm_kvtier.tiers.nvme.spec") in calls
+        assert not climbs(calls), climbs(calls)
+    assert ("vllm_kvtier.tiers.nvme.spec", "vllm_kvtier.tiers.nvme.store") in to_store

@@ -13,7 +13,7 @@ def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     code = textwrap.dedent(
         """
         import logging
-        from vllm_kvtier.connector.wiring import register
+        from vllm_kvtier.connector.plugin import register
         register()  # vLLM loads plugins before it configures its logging
         register()  # and calls it in every process, possibly twice
         from vllm.config.logging import LoggingConfig

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.connector.lower import make_workers
+from vllm_kvtier.engine.lower import make_workers
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, LoadJob, SaveJob, StepPlan
 from vllm_kvtier.metrics import sample_key
 from vllm_kvtier.transfer.worker import WorkerHalf

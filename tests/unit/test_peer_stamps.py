@@ -162,7 +162,7 @@ def test_a_tier_read_unstamps_its_slots_before_their_bytes_change():
     from vllm_kvtier.chunkformat import chunk_id_for
     from vllm_kvtier.tiers.memory import MemoryStore
     from vllm_kvtier.transfer.slots import SlotTable
-    from vllm_kvtier.transfer.tier_io import ChunkWorker
+    from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
 
     slots = SlotTable(CPUPool(8, PLANES, pin=False, prefault=False))
     seen: list[tuple[int, bytes | None, int]] = []
@@ -173,8 +173,7 @@ def test_a_tier_read_unstamps_its_slots_before_their_bytes_change():
 
     slots.stamp_with(Recorder())
     store = MemoryStore("ns", slots.pool.slot_bytes)
-    w = ChunkWorker("nvme", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=4,
-                    flush_on_shutdown_s=5.0)
+    w = ChunkWorker("nvme", store, DriverSettings("write-through", 4, 5.0), DriverContext(slots, Counters()))
     for p in slots.pool.planes:
         p[0].fill_(3)
         p[5].fill_(1)

@@ -16,7 +16,7 @@ from vllm_kvtier.tiers.buffers import AlignedBuffer, BufferPool
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
 from vllm_kvtier.transfer.slots import SlotTable
-from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
 
 PLANES = (4096, 4096)
 
@@ -37,8 +37,7 @@ def _pool() -> CPUPool:
 
 
 def _driver(slots: SlotTable, store: MemoryStore, mode: str = "write-back") -> ChunkWorker:
-    return ChunkWorker("nvme", store, slots=slots, counters=Counters(), mode=mode, chunk_blocks=4,  # type: ignore[arg-type]
-                       flush_on_shutdown_s=5.0)
+    return ChunkWorker("nvme", store, DriverSettings(mode, 4, 5.0), DriverContext(slots, Counters()))
 
 
 def _settle(w: ChunkWorker, want: int) -> tuple[WorkerReport, list[tuple[int, ChunkRead, bool]]]:
@@ -189,8 +188,7 @@ def test_out_of_memory_for_a_buffer_is_a_miss_and_a_counter():
     slots = SlotTable(_pool())
     pool = _NoMemory(64 << 20)
     store = MemoryStore("ns", slots.pool.slot_bytes, buffers=pool)
-    w = ChunkWorker("nvme", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=4,
-                    flush_on_shutdown_s=5.0, buffers=pool)
+    w = ChunkWorker("nvme", store, DriverSettings("write-through", 4, 5.0), DriverContext(slots, Counters(), buffers=pool))
     keys = (b"a" * 32, b"b" * 32)
     slots.set_key(0, keys[0])
     slots.set_key(1, keys[1])

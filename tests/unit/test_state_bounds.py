@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import time
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.chunkformat import chunk_id_for, header_memory_bytes, make_header
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
+from vllm_kvtier.plan.parts import PlanParts
 from vllm_kvtier.plan.prefetch import Prefetcher
 from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.memory import MemoryStore
 from vllm_kvtier.transfer.slots import SlotTable
-from vllm_kvtier.transfer.tier_io import ChunkWorker
+from vllm_kvtier.transfer.tier_io import ChunkWorker, DriverContext, DriverSettings
 
 
 def _settle(w: ChunkWorker, want: int) -> list[tuple[int, ChunkRead, bool]]:
@@ -36,8 +38,7 @@ def test_worker_header_cache_of_a_fetching_store_is_bounded() -> None:
     pool = CPUPool(8, (4096,), pin=False, prefault=False)
     slots = SlotTable(pool)
     store = MemoryStore("ns", pool.slot_bytes)
-    w = ChunkWorker("s3", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=1,
-                    flush_on_shutdown_s=1.0, fetches_headers=True, max_headers=2)
+    w = ChunkWorker("s3", store, DriverSettings("write-through", 1, 1.0, header_cache_entries=2), DriverContext(slots, Counters(), fetches_headers=True))
     try:
         keys = [bytes([i]) * 32 for i in range(5)]
         ids = [chunk_id_for([k]) for k in keys]
@@ -64,8 +65,7 @@ def test_worker_header_cache_is_bounded_by_bytes() -> None:
     slots = SlotTable(pool)
     store = MemoryStore("ns", pool.slot_bytes)
     one = header_memory_bytes(make_header("ns", [bytes(32)] * 8, [0] * 8, pool.slot_bytes))
-    w = ChunkWorker("s3", store, slots=slots, counters=Counters(), mode="write-through", chunk_blocks=8,
-                    flush_on_shutdown_s=1.0, fetches_headers=True, max_headers=1000, max_header_bytes=3 * one)
+    w = ChunkWorker("s3", store, DriverSettings("write-through", 8, 1.0, header_cache_entries=1000, header_cache_bytes=3 * one), DriverContext(slots, Counters(), fetches_headers=True))
     try:
         ids = []
         for c in range(6):
@@ -86,16 +86,15 @@ def test_prefetched_keys_are_bounded() -> None:
     chains = [[BlockKey(bytes([c, i]) * 16) for i in range(2)] for c in range(6)]
     bb = 4096
     found = {f"c{i}": make_header("ns", list(ch), [0, 0], bb) for i, ch in enumerate(chains)}
-    tier = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 2, None), world_size=1, block_bytes_per_rank=bb,
-                        counters=Counters(), found=[found])
+    tier = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 2, None), PlannerContext(1, bb, Counters()), Listing([found]))
     promotions = Promotions(index, [tier])
 
     def locate(k: BlockKey) -> tuple[ChunkPlanner, str, int] | None:
         loc = tier.locate(k)
         return None if loc is None else (tier, *loc)
 
-    p = Prefetcher(index, [tier], Counters(), promotions, world_size=1, max_inflight_blocks=64, max_age_s=60.0,
-                   locate=locate, max_prefetched_keys=3)
+    p = Prefetcher(PlanParts(index, [tier], Counters(), promotions, locate), world_size=1, max_inflight_blocks=64,
+                   max_age_s=60.0, max_prefetched_keys=3)
     for ch in chains:
         p.predict(ch)
         (job,) = p.take_jobs()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvtier.connector.wiring import digest_cache_dir
+from vllm_kvtier.engine.identity import digest_cache_dir
 
 
 def test_the_weights_digest_cache_of_a_test_session_is_temporary(tmp_path_factory: pytest.TempPathFactory):

@@ -349,15 +349,15 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     """A prefix only on a lower tier ("nvme", a real ChunkPlanner over a found chunk): the
     check reads it into promotion slots; a mismatch drops that chunk and quarantines the
     tier; the blocks that matched stay in DRAM, and the tier's lookups answer miss."""
+    from vllm_kvtier.catalog.base import Listing
     from vllm_kvtier.chunkformat import make_header
     from vllm_kvtier.metrics import Counters
-    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
     keys = [bytes([i]) * 8 for i in range(4)]
     counters = Counters()
     found = [{"c1": make_header("ns", keys, [0] * 4, 1024)}]
-    nvme = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 4, None), world_size=1, block_bytes_per_rank=1024,
-                        counters=counters, found=found)
+    nvme = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 4, None), PlannerContext(1, 1024, counters), Listing(found))
     cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60, quarantine_mismatches=1))
     p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[nvme], counters=counters)
     got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
@@ -381,18 +381,16 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
 def _one_chunk_tier(name: str, *, exclusive: bool, key_named: bool = False):
     """A lower tier holding the prompt's 4 blocks in one chunk (key-named: one chunk per
     block, found by lookups that always say present, as a pool does)."""
-    from vllm_kvtier.catalog.base import MemoryLookups
+    from vllm_kvtier.catalog.base import Listing, MemoryLookups
     from vllm_kvtier.chunkformat import make_header
     from vllm_kvtier.metrics import Counters
-    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+    from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
     keys = [bytes([i]) * 8 for i in range(4)]
     counters = Counters()
     found = [{} if key_named else {"c1": make_header("ns", keys, [0] * 4, 1024)}]
     tier = ChunkPlanner(ChunkPolicy(name, "write-back", 1, 1 if key_named else 4, None, key_named=key_named,
-                                    exclusive=exclusive),
-                        world_size=1, block_bytes_per_rank=1024, counters=counters, found=found,
-                        catalog=MemoryLookups(lambda ids: [True] * len(ids)) if key_named else None)
+                                    exclusive=exclusive), PlannerContext(1, 1024, counters), Listing(found, catalog=MemoryLookups(lambda ids: [True] * len(ids)) if key_named else None))
     return tier, keys, counters
 
 

@@ -119,6 +119,33 @@ class Listed:
             self._on_close()
 
 
+@dataclass
+class Listing:
+    """What the scheduler knows of one tier below CPU at start-up (a spec's
+    ``open_catalog``, :mod:`vllm_kvtier.tiers.registry`): the chunks found, and where
+    later changes come from. The planner takes it whole; nothing here does I/O."""
+
+    #: What the start-up listing found, one index per rank.
+    found: Found
+    #: Where later changes come from (None: only this instance's own writes).
+    catalog: Catalog | None = None
+    #: Bytes per rank the tier holds that are not chunks (taken off the capacity).
+    reserved_bytes_per_rank: int = 0
+    #: Chunks some rank saw but could not read: never indexed, never reclaimed.
+    unread: frozenset[str] = frozenset()
+    #: The chunks of ``found`` this instance wrote (None: the planner's default).
+    local_chunks: frozenset[str] | None = None
+    #: False: nothing is written to the tier (turned off, or a read-only pool).
+    writable: bool = True
+    #: Chunks to delete at once: debris a previous run left on only some ranks.
+    reclaim: tuple[str, ...] = ()
+
+    @classmethod
+    def empty(cls, world_size: int, *, writable: bool = True) -> Listing:
+        """A tier that knows no chunk (disabled at start, or nothing listed)."""
+        return cls([{} for _ in range(world_size)], writable=writable)
+
+
 class MemoryLookups:
     """:class:`PoolLookups` answered from memory at submit (``exists``: ids -> present, a
     function of plain data, no I/O). The reference implementation, and the fake pool of the

@@ -1,6 +1,6 @@
 """Existence lookups in a key-value pool (Mooncake), on a thread of their own.
 
-Who calls it: the connector builds it (:mod:`vllm_kvtier.connector.lower`) with the pool's
+Who calls it: the connector builds it (:mod:`vllm_kvtier.engine.lower`) with the pool's
 ``exists``; the planner submits ids, asks whether answers are still to come and takes
 them, from vLLM's scheduler thread (:class:`~vllm_kvtier.catalog.base.PoolLookups`). No
 call waits for the pool. Ids submitted while a lookup runs are queued and asked together

@@ -1,6 +1,6 @@
 """The rescan thread of a listed tier (S3): changes pushed to the planner.
 
-Who calls it: the connector builds it (:mod:`vllm_kvtier.connector.lower`) with the tier's
+Who calls it: the connector builds it (:mod:`vllm_kvtier.engine.lower`) with the tier's
 listing function; the planner (:class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner`) calls
 :meth:`Rescanner.take` and :meth:`Rescanner.note_written` from vLLM's scheduler thread.
 The listing runs on the rescan thread only; so does the diff against the last listing.

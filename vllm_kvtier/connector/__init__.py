@@ -3,10 +3,10 @@
 vLLM builds the connector twice: in the scheduler role (EngineCore process) and in the
 worker role (each worker process). This class picks :class:`SchedulerHalf` or
 :class:`WorkerHalf` by role and forwards vLLM's calls to it; the logic lives in
-``plan/`` (scheduler side), ``transfer/`` (worker side), ``index/`` and ``tiers/``, which
-never import vLLM. This package is the only one that does: the facade here, the
+``plan/`` (scheduler side), ``transfer/`` (worker side), ``index/``, ``tiers/`` and
+``engine/`` (what is built at start-up), which never import vLLM. This package is the only one that does: the facade here, the
 translation of vLLM's objects (``scheduler.py``, ``metadata.py``), stats glue
-(``stats.py``) and wiring (``wiring.py``, ``lower.py``).
+(``stats.py``), wiring (``wiring.py``) and the entry point (``plugin.py``).
 
 Turn it on with ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":"kv_both",
 "kv_load_failure_policy":"recompute","kv_connector_extra_config":{"preset":"interactive"}}'``
@@ -32,9 +32,10 @@ from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector import wiring
 from vllm_kvtier.connector.events import to_vllm
 from vllm_kvtier.connector.metadata import KVTierHandshake, KVTierMetadata, KVTierWorkerMeta
+from vllm_kvtier.connector.plugin import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierPromMetrics, KVTierStats
-from vllm_kvtier.connector.wiring import CacheHitSource, KVConnectorTransferResults, SupportsHMA, register
+from vllm_kvtier.engine.identity import digest_cache_dir
 from vllm_kvtier.errors import run_all
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName
@@ -90,7 +91,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.namespace = wiring.engine_namespace(vllm_config, kv_cache_config, salt=self.cfg.namespace_salt,
                                                  log=role == KVConnectorRole.SCHEDULER, groups=self.groups,
                                                  fingerprint=self.cfg.weights_fingerprint,
-                                                 cache_dir=wiring.digest_cache_dir(self.cfg.weights_digest_cache_dir),
+                                                 cache_dir=digest_cache_dir(self.cfg.weights_digest_cache_dir),
                                                  require_fingerprint=self.cfg.require_weights_fingerprint)
         self._exporter: Any = None
         self._sched: SchedulerHalf | None = None

@@ -31,7 +31,7 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
 from vllm_kvtier.config import EventsConfig
-from vllm_kvtier.connector.scheduler import AdapterRequest, GroupView
+from vllm_kvtier.engine.scheduler import AdapterRequest, GroupView
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block

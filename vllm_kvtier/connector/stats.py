@@ -15,22 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.config import parse_config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.exporter import PromMetrics
 from vllm_kvtier.keys import TierName
+from vllm_kvtier.tiers.registry import metric_tiers
 
 _SECTIONS = ("counters", "gauges", "histograms")
-
-
-def metric_tiers(cfg: KVTierConfig) -> list[str]:
-    """The ``tier`` label values this config's counters can carry (exported at 0 from the
-    start): the CPU tier, each configured tier below it, ``peer`` with NIXL, ``all``."""
-    tiers = [TierName.CPU]
-    tiers += [name for name, section in ((TierName.NVME, cfg.nvme), (TierName.S3, cfg.s3),
-                                         (TierName.MOONCAKE, cfg.mooncake), (TierName.PEER, cfg.nixl))
-              if section is not None]
-    return [str(t) for t in (*tiers, TierName.ALL)]
 
 
 class KVTierStats(KVConnectorStats):

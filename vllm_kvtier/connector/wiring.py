@@ -1,40 +1,31 @@
-"""Start-up wiring of the connector: the plugin entry point, what this vLLM version
-offers, and the sizes, names and side services derived from vLLM's configuration objects
-once, when vLLM builds the connector (either role).
+"""Start-up wiring of the connector: the sizes, names and side services derived from
+vLLM's configuration objects once, when vLLM builds the connector (either role).
 
-Who calls it: vLLM (:func:`register`) and
-:class:`~vllm_kvtier.connector.KVTierConnector`'s constructor. Nothing here runs per step.
+Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector`'s constructor. Nothing here
+runs per step.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvtier import cpus
-from vllm_kvtier.config import KVTierConfig, parse_config
+from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.connector.events import event_log
-from vllm_kvtier.connector.lower import make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.connector.scheduler import SchedulerHalf
-from vllm_kvtier.connector.stats import metric_tiers
+from vllm_kvtier.engine.identity import model_identity
+from vllm_kvtier.engine.lower import make_planners, make_workers, rank_role, stored_copies
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.groups import GroupLayout, GroupSpec
-from vllm_kvtier.index.identity import (
-    FingerprintMode,
-    ModelIdentity,
-    WeightsFingerprint,
-    canonical,
-    describe_line,
-    fingerprint_weights,
-)
+from vllm_kvtier.index.identity import FingerprintMode, describe_line
 from vllm_kvtier.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.sysmem import available_memory, budget_overrun
+from vllm_kvtier.tiers.registry import metric_tiers
 from vllm_kvtier.transfer.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -42,113 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger("vllm_kvtier")
-
-try:  # vLLM >= 0.32
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover - older vLLM reports through get_finished only
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
-
-try:  # the hybrid KV cache manager's connector interface (request_finished_all_groups)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
-except ImportError:  # pragma: no cover - a vLLM without it never turns the manager on for us
-
-    class SupportsHMA:  # type: ignore[no-redef]
-        """Stand-in: vLLM without ``SupportsHMA`` calls ``request_finished`` only."""
-
-try:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # pragma: no cover
-    CacheHitSource = None  # type: ignore[assignment,misc]
-
-CONNECTOR_NAME = "KVTierConnector"
-
-
-class _ToVllmHandlers(logging.Handler):
-    """Hands each record to the handlers the ``vllm`` logger has *now* (vLLM configures,
-    and may reconfigure, its logging after plugins are loaded), at vLLM's level; nothing
-    when vLLM's logging is not configured (``VLLM_CONFIGURE_LOGGING=0``: the record still
-    propagates to the application's root handlers)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        target = logging.getLogger("vllm")
-        if target.handlers and record.levelno >= target.getEffectiveLevel():
-            target.handle(record)
-
-
-def route_logs_to_vllm() -> None:
-    """Send the plugin's log lines where vLLM's go, in vLLM's format and at its level.
-
-    The plugin logs under ``vllm_kvtier``, outside vLLM's ``vllm`` logger tree: without
-    this its INFO lines (tiers and namespace at start, blocks found after a restart,
-    load-or-recompute verdicts) are dropped and its warnings reach stderr only through
-    Python's last-resort handler. Idempotent. The ``vllm_kvtier`` logger keeps
-    propagating, so handlers an application put on the root logger see the lines too.
-    """
-    ours = logging.getLogger("vllm_kvtier")
-    if any(isinstance(h, _ToVllmHandlers) for h in ours.handlers):
-        return
-    ours.addHandler(_ToVllmHandlers())
-    if ours.level == logging.NOTSET:  # an operator's own setting wins
-        import vllm.envs as envs
-
-        ours.setLevel(logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper()))
-
-
-def check_command_line_config() -> None:
-    """Refuse a bad ``kv_connector_extra_config`` given on vLLM's command line at once.
-
-    vLLM builds the connector only after the model is loaded (minutes for a real model),
-    and then reports a typo inside hundreds of lines and several tracebacks. vLLM loads
-    general plugins first of all, as it builds its argument parser, so :func:`register`
-    reads ``--kv-transfer-config`` from the command line of a vLLM entry point itself
-    (``vllm serve``, ``python -m vllm.entrypoints...``), in the main process only, and
-    when it names this connector and its extra config does not parse, prints the one-line
-    error naming the field and exits with status 2. Anything it cannot read (other forms
-    of the flag, bad JSON, another connector) is left to vLLM and to the connector's own
-    check at start.
-    """
-    import multiprocessing
-    import os
-    import sys
-
-    argv = sys.argv
-    if not argv or "vllm" not in os.path.basename(argv[0]) + os.path.dirname(argv[0]).replace(os.sep, "/") \
-            or multiprocessing.parent_process() is not None:
-        return
-    raw = None
-    for i, arg in enumerate(argv):
-        if arg == "--kv-transfer-config" and i + 1 < len(argv):
-            raw = argv[i + 1]
-        elif arg.startswith("--kv-transfer-config="):
-            raw = arg.partition("=")[2]
-    if raw is None:
-        return
-    try:
-        ktc = json.loads(raw)
-    except ValueError:
-        return
-    if not isinstance(ktc, dict) or ktc.get("kv_connector") != CONNECTOR_NAME:
-        return
-    try:
-        parse_config(ktc.get("kv_connector_extra_config") or {})
-    except ConfigError as e:
-        print(f"kvtier: --kv-transfer-config: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-def register() -> None:
-    """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
-    work without ``kv_connector_module_path``, route the plugin's logs to vLLM's handlers,
-    and refuse a bad config on the command line before vLLM loads the model. vLLM calls
-    this in every process; calling it twice is harmless."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    route_logs_to_vllm()
-    check_command_line_config()
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
-        return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvtier.connector", CONNECTOR_NAME)
-
 
 def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block of this rank's KV cache, over all its layers (a CPU slot's).
@@ -336,101 +220,6 @@ def engine_min(value: int) -> int:
     return int(t.item())
 
 
-#: Keys of the resolved HF config that name files or versions, not what is computed.
-_VOLATILE_HF_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "name_or_path",
-                               "_attn_implementation_autoset"})
-#: Resolved HF config fields logged as the rope settings (all of the config is hashed).
-_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
-              "partial_rotary_factor", "original_max_position_embeddings")
-
-
-def _hf_dict(hf_config: Any) -> dict[str, Any]:
-    try:
-        raw = hf_config.to_dict()
-    except Exception:  # not a transformers config: its public attributes
-        raw = {k: v for k, v in vars(hf_config).items() if not k.startswith("_")}
-    # A value printed with its address would differ between processes (scheduler and
-    # workers must agree on the namespace): such values are left out.
-    return {k: v for k, v in raw.items()
-            if k not in _VOLATILE_HF_KEYS and " at 0x" not in canonical(v)}
-
-
-def _local_model_path(model_config: Any, load_config: Any) -> Path | None:
-    """The local directory (or file) vLLM loads the weights from: the model path itself,
-    or a hub id's snapshot already in the local HF cache (never downloaded here)."""
-    path = Path(str(model_config.model))
-    if path.exists():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        found = snapshot_download(str(model_config.model), revision=model_config.revision,
-                                  cache_dir=getattr(load_config, "download_dir", None), local_files_only=True)
-        return Path(found)
-    except Exception:
-        return None
-
-
-def digest_cache_dir(setting: str) -> Path | None:
-    """``weights_digest_cache_dir`` as a directory: "auto" is $XDG_CACHE_HOME/vllm_kvtier
-    (else ~/.cache/vllm_kvtier), "" none."""
-    import os
-
-    if setting == "auto":
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return Path(base) / "vllm_kvtier"
-    return Path(setting).expanduser() if setting else None
-
-
-def model_identity(vllm_config: VllmConfig, salt: str, *, fingerprint: FingerprintMode = "full",
-                   cache_dir: Path | None = None,
-                   require_fingerprint: bool = False) -> tuple[ModelIdentity, WeightsFingerprint | None]:
-    """The :class:`ModelIdentity` of this engine, read from vLLM's resolved configuration,
-    and the weights fingerprint it used (None when the weights could not be fingerprinted:
-    then the model id and revision stand for them, with a WARNING; with
-    ``require_fingerprint``, :class:`ConfigError` instead). ``fingerprint`` and
-    ``cache_dir``: :func:`~vllm_kvtier.index.identity.fingerprint_weights`'s."""
-    model = vllm_config.model_config
-    load = vllm_config.load_config
-    cache = vllm_config.cache_config
-    hf = getattr(model, "hf_config", None)
-    text = getattr(model, "hf_text_config", hf)
-    fp: WeightsFingerprint | None = None
-    local = _local_model_path(model, load)
-    if local is not None:
-        try:
-            fp = fingerprint_weights(local, mode=fingerprint, cache_dir=cache_dir)
-        except (OSError, ValueError) as e:  # unreadable: fall back to the id, never fail the start
-            logger.warning("kvtier: cannot fingerprint the weights at %s (%s)", local, e)
-    if fp is None and require_fingerprint:
-        raise ConfigError("require_weights_fingerprint",
-                          f"the weights of {model.model!r} cannot be fingerprinted (not a readable local model "
-                          "directory or file): load the model from a local directory, or set this to false")
-    if fp is None:
-        logger.warning("kvtier: the weights of %r cannot be fingerprinted (not a readable local model); the "
-                       "namespace uses its id and revision only: set namespace_salt when the weights behind "
-                       "them can change", model.model)
-    overrides: Any = model.hf_overrides
-    if callable(overrides):  # a function: only its name can be seen
-        overrides = f"callable:{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
-    rope = {k: getattr(text, k) for k in _ROPE_KEYS if getattr(text, k, None) is not None}
-    identity = ModelIdentity(
-        model="" if fp is not None else f"{model.model}@{model.revision or ''}",
-        weights=fp.digest if fp is not None else "",
-        model_dtype=str(model.dtype),
-        kv_cache_dtype=str(cache.cache_dtype),
-        quantization=str(model.quantization or ""),
-        quant_config=canonical(getattr(hf, "quantization_config", None)),
-        hf_overrides=canonical(overrides),
-        rope=canonical(rope),
-        hf_config=hashlib.sha256(canonical(_hf_dict(hf) if hf is not None else {}).encode()).hexdigest()[:32],
-        load_format=str(getattr(load, "load_format", "")) + (
-            f":seed={model.seed}" if str(getattr(load, "load_format", "")) == "dummy" else ""),
-        salt=salt,
-    )
-    return identity, fp
-
-
 #: vLLM's older names of two layouts (``VLLM_KV_CACHE_LAYOUT`` takes both spellings).
 _LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 #: The namespace's ``layout`` where vLLM names none (no resolver, nothing resolved yet):
@@ -471,7 +260,7 @@ def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
     quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
     layout (:func:`kv_cache_layout`), hash): blocks of
     another namespace are never read back. ``log``: its inputs at INFO (once per engine:
-    the scheduler role). ``require_fingerprint``: :func:`model_identity`'s."""
+    the scheduler role). ``require_fingerprint``: :func:`~vllm_kvtier.engine.identity.model_identity`'s."""
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config

@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 
 if TYPE_CHECKING:
     from vllm_kvtier.ops.fleet_sim import SharedTier
@@ -44,8 +45,7 @@ def make_lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
     block_bytes = t.block_bytes or _UNKNOWN_BLOCK_BYTES
     policy = ChunkPolicy(tier=TierName(t.name), mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
                          capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True)
-    planner = ChunkPlanner(policy, world_size=1, block_bytes_per_rank=block_bytes, counters=Counters(), found=[],
-                           clock=lambda: clock[0])
+    planner = ChunkPlanner(policy, PlannerContext(1, block_bytes, Counters(), clock=lambda: clock[0]), Listing([]))
     if t.capacity_blocks is not None:
         # Capacity in whole chunks of this tier's own file size, so that it holds
         # capacity_blocks blocks (headers included) whatever the block's bytes.

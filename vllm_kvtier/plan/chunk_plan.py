@@ -43,6 +43,7 @@ indexed. A pool's lookups are submitted and answered on a later step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -50,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_kvtier.catalog.base import Catalog, Found, PoolLookups, Rescans, common_chunks
+from vllm_kvtier.catalog.base import Found, Listing, PoolLookups, Rescans, common_chunks
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
@@ -94,39 +95,51 @@ class ChunkPolicy:
     exclusive: bool = False
 
 
+@dataclass(frozen=True)
+class PlannerContext:
+    """What every planner of one scheduler shares."""
+
+    #: Shards stored of each block, named ``r0`` .. ``r<world_size - 1>``.
+    world_size: int
+    block_bytes_per_rank: int
+    counters: Counters
+    #: The background flush's ages (a test passes its own).
+    clock: Callable[[], float] = time.monotonic
+
+
 class ChunkPlanner:
-    def __init__(
-        self, policy: ChunkPolicy, *, world_size: int, block_bytes_per_rank: int, counters: Counters,
-        found: Found, catalog: Catalog | None = None, clock: Callable[[], float] = time.monotonic,
-        reserved_bytes_per_rank: int = 0, local_chunks: frozenset[str] | None = None,
-        unread: frozenset[str] = frozenset(),
-    ) -> None:
-        """``found``: what the start-up listing found. ``catalog``: where later changes come
-        from (:mod:`vllm_kvtier.catalog`): a listed tier's rescans (changes pushed), a
-        pool's lookups (answered asynchronously), or None (nothing changes but by this
-        planner's own writes); closed by :meth:`close`. ``reserved_bytes_per_rank``: bytes
-        the tier holds that are not chunks (an NVMe rank directory's lock file and anything
-        else found in it), taken off the capacity so that it bounds every byte on the
-        medium. ``local_chunks``: the chunks of ``found`` this instance wrote (a shared
-        tier's own manifest); None: all of them on an exclusive tier, none on a shared one
-        (KV events' locality). ``unread``: chunks some rank's listing saw but could not
-        read (a transient error): not indexed, and never reclaimed as partial.
+    def __init__(self, policy: ChunkPolicy, ctx: PlannerContext, listing: Listing) -> None:
+        """``listing``: what the tier's catalog found at start-up
+        (:class:`~vllm_kvtier.catalog.base.Listing`). ``listing.found``: the chunks found.
+        ``listing.catalog``: where later changes come from (:mod:`vllm_kvtier.catalog`): a
+        listed tier's rescans (changes pushed), a pool's lookups (answered asynchronously),
+        or None (nothing changes but by this planner's own writes); closed by :meth:`close`.
+        ``listing.reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an
+        NVMe rank directory's lock file and anything else found in it), taken off the
+        capacity so that it bounds every byte on the medium. ``listing.local_chunks``: the
+        chunks of ``found`` this instance wrote (a shared tier's own manifest); None: all of
+        them on an exclusive tier, none on a shared one (KV events' locality).
+        ``listing.unread``: chunks some rank's listing saw but could not read (a transient
+        error): not indexed, and never reclaimed as partial. ``listing.writable`` False:
+        the policy's mode becomes read-only. ``listing.reclaim``: chunks deleted at once.
 
         The planner's jobs, each its own object: :attr:`admission` (which blocks are
         written; the write breaker), :attr:`merge` (rescan deltas, sliced),
         :attr:`cooling` (chunks whose read failed), :attr:`answered` (pool answers),
         :attr:`origins` (who wrote each chunk: KV events' locality, what a failed read
         deletes); the write queues and the index stay here."""
+        if not listing.writable:
+            policy = dataclasses.replace(policy, mode="read-only")
         self.policy = policy
         self.tier = policy.tier
-        self._clock = clock  # the background flush's ages (a test passes its own)
-        self.world_size = world_size
-        self.block_bytes = block_bytes_per_rank
-        self.counters = counters
+        self._clock = ctx.clock
+        self.world_size = world_size = ctx.world_size
+        self.block_bytes = ctx.block_bytes_per_rank
+        self.counters = ctx.counters
         # Capacity is per engine; each rank stores its shard of every chunk.
         cap = policy.capacity_bytes
-        self.reserved_bytes = reserved_bytes_per_rank
-        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved_bytes_per_rank))
+        self.reserved_bytes = reserved = listing.reserved_bytes_per_rank
+        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved))
         self.admission = Admission(policy.tier, policy.admit_min_seen)
         self._demote: list[tuple[int, BlockKey]] = []
         #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
@@ -137,7 +150,7 @@ class ChunkPlanner:
         #: Chunks that failed on some rank: a late "written" from another rank is ignored.
         self._failed_files: OrderedDict[str, None] = OrderedDict()
         self.cooling = CoolDown()
-        self._catalog = catalog
+        self._catalog = catalog = listing.catalog
         self._rescans = catalog if isinstance(catalog, Rescans) else None
         self._lookups = catalog if isinstance(catalog, PoolLookups) else None
         self.answered = AnsweredIds()
@@ -149,9 +162,13 @@ class ChunkPlanner:
         #: Called with a chunk's keys once every rank reported it durable (this thread).
         #: The scheduler points it at the CPU index, whose policy learns what is below.
         self.on_durable: Callable[[Sequence[BlockKey]], None] | None = None
-        n_blocks, n_files = self._adopt(found, local_chunks, unread)
+        n_blocks, n_files = self._adopt(listing.found, listing.local_chunks, listing.unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
+        if listing.reclaim:
+            logger.info("kvtier %s: deleting %d chunk(s) a previous run left on only some ranks", self.tier,
+                        len(listing.reclaim))
+            self.reclaim(list(listing.reclaim))
 
     # ---- what the tier holds -------------------------------------------------------
 

@@ -17,18 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, LoadJob, PeerRead
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, HistogramName
+from vllm_kvtier.metrics import CounterName, HistogramName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.plan.events import EventLog
-from vllm_kvtier.plan.load_policy import LoadPolicy
+from vllm_kvtier.plan.parts import PlanExtras, PlanParts
 from vllm_kvtier.plan.peer_plan import PeerPlan
-from vllm_kvtier.plan.prefetch import Prefetcher
-from vllm_kvtier.plan.promotions import Promotions
 from vllm_kvtier.plan.req_state import ReqState
-from vllm_kvtier.plan.verify_plan import Locate
 
 TIER = TierName.CPU
 #: vLLM's null block: held by sliding-window groups outside the window; never loaded or saved.
@@ -60,22 +56,14 @@ class LoadPlanner:
     """Plans the loads of admitted requests. Owns the load jobs planned since the last
     step. What a load pins is kept in its request's :class:`ReqState`."""
 
-    def __init__(
-        self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promotions: Promotions,
-        options: LoadOptions, *, load_mode: str, locate: Locate, prefetcher: Prefetcher | None = None,
-        load_policy: LoadPolicy | None = None, events: EventLog | None = None,
-    ) -> None:
-        """``locate``: the fastest lower tier holding a key. ``events``: None when vLLM's
-        KV events are off."""
-        self.index = index
-        self.lower = lower
-        self.counters = counters
-        self.promotions = promotions
+    def __init__(self, parts: PlanParts, options: LoadOptions, extras: PlanExtras, *, load_mode: str,
+                 events: EventLog | None = None) -> None:
+        """``extras``: its prefetcher and load policy are used. ``events``: None when
+        vLLM's KV events are off."""
+        self.parts = parts
         self.options = options
+        self.extras = extras
         self.load_mode = load_mode
-        self.locate = locate
-        self.prefetcher = prefetcher
-        self.load_policy = load_policy
         self.events = events
         self._jobs: list[LoadJob] = []
 
@@ -103,7 +91,7 @@ class LoadPlanner:
         for i, k in enumerate(keys):
             if slots[i] is not None:
                 continue
-            loc = self.locate(k)
+            loc = self.parts.locate(k)
             if loc is None:  # gone since the match (e.g. its chunk failed): recompute it
                 continue
             tier, fid, pos = loc
@@ -113,9 +101,9 @@ class LoadPlanner:
                 reads.setdefault((tier, fid), []).append((pos, s, k))
                 state.promoting.append(k)
                 state.sources[k] = (tier, fid)
-            self.counters.add(CounterName.HIT_BLOCKS, tier.tier)
+            self.parts.counters.add(CounterName.HIT_BLOCKS, tier.tier)
             if tier.origins.is_remote(fid):
-                self.counters.add(CounterName.REMOTE_HIT_BLOCKS, tier.tier)
+                self.parts.counters.add(CounterName.REMOTE_HIT_BLOCKS, tier.tier)
         blocks = [state.block_ids[p] for p in positions]
         unloadable = tuple(b for b, s in zip(blocks, slots, strict=True) if s is None)
         asynchronous = (self.options.always_async or self.load_mode == "async" or bool(reads)
@@ -148,7 +136,7 @@ class LoadPlanner:
             self.events.note(state.request, range(start, start + len(keys)), keys)
         remote, local, wanted = [], [], []
         for i, k in enumerate(keys):
-            if slots[i] is not None or k in self.promotions:  # the latter: recomputed
+            if slots[i] is not None or k in self.parts.promotions:  # the latter: recomputed
                 continue
             s = self._promote(k, keys[i - 1] if i else None)
             slots[i] = s
@@ -157,14 +145,14 @@ class LoadPlanner:
                 local.append(s)
                 wanted.append(k)
                 state.promoting.append(k)
-        self.counters.add(CounterName.HIT_BLOCKS, TierName.PEER, len(wanted))
+        self.parts.counters.add(CounterName.HIT_BLOCKS, TierName.PEER, len(wanted))
         if not plan.trusted and wanted:
             # An untrusted peer's blocks serve this request only: dropped from the CPU
             # index when the load ends (lookups skip them meanwhile: they are promotions),
             # and nothing this request computes on top of them is stored.
             state.private = True
             state.private_keys.extend(wanted)
-            self.counters.add(CounterName.PEER_UNPROMOTED_BLOCKS, TierName.PEER, len(wanted))
+            self.parts.counters.add(CounterName.PEER_UNPROMOTED_BLOCKS, TierName.PEER, len(wanted))
         blocks = state.block_ids[start : start + len(keys)]
         # Even with nothing to read (all DRAM hits) the worker tells the prefill side, so
         # that it frees the offer now rather than after hold_s.
@@ -181,28 +169,28 @@ class LoadPlanner:
         pinned. An untrusted peer's keys leave the CPU index."""
         state.async_loading = False
         for s in state.pinned_slots:
-            self.index.unpin(s)
+            self.parts.index.unpin(s)
         state.pinned_slots = []
         for tier, fid in state.pinned_files:
             tier.index.unpin(fid)
         state.pinned_files = []
-        self.promotions.end(state.promoting)
+        self.parts.promotions.end(state.promoting)
         state.promoting = []
         for key in state.private_keys:
-            self.index.remove(key)  # an untrusted peer's block: used by this request only
+            self.parts.index.remove(key)  # an untrusted peer's block: used by this request only
         state.private_keys = []
 
     def drop(self, state: ReqState, block: int) -> bool:
         """Engine block ``block`` of ``state`` failed to load: forget it, cool its source
         chunk down, remove its key from the CPU tier. Whether the key was there."""
         key = state.loaded.pop(block)
-        self.promotions.end((key,))
+        self.parts.promotions.end((key,))
         src = state.sources.pop(key, None)
         if src is not None:
             # Not offered again for a while: the request is rescheduled at
             # once, and a tier that just failed would fail it again (a loop).
             src[0].cool_down(src[1])
-        return bool(self.index.remove(key))
+        return bool(self.parts.index.remove(key))
 
     @staticmethod
     def tier_counts(job: LoadJob) -> dict[str, int]:
@@ -215,16 +203,16 @@ class LoadPlanner:
 
     def slowest(self, tiers: list[str]) -> str:
         """The slowest of ``tiers`` (CPU when none)."""
-        order: list[str] = [TIER, *(t.tier for t in self.lower)]  # fastest first
+        order: list[str] = [TIER, *(t.tier for t in self.parts.lower)]  # fastest first
         return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
     def observe_done(self, state: ReqState) -> None:
         """The async load of ``state`` is done: observe its wait (and its tier's load time)."""
         if state.load_issued_s is not None:
             waited = time.monotonic() - state.load_issued_s
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
-            if self.load_policy is not None:
-                self.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
+            self.parts.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
+            if self.extras.load_policy is not None:
+                self.extras.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
             state.load_issued_s = None
 
     def _observe_issued(self, state: ReqState, job: LoadJob) -> None:
@@ -235,13 +223,13 @@ class LoadPlanner:
         if self.options.observe_loads:
             for tier, n in per_tier.items():
                 if n > 0:
-                    self.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, n)
+                    self.parts.counters.observe(HistogramName.REQUEST_LOADED_BLOCKS, tier, n)
         slowest = self.slowest([t for t, n in per_tier.items() if n > 0])
         if job.asynchronous:
             state.load_issued_s, state.load_tier = time.monotonic(), slowest
             state.load_lower_blocks = sum(len(r.slots) for r in job.reads)
         else:
-            self.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, slowest, 0.0)
+            self.parts.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, slowest, 0.0)
 
     @staticmethod
     def _load_job(req_id: str, blocks: list[int], slots: list[int | None], keys: list[BlockKey],
@@ -258,19 +246,19 @@ class LoadPlanner:
         still without a slot when the job is sent is unloadable: recomputed)."""
         slots: list[int | None] = [None] * len(keys)
         for i, k in enumerate(keys):
-            s = self.index.slot(k)
-            if s is not None and k not in self.promotions:
-                self.index.touch(k)
-                self.index.pin(s)
+            s = self.parts.index.slot(k)
+            if s is not None and k not in self.parts.promotions:
+                self.parts.index.touch(k)
+                self.parts.index.pin(s)
                 slots[i] = s
-                self.counters.add(CounterName.HIT_BLOCKS, TIER)
-                if self.prefetcher is not None:
-                    self.prefetcher.note_hit(k)
+                self.parts.counters.add(CounterName.HIT_BLOCKS, TIER)
+                if self.extras.prefetcher is not None:
+                    self.extras.prefetcher.note_hit(k)
         return slots
 
     def _promote(self, key: BlockKey, parent: BlockKey | None = None) -> int | None:
         """A CPU slot for a lower-tier block about to be read (pinned), or None if none is free."""
-        slot = self.promotions.begin(key, parent)
+        slot = self.parts.promotions.begin(key, parent)
         if slot is None:
-            self.counters.add(CounterName.STORE_SKIPPED, TIER)
+            self.parts.counters.add(CounterName.STORE_SKIPPED, TIER)
         return slot

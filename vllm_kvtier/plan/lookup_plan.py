@@ -15,18 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.metrics import CounterName
 from vllm_kvtier.plan.inputs import Request
 from vllm_kvtier.plan.load_plan import LoadOptions
-from vllm_kvtier.plan.load_policy import LoadPolicy
-from vllm_kvtier.plan.peer_plan import PeerPlanner
+from vllm_kvtier.plan.parts import PlanExtras, PlanParts
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
-from vllm_kvtier.plan.prefetch import Prefetcher
-from vllm_kvtier.plan.promotions import Promotions
-from vllm_kvtier.plan.verify_plan import Locate, VerifyPlanner
 
 TIER = TierName.CPU
 
@@ -35,26 +29,16 @@ class LookupPlanner:
     """Answers vLLM's lookups. Owns each request's latest hit start, kept from the lookup
     until the request's allocation (:meth:`take_start`)."""
 
-    def __init__(
-        self, cfg: KVTierConfig, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters,
-        promotions: Promotions, options: LoadOptions, handoff: PoolHandoff, *, block_size: int, locate: Locate,
-        peer_plan: PeerPlanner | None = None, prefetcher: Prefetcher | None = None,
-        load_policy: LoadPolicy | None = None, verify: VerifyPlanner | None = None,
-    ) -> None:
-        """``locate``: the fastest lower tier holding a key."""
+    def __init__(self, cfg: KVTierConfig, parts: PlanParts, options: LoadOptions, handoff: PoolHandoff,
+                 extras: PlanExtras, *, block_size: int) -> None:
+        """``extras``: the optional parts a hit consults (P/D peer, prefetch, load policy,
+        verification)."""
         self.cfg = cfg
-        self.index = index
-        self.lower = lower
-        self.counters = counters
-        self.promotions = promotions
+        self.parts = parts
         self.options = options
         self.handoff = handoff
+        self.extras = extras
         self.block_size = block_size
-        self.locate = locate
-        self.peer_plan = peer_plan
-        self.prefetcher = prefetcher
-        self.load_policy = load_policy
-        self.verify = verify
         self._start: dict[str, int] = {}
 
     def loadable_blocks(self, request: Request) -> int:
@@ -88,17 +72,17 @@ class LookupPlanner:
         is there (the rest is recomputed)."""
         start = num_computed_tokens // self.block_size
         self._start[request.request_id] = start
-        for tier in self.lower:
+        for tier in self.parts.lower:
             tier.refresh()
         limit = min(self.loadable_blocks(request), len(request.block_hashes))
         if start >= limit:
             return 0, False
-        if self.peer_plan is not None:
-            n = self.peer_plan.match(request, start, limit)
+        if self.extras.peer_plan is not None:
+            n = self.extras.peer_plan.match(request, start, limit)
             if n:
                 # Blocks being filled for another request right now are not read twice.
                 n = next((i for i, h in enumerate(request.block_hashes[start : start + n])
-                          if BlockKey(h) in self.promotions), n)
+                          if BlockKey(h) in self.parts.promotions), n)
             if n is not None and n >= self.cfg.min_load_blocks:
                 return n * self.block_size, True  # read from the prefill instance over NIXL
         if self.lookups_pending(request, start, limit):
@@ -108,17 +92,17 @@ class LookupPlanner:
         if self.handoff.should_wait(request, start, limit, len(tiers)):
             return None, False
         nxt = start + len(tiers)
-        if self.prefetcher is not None and nxt < limit and self.prefetcher.is_inflight(keys[len(tiers)]):
+        if self.extras.prefetcher is not None and nxt < limit and self.extras.prefetcher.is_inflight(keys[len(tiers)]):
             return None, False  # its next block is being prefetched into DRAM: ask again next step
-        if self.load_policy is not None:
-            tiers = tiers[: self.load_policy.decide(request.request_id, tiers)]
+        if self.extras.load_policy is not None:
+            tiers = tiers[: self.extras.load_policy.decide(request.request_id, tiers)]
         asynchronous = (self.options.always_async or self.cfg.load_mode == "async"
                         or any(t != TIER for t in tiers))
         if not asynchronous:
             tiers = tiers[: max(0, self.sync_blocks(request) - start)]
         if len(tiers) < self.cfg.min_load_blocks:
             return 0, False
-        if self.verify is not None and self.verify.sample(request.request_id, keys[: len(tiers)], tiers):
+        if self.extras.verify is not None and self.extras.verify.sample(request.request_id, keys[: len(tiers)], tiers):
             return 0, False  # shadow verification: recomputed, and the stored blocks compared
         return len(tiers) * self.block_size, asynchronous
 
@@ -132,10 +116,10 @@ class LookupPlanner:
         at positions ``[lo, hi)`` that DRAM does not hold. True while an answer about one
         of them is still to come: the caller answers vLLM ``None`` (ask again next step).
         Never waits for a pool. Every tier is asked."""
-        keys = [k for h in request.block_hashes[lo:hi] if (k := BlockKey(h)) not in self.index]
+        keys = [k for h in request.block_hashes[lo:hi] if (k := BlockKey(h)) not in self.parts.index]
         if not keys:
             return False
-        return any([tier.discover(keys) for tier in self.lower])
+        return any([tier.discover(keys) for tier in self.parts.lower])
 
     def present(self, request: Request, lo: int, hi: int) -> list[bool]:
         """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
@@ -144,7 +128,7 @@ class LookupPlanner:
         still under way is absent for now (:meth:`lookups_pending` first to wait for it)."""
         hashes = request.block_hashes
         hi = min(hi, len(hashes))
-        for tier in self.lower:
+        for tier in self.parts.lower:
             tier.refresh()
         self.lookups_pending(request, lo, hi)
         return [len(self._match(hashes, p, p + 1)) == 1 for p in range(lo, hi)]
@@ -168,25 +152,25 @@ class LookupPlanner:
         admission): every full prompt block where a load may be async (``load_mode:
         async``, a tier below CPU, a peer), else all but the block of the last token. So a
         DRAM-only sync setup still reads a full hit as 100%."""
-        may_be_async = (self.options.always_async or self.cfg.load_mode == "async" or bool(self.lower)
-                        or self.peer_plan is not None)
+        may_be_async = (self.options.always_async or self.cfg.load_mode == "async" or bool(self.parts.lower)
+                        or self.extras.peer_plan is not None)
         n = self.loadable_blocks(request) if may_be_async else self.sync_blocks(request)
-        self.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
+        self.parts.counters.add(CounterName.LOOKUP_BLOCKS, TIER, n)
 
     def _match(self, hashes: Sequence[bytes], start: int, limit: int) -> list[str]:
         """The tier of each key of the run of loadable keys from ``start``."""
         tiers: list[str] = []
-        cpu_quarantined = self.verify is not None and self.verify.quarantined(TIER)
+        cpu_quarantined = self.extras.verify is not None and self.extras.verify.quarantined(TIER)
         for h in hashes[start:limit]:
             key = BlockKey(h)
-            if key in self.promotions:
+            if key in self.parts.promotions:
                 break  # its CPU copy is being read from a lower tier right now
-            if key in self.index:
+            if key in self.parts.index:
                 if cpu_quarantined:
                     break  # shadow verification found a wrong block in DRAM: no hits for now
                 tiers.append(TIER)
                 continue
-            loc = self.locate(key)
+            loc = self.parts.locate(key)
             if loc is None:
                 break
             tiers.append(loc[0].tier)

@@ -25,15 +25,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, PrefetchJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters
+from vllm_kvtier.metrics import CounterName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
-from vllm_kvtier.plan.promotions import Promotions
+from vllm_kvtier.plan.parts import PlanParts
 
 TIER = TierName.CPU
 #: Prefetched keys remembered until a hit counts them (~100 B each: ~6 MB at most).
@@ -56,24 +54,15 @@ class _InFlight:
 
 
 class Prefetcher:
-    def __init__(
-        self, index: SlotIndex, lower: list[ChunkPlanner], counters: Counters, promotions: Promotions, *,
-        world_size: int, max_inflight_blocks: int, max_age_s: float,
-        locate: Callable[[BlockKey], tuple[ChunkPlanner, str, int] | None],
-        max_prefetched_keys: int = MAX_PREFETCHED_KEYS,
-    ) -> None:
-        """``promotions``: the scheduler's, shared with its loads (slots being filled);
-        ``locate``: the fastest lower tier holding a key; ``max_prefetched_keys``: the
-        bound of :attr:`prefetched`."""
+    def __init__(self, parts: PlanParts, *, world_size: int, max_inflight_blocks: int, max_age_s: float,
+                 max_prefetched_keys: int = MAX_PREFETCHED_KEYS) -> None:
+        """``parts``: the scheduler's; its promotions are shared with the loads (slots being
+        filled). ``max_prefetched_keys``: the bound of :attr:`prefetched`."""
         self.max_prefetched_keys = max_prefetched_keys
-        self.index = index
-        self.lower = lower
-        self.counters = counters
-        self.promotions = promotions
+        self.parts = parts
         self.world_size = world_size
         self.max_inflight_blocks = max_inflight_blocks
         self.max_age_s = max_age_s
-        self._locate = locate
         self._queue: deque[_Queued] = deque()
         self._inflight: dict[int, _InFlight] = {}
         self._ids = itertools.count(1)
@@ -95,13 +84,13 @@ class Prefetcher:
     def predict(self, chain: list[BlockKey]) -> None:
         """A request over ``chain`` (its full blocks, in order) ended: its next turn will
         start with them. Queue the ones that left DRAM."""
-        if any(k not in self.index and k not in self.promotions for k in chain):
+        if any(k not in self.parts.index and k not in self.parts.promotions for k in chain):
             self._queue.append(_Queued(tuple(chain), time.monotonic()))
 
     def note_hit(self, key: BlockKey) -> None:
         if key in self.prefetched:
             del self.prefetched[key]
-            self.counters.add(CounterName.PREFETCH_USED_BLOCKS, TIER)
+            self.parts.counters.add(CounterName.PREFETCH_USED_BLOCKS, TIER)
 
     def take_jobs(self) -> list[PrefetchJob]:
         """Promotions to issue in this step, within the budget."""
@@ -110,11 +99,11 @@ class Prefetcher:
         while self._queue and self.inflight_blocks() < self.max_inflight_blocks:
             q = self._queue.popleft()
             if now - q.queued_s > self.max_age_s:
-                self.counters.add(CounterName.PREFETCH_DROPPED, TIER, 1)
+                self.parts.counters.add(CounterName.PREFETCH_DROPPED, TIER, 1)
                 continue
             job = self._plan(q.chain)
             if job is None:  # no slot without evicting live data: memory is needed
-                self.counters.add(CounterName.PREFETCH_CANCELLED, TIER, len(self._queue) + 1)
+                self.parts.counters.add(CounterName.PREFETCH_CANCELLED, TIER, len(self._queue) + 1)
                 self._queue.clear()
                 break
             if job.reads:
@@ -123,23 +112,23 @@ class Prefetcher:
 
     def _plan(self, chain: tuple[BlockKey, ...]) -> PrefetchJob | None:
         # Pin the chain's blocks still in DRAM: restoring its head must not evict its tail.
-        held = [s for k in chain if (s := self.index.slot(k)) is not None]
+        held = [s for k in chain if (s := self.parts.index.slot(k)) is not None]
         for s in held:
-            self.index.pin(s)
+            self.parts.index.pin(s)
         try:
             budget = self.max_inflight_blocks - self.inflight_blocks()
             keys: list[BlockKey] = []
             slots: list[int] = []
             reads: dict[tuple[ChunkPlanner, str], list[tuple[int, int, BlockKey]]] = {}
             for k in chain:
-                if k in self.index or k in self.promotions:
+                if k in self.parts.index or k in self.parts.promotions:
                     continue
-                loc = self._locate(k)
+                loc = self.parts.locate(k)
                 if loc is None:
                     break  # the rest of the chain is useless without this block
                 if len(keys) >= budget:
                     break
-                slot = self.promotions.begin(k)
+                slot = self.parts.promotions.begin(k)
                 if slot is None:
                     self._undo(keys, slots)
                     return None
@@ -149,7 +138,7 @@ class Prefetcher:
                 reads.setdefault((tier, fid), []).append((pos, slot, k))
         finally:
             for s in held:
-                self.index.unpin(s)
+                self.parts.index.unpin(s)
         pid = next(self._ids)
         flight = _InFlight(keys, slots, [])
         for (tier, fid), items in reads.items():
@@ -166,7 +155,7 @@ class Prefetcher:
 
     def _undo(self, keys: list[BlockKey], slots: list[int]) -> None:
         for k, s in zip(keys, slots, strict=True):
-            self.promotions.undo(k, s)
+            self.parts.promotions.undo(k, s)
 
     def on_worker_meta(self, meta: WorkerReport) -> None:
         for pid in meta.prefetch_failed:
@@ -174,8 +163,8 @@ class Prefetcher:
             if f is not None:
                 self._finish(f)
                 for k in f.keys:
-                    self.index.remove(k)  # its slot holds nothing valid
-                self.counters.add(CounterName.PREFETCH_FAILURES, TIER, len(f.keys))
+                    self.parts.index.remove(k)  # its slot holds nothing valid
+                self.parts.counters.add(CounterName.PREFETCH_FAILURES, TIER, len(f.keys))
         for pid, n in meta.prefetched.items():
             f = self._inflight.get(pid)
             if f is None:
@@ -188,11 +177,11 @@ class Prefetcher:
                 while len(self.prefetched) > self.max_prefetched_keys:
                     self.prefetched.popitem(last=False)
                 for tier, count in f.tiers.items():
-                    self.counters.add(CounterName.PREFETCH_BLOCKS, tier, count)
+                    self.parts.counters.add(CounterName.PREFETCH_BLOCKS, tier, count)
 
     def _finish(self, f: _InFlight) -> None:
         for s in f.slots:
-            self.index.unpin(s)
-        self.promotions.end(f.keys)
+            self.parts.index.unpin(s)
+        self.parts.promotions.end(f.keys)
         for tier, fid in f.files:
             tier.index.unpin(fid)

@@ -38,7 +38,7 @@ What it decides each step (``plan_step``):
   from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
 * **Hybrid models** (several KV cache groups): the connector presents each group of a
-  request as a request of its own (:class:`~vllm_kvtier.connector.scheduler.GroupView`)
+  request as a request of its own (:class:`~vllm_kvtier.engine.scheduler.GroupView`)
   and decides the hit every group can serve; here, positions holding vLLM's null block
   are neither loaded nor saved (``skip_null_blocks``), every load is async
   (``always_async``; both :class:`~vllm_kvtier.plan.load_plan.LoadOptions`), a request's
@@ -75,6 +75,7 @@ from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
 from vllm_kvtier.plan.load_policy import LoadPolicy
 from vllm_kvtier.plan.lookup_plan import LookupPlanner
+from vllm_kvtier.plan.parts import PlanExtras, PlanParts
 from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
@@ -136,6 +137,7 @@ class SchedulerPlanner:
                                          ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
         # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
         promotions = Promotions(self.index, self.lower)
+        parts = PlanParts(self.index, self.lower, self.counters, promotions, self._locate)
         self._step = 0
         #: Set by the connector (hybrid models, vLLM's V2 model runner).
         self.load_options = LoadOptions()
@@ -149,25 +151,16 @@ class SchedulerPlanner:
             )
         self.prefetcher: Prefetcher | None = None
         if cfg.prefetch.enabled and self.lower:
-            self.prefetcher = Prefetcher(
-                self.index, self.lower, self.counters, promotions, world_size=world_size,
-                max_inflight_blocks=cfg.prefetch.max_inflight_blocks, max_age_s=cfg.prefetch.max_age_s,
-                locate=self._locate,
-            )
+            self.prefetcher = Prefetcher(parts, world_size=world_size,
+                                         max_inflight_blocks=cfg.prefetch.max_inflight_blocks,
+                                         max_age_s=cfg.prefetch.max_age_s)
         #: Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
         self.verify: VerifyPlanner | None = None
         if cfg.verify.sample_rate > 0:
-            self.verify = VerifyPlanner(cfg.verify, self.index, promotions, self.counters,
-                                        world_size=world_size, lower=self.lower)
-        self.lookups = LookupPlanner(
-            cfg, self.index, self.lower, self.counters, promotions, self.load_options, self.handoff,
-            block_size=block_size, locate=self._locate, peer_plan=self.peer_plan, prefetcher=self.prefetcher,
-            load_policy=self.load_policy, verify=self.verify,
-        )
-        self.loads = LoadPlanner(
-            self.index, self.lower, self.counters, promotions, self.load_options, load_mode=cfg.load_mode,
-            locate=self._locate, prefetcher=self.prefetcher, load_policy=self.load_policy, events=events,
-        )
+            self.verify = VerifyPlanner(cfg.verify, parts, world_size=world_size)
+        extras = PlanExtras(self.peer_plan, self.prefetcher, self.load_policy, self.verify)
+        self.lookups = LookupPlanner(cfg, parts, self.load_options, self.handoff, extras, block_size=block_size)
+        self.loads = LoadPlanner(parts, self.load_options, extras, load_mode=cfg.load_mode, events=events)
 
     def size_pool(self, num_slots: int) -> None:
         """Plan for a CPU pool of ``num_slots`` slots: the smallest worker's, from vLLM's

@@ -41,17 +41,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_kvtier.config import VerifyConfig
-from vllm_kvtier.index.slot_index import SlotIndex
 from vllm_kvtier.jobs import ChunkRead, VerifyJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, GaugeName
+from vllm_kvtier.metrics import CounterName, GaugeName
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
-from vllm_kvtier.plan.promotions import Promotions
+from vllm_kvtier.plan.parts import Locate, PlanParts
 from vllm_kvtier.plan.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 
-Locate = Callable[[BlockKey], "tuple[ChunkPlanner, str, int] | None"]
 
 
 class Sampler:
@@ -110,15 +108,11 @@ class MismatchWindow:
 
 
 class VerifyPlanner:
-    def __init__(self, cfg: VerifyConfig, index: SlotIndex, promotions: Promotions, counters: Counters, *,
-                 world_size: int, lower: Sequence[ChunkPlanner] = (),
+    def __init__(self, cfg: VerifyConfig, parts: PlanParts, *, world_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``lower``: the tiers below CPU (a wrong DRAM block is dropped from them too)."""
+        """``parts.lower``: the tiers below CPU (a wrong DRAM block is dropped from them too)."""
         self.cfg = cfg
-        self.lower = lower
-        self.index = index
-        self.promotions = promotions
-        self.counters = counters
+        self.parts = parts
         self.world_size = world_size
         self._clock = clock
         self._sampler = Sampler(cfg.sample_rate, cfg.seed)
@@ -169,19 +163,19 @@ class VerifyPlanner:
         self.forget_pending(req_id)
         held = _Held(req_id)
         for i, key in enumerate(cand[0]):
-            if key in self.promotions:
+            if key in self.parts.promotions:
                 continue  # being filled by another request's read: not comparable now
-            slot = self.index.slot(key)
+            slot = self.parts.index.slot(key)
             if slot is not None:
-                self.index.touch(key)
-                self.index.pin(slot)
+                self.parts.index.touch(key)
+                self.parts.index.pin(slot)
                 tier: TierName = TierName.CPU
             else:
                 loc = locate(key)
                 if loc is None:
                     continue  # gone since the lookup
                 planner, fid, pos = loc
-                got = self.promotions.begin(key)
+                got = self.parts.promotions.begin(key)
                 if got is None:
                     continue  # no free slot to read it into: not verified
                 slot, tier = got, planner.tier
@@ -210,9 +204,9 @@ class VerifyPlanner:
             return
         for slot, key in zip(held.slots, held.keys, strict=True):
             if key in held.promoted:
-                self.promotions.undo(key, slot)  # nothing was read into it
+                self.parts.promotions.undo(key, slot)  # nothing was read into it
             else:
-                self.index.unpin(slot)
+                self.parts.index.unpin(slot)
         for planner, fid in held.reads:
             planner.index.unpin(fid)
 
@@ -266,27 +260,27 @@ class VerifyPlanner:
         for slot, key, tier in zip(held.slots, held.keys, held.tiers, strict=True):
             source = held.promoted.get(key)
             if source is not None:
-                self.promotions.end((key,))
-            self.index.unpin(slot)
+                self.parts.promotions.end((key,))
+            self.parts.index.unpin(slot)
             if key in held.unread:
-                self.counters.add(CounterName.VERIFY_UNREAD, tier)
+                self.parts.counters.add(CounterName.VERIFY_UNREAD, tier)
                 if source is not None:
-                    self.index.remove(key)  # its slot holds nothing
+                    self.parts.index.remove(key)  # its slot holds nothing
                 continue
-            self.counters.add(CounterName.VERIFY_SAMPLES, tier)
+            self.parts.counters.add(CounterName.VERIFY_SAMPLES, tier)
             if key in held.mismatched:
-                self.counters.add(CounterName.VERIFY_MISMATCHES, tier)
-                self.index.remove(key)  # never served again, from DRAM or (below) its tier
+                self.parts.counters.add(CounterName.VERIFY_MISMATCHES, tier)
+                self.parts.index.remove(key)  # never served again, from DRAM or (below) its tier
                 # (deleted from an exclusive tier; only forgotten by this instance on a shared one)
                 if source is not None:
                     source[0].distrust_key(key)
                 else:  # wrong in DRAM: copies written from that slot may be wrong as well
-                    for planner in self.lower:
+                    for planner in self.parts.lower:
                         planner.distrust_key(key)
                 if tier not in bad_tiers:
                     bad_tiers.append(tier)
             elif key in held.inexact:
-                self.counters.add(CounterName.VERIFY_INEXACT, tier)
+                self.parts.counters.add(CounterName.VERIFY_INEXACT, tier)
         for planner, fid in held.reads:
             planner.index.unpin(fid)
         for tier in bad_tiers:
@@ -307,9 +301,9 @@ class VerifyPlanner:
                        "no hits for %.0f s (verify.quarantine_s)", tier, req_id, self.cfg.quarantine_mismatches,
                        self.cfg.quarantine_window_s, q)
         self._quarantine_until[tier] = self._clock() + q
-        self.counters.add(CounterName.VERIFY_QUARANTINES, tier)
+        self.parts.counters.add(CounterName.VERIFY_QUARANTINES, tier)
 
     def publish(self) -> None:
         """Each step: the quarantine gauge of every tier ever quarantined."""
         for tier in self._quarantine_until:
-            self.counters.set_gauge(GaugeName.VERIFY_QUARANTINED, tier, 1 if self.quarantined(tier) else 0)
+            self.parts.counters.set_gauge(GaugeName.VERIFY_QUARANTINED, tier, 1 if self.quarantined(tier) else 0)

@@ -4,7 +4,7 @@ worker's data path, and what it promises.
 A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.chunkformat`
 (a header with every block's key and CRC32, then the blocks at a fixed stride), stored
 under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.chunkformat.chunk_id_for`).
-Every store is a :class:`~vllm_kvtier.tiers.kernel.StoreKernel` over a medium's byte
+Every store holds a :class:`~vllm_kvtier.tiers.kernel.StoreKernel` over a medium's byte
 primitives, so the guarantees below are written once; ``tests/tiers/contract.py`` checks
 them for every medium and :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both the
 reference implementation and the fake for higher layers.
@@ -24,8 +24,8 @@ with ``ok`` False and a :class:`~vllm_kvtier.errors.FailureReason` whose ``damag
 property tells the caller whether to drop the chunk (the bytes are wrong or gone) or keep
 it (the way to it failed). Programming errors (a malformed chunk id) may raise.
 
-Every store opens the same way, through the tier registry
-(:mod:`~vllm_kvtier.tiers.registry`): ``from_config(section, ctx)``.
+Every store opens the same way, through its medium's spec in the tier registry
+(:mod:`~vllm_kvtier.tiers.registry`): ``open_store(section, ctx)``.
 
 Optional abilities are separate small protocols, checked with ``isinstance``:
 :class:`Scannable` (list and verify what the medium holds, at start-up),
@@ -123,11 +123,16 @@ class ChunkStore(Protocol):
     deletes report too (``job_id`` -1) and may be ignored.
     """
 
-    #: Bytes of every block this store writes and accepts on read.
-    block_bytes: int
-    #: Whether it signs and verifies chunks (a key): the caller builds its write buffers
-    #: with the same ``authenticated`` (the signed header needs more room).
-    authenticated: bool
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of every block this store writes and accepts on read."""
+        ...
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether it signs and verifies chunks (a key). The caller builds its write buffers
+        with the same ``authenticated`` (the signed header needs more room)."""
+        ...
 
     def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
         """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled,

@@ -15,7 +15,7 @@ from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, ReadShape, StoreKernel
 
 __all__ = ["MemoryMedium", "MemoryStore"]
 
@@ -56,30 +56,26 @@ class MemoryMedium:
         pass
 
 
-class MemoryStore(StoreKernel):
+class MemoryStore(KernelStore[MemoryMedium]):
     """Chunks in process memory. Same contract, threads and failure rules as every store."""
 
-    def __init__(
-        self, namespace: str, block_bytes: int, *, max_chunk_blocks: int = 16, buffers: BufferPool | None = None,
-        read_deadline_s: float = 5.0, io_threads: int = 2, max_queued_writes: int = 64, auth: ChunkAuth | None = None,
-        rank: int = 0,
-    ) -> None:
+    def __init__(self, namespace: str, block_bytes: int, *, max_chunk_blocks: int = 16,
+                 buffers: BufferPool | None = None, auth: ChunkAuth | None = None, rank: int = 0) -> None:
         """``rank``: the store rank (a dict has no path: each store is one rank's place)."""
-        self._mem = MemoryMedium()
-        super().__init__(self._mem, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
-                         buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes, auth=auth, rank=rank)
+        settings = KernelSettings(namespace, rank, block_bytes, max_chunk_blocks, read_deadline_s=5.0)
+        medium = MemoryMedium()
+        super().__init__(medium, StoreKernel(medium, settings, buffers=buffers or shared_pool(), auth=auth))
 
     def raw(self, chunk_id: str) -> bytearray | None:
         """The stored bytes of ``chunk_id`` themselves, not a copy: for fault drills (flip a
         byte, then a read must fail). None if absent."""
-        return self._mem.objects.get(chunk_id)
+        return self.medium.objects.get(chunk_id)
 
     def forge(self, chunk_id: str, data: bytes) -> None:
         """Store ``data`` as ``chunk_id`` bypassing the kernel (no header stamped): what a
         foreign or malicious writer could leave in a shared medium."""
-        self._mem.objects[chunk_id] = bytearray(data)
+        self.medium.objects[chunk_id] = bytearray(data)
 
     def chunk_ids(self) -> list[str]:
         """What is stored now (any order)."""
-        return list(self._mem.objects)
+        return list(self.medium.objects)

@@ -19,7 +19,7 @@ Encoded block::
     payload  n x float8_e4m3fn
 
 The block carries its scales, so it decodes alone; the chunk's namespace (derived from the
-engine's and the storage format, see :func:`vllm_kvtier.connector.lower.tier_namespace`)
+engine's and the storage format, see :func:`vllm_kvtier.engine.lower.tier_namespace`)
 guarantees it is never read as anything else.
 
 **Why groups of 1024 elements.** e4m3 is a floating-point format: every value within

@@ -46,7 +46,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 from vllm_kvtier.chunkformat import ChunkHeader, chunk_id_for, header_memory_bytes
 from vllm_kvtier.config.stores import HEADER_CACHE_BYTES, HEADER_CACHE_ENTRIES
@@ -62,7 +63,8 @@ from vllm_kvtier.transfer.slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEADER_BYTES", "ChunkStore", "ChunkWorker"]
+__all__ = ["DEFAULT_MAX_HEADERS", "DEFAULT_MAX_HEADER_BYTES", "ChunkStore", "ChunkWorker", "DriverContext",
+           "DriverSection", "DriverSettings"]
 
 #: Headers a worker keeps for a store that can fetch them (S3, Mooncake): about 2 KB each
 #: for 16-block chunks; the S3 tier passes ``s3.header_cache_entries``.
@@ -72,34 +74,80 @@ DEFAULT_MAX_HEADERS = HEADER_CACHE_ENTRIES
 DEFAULT_MAX_HEADER_BYTES = HEADER_CACHE_BYTES
 
 
-class ChunkWorker:
-    def __init__(
-        self, tier: TierName, store: ChunkStore | None, *, slots: SlotTable, counters: Counters,
-        mode: Literal["write-back", "write-through"], chunk_blocks: int, flush_on_shutdown_s: float,
-        headers: dict[str, ChunkHeader] | None = None, fetches_headers: bool = False, codec: BlockCodec | None = None,
-        buffers: BufferPool | None = None, max_headers: int = DEFAULT_MAX_HEADERS, writes: bool = True,
-        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-    ) -> None:
-        """``store`` None: the tier could not start here; every write and read is a miss.
-        ``slots``: the worker's slot table (the CPU pool and what each slot holds).
-        ``headers``: chunks this rank already holds. ``fetches_headers``: the store can
-        read a chunk whose header we do not have (S3: another instance wrote it); the
-        headers kept are then a cache of at most ``max_headers`` holding at most
-        ``max_header_bytes`` (LRU: a header it no longer has costs one more ranged GET at
-        that chunk's next read), otherwise every chunk's (the store cannot read without it).
-        ``codec``: how a slot becomes a stored block (its ``stored_bytes`` is the store's
-        block size); None: the slot's bytes are stored as they are. ``buffers``: where write
-        buffers come from (the worker's pool, shared with its stores; None: the process
-        default).
+class DriverSection(Protocol):
+    """What a chunk driver reads of its tier's settings: every lower tier's config
+    section has these (:class:`~vllm_kvtier.config.sections.LowerTierSection`)."""
 
-        ``writes`` False: a *replica reader*. Another rank stores the bytes this rank would
+    @property
+    def mode(self) -> Literal["write-back", "write-through"]: ...
+
+    @property
+    def chunk_blocks(self) -> int: ...
+
+    @property
+    def flush_on_shutdown_s(self) -> float: ...
+
+    @property
+    def header_cache_entries(self) -> int: ...
+
+    @property
+    def header_cache_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    """A :class:`DriverSection` given directly (tools and tests)."""
+
+    mode: Literal["write-back", "write-through"]
+    chunk_blocks: int
+    flush_on_shutdown_s: float
+    header_cache_entries: int = DEFAULT_MAX_HEADERS
+    header_cache_bytes: int = DEFAULT_MAX_HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class DriverContext:
+    """What one chunk driver works with, beside its store and settings."""
+
+    #: The worker's slot table (the CPU pool and what each slot holds).
+    slots: SlotTable
+    counters: Counters
+    #: How a slot becomes a stored block (None: stored as it is).
+    codec: BlockCodec | None = None
+    #: Where write buffers come from (the worker's pool; None: the process default).
+    buffers: BufferPool | None = None
+    #: The store can read a chunk whose header this driver does not hold (a shared medium).
+    fetches_headers: bool = False
+    #: False: a replica reader (see :class:`ChunkWorker`).
+    writes: bool = True
+
+
+class ChunkWorker:
+    def __init__(self, tier: TierName, store: ChunkStore | None, settings: DriverSection, ctx: DriverContext,
+                 headers: dict[str, ChunkHeader] | None = None) -> None:
+        """``store`` None: the tier could not start here; every write and read is a miss.
+        ``settings``: the tier's config section (or :class:`DriverSettings`). ``ctx``: the
+        slot table, counters, codec and buffers (:class:`DriverContext`). ``headers``:
+        chunks this rank already holds.
+
+        ``ctx.fetches_headers``: the store can read a chunk whose header we do not have
+        (S3: another instance wrote it); the headers kept are then a cache of at most
+        ``settings.header_cache_entries`` holding at most ``settings.header_cache_bytes``
+        (LRU: a header it no longer has costs one more ranged GET at that chunk's next
+        read), otherwise every chunk's (the store cannot read without it).
+
+        ``ctx.writes`` False: a *replica reader*. Another rank stores the bytes this rank would
         store (an MLA model's latent cache is the same on every TP rank: its TP group's
-        first rank writes the one copy, see :class:`~vllm_kvtier.connector.lower.RankRole`),
+        first rank writes the one copy, see :class:`~vllm_kvtier.engine.lower.RankRole`),
         and ``store`` reads that rank's chunks. Writes, shutdown flushes, deletes and
         manifest changes are then the writer's: here they only drop cached headers, and
         report nothing (the scheduler counts the writer's acknowledgement alone). Reads
         fetch the header of a chunk they have not seen (``fetches_headers`` is forced on:
         this rank never wrote it)."""
+        slots, counters, buffers, codec = ctx.slots, ctx.counters, ctx.buffers, ctx.codec
+        mode, chunk_blocks, flush_on_shutdown_s = settings.mode, settings.chunk_blocks, settings.flush_on_shutdown_s
+        max_headers, max_header_bytes = settings.header_cache_entries, settings.header_cache_bytes
+        writes, fetches_headers = ctx.writes, ctx.fetches_headers
         self.buffers = buffers
         self.slots = slots
         self.codec = codec

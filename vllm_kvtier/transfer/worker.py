@@ -10,7 +10,7 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 - :class:`~.datapath.DataPath`: pool, copy engine, slot table, peer link and verifier,
   built once by :func:`~.datapath.build_datapath` in ``register_kv_caches``. This rank
   sizes its pool itself and tells the scheduler (:mod:`.datapath` says how). The tiers
-  below CPU (``make_tiers``, the connector's wiring, ``connector/lower.py``) are opened at
+  below CPU (``make_tiers``, the connector's wiring, ``engine/lower.py``) are opened at
   the first plan, only when the scheduler's namespace agrees with ours.
 - :class:`~.saves.Saves`, :class:`~.loads.Loads`, :class:`~.prefetches.Prefetches`:
   what is in flight, in small typed records. A finished lower-tier read is routed by
@@ -284,7 +284,7 @@ class WorkerHalf:
         for name, tier in path.lower.items():
             for job in meta.saves + meta.saves_after:
                 tier.clean(job.slots)
-            tier.mark_dirty(meta.persist_slots.get(TierName(name), ()))  # make_workers keys by TierName
+            tier.mark_dirty(meta.persist_slots.get(cast(TierName, name), ()))
             self.saves.write_after(path, meta.step, name, [j for j in meta.write_through if j.tier == name])
 
     @_step_timed

@@ -36,7 +36,8 @@ What the kernel owns, for every medium:
 
 The parts: the engine (:mod:`.engine`: :class:`StoreKernel`, queues, threads, poll, wait,
 close), the verified read path (:mod:`.reads`), the write stamping (:mod:`.stamping`), the
-shared state (:mod:`.core`) and the jobs and queue items (:mod:`.jobs`); the medium
+shared state and settings (:mod:`.core`) and the jobs and queue items (:mod:`.jobs`). A
+store holds a kernel and its medium (:mod:`.store`: :class:`KernelStore`). The medium
 protocols are :mod:`vllm_kvtier.tiers.medium`.
 
 What a medium implements (:class:`~vllm_kvtier.tiers.medium.Medium`): ``put`` (atomic),
@@ -70,7 +71,7 @@ How the media map onto it:
   of every block is one plain GET of the whole object (:class:`WholeObjectMedium`).
   ``Scannable`` (listing + manifests, with :func:`~vllm_kvtier.tiers.s3.manifest.decode_manifest`'s
   bounds) and ``ReportsRemoteStats`` stay on the S3 store.
-* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake.store`): ``SizedMedium.size_of`` = ``get_size``
+* **Mooncake** (:mod:`~vllm_kvtier.tiers.mooncake.medium`): ``SizedMedium.size_of`` = ``get_size``
   from the master (the kernel bounds it by :func:`max_chunk_bytes` before it takes memory);
   ``AllocatingMedium.take_buffer`` = a slice of the registered arena (None: ``no_buffer``);
   ``BatchingMedium.read_batch`` = ``batch_get_into`` of whole objects, ``put_batch`` = copy
@@ -81,8 +82,10 @@ How the media map onto it:
   the Mooncake store.
 """
 
+from vllm_kvtier.tiers.kernel.core import KernelSettings, OnWritten
 from vllm_kvtier.tiers.kernel.engine import StoreKernel
 from vllm_kvtier.tiers.kernel.jobs import KernelStats
+from vllm_kvtier.tiers.kernel.store import KernelStore
 from vllm_kvtier.tiers.medium import (
     AllocatingMedium,
     BatchingMedium,
@@ -94,6 +97,6 @@ from vllm_kvtier.tiers.medium import (
 )
 
 __all__ = [
-    "AllocatingMedium", "BatchingMedium", "ExplainingMedium", "KernelStats", "Medium", "ReadShape", "SizedMedium",
-    "StoreKernel", "WholeObjectMedium",
+    "AllocatingMedium", "BatchingMedium", "ExplainingMedium", "KernelSettings", "KernelStats", "KernelStore",
+    "Medium", "OnWritten", "ReadShape", "SizedMedium", "StoreKernel", "WholeObjectMedium",
 ]

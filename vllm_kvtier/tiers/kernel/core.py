@@ -10,73 +10,161 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from vllm_kvtier.chunkformat import ChunkFormatError, max_chunk_bytes
+from vllm_kvtier.chunkformat import ChunkFormatError, ChunkHeader, max_chunk_bytes
 from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult
 from vllm_kvtier.tiers.buffers import BufferPool, Releasable, out_of_memory
 from vllm_kvtier.tiers.kernel.jobs import Failed, KernelStats, Op, Part, QueueItem, ReadJob, WriteJob
-from vllm_kvtier.tiers.medium import AllocatingMedium, BatchingMedium, Medium
+from vllm_kvtier.tiers.medium import AllocatingMedium, Medium
 
-__all__ = ["KernelCore"]
+__all__ = ["KernelCore", "KernelSettings", "OnWritten"]
 
 logger = logging.getLogger("vllm_kvtier.tiers.kernel")
+
+#: Called on an I/O thread for every write that succeeded, just before its result is
+#: queued (S3 keeps its manifest so). It must not raise or block for long.
+OnWritten = Callable[[str, ChunkHeader], None]
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What one store kernel is built with, beside its medium, buffers and key.
+
+    ``max_chunk_blocks``: the most blocks this engine puts in a chunk (the config's
+    ``chunk_blocks``): the bound of every block count read back. ``read_deadline_s``: see
+    :meth:`~vllm_kvtier.tiers.kernel.StoreKernel.submit_read`. ``write_deadline_s``:
+    handed to the medium's ``put``. ``io_threads`` threads serve reads first, then writes
+    and deletes. With ``write_threads`` > 0, writes and deletes get threads of their own.
+    ``rank``: the store rank whose chunks the medium holds (the ``r<rank>`` of its path).
+    It is stamped into every header written, and required of every header read."""
+
+    namespace: str
+    rank: int
+    block_bytes: int
+    max_chunk_blocks: int
+    read_deadline_s: float
+    write_deadline_s: float = 60.0
+    io_threads: int = 2
+    write_threads: int = 0
+    max_queued_writes: int = 64
+
+    def __post_init__(self) -> None:
+        sizes = (self.block_bytes, self.max_chunk_blocks, self.io_threads, self.read_deadline_s)
+        if sizes[0] <= 0 or sizes[1] < 1 or sizes[2] < 1 or sizes[3] <= 0:
+            raise ValueError("need block_bytes, max_chunk_blocks, io_threads, read_deadline_s > 0, got "
+                             + ", ".join(str(x) for x in sizes))
+
+
+class _Queues:
+    """The I/O threads' priority queues: reads (and, without write threads, writes too)
+    and writes. ``seq`` keeps submission order within a priority."""
+
+    def __init__(self, write_threads: int) -> None:
+        self.reads: queue.PriorityQueue[QueueItem] = queue.PriorityQueue()
+        self.writes = self.reads if write_threads <= 0 else queue.PriorityQueue()
+        self._seq = itertools.count()
+
+    def put(self, q: queue.PriorityQueue[QueueItem], op: Op, read: ReadJob | None, part: Part | None,
+            write: WriteJob | None, chunk_id: str) -> None:
+        q.put(QueueItem(op.priority, next(self._seq), op, read, part, write, chunk_id))
+
+
+class _Results:
+    """Completed jobs, drained by ``poll``, and the event ``wait`` blocks on."""
+
+    def __init__(self) -> None:
+        self.done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
+        self.has_done = threading.Event()
+
+    def put(self, res: IOResult) -> None:
+        self.done.put(res)
+        self.has_done.set()
 
 
 class KernelCore:
     """The shared state and steps of :class:`~vllm_kvtier.tiers.kernel.StoreKernel` (its
     constructor's arguments are documented there)."""
 
-    def __init__(
-        self, medium: Medium, *, namespace: str, block_bytes: int, max_chunk_blocks: int,
-        buffers: BufferPool, read_deadline_s: float, write_deadline_s: float = 60.0, io_threads: int = 2,
-        write_threads: int = 0, max_queued_writes: int = 64, auth: ChunkAuth | None = None, rank: int,
-    ) -> None:
-        if block_bytes <= 0 or max_chunk_blocks < 1 or io_threads < 1 or read_deadline_s <= 0:
-            raise ValueError(f"need block_bytes, max_chunk_blocks, io_threads, read_deadline_s > 0, got "
-                             f"{block_bytes}, {max_chunk_blocks}, {io_threads}, {read_deadline_s}")
+    def __init__(self, medium: Medium, settings: KernelSettings, *, buffers: BufferPool,
+                 auth: ChunkAuth | None = None, on_written: OnWritten | None = None) -> None:
         #: the byte primitives (public for tools and tests that wrap or inspect the medium)
         self.medium = medium
-        self.namespace = namespace
-        #: the store rank (stamped into every header, required of every header read)
-        self.rank = rank
-        self.block_bytes = block_bytes
-        self.max_chunk_blocks = max_chunk_blocks
+        self.settings = settings
         self.buffers = buffers
-        self.read_deadline_s = read_deadline_s
-        self.write_deadline_s = write_deadline_s
-        self.max_queued_writes = max_queued_writes
         self.auth = auth
-        #: Chunks are signed (write buffers need :class:`WriteBuffer`'s ``authenticated``).
-        self.authenticated = auth is not None
-        self._max_bytes = max_chunk_bytes(max_chunk_blocks, block_bytes)
-        self._batch = medium.max_batch if isinstance(medium, BatchingMedium) else 1
+        self._on_written = on_written
         self._lock = threading.Lock()
-        self._done: queue.SimpleQueue[IOResult] = queue.SimpleQueue()
-        self._has_done = threading.Event()
+        self._results = _Results()
         self._pending: set[ReadJob] = set()
         self._queued_writes = 0
         self._closed = False
-        self._seq = itertools.count()
-        self._ops: dict[str, int] = {}
-        self._failures: dict[FailureReason, int] = {}
-        self._reads_q: queue.PriorityQueue[QueueItem] = queue.PriorityQueue()
-        self._writes_q = self._reads_q if write_threads <= 0 else queue.PriorityQueue()
+        self._tally = KernelStats({}, {})
+        self._queues = _Queues(settings.write_threads)
+
+    # The settings, by the names the read and write paths use.
+    @property
+    def namespace(self) -> str:
+        return self.settings.namespace
+
+    @property
+    def rank(self) -> int:
+        """The store rank (stamped into every header, required of every header read)."""
+        return self.settings.rank
+
+    @property
+    def block_bytes(self) -> int:
+        return self.settings.block_bytes
+
+    @property
+    def max_chunk_blocks(self) -> int:
+        return self.settings.max_chunk_blocks
+
+    @property
+    def read_deadline_s(self) -> float:
+        return self.settings.read_deadline_s
+
+    @property
+    def write_deadline_s(self) -> float:
+        return self.settings.write_deadline_s
+
+    @property
+    def max_queued_writes(self) -> int:
+        return self.settings.max_queued_writes
+
+    @property
+    def authenticated(self) -> bool:
+        """Chunks are signed (write buffers need :class:`WriteBuffer`'s ``authenticated``)."""
+        return self.auth is not None
+
+    @property
+    def _max_bytes(self) -> int:
+        return max_chunk_bytes(self.settings.max_chunk_blocks, self.settings.block_bytes)
+
+    @property
+    def _reads_q(self) -> queue.PriorityQueue[QueueItem]:
+        return self._queues.reads
+
+    @property
+    def _writes_q(self) -> queue.PriorityQueue[QueueItem]:
+        return self._queues.writes
 
     def _enqueue(self, q: queue.PriorityQueue[QueueItem], op: Op, *, read: ReadJob | None = None,
                  part: Part | None = None, write: WriteJob | None = None, chunk_id: str = "") -> None:
         """Queue one item for the I/O threads of ``q`` (any thread; never blocks)."""
-        q.put(QueueItem(op.priority, next(self._seq), op, read, part, write, chunk_id))
+        self._queues.put(q, op, read, part, write, chunk_id)
 
     def op_stats(self) -> KernelStats:
         """Operations and failures so far (any thread)."""
         with self._lock:
-            return KernelStats(dict(self._ops), dict(self._failures))
+            return KernelStats(dict(self._tally.ops), dict(self._tally.failures))
 
     def _count(self, op: str) -> None:
         with self._lock:
-            self._ops[op] = self._ops.get(op, 0) + 1
+            self._tally.ops[op] = self._tally.ops.get(op, 0) + 1
 
     def _reason(self, e: BaseException) -> FailureReason:
         if isinstance(e, (ChunkFormatError, Failed)):
@@ -126,6 +214,5 @@ class KernelCore:
     def _emit(self, res: IOResult) -> None:
         if res.reason is not None:
             with self._lock:
-                self._failures[res.reason] = self._failures.get(res.reason, 0) + 1
-        self._done.put(res)
-        self._has_done.set()
+                self._tally.failures[res.reason] = self._tally.failures.get(res.reason, 0) + 1
+        self._results.put(res)

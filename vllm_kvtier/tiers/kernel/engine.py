@@ -17,10 +17,11 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import IOResult, drain
 from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer
+from vllm_kvtier.tiers.kernel.core import KernelSettings, OnWritten
 from vllm_kvtier.tiers.kernel.jobs import Op, QueueItem, ReadJob, WriteJob, check_id
 from vllm_kvtier.tiers.kernel.reads import VerifiedReads
 from vllm_kvtier.tiers.kernel.stamping import StampedWrites
-from vllm_kvtier.tiers.medium import Medium
+from vllm_kvtier.tiers.medium import BatchingMedium, Medium
 
 __all__ = ["StoreKernel"]
 
@@ -30,30 +31,24 @@ logger = logging.getLogger("vllm_kvtier.tiers.kernel")
 class StoreKernel(VerifiedReads, StampedWrites):
     """A :class:`~vllm_kvtier.tiers.base.ChunkStore` over ``medium`` (see the module doc).
 
-    ``max_chunk_blocks``: the most blocks this engine puts in a chunk (the config's
-    ``chunk_blocks``): the bound of every block count read back. ``buffers``: where read
-    buffers come from (injected: one pool per worker process). ``read_deadline_s``: see
-    :meth:`submit_read`. ``write_deadline_s``: handed to the medium's ``put``.
-    ``io_threads`` threads serve reads first, then writes and deletes; with
-    ``write_threads`` > 0, writes and deletes get threads of their own instead.
-    ``auth``: the keys this store signs and verifies with (None: unauthenticated chunks);
+    ``settings``: the sizes, deadlines, threads and rank (:class:`KernelSettings`).
+    ``buffers``: where read buffers come from (injected: one pool per worker process).
+    ``auth``: the keys this store signs and verifies with (None: unauthenticated chunks).
     :attr:`authenticated` tells a caller which header room its write buffers need.
-    ``rank``: the store rank whose chunks the medium holds (the ``r<rank>`` of its path):
-    stamped into every header written, and required of every header read.
+    ``on_written``: called on an I/O thread for every write that succeeded, just before its
+    result is queued. A store that keeps an index of its own (S3's manifest) passes it.
+    It must not raise or block for long.
+
+    A store holds a kernel and its medium (:class:`KernelStore`); it does not inherit one.
     """
 
-    def __init__(
-        self, medium: Medium, *, namespace: str, block_bytes: int, max_chunk_blocks: int,
-        buffers: BufferPool, read_deadline_s: float, write_deadline_s: float = 60.0, io_threads: int = 2,
-        write_threads: int = 0, max_queued_writes: int = 64, auth: ChunkAuth | None = None, rank: int,
-    ) -> None:
-        super().__init__(
-            medium, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks, buffers=buffers,
-            read_deadline_s=read_deadline_s, write_deadline_s=write_deadline_s, io_threads=io_threads,
-            write_threads=write_threads, max_queued_writes=max_queued_writes, auth=auth, rank=rank)
-        queues = [self._reads_q] * io_threads + [self._writes_q] * max(0, write_threads)
+    def __init__(self, medium: Medium, settings: KernelSettings, *, buffers: BufferPool,
+                 auth: ChunkAuth | None = None, on_written: OnWritten | None = None) -> None:
+        super().__init__(medium, settings, buffers=buffers, auth=auth, on_written=on_written)
+        queues = [self._reads_q] * settings.io_threads + [self._writes_q] * max(0, settings.write_threads)
+        batch = medium.max_batch if isinstance(medium, BatchingMedium) else 1
         self._workers = [
-            (threading.Thread(target=self._run, args=(q,), name=f"kvtier-{medium.name}-{i}", daemon=True), q)
+            (threading.Thread(target=self._run, args=(q, batch), name=f"kvtier-{medium.name}-{i}", daemon=True), q)
             for i, q in enumerate(queues)
         ]
         for t, _ in self._workers:
@@ -115,34 +110,34 @@ class StoreKernel(VerifiedReads, StampedWrites):
                 logger.warning("kvtier %s: read of %s failed (deadline): no answer within %.1f s",
                                self.medium.name, job.chunk_id, self.read_deadline_s)
                 self._emit_read(job, FailureReason.DEADLINE)
-        return drain(self._done)
+        return drain(self._results.done)
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` until some job completed (True) or not. For idle engine
         steps only: while a request waits for its load, an in-process engine spins through
         empty steps that hold the GIL; waiting here hands it to the I/O threads (measured
         on NVMe: a 2 MiB read went from ~100 ms to ~3 ms)."""
-        done = self._has_done.wait(timeout_s)
-        self._has_done.clear()
+        done = self._results.has_done.wait(timeout_s)
+        self._results.has_done.clear()
         return done
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued I/O (up to ``timeout_s``), stop the threads, close the medium
         (only once no thread is still inside it). Idempotent."""
-        if self._stop_accepting():
-            self._shut_down(timeout_s)
+        if self.stop_accepting():
+            self.shut_down(timeout_s)
 
-    def _stop_accepting(self) -> bool:
+    def stop_accepting(self) -> bool:
         """The first step of :meth:`close`: refuse new work from now on; False if already
         closed. A store whose close must go on in the background (Mooncake: leaving a pool
-        can outlast the caller's patience) calls it, then :meth:`_shut_down` on a thread."""
+        can outlast the caller's patience) calls it, then :meth:`shut_down` on a thread."""
         with self._lock:
             if self._closed:
                 return False
             self._closed = True
             return True
 
-    def _shut_down(self, timeout_s: float) -> None:
+    def shut_down(self, timeout_s: float) -> None:
         """The rest of :meth:`close`: finish queued I/O, stop the threads, close the medium."""
         for _, q in self._workers:
             self._enqueue(q, Op.STOP)
@@ -156,14 +151,15 @@ class StoreKernel(VerifiedReads, StampedWrites):
 
     # ---- I/O threads ----------------------------------------------------------------------
 
-    def _run(self, q: queue.PriorityQueue[QueueItem]) -> None:
+    def _run(self, q: queue.PriorityQueue[QueueItem], max_batch: int) -> None:
+        """One I/O thread: items of ``q``, up to ``max_batch`` of one kind at once."""
         cpus.enter_background()
         while True:
             item = q.get()
             if item.op is Op.STOP:
                 return
             batch = [item]
-            while self._batch > 1 and len(batch) < self._batch and item.op in (Op.PART, Op.WRITE):
+            while len(batch) < max_batch and item.op in (Op.PART, Op.WRITE):
                 try:
                     nxt = q.get_nowait()
                 except queue.Empty:

@@ -25,11 +25,6 @@ logger = logging.getLogger("vllm_kvtier.tiers.kernel")
 class StampedWrites(KernelCore):
     """The write half of :class:`~vllm_kvtier.tiers.kernel.StoreKernel`."""
 
-    def on_written(self, chunk_id: str, header: ChunkHeader) -> None:
-        """Called on an I/O thread for every write that succeeded, just before its result
-        is queued: a store that keeps an index of its own (S3's manifest) overrides it. It
-        must not raise or block for long. The kernel's does nothing."""
-
     def _write(self, writes: list[WriteJob]) -> None:
         ready: list[WriteJob] = []
         for w in writes:
@@ -101,8 +96,8 @@ class StampedWrites(KernelCore):
         if reason is not None and reason != FailureReason.SUPERSEDED:  # superseded: nothing was wrong
             logger.warning("kvtier %s: write of %s failed (%s): %s", self.medium.name, w.chunk_id, reason, err)
         h = w.header if reason is None else None
-        if h is not None:
-            self.on_written(w.chunk_id, h)
+        if h is not None and self._on_written is not None:
+            self._on_written(w.chunk_id, h)
         self._emit(IOResult(w.job_id, "write", w.chunk_id, reason is None, reason, nbytes=h.total_bytes if h else 0,
                             seconds=time.perf_counter() - w.t0, header=h))
 

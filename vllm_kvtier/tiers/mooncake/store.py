@@ -5,9 +5,10 @@ Who calls it: the worker half (one store per TP rank), from the worker's main th
 ``submit_*`` return at once, completions come back through ``poll``: the
 :class:`~vllm_kvtier.tiers.base.ChunkStore` contract, implemented once by
 :class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, headers, the verified
-read path). This module is only what is Mooncake's: the medium's byte primitives
-(:class:`MooncakeMedium`: sizes, batched puts and gets, removes, the classifier of return
-codes), joining and leaving the pool, :meth:`MooncakeStore.exists`
+read path). What is Mooncake's: the medium's byte primitives
+(:class:`~vllm_kvtier.tiers.mooncake.medium.MooncakeMedium`, in :mod:`.medium`: sizes,
+batched puts and gets, removes, the classifier of return codes), and here joining and
+leaving the pool, :meth:`MooncakeStore.exists`
 (:class:`~vllm_kvtier.tiers.base.Probeable`), :meth:`MooncakeStore.stats`
 (:class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`) and the circuit breaker. The
 constructor (connects to the master) and :meth:`MooncakeStore.close` block their caller.
@@ -44,23 +45,18 @@ calls (``unavailable``, ``transfer``, ``error``).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import logging
-import mmap
 import socket
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS, ChunkFormatError, align_up
+from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS
 from vllm_kvtier.config.stores import MooncakeConfig
-from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
-from vllm_kvtier.tiers.registry import install_hint
+from vllm_kvtier.tiers.buffers import shared_pool
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, StoreKernel
+from vllm_kvtier.tiers.mooncake.medium import Arena, MooncakeMedium, code_reason, object_key
+from vllm_kvtier.tiers.mooncake.spec import INSTALL_HINT
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 
 if TYPE_CHECKING:
@@ -73,378 +69,9 @@ __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeMedium", "MooncakeStats", 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-INSTALL_HINT = install_hint("mooncake")
-
-
-#: Mooncake's ErrorCode values (mooncake-store/include/types.h) -> our failure labels.
-_CODE_REASONS: dict[int, FailureReason] = {
-    -10: FailureReason.TRUNCATED,  # BUFFER_OVERFLOW
-    -101: FailureReason.MISSING,  # SEGMENT_NOT_FOUND: the client that held the replica left the pool
-    -200: FailureReason.POOL_FULL,  # NO_AVAILABLE_HANDLE: no space in any segment
-    -400: FailureReason.BAD_REQUEST,  # INVALID_KEY
-    -600: FailureReason.BAD_REQUEST,  # INVALID_PARAMS (e.g. a buffer smaller than the object)
-    -703: FailureReason.NOT_READY,  # REPLICA_IS_NOT_READY: another client is still writing it
-    -704: FailureReason.MISSING,  # OBJECT_NOT_FOUND (never stored, evicted or removed)
-    -705: FailureReason.EXISTS,  # OBJECT_ALREADY_EXISTS
-    -706: FailureReason.LEASE,  # OBJECT_HAS_LEASE
-    -707: FailureReason.LEASE_EXPIRED,  # LEASE_EXPIRED before the transfer finished
-    -710: FailureReason.MISSING,  # REPLICA_NOT_FOUND
-    -712: FailureReason.MISSING,  # REPLICA_IS_GONE
-    -714: FailureReason.NOT_READY,  # OBJECT_REPLICA_BUSY
-    -800: FailureReason.TRANSFER,  # TRANSFER_FAIL
-    -801: FailureReason.CHECKSUM,  # CHECKSUM_MISMATCH
-    -900: FailureReason.UNAVAILABLE,  # RPC_FAIL: the master does not answer
-    -901: FailureReason.UNAVAILABLE,  # RPC_TIMEOUT
-    -1010: FailureReason.UNAVAILABLE,  # UNAVAILABLE_IN_CURRENT_STATUS
-}
-#: Reasons that say the pool is unhealthy (they count toward the circuit breaker); others
-#: (missing, pool_full, checksum...) are answers about one object from a healthy pool.
-_UNHEALTHY = frozenset({FailureReason.UNAVAILABLE, FailureReason.TRANSFER, FailureReason.ERROR})
-
-
-def code_reason(rc: int) -> FailureReason:
-    """The Mooncake medium's classifier: the reason of a negative Mooncake return code."""
-    return _CODE_REASONS.get(rc, FailureReason.ERROR)
-
-
-def object_key(namespace: str, rank: int, chunk_id: str) -> str:
-    return f"kvtier/{namespace}/r{rank}/{chunk_id}"
-
-
-# ---- the registered arena ----------------------------------------------------------------------
-
-
-class ArenaSlice:
-    """A page-aligned range of a store's arena (the ``buffer`` of a read result);
-    :meth:`close` gives it back. Keep no view of it after closing."""
-
-    def __init__(self, arena: _Arena, offset: int, nbytes: int) -> None:
-        self._arena: _Arena | None = arena
-        self.offset = offset
-        self.nbytes = nbytes
-        self.addr = arena.addr + offset
-        self.view = arena.view[offset : offset + nbytes]
-
-    def close(self) -> None:
-        arena, self._arena = self._arena, None
-        if arena is None:
-            return
-        self.view.release()
-        arena.give(self.offset, self.nbytes)
-
-
-class _Arena:
-    """One anonymous mapping, handed out first-fit in page-aligned slices (thread-safe)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = align_up(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes)
-        anchor = ctypes.c_char.from_buffer(self._map)
-        self.addr = ctypes.addressof(anchor)
-        del anchor  # the address stays valid while the map lives; the export must not
-        self.view = memoryview(self._map)
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, length), sorted
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> ArenaSlice | None:
-        need = align_up(max(nbytes, 1))
-        with self._lock:
-            for i, (off, length) in enumerate(self._free):
-                if length >= need:
-                    if length == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + need, length - need)
-                    return ArenaSlice(self, off, need)
-        return None
-
-    def give(self, offset: int, nbytes: int) -> None:
-        with self._lock:
-            free = self._free
-            i = 0
-            while i < len(free) and free[i][0] < offset:
-                i += 1
-            free.insert(i, (offset, nbytes))
-            if i + 1 < len(free) and offset + nbytes == free[i + 1][0]:  # merge with the next
-                free[i] = (offset, nbytes + free.pop(i + 1)[1])
-            if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # and with the previous
-                prev = free.pop(i - 1)
-                free[i - 1] = (prev[0], prev[1] + free[i - 1][1])
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
-
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(n for _, n in self._free)
-
-    def close(self) -> None:
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a caller still holds a block view: the GC unmaps it later
-            self._map.close()
-
-
-# ---- the medium ---------------------------------------------------------------------------------
-
-
-class MooncakeError(Exception):
-    """A client call answered with a negative Mooncake return code (``rc``)."""
-
-    def __init__(self, op: str, rc: int) -> None:
-        super().__init__(f"{op}: Mooncake code {rc}")
-        self.rc = rc
-
-
-class _BreakerOpen(Exception):
-    """The circuit breaker refused the call (nothing was sent)."""
-
-
-class _NoArena(Exception):
-    """No room in the registered arena for a transfer now."""
-
 
 #: The Mooncake store's figures (the shape every remote store reports; ``retries`` is 0).
 MooncakeStats = RemoteStats
-
-
-class MooncakeMedium:
-    """The byte primitives of the Mooncake store for one (namespace, rank): whole objects in
-    the pool, moved through the registered arena (see the module doc). Called by the
-    kernel's I/O threads, several at once; every client call goes through the breaker."""
-
-    name = "mooncake"
-    #: a pool object is fetched whole (the client has no ranged get)
-    read_shape: ReadShape = "whole"
-
-    def __init__(self, client: Any, arena: _Arena, *, namespace: str, rank: int, replicate: Any,
-                 breaker: CircuitBreaker, max_batch: int) -> None:
-        self.client = client
-        self.arena = arena
-        self.namespace = namespace
-        self.rank = rank
-        self.replicate = replicate
-        self.breaker = breaker
-        #: operations the kernel hands over per batch call (``mooncake.max_batch``)
-        self.max_batch = max_batch
-        self._lock = threading.Lock()
-        self._requests: dict[str, int] = {}
-
-    def key(self, chunk_id: str) -> str:
-        return object_key(self.namespace, self.rank, chunk_id)
-
-    def requests(self) -> dict[str, int]:
-        """Client calls so far, by method (a batch counts once)."""
-        with self._lock:
-            return dict(self._requests)
-
-    # ---- SizedMedium / AllocatingMedium --------------------------------------------------
-
-    def size_of(self, chunk_id: str, deadline: float) -> int:
-        """The object's size as the master tells it (unverified: the kernel bounds it)."""
-        size = self._guarded(lambda: [int(self.call("get_size", self.key(chunk_id)))])[0]
-        if size < 0:
-            raise MooncakeError("get_size", size)
-        return size
-
-    def take_buffer(self, nbytes: int) -> ArenaSlice | None:
-        return self.arena.take(nbytes)
-
-    # ---- BatchingMedium ------------------------------------------------------------------
-
-    def put_batch(self, items: list[tuple[str, memoryview]], deadline: float) -> list[BaseException | None]:
-        """Copy each chunk into the arena, then one ``batch_put_from``. A key already stored
-        is a success (``OBJECT_ALREADY_EXISTS``: the object is kept)."""
-        out: list[BaseException | None] = [None] * len(items)
-        staged: list[tuple[int, ArenaSlice, int]] = []
-        try:
-            for i, (_, view) in enumerate(items):
-                buf = self.arena.take(view.nbytes)
-                if buf is None:
-                    out[i] = _NoArena(f"no room in the {self.arena.nbytes} B arena for {view.nbytes} B")
-                    continue
-                buf.view[: view.nbytes] = view
-                staged.append((i, buf, view.nbytes))
-            if staged:
-                keys = [self.key(items[i][0]) for i, _, _ in staged]
-                rcs = self._guarded(lambda: self.batch("batch_put_from", keys, [b.addr for _, b, _ in staged],
-                                                       [n for _, _, n in staged], self.replicate), len(staged))
-                for (i, _, _), rc in zip(staged, rcs, strict=True):
-                    out[i] = None if rc in (0, -705) else MooncakeError("batch_put_from", rc)
-        except _BreakerOpen as e:
-            for i, _, _ in staged:
-                out[i] = e
-        finally:
-            for _, buf, _ in staged:
-                buf.close()
-        return out
-
-    def read_batch(self, items: list[tuple[str, int, memoryview]], deadline: float) -> list[BaseException | None]:
-        """One ``batch_get_into`` of whole objects: into the views directly when they are
-        arena memory (the kernel's reads), else through a staging slice of it. A key asked
-        for twice is fetched once and copied (the client fills only one buffer per key of
-        a batch); twice with another length, in a call of its own."""
-        out: list[BaseException | None] = [None] * len(items)
-        first: dict[str, int] = {}
-        fetch: list[int] = []
-        copies: list[tuple[int, int]] = []
-        later: list[int] = []
-        for i, (chunk_id, _, view) in enumerate(items):
-            j = first.setdefault(chunk_id, i)
-            if j == i:
-                fetch.append(i)
-            elif items[j][2].nbytes == view.nbytes:
-                copies.append((i, j))
-            else:
-                later.append(i)
-        for i, err in zip(fetch, self._get_batch([items[i] for i in fetch]), strict=True):
-            out[i] = err
-        for i, j in copies:
-            out[i] = out[j]
-            if out[j] is None:
-                items[i][2][:] = items[j][2]
-        if later:
-            for i, err in zip(later, self.read_batch([items[i] for i in later], deadline), strict=True):
-                out[i] = err
-        return out
-
-    def _get_batch(self, items: list[tuple[str, int, memoryview]]) -> list[BaseException | None]:
-        """One ``batch_get_into`` of distinct keys."""
-        out: list[BaseException | None] = [None] * len(items)
-        plan: list[tuple[int, int, ArenaSlice | None]] = []  # (item, address, staging slice)
-        try:
-            for i, (_, offset, view) in enumerate(items):
-                if offset != 0:
-                    out[i] = ValueError(f"a ranged read (offset {offset}) of a whole-object medium")
-                    continue
-                addr = _address(view)
-                if self.arena.contains(addr, view.nbytes):
-                    plan.append((i, addr, None))
-                    continue
-                buf = self.arena.take(view.nbytes)
-                if buf is None:
-                    out[i] = _NoArena(f"no room in the {self.arena.nbytes} B arena for {view.nbytes} B")
-                    continue
-                plan.append((i, buf.addr, buf))
-            if plan:
-                keys = [self.key(items[i][0]) for i, _, _ in plan]
-                rcs = self._guarded(lambda: self.batch("batch_get_into", keys, [a for _, a, _ in plan],
-                                                       [items[i][2].nbytes for i, _, _ in plan]), len(plan))
-                for (i, _, buf), rc in zip(plan, rcs, strict=True):
-                    out[i] = self._got(items[i][2], rc, buf)
-        except _BreakerOpen as e:
-            for i, _, _ in plan:
-                out[i] = e
-        finally:
-            for _, _, buf in plan:
-                if buf is not None:
-                    buf.close()
-        return out
-
-    @staticmethod
-    def _got(view: memoryview, rc: int, staged: ArenaSlice | None) -> BaseException | None:
-        if rc == -600:  # INVALID_PARAMS on a get: the object is larger than the chunk asked for
-            return ChunkFormatError(f"the object is larger than the {view.nbytes} B asked for", FailureReason.FORMAT)
-        if rc < 0:
-            return MooncakeError("batch_get_into", rc)
-        if rc < view.nbytes:
-            return ChunkFormatError(f"truncated: {rc} of {view.nbytes} bytes", FailureReason.TRUNCATED)
-        if staged is not None:
-            view[:] = staged.view[: view.nbytes]
-        return None
-
-    # ---- Medium ---------------------------------------------------------------------------
-
-    def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
-        err = self.put_batch([(chunk_id, view)], deadline)[0]
-        if err is not None:
-            raise err
-
-    def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
-        err = self.read_batch([(chunk_id, offset, dst)], deadline)[0]
-        if err is not None:
-            raise err
-
-    def delete(self, chunk_id: str) -> None:
-        """A forced remove (a read lease does not block it); already gone is fine."""
-        rc = self.batch("batch_remove", [self.key(chunk_id)], force=True)[0]
-        if rc not in (0, -704):
-            raise MooncakeError("batch_remove", rc)
-
-    def classify(self, exc: BaseException) -> FailureReason:
-        """The reason of a failure: a return code by :func:`code_reason`, the medium's own
-        refusals by type. A ChunkFormatError never gets here: the kernel reads its reason."""
-        if isinstance(exc, MooncakeError):
-            return code_reason(exc.rc)
-        if isinstance(exc, _BreakerOpen):
-            return FailureReason.BREAKER_OPEN
-        if isinstance(exc, _NoArena):
-            return FailureReason.NO_BUFFER
-        if isinstance(exc, ValueError):
-            return FailureReason.BAD_REQUEST
-        return FailureReason.ERROR
-
-    def close(self) -> None:
-        """Leave the pool and free the arena (about 2 s on a healthy pool, longer when the
-        master is gone: the client's own RPC timeouts)."""
-        try:
-            self.client.unregister_buffer(self.arena.addr)
-            self.client.close()
-        except Exception as e:
-            logger.warning("kvtier mooncake: closing the client failed: %s", e)
-        self.arena.close()
-
-    # ---- client calls -----------------------------------------------------------------------
-
-    def call(self, method: str, *args: Any) -> Any:
-        """One counted client call; an exception becomes -1 (``error``)."""
-        self._count(method)
-        try:
-            return getattr(self.client, method)(*args)
-        except Exception as e:
-            logger.warning("kvtier mooncake: %s raised %s", method, e)
-            return -1
-
-    def batch(self, method: str, keys: list[str], *args: Any, **kw: Any) -> list[int]:
-        """One counted batch call: per-key codes or sizes (an exception, or an answer of the
-        wrong length, fails every key with -1)."""
-        self._count(method)
-        try:
-            rcs = [int(rc) for rc in getattr(self.client, method)(keys, *args, **kw)]
-        except Exception as e:
-            logger.warning("kvtier mooncake: %s of %d keys raised %s", method, len(keys), e)
-            return [-1] * len(keys)
-        if len(rcs) != len(keys):
-            logger.warning("kvtier mooncake: %s returned %d codes for %d keys", method, len(rcs), len(keys))
-            return [-1] * len(keys)
-        return rcs
-
-    def _guarded(self, fn: Callable[[], list[int]], n: int = 1) -> list[int]:
-        """``fn()``'s codes, through the breaker: refused at once while it is open; an
-        answer with an unhealthy code (the pool, not one object) counts as a failure."""
-        if not self.breaker.allow():
-            raise _BreakerOpen("the Mooncake circuit breaker is open")
-        rcs: list[int] = [-1] * n
-        try:
-            rcs = fn()
-        finally:
-            if any(rc < 0 and code_reason(rc) in _UNHEALTHY for rc in rcs):
-                self.breaker.record_failure()
-            else:
-                self.breaker.record_success()
-        return rcs
-
-    def _count(self, method: str) -> None:
-        with self._lock:
-            self._requests[method] = self._requests.get(method, 0) + 1
-
-
-def _address(view: memoryview) -> int:
-    """The address of a writable buffer's first byte."""
-    anchor = ctypes.c_char.from_buffer(view)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
 
 
 # ---- the store --------------------------------------------------------------------------------
@@ -454,28 +81,27 @@ def _address(view: memoryview) -> int:
 _BACKGROUND_CLOSE_S = 24 * 3600.0
 
 
-class MooncakeStore(StoreKernel):
+class MooncakeStore(KernelStore[MooncakeMedium]):
     """The Mooncake tier's :class:`~vllm_kvtier.tiers.base.ChunkStore` for one (namespace,
     rank), also :class:`~vllm_kvtier.tiers.base.Probeable` and
     :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`. See the module doc.
 
-    ``max_chunk_blocks``: the most blocks this engine puts in an object (the Mooncake tier
-    stores one per object): the bound of every size the master reports. ``buffers``: the
-    worker's pool (None: the process default; reads land in the arena, not in it).
+    ``ctx``: the namespace, rank and block size, ``ctx.buffers`` the worker's pool (None:
+    the process default; reads land in the arena, not in it). ``max_chunk_blocks``: the
+    most blocks this engine puts in an object (the Mooncake tier stores one per object):
+    the bound of every size the master reports.
 
     Raises ImportError (with an install hint) when the mooncake package or its system
     libraries are missing, and ConnectionError when the master cannot be reached or the
     client cannot join the pool."""
 
-    def __init__(self, config: MooncakeConfig, namespace: str, rank: int, block_bytes: int, *,
-                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
-                 auth: ChunkAuth | None = None) -> None:
+    def __init__(self, config: MooncakeConfig, ctx: StoreContext, *,
+                 max_chunk_blocks: int = MAX_CHUNK_BLOCKS) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:  # also a missing libibverbs.so.1 (an ImportError of the extension)
             raise ImportError(f"{INSTALL_HINT} ({e})") from e
         self.config = config
-        self.rank = rank
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         host, port = config.master_host_port
         _probe(host, port, config.connect_timeout_s)
@@ -487,7 +113,7 @@ class MooncakeStore(StoreKernel):
         )
         if rc != 0:
             raise ConnectionError(f"mooncake: joining the pool of master {config.master} failed (rc {rc})")
-        arena = _Arena(config.transfer_buffer_bytes)
+        arena = Arena(config.transfer_buffer_bytes)
         rc = client.register_buffer(arena.addr, arena.nbytes)
         if rc != 0:
             client.close()
@@ -495,13 +121,15 @@ class MooncakeStore(StoreKernel):
             raise ConnectionError(f"mooncake: registering the {arena.nbytes} B transfer buffer failed (rc {rc})")
         replicate = ReplicateConfig()
         replicate.replica_num = config.replicas
-        self._pool = MooncakeMedium(client, arena, namespace=namespace, rank=rank, replicate=replicate,
-                                    breaker=self.breaker, max_batch=config.max_batch)
+        medium = MooncakeMedium(client, arena, prefix=object_key(ctx.namespace, ctx.rank, ""), replicate=replicate,
+                                breaker=self.breaker, max_batch=config.max_batch)
         self._closer: threading.Thread | None = None
-        super().__init__(self._pool, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
-                         buffers=buffers or shared_pool(), read_deadline_s=config.deadline_s,
-                         io_threads=config.io_threads, write_threads=config.io_threads,
-                         max_queued_writes=config.max_queued_writes, auth=auth, rank=rank)
+        settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks,
+                                  read_deadline_s=config.deadline_s,
+                                  io_threads=config.io_threads, write_threads=config.io_threads,
+                                  max_queued_writes=config.max_queued_writes)
+        kernel = StoreKernel(medium, settings, buffers=ctx.buffers or shared_pool(), auth=ctx.auth)
+        super().__init__(medium, kernel)
         logger.info("kvtier mooncake: joined master %s as %s over %s (segment %d B)", config.master,
                     self.local_hostname, config.protocol, config.global_segment_bytes)
 
@@ -513,8 +141,7 @@ class MooncakeStore(StoreKernel):
         config = section.store
         if ctx.lookup_only:
             config = dataclasses.replace(config, global_segment_bytes=0, transfer_buffer_bytes=1 << 20, io_threads=1)
-        return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks=section.chunk_blocks,
-                   buffers=ctx.buffers, auth=ctx.auth)
+        return cls(config, ctx, max_chunk_blocks=section.chunk_blocks)
 
     def __repr__(self) -> str:
         return (f"MooncakeStore(master={self.config.master!r}, protocol={self.config.protocol!r}, "
@@ -522,27 +149,27 @@ class MooncakeStore(StoreKernel):
 
     def key(self, chunk_id: str) -> str:
         """The chunk's object key in the pool (for tools and fault drills)."""
-        return self._pool.key(chunk_id)
+        return self.medium.key(chunk_id)
 
     def exists(self, chunk_ids: list[str]) -> list[bool]:
         """Whether each chunk is in the pool now (one batch call; blocks). An error reads
         as False: a chunk that cannot be confirmed is a miss."""
         if not chunk_ids or self._closer is not None:
             return [False] * len(chunk_ids)
-        rcs = self._pool.batch("batch_is_exist", [self.key(c) for c in chunk_ids])
+        rcs = self.medium.batch("batch_is_exist", [self.key(c) for c in chunk_ids])
         return [rc == 1 for rc in rcs]
 
     def stats(self) -> MooncakeStats:
         failures = {str(reason): n for reason, n in self.op_stats().failures.items()}
-        return MooncakeStats(self._pool.requests(), 0, failures, self.breaker.snapshot())
+        return MooncakeStats(self.medium.requests(), 0, failures, self.breaker.snapshot())
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish queued I/O, leave the pool and free the arena, waiting up to ``timeout_s``;
         what is not done by then finishes on a background (non-daemon) thread, so the
         process still exits cleanly. New work is refused from the call on. Idempotent."""
-        if not self._stop_accepting():
+        if not self.kernel.stop_accepting():
             return
-        self._closer = threading.Thread(target=self._shut_down, args=(_BACKGROUND_CLOSE_S,),
+        self._closer = threading.Thread(target=self.kernel.shut_down, args=(_BACKGROUND_CLOSE_S,),
                                         name="kvtier-mooncake-close")
         self._closer.start()
         self._closer.join(timeout_s)

@@ -52,7 +52,7 @@ import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from vllm_kvtier.chunkformat import (
     ALIGN,
@@ -65,10 +65,9 @@ from vllm_kvtier.chunkformat import (
     decode_header,
 )
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import ReadShape, StoreKernel
+from vllm_kvtier.tiers.buffers import shared_pool
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, ReadShape, StoreKernel
 from vllm_kvtier.tiers.nvme.dirs import (
     FILE_MODE,
     LOCK_NAME,
@@ -345,89 +344,100 @@ class NVMeMedium:
             self._lock.release()
 
 
-class NVMeStore(StoreKernel):
+class NVMeStore(KernelStore[NVMeMedium]):
     """The NVMe tier's :class:`~vllm_kvtier.tiers.base.ChunkStore` for one (namespace, rank),
-    also :class:`~vllm_kvtier.tiers.base.Scannable`."""
+    also :class:`~vllm_kvtier.tiers.base.Scannable`: the kernel over chunk files."""
 
-    def __init__(
-        self, root: str | Path, namespace: str, rank: int, block_bytes: int, *,
-        direct_io: Literal["auto", "on", "off"] = "auto", io_threads: int = 2, max_queued_writes: int = 64,
-        io_engine: str = "posix", max_chunk_blocks: int = MAX_CHUNK_BLOCKS, buffers: BufferPool | None = None,
-        read_deadline_s: float = DEFAULT_READ_DEADLINE_S, auth: ChunkAuth | None = None,
-        replica: bool = False, engine: int = 0,
-    ) -> None:
+    def __init__(self, section: NVMeTierConfig, ctx: StoreContext, *,
+                 read_deadline_s: float = DEFAULT_READ_DEADLINE_S) -> None:
         """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
         (:mod:`~vllm_kvtier.tiers.nvme.dirs`: an OSError, ``UnsafeDirectory`` or
-        ``DirectoryLocked``, names the path and the reason), probes O_DIRECT, builds the I/O engine
-        (``io_engine``: a name of :data:`~vllm_kvtier.tiers.nvme.file_io.FILE_IO_ENGINES`;
-        ConfigError naming ``nvme.io_engine`` if it cannot run here), starts the threads.
-        ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``buffers``: the worker's pool (None: the process default).
+        ``DirectoryLocked``, names the path and the reason), probes O_DIRECT, builds the I/O
+        engine (``section.io_engine``: a name of
+        :data:`~vllm_kvtier.tiers.nvme.file_io.FILE_IO_ENGINES`; ConfigError naming
+        ``nvme.io_engine`` if it cannot run here), starts the threads. ``section`` is
+        ``cfg.nvme``: its ``path``, ``direct_io``, ``io_threads``, ``max_queued_writes``,
+        ``io_engine`` and ``chunk_blocks`` (the bound of a stored block count) are used.
+        ``ctx.buffers``: the worker's pool (None: the process default).
 
-        ``replica``: this store only reads ``rank``'s directory, which another worker owns
-        (an MLA model's TP rank reading its group's one copy, see
-        :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`): no lock is taken and nothing
-        is written there by this store's owner (its driver never submits writes or deletes);
-        reads are buffered (no O_DIRECT probe file in a directory another process cleans)
-        unless ``direct_io`` is "on". ``engine``: the data-parallel engine (its own
-        directories, see :func:`rank_dir`); chunk headers carry ``rank`` alone."""
-        io = make_file_io(io_engine)
-        self.io_engine = io_engine
-        self.replica = replica
-        # Created 0700 or checked (owner, mode, no symlink), then locked: nothing in the
-        # directory is touched (not even the O_DIRECT probe) before the lock is held.
-        lock: RankDirLock | None = None
-        try:
-            if replica:
-                self.dir = open_replica_dir(root, namespace, rank, engine)
-            else:
-                self.dir, lock = open_rank_dir(root, namespace, rank, engine)
-        except BaseException:
-            io.close()
-            raise
-        try:
-            if direct_io == "off":
-                direct, why = False, "disabled by nvme.direct_io"
-            elif replica and direct_io == "auto":
-                direct, why = False, "a replica reader of another rank's directory"
-            else:
-                direct, why = probe_direct_io(self.dir)
-                if not direct and direct_io == "on":
-                    raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {self.dir}: {why}")
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            io.close()
-            raise
-        self.direct = direct
-        if direct:
-            logger.info("kvtier nvme: %s, O_DIRECT, io_engine %s", self.dir, io_engine)
-        elif replica:
-            logger.info("kvtier nvme: %s, read-only replica, buffered reads (%s), io_engine %s", self.dir, why,
-                        io_engine)
-        else:
-            logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s), io_engine %s",
-                           self.dir, why, io_engine)
-        self._files = NVMeMedium(self.dir, direct=direct, io=io, lock=lock)
-        super().__init__(self._files, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
-                         buffers=buffers or shared_pool(), read_deadline_s=read_deadline_s, io_threads=io_threads,
-                         max_queued_writes=max_queued_writes, auth=auth, rank=rank)
+        ``ctx.replica``: this store only reads ``ctx.rank``'s directory, which another
+        worker owns (an MLA model's TP rank reading its group's one copy, see
+        :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`). No lock is taken, and
+        nothing is written there by this store's owner (its driver never submits writes or
+        deletes). Reads are buffered (no O_DIRECT probe file in a directory another process
+        cleans) unless ``direct_io`` is "on". ``ctx.engine``: the data-parallel engine (its
+        own directories, see :func:`rank_dir`). Chunk headers carry the rank alone."""
+        medium = _open_medium(section, ctx)
+        settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, section.chunk_blocks,
+                                  read_deadline_s=read_deadline_s,
+                                  io_threads=section.io_threads, max_queued_writes=section.max_queued_writes)
+        kernel = StoreKernel(medium, settings, buffers=ctx.buffers or shared_pool(), auth=ctx.auth)
+        super().__init__(medium, kernel)
+        self.io_engine = section.io_engine
+        self.replica = ctx.replica
 
     @classmethod
     def from_config(cls, section: NVMeTierConfig, ctx: StoreContext) -> NVMeStore:
-        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`): ``section``
-        is ``cfg.nvme``. ``ctx.replica``: see ``replica`` above."""
-        return cls(section.path, ctx.namespace, ctx.rank, ctx.block_bytes, direct_io=section.direct_io,
-                   io_threads=section.io_threads, max_queued_writes=section.max_queued_writes,
-                   io_engine=section.io_engine, max_chunk_blocks=section.chunk_blocks, buffers=ctx.buffers,
-                   auth=ctx.auth, replica=ctx.replica, engine=ctx.engine)
+        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`)."""
+        return cls(section, ctx)
+
+    @property
+    def dir(self) -> Path:
+        """This store's rank directory."""
+        return self.medium.dir
+
+    @property
+    def direct(self) -> bool:
+        """Whether its I/O is O_DIRECT."""
+        return self.medium.direct
 
     def path(self, chunk_id: str) -> Path:
         """Where the chunk's file is (for tools and fault drills)."""
-        return self._files.path(chunk_id)
+        return self.medium.path(chunk_id)
 
     def scan(self, *, cleanup: bool = False) -> ScanResult:
         """Every verified chunk file of this store's directory (see :func:`scan_dir`)."""
         found, problems = scan_dir(self.dir, self.namespace, cleanup=cleanup, max_blocks=self.max_chunk_blocks,
                                    block_bytes=self.block_bytes, rank=self.rank, refuses=self.refuses)
         return ScanResult(found, problems)
+
+
+def _open_medium(section: NVMeTierConfig, ctx: StoreContext) -> NVMeMedium:
+    """The rank directory, created 0700 or checked (owner, mode, no symlink), then locked,
+    O_DIRECT probed and the I/O engine built: :class:`NVMeStore`'s medium. Nothing in the
+    directory is touched (not even the O_DIRECT probe) before the lock is held. On failure
+    what was taken is given back."""
+    io_engine, direct_io = section.io_engine, section.direct_io
+    io = make_file_io(io_engine)
+    lock: RankDirLock | None = None
+    try:
+        if ctx.replica:
+            directory = open_replica_dir(section.path, ctx.namespace, ctx.rank, ctx.engine)
+        else:
+            directory, lock = open_rank_dir(section.path, ctx.namespace, ctx.rank, ctx.engine)
+    except BaseException:
+        io.close()
+        raise
+    try:
+        if direct_io == "off":
+            direct, why = False, "disabled by nvme.direct_io"
+        elif ctx.replica and direct_io == "auto":
+            direct, why = False, "a replica reader of another rank's directory"
+        else:
+            direct, why = probe_direct_io(directory)
+            if not direct and direct_io == "on":
+                raise OSError(f"nvme.direct_io is 'on' but O_DIRECT fails in {directory}: {why}")
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        io.close()
+        raise
+    if direct:
+        logger.info("kvtier nvme: %s, O_DIRECT, io_engine %s", directory, io_engine)
+    elif ctx.replica:
+        logger.info("kvtier nvme: %s, read-only replica, buffered reads (%s), io_engine %s", directory, why,
+                    io_engine)
+    else:
+        logger.warning("kvtier nvme: %s, buffered I/O (O_DIRECT unavailable: %s), io_engine %s",
+                       directory, why, io_engine)
+    return NVMeMedium(directory, direct=direct, io=io, lock=lock)

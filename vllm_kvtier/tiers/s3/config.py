@@ -14,14 +14,12 @@ import http.client
 from vllm_kvtier.chunkformat import ChunkFormatError
 from vllm_kvtier.config.stores import IO_ENGINES, SAFE_ID, IOEngineName, S3Config
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.registry import install_hint
 from vllm_kvtier.tiers.resilience import BreakerOpen, DeadlineExceeded
 
 SUFFIX = ".kvt"
 MANIFEST_SUFFIX = ".kvm"
 #: First ranged GET of a header at scan time; a 4 KiB header holds up to 58 blocks' entries.
 HEAD_PROBE_BYTES = 4096
-INSTALL_HINT = install_hint("s3")
 
 __all__ = ["IO_ENGINES", "SAFE_ID", "IOEngineName", "S3Config"]  # re-exported for the store's callers
 _THROTTLE_CODES = frozenset(

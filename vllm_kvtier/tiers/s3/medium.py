@@ -60,7 +60,6 @@ from vllm_kvtier.errors import FailureReason
 from vllm_kvtier.tiers.kernel import ReadShape
 from vllm_kvtier.tiers.resilience import CircuitBreaker, DeadlineExceeded, RetryPolicy, call_with_retries
 from vllm_kvtier.tiers.s3.config import (
-    INSTALL_HINT,
     S3Config,
     error_reason,
     is_transient,
@@ -68,6 +67,7 @@ from vllm_kvtier.tiers.s3.config import (
     rank_prefix,
 )
 from vllm_kvtier.tiers.s3.object_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
+from vllm_kvtier.tiers.s3.spec import INSTALL_HINT
 
 __all__ = ["MANIFEST_STEP_BYTES", "BoundedBody", "S3Medium"]
 

@@ -58,10 +58,9 @@ from typing import TYPE_CHECKING
 
 from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS, ChunkHeader
 from vllm_kvtier.errors import FailureReason
-from vllm_kvtier.tiers.auth import ChunkAuth
 from vllm_kvtier.tiers.base import ScanResult
-from vllm_kvtier.tiers.buffers import BufferPool, shared_pool
-from vllm_kvtier.tiers.kernel import StoreKernel
+from vllm_kvtier.tiers.buffers import shared_pool
+from vllm_kvtier.tiers.kernel import KernelSettings, KernelStore, StoreKernel
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 from vllm_kvtier.tiers.s3.config import (
     MANIFEST_SUFFIX,
@@ -117,26 +116,27 @@ def writer_id_of(config: S3Config, namespace: str, rank: int, engine: int = 0) -
     return config.writer_id if engine == 0 else f"{config.writer_id}-dp{engine}"
 
 
-class S3Store(StoreKernel):
+class S3Store(KernelStore[S3Medium]):
     """The S3 tier's :class:`~vllm_kvtier.tiers.base.ChunkStore` for one (namespace, rank):
     the kernel over :class:`S3Medium`, also :class:`~vllm_kvtier.tiers.base.Scannable` and
     :class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`. See the module doc."""
 
-    medium: S3Medium
-
-    def __init__(self, config: S3Config, namespace: str, rank: int, block_bytes: int, *,
-                 buffers: BufferPool | None = None, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
-                 read_deadline_s: float | None = None, auth: ChunkAuth | None = None, engine: int = 0) -> None:
+    def __init__(self, config: S3Config, ctx: StoreContext, *, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
+                 read_deadline_s: float | None = None) -> None:
         """Builds the client (ImportError with the install hint without boto3; ConfigError
         naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
-        request. ``buffers``: the worker's read-buffer pool (None: the process default);
+        request. ``ctx``: the namespace, rank and block size; ``ctx.buffers``, the worker's
+        read-buffer pool (None: the process default); ``ctx.engine``, the data-parallel
+        engine, which names this writer (:func:`writer_id_of`), not its keys.
         ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``read_deadline_s``: None is ``s3.deadline_s``; ``engine``: the data-parallel
-        engine, which names this writer (:func:`writer_id_of`), not its keys."""
-        medium = S3Medium(config, namespace, rank)
+        count); ``read_deadline_s``: None is ``s3.deadline_s``."""
+        medium = S3Medium(config, ctx.namespace, ctx.rank)
+        deadline_s = config.deadline_s if read_deadline_s is None else read_deadline_s
+        settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks, deadline_s,
+                                  write_deadline_s=config.deadline_s, io_threads=config.io_threads,
+                                  write_threads=config.io_threads, max_queued_writes=config.max_queued_writes)
         self.config = config
-        self.rank = rank
-        self.writer_id = writer_id_of(config, namespace, rank, engine)
+        self.writer_id = writer_id_of(config, ctx.namespace, ctx.rank, ctx.engine)
         self._mlock = threading.Lock()
         #: this writer's latest objects, oldest first (at most ``manifest_max_entries``)
         self._manifest: OrderedDict[str, ChunkHeader] = OrderedDict()
@@ -149,15 +149,13 @@ class S3Store(StoreKernel):
         self._deleted_before_adopt: set[str] = set()
         self._flush_lock = threading.Lock()
         self._closing = False
-        super().__init__(medium, namespace=namespace, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks,
-                         buffers=buffers or shared_pool(),
-                         read_deadline_s=config.deadline_s if read_deadline_s is None else read_deadline_s,
-                         write_deadline_s=config.deadline_s, io_threads=config.io_threads,
-                         write_threads=config.io_threads, max_queued_writes=config.max_queued_writes, auth=auth,
-                         rank=rank)
+        # The manifest's state is set before the kernel's write threads start.
+        kernel = StoreKernel(medium, settings, buffers=ctx.buffers or shared_pool(), auth=ctx.auth,
+                             on_written=self.on_written)
+        super().__init__(medium, kernel)
         #: the listing state of this store's scans (its ``scan`` and figures go there)
-        self._scanner = S3Scanner(medium, block_bytes=block_bytes, max_chunk_blocks=max_chunk_blocks, auth=auth,
-                                  refuses=self.refuses, own_manifest_key=self.manifest_key())
+        self._scanner = S3Scanner(medium, block_bytes=ctx.block_bytes, max_chunk_blocks=max_chunk_blocks,
+                                  auth=ctx.auth, refuses=self.refuses, own_manifest_key=self.manifest_key())
 
     @classmethod
     def from_config(cls, section: S3TierConfig, ctx: StoreContext) -> S3Store:
@@ -166,8 +164,7 @@ class S3Store(StoreKernel):
         reads headers, always through boto3) no NIXL agent is made, whatever
         ``s3.io_engine`` says: the workers check that it runs."""
         config = replace(section.store, io_engine="boto3") if ctx.lookup_only else section.store
-        return cls(config, ctx.namespace, ctx.rank, ctx.block_bytes, buffers=ctx.buffers,
-                   max_chunk_blocks=section.chunk_blocks, auth=ctx.auth, engine=ctx.engine)
+        return cls(config, ctx, max_chunk_blocks=section.chunk_blocks)
 
     def __repr__(self) -> str:
         c = self.config
@@ -217,15 +214,16 @@ class S3Store(StoreKernel):
                 self._manifest_changes += 1
             if not self._adopted and len(self._deleted_before_adopt) < self.config.manifest_max_entries:
                 self._deleted_before_adopt.add(chunk_id)
-        super().submit_delete(chunk_id)
+        self.kernel.submit_delete(chunk_id)
 
     def on_written(self, chunk_id: str, header: ChunkHeader) -> None:
-        """Into this writer's manifest (its latest ``manifest_max_entries`` writes; the
-        oldest entry leaves). It is rewritten (here, on the write thread; skipped if a
-        flush is running) after ``manifest_every_writes`` changes, or after an eighth of
-        its entries once that is more: the bytes uploaded stay at most
+        """The kernel's ``on_written``, on a write thread. The chunk goes into this writer's
+        manifest, which holds its latest ``manifest_max_entries`` writes (the oldest entry
+        leaves). The manifest is rewritten here, unless a flush is running. That happens
+        after ``manifest_every_writes`` changes, or after an eighth of its entries once
+        that is more. So the bytes uploaded stay at most
         ``max(entries / manifest_every_writes, 8)`` entries per write, whatever the
-        number of writes, instead of growing with it."""
+        number of writes."""
         with self._mlock:
             self._manifest[chunk_id] = header
             self._manifest.move_to_end(chunk_id)
@@ -270,7 +268,7 @@ class S3Store(StoreKernel):
         this writer's manifest. Idempotent."""
         with self._mlock:
             first, self._closing = not self._closing, True
-        super().close(timeout_s)
+        self.kernel.close(timeout_s)
         if first and self._manifest_changes:
             self.flush_manifest()
 
