@@ -608,3 +608,34 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
     finally:
         proxy.close()
         st.close()
+
+
+def test_two_instances_on_one_host_write_as_two_writers(s3_server: MotoServer, s3_bucket: str, tmp_path) -> None:
+    """Instances on one host name (several per node, outside Kubernetes) each have their
+    own NVMe path: the default writer id tells them apart, so neither takes the other's
+    manifest or chunks for its own. The same instance restarted keeps its id."""
+    from vllm_kvtier.config.parse import parse_config
+    from vllm_kvtier.engine.lower import TierContext
+    from vllm_kvtier.metrics import Counters
+    from vllm_kvtier.tiers.registry import open_store, tier_spec
+
+    def writer(nvme: str | None) -> str:
+        extra: dict[str, Any] = {"s3": {"bucket": s3_bucket, "endpoint_url": s3_server.url, "path_style": True}}
+        if nvme is not None:
+            extra["nvme"] = {"path": nvme, "capacity_bytes": 1 << 30}
+        cfg = parse_config(extra)
+        tier_ctx = TierContext.of(cfg, namespace=NS, block_bytes=BLOCK, kv_dtype=None, counters=Counters())
+        spec = tier_spec("s3")
+        assert cfg.s3 is not None
+        _, ctx = tier_ctx.store_context(spec, cfg.s3, rank=0, lookup_only=True)
+        st = open_store(spec, cfg.s3, ctx)
+        try:
+            assert isinstance(st, S3Store)
+            return st.writer_id
+        finally:
+            st.close()
+
+    a, b = writer(str(tmp_path / "a")), writer(str(tmp_path / "b"))
+    assert a != b
+    assert writer(str(tmp_path / "a")) == a  # a restart: the same writer
+    assert writer(None) == writer(None) not in (a, b)  # no NVMe path: the host's id, as before

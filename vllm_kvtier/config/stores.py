@@ -92,9 +92,9 @@ class S3Config:
     #: Rewrite this writer's manifest after this many chunk writes (0: only at close).
     manifest_every_writes: int = 64
     #: Names this writer's manifest; "" = a stable digest of the host name (a pod's name in
-    #: Kubernetes), the rank and the namespace, so a restarted instance replaces its
-    #: manifest instead of adding one. Set one per instance when two instances of the same
-    #: model and rank share a host name.
+    #: Kubernetes), the NVMe path, the rank and the namespace. So a restarted instance
+    #: replaces its manifest instead of adding one. Set one per instance when instances
+    #: of one model share a host name and have no NVMe tier.
     writer_id: str = ""
     #: What moves chunk objects' bytes (:class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO`).
     #: "boto3" (default): boto3 requests from the I/O threads. "nixl": NIXL's OBJ backend

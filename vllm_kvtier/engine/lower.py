@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import cast
 
@@ -139,12 +140,16 @@ class TierContext:
     #: Sign and verify the private tiers' chunks too (``auth.local_tiers``); the shared
     #: ones always are when there is a key.
     auth_local: bool
+    #: What tells this instance from another on the same host (its NVMe path, or "").
+    instance: str = ""
 
     @classmethod
     def of(cls, cfg: KVTierConfig, *, namespace: str, block_bytes: int, kv_dtype: torch.dtype | None,
            counters: Counters) -> TierContext:
         """Raises ConfigError when ``auth.required`` and no key is found."""
-        return cls(namespace, block_bytes, kv_dtype, counters, load_auth(cfg.auth), cfg.auth.local_tiers)
+        # Two instances on one host never share an NVMe path (its directory locks refuse it).
+        instance = os.path.realpath(cfg.nvme.path) if cfg.nvme is not None else ""
+        return cls(namespace, block_bytes, kv_dtype, counters, load_auth(cfg.auth), cfg.auth.local_tiers, instance)
 
     def store_context(self, spec: TierSpec, section: LowerTierSection, *, rank: int,
                       buffers: BufferPool | None = None, replica: bool = False, lookup_only: bool = False,
@@ -155,7 +160,7 @@ class TierContext:
                         kv_dtype=self.kv_dtype)
         auth = self.auth if spec.shared or self.auth_local else None
         return f, StoreContext(f.namespace, rank, f.block_bytes, buffers=buffers, auth=auth, replica=replica,
-                               lookup_only=lookup_only, engine=engine)
+                               lookup_only=lookup_only, engine=engine, instance=self.instance)
 
 
 def make_planners(

@@ -66,6 +66,9 @@ class StoreContext:
     #: keeps one directory per engine; a shared one stores every engine's chunks under
     #: the same names, as it does another instance's (only its writer id differs).
     engine: int = 0
+    #: What tells this instance from another on the same host name, stable across
+    #: restarts: its NVMe path, when it has one. Part of a shared tier's default writer id.
+    instance: str = ""
 
 
 @dataclass(frozen=True)

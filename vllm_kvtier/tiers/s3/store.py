@@ -38,7 +38,7 @@ Manifests: each writer keeps a manifest object
 (``.../r<rank>/manifest/<writer_id>.kvm``; with a key ``<writer_id>.<tag>.kvm``, a tag
 only key holders make). It holds the headers of the writer's latest
 ``manifest_max_entries`` writes. The writer id is stable across restarts: a digest of host
-name, rank and namespace, or ``s3.writer_id`` (with ``-dp<engine>`` for data-parallel
+name, NVMe path, rank and namespace, or ``s3.writer_id`` (with ``-dp<engine>`` for data-parallel
 engine >= 1: engines share the rank prefixes). So a restarted writer merges and replaces
 its predecessor's manifest instead of adding one. The manifest is rewritten after
 ``manifest_every_writes`` writes, or after an eighth of its entries once that is more. So
@@ -98,21 +98,23 @@ logger = logging.getLogger(__name__)
 S3Stats = RemoteStats
 
 
-def default_writer_id(namespace: str, rank: int, engine: int = 0) -> str:
+def default_writer_id(namespace: str, rank: int, engine: int = 0, instance: str = "") -> str:
     """A writer id stable across restarts: a digest of the host name (a pod's name in
-    Kubernetes), the data-parallel engine, the rank and the namespace. Engine 0 keeps the
-    digest of the other three (an engine without data parallelism). Two instances of one
-    model and rank on one host name share it: they then overwrite each other's manifest
-    (costing header GETs, never correctness) unless ``s3.writer_id`` tells them apart."""
+    Kubernetes), what tells this instance from others on that host (``instance``: its NVMe
+    path), the data-parallel engine, the rank and the namespace. Two instances with the same
+    host name and no NVMe path of their own share it. They then take each other's chunks
+    for their own (hits across instances are counted as their own) and overwrite each
+    other's manifest (costing header GETs, never correctness): set ``s3.writer_id``."""
     dp = f"dp{engine}|" if engine else ""
-    return hashlib.sha256(f"{socket.gethostname()}|{dp}{rank}|{namespace}".encode()).hexdigest()[:16]
+    where = f"{socket.gethostname()}|{instance}" if instance else socket.gethostname()
+    return hashlib.sha256(f"{where}|{dp}{rank}|{namespace}".encode()).hexdigest()[:16]
 
 
-def writer_id_of(config: S3Config, namespace: str, rank: int, engine: int = 0) -> str:
+def writer_id_of(config: S3Config, namespace: str, rank: int, engine: int = 0, instance: str = "") -> str:
     """This store's writer id: ``s3.writer_id`` (``-dp<engine>`` added for data-parallel
     engine >= 1, whose chunks share the rank's prefix) or :func:`default_writer_id`."""
     if not config.writer_id:
-        return default_writer_id(namespace, rank, engine)
+        return default_writer_id(namespace, rank, engine, instance)
     return config.writer_id if engine == 0 else f"{config.writer_id}-dp{engine}"
 
 
@@ -136,7 +138,7 @@ class S3Store(KernelStore[S3Medium]):
                                   write_deadline_s=config.deadline_s, io_threads=config.io_threads,
                                   write_threads=config.io_threads, max_queued_writes=config.max_queued_writes)
         self.config = config
-        self.writer_id = writer_id_of(config, ctx.namespace, ctx.rank, ctx.engine)
+        self.writer_id = writer_id_of(config, ctx.namespace, ctx.rank, ctx.engine, ctx.instance)
         self._mlock = threading.Lock()
         #: this writer's latest objects, oldest first (at most ``manifest_max_entries``)
         self._manifest: OrderedDict[str, ChunkHeader] = OrderedDict()
