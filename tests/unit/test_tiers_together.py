@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.config.sections import NVMeTierConfig
 from vllm_kvtier.jobs import WorkerReport
@@ -36,7 +37,7 @@ from vllm_kvtier.ops.trace_sim import (
     simulate_tiers,
 )
 from vllm_kvtier.ops.trace_stream import TraceFile, open_trace
-from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.plan.inputs import StepInput, WorkerOutput
 from vllm_kvtier.plan.scheduler import SchedulerPlanner
 
@@ -61,8 +62,8 @@ def test_a_write_confirmed_below_makes_its_dram_copy_the_next_to_go():
     """The engine path: the scheduler's CPU index (kvaware) hears of every chunk the tier
     below confirms. Of two reused prompts, the one also stored below leaves DRAM first,
     tail first, though it is the more recent."""
-    below = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), world_size=1, block_bytes_per_rank=64,
-                         counters=Counters(), found=[{}])
+    below = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(1, 64, Counters()),
+                         Listing([{}]))
     planner = SchedulerPlanner(parse_config({}), block_size=BS, num_slots=4, slot_bytes_total=64, lower=[below])
     jobs = []
     for name, ks in (("a", [key(0), key(1)]), ("b", [key(2), key(3)])):
