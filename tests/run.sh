@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup-venv.sh
-tools/setup-remote.sh     # Mooncake and NIXL (issue 6 tiers): pinned wheels, libibverbs1
+tools/setup-remote.sh     # the Mooncake and NIXL tiers: pinned wheels, libibverbs1
 tools/setup-vllm-cuda.sh  # the CUDA vLLM wheel's sources, for the API check (never fails: the check skips)
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # fast in-process engines; multiprocess tests set 1 themselves
 export VLLM_LOGGING_LEVEL=WARNING          # vLLM's shutdown lines would print after pytest's summary
