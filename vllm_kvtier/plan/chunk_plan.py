@@ -1,44 +1,46 @@
-"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake):
-admission, demotion, chunking, eviction, and what other instances stored.
+"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake).
+
+It covers admission, demotion, chunking, eviction, and what other instances stored.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
-scheduler thread. No I/O and no thread here: the connector lists the tier at start-up and
-hands the listing in (``found``); later changes come from a catalog
+scheduler thread. No I/O and no thread here. The connector lists the tier at start-up and
+hands the listing in (``found``). Later changes come from a catalog
 (:mod:`vllm_kvtier.catalog`), which lists or asks on its own thread. A shared bucket's
-rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`), applied in slices
-(:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative: a
-chunk it no longer shows (deleted out of band, expired by a lifecycle rule) leaves the
-index (a chunk a load is reading, at its unpin); one shown on only some ranks is never
-indexed. A pool's lookups are submitted and answered on a later step
+rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`). They are applied in
+slices (:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative.
+A chunk it no longer shows leaves the index (deleted out of band, expired by a lifecycle
+rule). A chunk a load is reading leaves at its unpin. A chunk shown on only some ranks is
+never indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
   requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). Both
-  NVMe and S3 default to 1: a block's first reuse comes long after a small DRAM pool has
-  cycled, so a tier that waits for a second sight never serves it (2 trades those hits
-  for SSD writes; docs/planning.md).
-* **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
-  copies the slot out before the same step's saves reuse it. So that a restart (or an
-  abort, or a crash) finds what DRAM held, write-back also **flushes in the background**
-  the blocks still only in DRAM, whatever their admission count: while requests run, each
-  block once it has stayed in DRAM ``flush_interval_s`` (so an abort loses at most that
-  window; a one-off block evicted sooner is not written: admission keeps protecting the
-  SSD from floods); and all of them as soon as the engine has no request (it asks vLLM for
-  idle steps until they are written), at most :data:`_FLUSH_BLOCKS_PER_STEP` x
-  ``chunk_blocks`` blocks per step. Cost: each block that outlives the interval in DRAM, or
-  is in DRAM when the engine goes idle, is written once. **Write-through**: every admitted
-  block saved to the CPU tier is also written at once. With both NVMe and S3 configured,
-  each tier takes the CPU tier's blocks by its own mode: the hierarchy is inclusive, so
-  a block evicted from NVMe is usually still in S3 (nothing is copied NVMe -> S3).
+  NVMe and S3 default to 1. A block's first reuse comes long after a small DRAM pool has
+  cycled. So a tier that waits for a second sight never serves it. A value of 2 trades those
+  hits for SSD writes (docs/planning.md).
+* **Write-back**: a block goes down when the CPU tier evicts it (if admitted). The worker
+  copies the slot out before the same step's saves reuse it. Write-back also **flushes in
+  the background** the blocks still only in DRAM, whatever their admission count. So a
+  restart (or an abort, or a crash) finds what DRAM held. While requests run, a block is
+  flushed once it has stayed in DRAM ``flush_interval_s``. So an abort loses at most that
+  window. A one-off block evicted sooner is not written: admission still protects the SSD
+  from floods. When the engine has no request, all of them are flushed at once. The engine
+  then asks vLLM for idle steps until they are written. At most
+  :data:`_FLUSH_BLOCKS_PER_STEP` x ``chunk_blocks`` blocks go per step. Cost: a block is
+  written once if it outlives the interval in DRAM or is in DRAM when the engine goes idle.
+  **Write-through**: every admitted block saved to the CPU tier is also written at once.
+  With both NVMe and S3 configured, each tier takes the CPU tier's blocks by its own mode.
+  The hierarchy is inclusive: a block evicted from NVMe is usually still in S3. Nothing is
+  copied NVMe -> S3.
 * **Chunking**: one step's writes are grouped, in order, into chunks of up to
   ``chunk_blocks`` blocks, so I/Os are large and requests few.
 * **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
   deleted by the worker) to make room. A key becomes loadable only when every TP rank
   reported its chunk durable.
 * **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
-  index reports every key that becomes loadable or stops being so; a chunk is ``REMOTE``
-  when another writer stored it (found by a rescan or a pool lookup, or at start-up in a
-  shared tier and not in our own manifest), else ``LOCAL``.
+  index reports every key that becomes loadable or stops being so. A chunk is ``REMOTE``
+  when another writer stored it, else ``LOCAL``. Another writer's chunk is found by a rescan
+  or a pool lookup, or at start-up in a shared tier and not in our own manifest.
 """
 
 from __future__ import annotations
@@ -111,23 +113,24 @@ class ChunkPlanner:
     def __init__(self, policy: ChunkPolicy, ctx: PlannerContext, listing: Listing) -> None:
         """``listing``: what the tier's catalog found at start-up
         (:class:`~vllm_kvtier.catalog.base.Listing`). ``listing.found``: the chunks found.
-        ``listing.catalog``: where later changes come from (:mod:`vllm_kvtier.catalog`): a
-        listed tier's rescans (changes pushed), a pool's lookups (answered asynchronously),
-        or None (nothing changes but by this planner's own writes); closed by :meth:`close`.
-        ``listing.reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an
-        NVMe rank directory's lock file and anything else found in it), taken off the
-        capacity so that it bounds every byte on the medium. ``listing.local_chunks``: the
-        chunks of ``found`` this instance wrote (a shared tier's own manifest); None: all of
-        them on an exclusive tier, none on a shared one (KV events' locality).
-        ``listing.unread``: chunks some rank's listing saw but could not read (a transient
-        error): not indexed, and never reclaimed as partial. ``listing.writable`` False:
-        the policy's mode becomes read-only. ``listing.reclaim``: chunks deleted at once.
+        ``listing.catalog``: where later changes come from (:mod:`vllm_kvtier.catalog`).
+        It is a listed tier's rescans (changes pushed) or a pool's lookups (answered
+        asynchronously). None: nothing changes but by this planner's own writes. It is
+        closed by :meth:`close`. ``listing.reserved_bytes_per_rank``: bytes the tier holds
+        that are not chunks. Examples: an NVMe rank directory's lock file, anything else
+        found in it. They are taken off the capacity, so that it bounds every byte on the
+        medium. ``listing.local_chunks``: the chunks of ``found`` this instance wrote (a
+        shared tier's own manifest). None means all of them on an exclusive tier and none on
+        a shared one (KV events' locality). ``listing.unread``: chunks some rank's listing
+        saw but could not read (a transient error). They are not indexed, and never
+        reclaimed as partial. ``listing.writable`` False: the policy's mode becomes
+        read-only. ``listing.reclaim``: chunks deleted at once.
 
-        The planner's jobs, each its own object: :attr:`admission` (which blocks are
-        written; the write breaker), :attr:`merge` (rescan deltas, sliced),
-        :attr:`cooling` (chunks whose read failed), :attr:`answered` (pool answers),
-        :attr:`origins` (who wrote each chunk: KV events' locality, what a failed read
-        deletes); the write queues and the index stay here."""
+        The planner's jobs are each their own object. The :attr:`admission` picks which
+        blocks are written and holds the write breaker. The :attr:`merge` slices rescan
+        deltas. The :attr:`cooling` holds chunks whose read failed. The :attr:`answered`
+        holds pool answers. The :attr:`origins` knows who wrote each chunk (KV events'
+        locality, what a failed read deletes). The write queues and the index stay here."""
         if not listing.writable:
             policy = dataclasses.replace(policy, mode="read-only")
         self.policy = policy
@@ -174,12 +177,13 @@ class ChunkPlanner:
 
     def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
         """Index the start-up listing's chunks present on every rank; (blocks, chunks)
-        added. A chunk that does not fit the capacity is deleted; on an exclusive tier
-        (:attr:`ChunkPolicy.exclusive`) so are chunks present on only some ranks (a write
-        that did not reach every rank) and chunks of another block size, by the ranks that
-        hold them (counted as ``reclaimed_files``). A chunk in ``unread`` is not known
-        partial (a rank could not read it: EMFILE, EIO): it is left alone. A rescan's chunks are only ignored
-        then (:meth:`_apply_slice`: another instance may be using or still writing them)."""
+        added. A chunk that does not fit the capacity is deleted. On an exclusive tier
+        (:attr:`ChunkPolicy.exclusive`) two more kinds are deleted, by the ranks that hold
+        them: chunks present on only some ranks (a write that did not reach every rank),
+        and chunks of another block size. They count as ``reclaimed_files``. A chunk in
+        ``unread`` is not known partial (a rank could not read it: EMFILE, EIO). It is left
+        alone. A rescan's chunks are only ignored then (:meth:`_apply_slice`). Another
+        instance may be using or still writing them."""
         reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
@@ -287,11 +291,12 @@ class ChunkPlanner:
             logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
 
     def take_forgets(self) -> list[str]:
-        """Chunks the rescans applied since the last call no longer list (deleted or expired
-        out of band), for this step's metadata: each rank's store drops them from its
-        writer's manifest (no request is sent; a chunk of another writer is not in it).
-        At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` a step, as the slices
-        that found them."""
+        """Chunks that the applied rescans no longer list, for this step's metadata.
+
+        They were deleted or expired out of band since the last call. Each rank's store
+        drops them from its writer's manifest. No request is sent; a chunk of another
+        writer is not in it. At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` go
+        a step, as the slices that found them."""
         return self.merge.take_forgets()
 
     def rescan_pending(self) -> int:
@@ -426,14 +431,15 @@ class ChunkPlanner:
         self, saved_this_step: set[BlockKey], cpu_slot_of: Callable[[BlockKey], int | None], *,
         idle: bool = False,
     ) -> tuple[list[ChunkWriteJob], list[ChunkWriteJob], list[str]]:
-        """(demotes, write-through writes, deletes) for this step's metadata; ``idle``: the
-        engine has no request (flush every dirty block now, see the module doc).
+        """(demotes, write-through writes, deletes) for this step's metadata.
 
-        The worker copies demoted slots *before* this step's saves and write-through slots
-        *after* them, so a pair is dropped when the slot will not hold that key's bytes at
-        that moment: a demoted key saved in this same step (its bytes never reached the
-        slot), or a write-through key whose slot was reused later in the step. Background
-        flushes go with the write-through writes (the slot holds its key after the saves).
+        ``idle``: the engine has no request (flush every dirty block now, see the module
+        doc). The worker copies demoted slots *before* this step's saves. It copies
+        write-through slots *after* them. So a pair is dropped when the slot will not hold
+        that key's bytes at that moment. One case is a demoted key saved in this same step
+        (its bytes never reached the slot). The other is a write-through key whose slot was
+        reused later in the step. Background flushes go with the write-through writes (the
+        slot holds its key after the saves).
         """
         self.answered.new_step()
         self.refresh()
@@ -469,11 +475,11 @@ class ChunkPlanner:
     def distrust_key(self, key: BlockKey) -> None:
         """Shadow verification found ``key``'s stored block wrong: never serve its chunk
         again. An exclusive tier (our own NVMe directory) deletes it, as :meth:`drop_key`.
-        A shared tier (a bucket, a pool: other instances read it) only forgets it here,
-        for good (no rescan or pool lookup indexes it again; counted in
-        ``verify_forgotten_chunks``): one sample on one instance may be a false alarm (a
-        tolerance too tight for a kernel), and a delete would take the chunk from every
-        instance. Each instance verifies what it reads itself; the chunk goes when its
+        A shared tier (a bucket, a pool: other instances read it) only forgets it here, for
+        good. No rescan or pool lookup indexes it again; it counts in
+        ``verify_forgotten_chunks``. One sample on one instance may be a false alarm (a
+        tolerance too tight for a kernel). A delete would take the chunk from every
+        instance. Each instance verifies what it reads itself. The chunk goes when its
         writer or a lifecycle rule removes it, or when this instance writes the key again."""
         if self.policy.exclusive:
             self.drop_key(key)
@@ -536,20 +542,24 @@ class ChunkPlanner:
                     self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
-        """Whether a chunk whose read or write failed is deleted, not only forgotten: on
-        an exclusive tier always (every chunk there is this engine's); on a shared one only
-        a chunk this process wrote on every rank, whose header and keys came from its own
-        write, so the failure is the object's. A shared object found by a listing or a
-        manifest, or one whose write failed, is left to its writer (and a lifecycle rule)."""
+        """Whether a chunk whose read or write failed is deleted, not only forgotten.
+
+        On an exclusive tier it always is: every chunk there is this engine's. On a shared
+        one, only a chunk this process wrote on every rank is deleted. Its header and keys
+        came from its own write, so the failure is the object's. A shared object found by a
+        listing or a manifest is left to its writer (and a lifecycle rule). So is one whose
+        write failed."""
         return self.policy.exclusive or self.origins.written_here(fid)
 
     def _forget_untrusted(self, fid: str) -> None:
-        """A read refused ``fid`` as ``unauthenticated`` (signed with a key no longer
-        accepted, after a rotation; or unsigned): out of the index so that its keys are
-        written again, and kept out (a rescan that still lists it does not bring it back).
-        Not deleted from a listed tier: on a shared bucket it may be another fleet's good
-        data, and a lifecycle rule collects it. A key-named chunk (a pool) is deleted: the
-        rewrite reuses its name, and a pool keeps an existing object on a put."""
+        """A read refused ``fid`` as ``unauthenticated``: out of the index, and kept out.
+
+        The chunk was signed with a key no longer accepted (after a rotation), or unsigned.
+        Leaving the index means its keys are written again. A rescan that still lists it
+        does not bring it back. It is not deleted from a listed tier: on a shared bucket it
+        may be another fleet's good data, and a lifecycle rule collects it. A key-named
+        chunk (a pool) is deleted: the rewrite reuses its name, and a pool keeps an existing
+        object on a put."""
         self._acks.pop(fid, None)
         self._failed_files[fid] = None
         while len(self._failed_files) > 4096:

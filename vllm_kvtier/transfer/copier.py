@@ -1,19 +1,20 @@
 """Copy engines: whole blocks between vLLM's KV tensors and the CPU pool.
 
 Who calls them: the worker half, from the worker's main thread. Every method returns at
-once with a :class:`Transfer` (submit), whose completion is polled (``done``); only
+once with a :class:`Transfer` (submit), whose completion is polled (``done``). Only
 shutdown and sync loads on CPU wait.
 
 Ordering contract (what the scheduler relies on): transfers run in submission order with
 respect to the pool. On CPU, saves submitted with ``background=True`` (the saves after a
-forward) run on one copy thread, in order; sync loads run inline in the caller's thread once
-that thread has no save left (``drain``), and layer-by-layer loads on the same thread, after
-the saves. On CUDA, every copy goes on one dedicated stream, so a load issued after a save
-of the same slot sees its bytes; the stream waits for the compute stream before a save (the
-model must have written the block) and the compute stream waits for a sync load before
-attention reads it. ``fence`` orders every copy submitted so far before any later write to
-the KV cache (the worker calls it when a step's saves are issued: vLLM may reuse a block
-as soon as its request finishes or is preempted, see :mod:`vllm_kvtier.transfer.worker`).
+forward) run on one copy thread, in order. Sync loads run inline in the caller's thread
+once that thread has no save left (``drain``). Layer-by-layer loads run on the same thread,
+after the saves. On CUDA, every copy goes on one dedicated stream. So a load issued after
+a save of the same slot sees its bytes. The stream waits for the compute stream before a
+save: the model must have written the block. The compute stream waits for a sync load
+before attention reads it. ``fence`` orders every copy submitted so far before any later
+write to the KV cache. The worker calls it when a step's saves are issued. vLLM may reuse
+a block as soon as its request finishes or is preempted, see
+:mod:`vllm_kvtier.transfer.worker`.
 """
 
 from __future__ import annotations
@@ -196,10 +197,10 @@ _PARALLEL_MIN_BYTES = 4 << 20
 def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | None) -> None:
     """Run the copies with libc memmove, split by bytes over ``pool``'s threads.
 
-    Why not ``dst[b:b+n].copy_(src[a:a+n])`` for small runs: a torch op costs ~5 us of
-    dispatch (and an OpenMP fork/join), ten times a memmove call, and scattered block ids
-    make many small runs. ctypes releases the GIL during each call, so the threads copy in
-    parallel (one memmove thread does not saturate DRAM bandwidth) and an async load on the
+    Why not ``dst[b:b+n].copy_(src[a:a+n])`` for small runs? A torch op costs ~5 us of
+    dispatch (and an OpenMP fork/join), ten times a memmove call. Scattered block ids make
+    many small runs. ctypes releases the GIL during each call, so the threads copy in
+    parallel. One memmove thread does not saturate DRAM bandwidth. And an async load on the
     copy thread does not stall the engine thread. bench/cpu_tier_throughput.py compares
     this with one plain torch copy of the same bytes.
     """
@@ -289,9 +290,10 @@ class HostCopyEngine:
                 last.result()
 
     def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
-        """Load slots into blocks layer by layer on the copy thread, in forward order; one
-        transfer per layer, so the forward waits only for the layer it is about to run
-        while the next layers are still being copied (memmove releases the GIL)."""
+        """Load slots into blocks layer by layer on the copy thread, in forward order.
+
+        There is one transfer per layer. So the forward waits only for the layer it is about
+        to run, while the next layers are still being copied (memmove releases the GIL)."""
         t0 = time.perf_counter()
         per_layer = self.layout.layer_planes()
         out = {
