@@ -8,27 +8,28 @@ O_DIRECT in one I/O::
     block 1 ...
 
 Header fields (little endian): magic ``b"KVTCHNK1"``, format version, namespace (16 ASCII
-bytes), number of blocks, block bytes, stride, header bytes; the **store rank** (u32: the
-TP/PP rank whose shard the blocks are, which the medium's path also names: ``r<rank>``);
-per block: key length, key (up to 64 bytes), CRC32 of the block's bytes. Nothing here is
-ever unpickled: a chunk is data, and a block is trusted only after its CRC32 matches.
+bytes), number of blocks, block bytes, stride, header bytes. Then the **store rank** (u32).
+It is the TP/PP rank whose shard the blocks are; the medium's path also names it
+(``r<rank>``). Per block: key length, key (up to 64 bytes), CRC32 of the block's bytes.
+Nothing here is ever unpickled: a chunk is data. A block is trusted only after its CRC32
+matches.
 
-Two versions (the fixed part is the same in both, so a reader learns which before it
-parses the rest):
+Two versions. The fixed part is the same in both, so a reader learns which before it
+parses the rest.
 
 * **3** (unauthenticated): the rank; entries of key length, key, CRC32; then the header's
   CRC32.
-* **4** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): the rank; entries of key length,
-  key, CRC32 and a 32-byte tag (HMAC-SHA256 of the namespace, the rank, the block's key
-  and its bytes); then the key id (8 bytes: which key signed it, derived from the key,
-  never the key); the header's CRC32; and the header's MAC (HMAC-SHA256 of the chunk id
-  and every header byte before it, so of the namespace, rank, sizes, keys, tags). A reader
-  with the key verifies the header's MAC and each wanted block's tag before a block is
-  delivered; this module only lays the fields out (:func:`signed_bytes` is what the MAC
-  covers).
+* **4** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): the rank, then the entries. Each
+  entry is key length, key, CRC32 and a 32-byte tag. The tag is an HMAC-SHA256 of the
+  namespace, the rank, the block's key and its bytes. Then the key id (8 bytes). It says
+  which key signed it; it is derived from the key, never the key. Then the header's CRC32.
+  Then the header's MAC: an HMAC-SHA256 of the chunk id and every header byte before it.
+  So it covers the namespace, rank, sizes, keys and tags. A reader with the key verifies
+  the header's MAC and each wanted block's tag before a block is delivered. This module
+  only lays the fields out (:func:`signed_bytes` is what the MAC covers).
 
-Versions 1 and 2 (earlier releases: no rank, so a rank's chunk copied over another rank's
-was served) are refused as ``format``: a miss, never read (see docs/upgrading.md).
+Versions 1 and 2 have no rank, so a rank's chunk copied over another rank's was served.
+They are refused as ``format``: a miss, never read (see docs/upgrading.md).
 """
 
 from __future__ import annotations
@@ -152,9 +153,11 @@ def max_chunk_bytes(max_blocks: int, block_bytes: int) -> int:
 
 def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: int, block_bytes: int | None) -> int:
     """The full header length announced by the fixed part ``head`` of a header that is NOT
-    verified yet, after checking every size in it against what this engine could have
-    written, so that no garbage count sizes an allocation or a read. ``block_bytes`` None:
-    any block size (a reader that does not know it, e.g. the scheduler's scan).
+    verified yet.
+
+    Every size in it is first checked against what this engine could have written. So no
+    garbage count sizes an allocation or a read. ``block_bytes`` None: any block size (a
+    reader that does not know it, e.g. the scheduler's scan).
 
     Raises ChunkFormatError: ``truncated`` (shorter than the fixed part), ``format`` (not
     a chunk, or blocks of another size, or sizes that do not agree), ``too_large`` (more

@@ -75,9 +75,9 @@ class CPUTierConfig:
 
     ``capacity_bytes`` is the budget for the whole engine (all TP ranks together).
     When it is not given, the budget is ``capacity_fraction`` of the DRAM that is
-    *available* when the engine starts (after the OS, the model weights and vLLM's own
-    KV cache have taken theirs): the usual 50-70% of DRAM, at its conservative end by
-    default because vLLM workers and the API server keep growing after start-up.
+    *available* when the engine starts. That is after the OS, the model weights and vLLM's
+    own KV cache have taken theirs. It is usually 50-70% of DRAM. The default is at its
+    conservative end, because vLLM workers and the API server keep growing after start-up.
     """
 
     capacity_bytes: int | None = None
@@ -544,15 +544,16 @@ MAX_SCHEDULE_WAIT_S = 60.0
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The order in which vLLM admits waiting requests, as far as a connector can change
-    it: its lookup may answer "not yet" for a request, and vLLM's scheduler then looks at
-    the next one in its queue. "short-first" passes over a request with more than
-    ``short_tokens`` left to compute after its hits while one with at most that many waits
-    in the queue, up to ``max_wait_s`` a request, so that a request whose prefix is
-    stored does not wait for KV space or its turn behind a long prefill. The long one
-    waits the short one's step more (bounded). Off by default: on the production trace
-    measured (docs/benchmarks.md) it cut the short requests' wait and their mean TTFT,
-    raised the long ones' tail, and left the mean where it was."""
+    """The order in which vLLM admits waiting requests, as far as a connector can change it.
+
+    Its lookup may answer "not yet" for a request. vLLM's scheduler then looks at the next
+    one in its queue. "short-first" passes over a request with more than ``short_tokens``
+    left to compute after its hits. It does so while one with at most that many waits in
+    the queue, up to ``max_wait_s`` a request. So a request whose prefix is stored does not
+    wait for KV space or its turn behind a long prefill. The long one waits the short one's
+    step more (bounded). Off by default. On the production trace measured
+    (docs/benchmarks.md) it cut the short requests' wait and their mean TTFT. It raised the
+    long ones' tail, and left the mean where it was."""
 
     #: "fifo": vLLM's order (arrival) untouched. "short-first": as above.
     order: Literal["fifo", "short-first"] = "fifo"
@@ -611,11 +612,11 @@ MAX_VERIFY_KEYS = 8
 class AuthConfig:
     """Authenticated chunks (MACs) for the tiers below CPU: WHERE the key is, never the key.
 
-    With a key found, every chunk and pool object the shared tiers (s3, mooncake) write
-    carries a MAC over its header and blocks, and every read verifies it before a block is
-    used; a chunk without a valid MAC is a miss (``kvtier_auth_failures_total``). Without
-    one, write access to the bucket or the pool is control over every reader's output. See
-    :mod:`vllm_kvtier.tiers.auth` for the format."""
+    With a key found, the shared tiers (s3, mooncake) sign what they write. Every chunk and
+    pool object carries a MAC over its header and blocks. Every read verifies it before a
+    block is used. A chunk without a valid MAC is a miss (``kvtier_auth_failures_total``).
+    Without a key, write access to the bucket or the pool is control over every reader's
+    output. See :mod:`vllm_kvtier.tiers.auth` for the format."""
 
     #: Environment variable holding the key as hex (64+ hex digits = 32+ bytes), read when
     #: ``key_file`` is not set. Unset or empty: no key.
@@ -654,10 +655,11 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Shadow verification: a sampled hit is recomputed instead of loaded, and the stored
-    blocks (read from their tier into CPU slots, as a load would) are compared with the
-    freshly computed ones; a mismatch is counted, logged and may quarantine the tier.
-    ``sample_rate: 0`` (default) takes no code path at all."""
+    """Shadow verification: a sampled hit is recomputed instead of loaded.
+
+    Its stored blocks are read from their tier into CPU slots, as a load would. They are
+    compared with the freshly computed ones. A mismatch is counted, logged and may
+    quarantine the tier. ``sample_rate: 0`` (default) takes no code path at all."""
 
     #: Share of hits (requests that would load blocks from a tier) verified, in [0, 1];
     #: 1.0 verifies every hit (and so serves none: each is recomputed).

@@ -50,10 +50,12 @@ def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
 
 
 def kv_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
-    """Whether every rank of a TP group holds the same KV cache: an MLA model (vLLM's
+    """Whether every rank of a TP group holds the same KV cache.
+
+    That is an MLA model with TP > 1 and no decode context parallelism. MLA means vLLM's
     ``MLAAttentionSpec`` in every KV cache group: one latent vector per token, not split by
-    heads) with TP > 1 and no decode context parallelism (DCP splits the latent cache's
-    tokens across the TP ranks: then each rank's shard is stored, as for other models)."""
+    heads. DCP splits the latent cache's tokens across the TP ranks. Then each rank's shard
+    is stored, as for other models."""
     par = vllm_config.parallel_config
     if par.tensor_parallel_size <= 1 or int(getattr(par, "decode_context_parallel_size", 1) or 1) > 1:
         return False
@@ -87,11 +89,13 @@ def _spec_kind(spec: Any) -> tuple[str, int] | None:
 
 
 def group_layout(cfg: KVTierConfig, kv_cache_config: KVCacheConfig) -> GroupLayout:
-    """The engine's KV cache groups, refusing at start what the tiers cannot store:
-    state-space layers (Mamba, linear attention: their state is not a per-block KV row),
-    and, with more than one group, other attention kinds, mixed block sizes, and the
-    features that move blocks by block id (P/D over NIXL, pool hand-offs, shadow
-    verification). A ConfigError names the field or layer and what to do."""
+    """The engine's KV cache groups, refusing at start what the tiers cannot store.
+
+    State-space layers are refused (Mamba, linear attention: their state is not a per-block
+    KV row). With more than one group, other attention kinds and mixed block sizes are
+    refused. So are the features that move blocks by block id (P/D over NIXL, pool
+    hand-offs, shadow verification). A ConfigError names the field or layer and what to
+    do."""
     from vllm.v1 import kv_cache_interface as kvi
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -228,18 +232,20 @@ UNRESOLVED_LAYOUT = "unresolved"
 
 
 def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """The physical KV cache layout vLLM resolved for this engine (``LBHNC``, ``LBNHC``,
-    ``BLHNC``...: the stride order of a block's layers, heads, tokens and content), by its
-    canonical name. It decides how the bytes of a block sit in memory, which is how the
-    worker stores them (``transfer/layout.py``), so it is part of the namespace.
+    """The physical KV cache layout vLLM resolved for this engine, by its canonical name.
 
-    Both roles read the same value: vLLM >= 0.32 resolves it once in the engine core
-    (backends' supported layouts, ``VLLM_KV_CACHE_LAYOUT``, a connector's requirement)
-    before either role's connector is built, and records it on every ``KVCacheConfig``
-    and on ``cache_config`` (workers adopt it by RPC). An older vLLM resolves it per
-    process (``get_kv_cache_layout``: NHD, HND for FlashInfer on Blackwell, the env
-    variable); the scheduler and the workers reading different values is caught at the
-    first step (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
+    Examples: ``LBHNC``, ``LBNHC``, ``BLHNC``. It is the stride order of a block's layers,
+    heads, tokens and content. It decides how the bytes of a block sit in memory. That is
+    how the worker stores them (``transfer/layout.py``), so it is part of the namespace.
+
+    Both roles read the same value. vLLM >= 0.32 resolves it once in the engine core,
+    before either role's connector is built. It uses the backends' supported layouts,
+    ``VLLM_KV_CACHE_LAYOUT`` and a connector's requirement. It records it on every
+    ``KVCacheConfig`` and on ``cache_config`` (workers adopt it by RPC). An older vLLM
+    resolves it per process (``get_kv_cache_layout``: NHD, HND for FlashInfer on
+    Blackwell, the env variable). The scheduler and the workers may then read different
+    values. That is caught at the first step
+    (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
     name = getattr(kv_cache_config, "kv_cache_layout", None) \
         or getattr(vllm_config.cache_config, "kv_cache_layout", None)
     if not name:
@@ -371,8 +377,10 @@ def sync_load_failures_unsafe(vllm_config: VllmConfig) -> bool:
 
 def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
     """Whether other ranks of this engine (TP/PP, or data-parallel ranks it started) run on
-    this host: their compute cores are not known in this process (vLLM computes them from
-    the executor's CPU mask, which this worker no longer has), so ``background_cpus: auto``
+    this host.
+
+    Their compute cores are not known in this process. vLLM computes them from the
+    executor's CPU mask, which this worker no longer has. So ``background_cpus: auto``
     leaves the threads where they are rather than risk another rank's cores."""
     if vllm_config is None:
         return False

@@ -1,7 +1,9 @@
-"""Building the tiers below CPU (NVMe, S3, Mooncake) from the config: the scheduler's
-planners and each worker's stores. Every store is opened through the tier registry
-(:mod:`vllm_kvtier.tiers.registry`) from its config section and one context: each
-medium's spec builds its store (a worker's) and its catalog (the scheduler's).
+"""Building the tiers below CPU (NVMe, S3, Mooncake) from the config.
+
+It builds the scheduler's planners and each worker's stores. Every store is opened
+through the tier registry (:mod:`vllm_kvtier.tiers.registry`) from its config section and
+one context. Each medium's spec builds its store (a worker's) and its catalog (the
+scheduler's).
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` at construction (scheduler
 role: :func:`make_planners`; worker role: :func:`make_workers`, once the CPU pool exists).
@@ -10,23 +12,24 @@ A tier that cannot start is logged and disabled (every write and read a miss); s
 goes on.
 
 TP ranks (:class:`RankRole`): each rank stores its own shard of every chunk under its own
-rank (directory ``r<rank>``, object prefix or key ``r<rank>``), except when the KV cache is
-the same on every rank of a TP group (MLA: the latent cache is replicated, not sharded).
-Then the group stores one copy: its first rank writes it under the group's index (the
-pipeline stage, 0 without PP: rank 0's names, as a TP-1 engine uses), the other ranks read
-that copy, and the scheduler's planners count ``copies`` shards instead of ``world_size``
-(existence on every copy, acknowledgements, capacity and usage): what ``kvtier plan``
-assumes. Models whose KV is sharded keep their names and counts exactly as before.
+rank (directory ``r<rank>``, object prefix or key ``r<rank>``). The exception is a KV
+cache that is the same on every rank of a TP group (MLA: the latent cache is replicated,
+not sharded). Then the group stores one copy. Its first rank writes it under the group's
+index. That index is the pipeline stage, 0 without PP: rank 0's names, as a TP-1 engine
+uses. The other ranks read that copy. The scheduler's planners count ``copies`` shards
+instead of ``world_size``. That covers existence on every copy, acknowledgements,
+capacity and usage: what ``kvtier plan`` assumes. Models whose KV is sharded keep one
+name and one count per rank.
 
 Data parallelism: ranks here are ranks within one engine (``0 .. world_size - 1``), never
 vLLM's world rank across data-parallel engines. Engines of one model share the namespace
-and the names on the shared media (S3, Mooncake): each finds what the others stored, as
+and the names on the shared media (S3, Mooncake). Each finds what the others stored, as
 another instance would. A private medium (NVMe) keeps one directory per engine
 (``engine``): its own lock, scan and capacity.
 
 Storage format (``storage_dtype``): both sides derive it, the stored block size and the
-tier's namespace from the same facts (the config, the engine's block bytes per rank and
-KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
+tier's namespace from the same facts. The facts are the config, the engine's block bytes
+per rank and KV dtype. So they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
 """
 
 from __future__ import annotations
@@ -92,9 +95,11 @@ def stored_copies(world_size: int, *, tp_size: int, replicated: bool) -> int:
 
 
 def tier_namespace(namespace: str, fmt: StorageFormat) -> str:
-    """The namespace a tier stores under: the engine's for native blocks (what earlier
-    versions stored stays readable), else a 16-hex-digit digest of it and the format, so
-    FP8 and native blocks of one engine never meet (a namespace mismatch is a miss)."""
+    """The namespace a tier stores under.
+
+    Native blocks use the engine's namespace, so native blocks already stored stay
+    readable. Other formats use a 16-hex-digit digest of it and the format. So FP8 and
+    native blocks of one engine never meet (a namespace mismatch is a miss)."""
     if fmt == "native":
         return namespace
     return hashlib.sha256(f"{namespace}/{fmt}".encode()).hexdigest()[:16]

@@ -1,17 +1,18 @@
-"""The scheduler half without vLLM: the planner under vLLM's hook names, for hybrid
-models and LoRA requests.
+"""The scheduler half without vLLM: the planner under vLLM's hook names.
+
+It serves hybrid models and LoRA requests.
 
 Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
-scheduler thread only, with vLLM's ``Request`` objects as they are (they have the
+scheduler thread only. It passes vLLM's ``Request`` objects as they are (they have the
 attributes of :class:`~vllm_kvtier.plan.inputs.Request`) and plain step inputs.
 
 Hybrid models (more than one KV cache group, vLLM's hybrid KV cache manager on): each
-vLLM request reaches the planner as one :class:`GroupView` per group (id
-``<request id>\x1fg<group>``, the group's keys, :mod:`vllm_kvtier.index.groups`), so the
-planner stores and loads units of every group with no notion of groups itself. This
-module fans the inputs out to the views and maps the plan back to vLLM's ids: the
-loads of one request become one async job, saves and releases carry the real id, and a
-failed load is reported (and recomputed) per request.
+vLLM request reaches the planner as one :class:`GroupView` per group. A view has the id
+``<request id>\x1fg<group>`` and the group's keys (:mod:`vllm_kvtier.index.groups`). So
+the planner stores and loads units of every group with no notion of groups itself. This
+module fans the inputs out to the views and maps the plan back to vLLM's ids. The loads of
+one request become one async job. Saves and releases carry the real id. A failed load is
+reported (and recomputed) per request.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ MAX_VIEWS = 65536
 
 
 def followed(request: Any) -> bool:
-    """Whether ``schedule.order`` may judge ``request`` by this connector's hits: not
-    one that reads no cache (``prompt_logprobs``: vLLM replaces the lookup's answer,
-    ``None`` too, with 0), nor one whose KV another connector brings (a P/D decode
-    request under vLLM's MultiConnector, ``do_remote_prefill``). vLLM 0.34 renamed the flag
+    """Whether ``schedule.order`` may judge ``request`` by this connector's hits.
+
+    Not one that reads no cache (``prompt_logprobs``): vLLM replaces the lookup's answer,
+    ``None`` too, with 0. Nor one whose KV another connector brings: a P/D decode request
+    under vLLM's MultiConnector (``do_remote_prefill``). vLLM 0.34 renamed the flag
     ``skip_reading_external_kv``: either counts."""
     if getattr(request, "skip_reading_prefix_cache", False) or getattr(request, "skip_reading_external_kv", False):
         return False
@@ -49,12 +51,13 @@ def followed(request: Any) -> bool:
 
 
 class AdapterRequest:
-    """A LoRA request as the planners see it: vLLM's live ``Request`` with its block
-    hashes bound to the adapter's content (:class:`~vllm_kvtier.index.identity.AdapterKeys`).
-    vLLM folds only the adapter's *name* into its block hashes, so without this a
-    rewritten adapter under the same name would be served its old KV. ``adapter`` None (no
-    fingerprint could be taken): no block hashes, so the request neither loads from nor
-    saves to the tiers."""
+    """A LoRA request as the planners see it.
+
+    It is vLLM's live ``Request`` with its block hashes bound to the adapter's content
+    (:class:`~vllm_kvtier.index.identity.AdapterKeys`). vLLM folds only the adapter's
+    *name* into its block hashes. Without this, a rewritten adapter under the same name
+    would be served its old KV. ``adapter`` None means no fingerprint could be taken. Then
+    there are no block hashes, so the request neither loads from nor saves to the tiers."""
 
     def __init__(self, request: Any, adapter: bytes | None) -> None:
         self.live = request

@@ -18,27 +18,27 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 
 Per step, in vLLM's order:
 
-1. ``begin_step(meta)`` (from ``handle_preemptions``, or at the latest from
-   ``start_load_kv``): check the plan's namespace and pool size (the first plan opens the
-   lower tiers), settle the host saves that finished and queue their lower-tier writes,
-   then issue the **final saves** of finished requests whose blocks vLLM holds for them
-   (``StepPlan.saves``). Saves come first so a load in the same step can read a block saved
-   in it. A step that reads or writes pool slots on the host (loads, demotions, prefetches,
-   verification) first waits for every save and settles it, so a failed save's slots are
-   never used. Lower-tier writes of slots still being filled are held until their saves
-   settle. With a peer link, a slot is stamped only once its copy is done.
-   ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the forward
-   completed, then fences those copies (``CopyEngine.fence``): on a host KV cache it waits
-   for the copy thread; on CUDA the compute stream waits for the copy stream. Why: vLLM
-   frees a block when its request finishes or is preempted, never waiting for our copies,
-   and a runner may write a freed block before any hook of ours runs in the next step
-   (vLLM's V2 runner zeroes new blocks and applies copy-on-write copies in
-   ``update_requests``, before ``pre_forward``). So no save outlives the step that issued it,
-   whatever the order of the runner's hooks. The final saves read held blocks, which vLLM
-   frees only once ``transfer_results`` reported them (``take_sent``). ``begin_step``
-   still orders the saves of freed and preempted requests (``StepPlan.freed``,
-   ``preempted``) before the forward; after the fence that costs nothing. A hybrid model's
-   sliding-window blocks are saved inline (``wait_saves``).
+1. ``begin_step(meta)`` is called from ``handle_preemptions``, or at the latest from
+   ``start_load_kv``. It checks the plan's namespace and pool size (the first plan opens
+   the lower tiers). It settles the host saves that finished and queues their lower-tier
+   writes. Then it issues the **final saves** of finished requests whose blocks vLLM holds
+   for them (``StepPlan.saves``). Saves come first so a load in the same step can read a
+   block saved in it. A step that reads or writes pool slots on the host (loads,
+   demotions, prefetches, verification) first waits for every save and settles it. So a
+   failed save's slots are never used. Lower-tier writes of slots still being filled are
+   held until their saves settle. With a peer link, a slot is stamped only once its copy
+   is done. ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the
+   forward completed. Then it fences those copies (``CopyEngine.fence``). On a host KV
+   cache it waits for the copy thread. On CUDA the compute stream waits for the copy
+   stream. Why: vLLM frees a block when its request finishes or is preempted, never
+   waiting for our copies. And a runner may write a freed block before any hook of ours
+   runs in the next step. vLLM's V2 runner zeroes new blocks and applies copy-on-write
+   copies in ``update_requests``, before ``pre_forward``. So no save outlives the step
+   that issued it, whatever the order of the runner's hooks. The final saves read held
+   blocks, which vLLM frees only once ``transfer_results`` reported them (``take_sent``).
+   ``begin_step`` still orders the saves of freed and preempted requests
+   (``StepPlan.freed``, ``preempted``) before the forward; after the fence that costs
+   nothing. A hybrid model's sliding-window blocks are saved inline (``wait_saves``).
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
@@ -204,11 +204,13 @@ class WorkerHalf:
         return self.path.pool.num_slots if self.path is not None else 0
 
     def _check_namespace(self, theirs: str) -> None:
-        """Compare the scheduler's namespace (sent in every plan) with ours, before the
-        lower tiers open. The two processes compute it apart (the scheduler cannot see
-        this worker's tensors or environment); if they differ, the scheduler's index and this
-        worker's stored headers would name different things, and either one may be wrong:
-        no lower tier is opened, and every lower-tier job is refused and counted."""
+        """Compare the scheduler's namespace (sent in every plan) with ours.
+
+        This runs before the lower tiers open. The two processes compute it apart: the
+        scheduler cannot see this worker's tensors or environment. If they differ, the
+        scheduler's index and this worker's stored headers would name different things.
+        Either one may be wrong. So no lower tier is opened, and every lower-tier job is
+        refused and counted."""
         if not theirs or theirs == self.namespace or self.namespace_conflict:
             return
         self.namespace_conflict = theirs

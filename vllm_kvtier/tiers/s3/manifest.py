@@ -1,13 +1,15 @@
-"""Manifest objects: one writer's list of (object id, chunk header), so that a reader can
-rebuild its index with one GET per writer instead of one ranged GET per object.
+"""Manifest objects: one writer's list of (object id, chunk header).
 
-A manifest is a cache, never the truth: the bucket listing says which objects exist, and a
+A reader can then rebuild its index with one GET per writer, instead of one ranged GET
+per object.
+
+A manifest is a cache, never the truth: the bucket listing says which objects exist. A
 manifest entry is used only for an object the listing shows with at least the header's
 size. A lost, stale or damaged manifest costs requests (header GETs), never correctness.
-Without a key a manifest is not signed: whoever can write the bucket can write one, so a
+Without a key a manifest is not signed: whoever can write the bucket can write one. So a
 reader treats it as hostile input. Its size is bounded before it is read
-(:func:`max_manifest_bytes`), it is decoded entry by entry as its bytes arrive
-(:func:`iter_manifest`), and only the entries a reader keeps (the listed objects) become
+(:func:`max_manifest_bytes`). It is decoded entry by entry as its bytes arrive
+(:func:`iter_manifest`). Only the entries a reader keeps (the listed objects) become
 Python objects.
 
 Signed (a key is set): the bytes below, then a trailer of :data:`SIG_MAGIC`, the key id
@@ -87,8 +89,10 @@ def max_entry_bytes(max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
 
 def max_manifest_bytes(max_entries: int, max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
     """The largest manifest object of ``max_entries`` entries of at most ``max_blocks``
-    blocks: the fixed part, the CRC, and zlib's worst case for the payload (data that does
-    not compress goes out as stored blocks: 5 bytes per 16 KiB or so, plus 11). A reader
+    blocks.
+
+    It is the fixed part, the CRC, and zlib's worst case for the payload. Data that does
+    not compress goes out as stored blocks: 5 bytes per 16 KiB or so, plus 11. A reader
     refuses a larger object before it reads a byte of it."""
     raw = max_entries * max_entry_bytes(max_blocks)
     return _FIXED.size + _CRC.size + raw + (raw >> 12) + 64
@@ -121,20 +125,22 @@ def iter_manifest(pieces: Iterable[bytes | bytearray | memoryview], namespace: s
                   max_blocks: int = MAX_CHUNK_BLOCKS, max_entries: int = MAX_ENTRIES,
                   block_bytes: int | None = None,
                   keep: Container[str] | None = None) -> Iterator[tuple[str, ChunkHeader]]:
-    """Decode a manifest entry by entry from its bytes as they arrive (``pieces``: the
-    object's body in any split; a piece may be reused by the producer once the next one is
-    asked for). Yields (object id, header) for the entries whose id is in ``keep`` (None:
-    all); an entry not kept is bounded and skipped, its header never decoded. Raises
-    ChunkFormatError on any mismatch, the CRC32 of the whole object last (after the last
-    entry): the caller keeps what it was given only once the iterator ended without
-    raising.
+    """Decode a manifest entry by entry from its bytes as they arrive.
 
-    Nothing in it sizes memory before it is bounded: the entry count by ``max_entries``
-    (``too_large``, before anything is inflated), each entry's header by ``max_blocks``
-    (and ``block_bytes`` when given) before it is decoded, and the payload is decompressed
-    step by step, never more than one entry's bound plus one step's output held at once
-    (a damaged or forged length field cannot make a reader inflate a huge buffer). Memory
-    held: about one step of input and one entry, plus the entries yielded (the caller's)."""
+    ``pieces``: the object's body in any split. The producer may reuse a piece once the
+    next one is asked for. Yields (object id, header) for the entries whose id is in
+    ``keep`` (None: all). An entry not kept is bounded and skipped, its header never
+    decoded. Raises ChunkFormatError on any mismatch. The CRC32 of the whole object is
+    checked last (after the last entry). So the caller keeps what it was given only once
+    the iterator ended without raising.
+
+    Nothing in it sizes memory before it is bounded. The entry count is bounded by
+    ``max_entries`` (``too_large``, before anything is inflated). Each entry's header is
+    bounded by ``max_blocks`` (and ``block_bytes`` when given) before it is decoded. The
+    payload is decompressed step by step. Never more than one entry's bound plus one
+    step's output is held at once. So a damaged or forged length field cannot make a
+    reader inflate a huge buffer. Memory held: about one step of input and one entry, plus
+    the entries yielded (the caller's)."""
     src = _Stream(pieces)
     magic, version, ns, count, plen = _FIXED.unpack(src.read(_FIXED.size))
     if magic != MAGIC or version != VERSION:
