@@ -1,45 +1,45 @@
 """Authenticated chunks: the keys, the tags and MACs of the version 4 chunk format.
 
 Why: a CRC32 detects accidents, not intent. Anyone who can write to a shared bucket or
-join a Mooncake pool can compute our block keys offline (they are vLLM's chained hashes of
-token ids) and plant a chunk with valid CRCs that every reader would serve. With a key,
-every chunk carries a MAC that only holders of the key can make, and the store kernel
-(:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
+join a Mooncake pool can compute our block keys offline. They are vLLM's chained hashes of
+token ids. Such a writer can plant a chunk with valid CRCs that every reader would serve.
+With a key, every chunk carries a MAC that only holders of the key can make. The store
+kernel (:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
 
 What is signed (:mod:`~vllm_kvtier.chunkformat`, version 4):
 
-* each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``,
-  stored in the block's header entry, so a read of a few blocks of a chunk verifies just
-  those (and a block moved to another position, key, rank or namespace fails);
-* the header: ``mac = HMAC-SHA256(key, "kvtier.header.v2" | chunk id | header bytes before the MAC)``,
-  which covers the namespace, the store rank, every size, every key and every tag: a
-  header cannot be replayed under another chunk id or edited, and it vouches for the tags
-  of the blocks it lists. The reader checks that the rank it covers is its own (every
-  TP/PP rank stores its shard under the same chunk id; only the medium's path, which is
-  not signed, tells them apart);
-* a manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
-  namespace | rank | writer id | manifest bytes)``, so a manifest cannot be forged, nor
-  moved to another rank or another writer's name;
-* a manifest's object name (:meth:`ChunkAuth.manifest_name_tag`): 8 bytes of
+* Each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``.
+  It is stored in the block's header entry. So a read of a few blocks of a chunk verifies
+  just those. A block moved to another position, key, rank or namespace fails.
+* The header: ``mac = HMAC-SHA256(key, "kvtier.header.v2" | chunk id | header bytes before the MAC)``.
+  It covers the namespace, the store rank, every size, every key and every tag. So a
+  header cannot be replayed under another chunk id or edited. It vouches for the tags of
+  the blocks it lists. The reader checks that the rank it covers is its own. Every TP/PP
+  rank stores its shard under the same chunk id. Only the medium's path, which is not
+  signed, tells them apart.
+* A manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
+  namespace | rank | writer id | manifest bytes)``. So a manifest cannot be forged, nor
+  moved to another rank or another writer's name.
+* A manifest's object name (:meth:`ChunkAuth.manifest_name_tag`): 8 bytes of
   ``HMAC-SHA256(key, "kvtier.manifest-name.v1" | namespace | rank | writer id)``, in hex.
   A reader refuses a name whose tag does not verify from the listing alone, with no GET.
 
-Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``); any number of
-*verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too on
-reads. A chunk names the key that signed it by its key id, so a reader picks the key.
+Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``). Any number
+of *verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too
+on reads. A chunk names the key that signed it by its key id, so a reader picks the key.
 
 HMAC-SHA256 rather than keyed BLAKE2b: measured with Python's hashlib on this project's
-x86 machines (SHA-NI), 1.9 GB/s against 1.1 GB/s for one core on 4 MiB; both release the
+x86 machines (SHA-NI), 1.9 GB/s against 1.1 GB/s for one core on 4 MiB. Both release the
 GIL, so a store's I/O threads verify in parallel. See bench/nvme_throughput.py ``--auth``.
 
-The key: at least 32 bytes, given as hex (64+ hex digits, whitespace ignored) in an
-environment variable (``auth.key_env``, default ``KVTIER_AUTH_KEY``) or a small file
-(``auth.key_file``, a mounted secret). Never in config values, never logged, never in a
-repr: only its *key id* (8 bytes of HMAC of a fixed label, which tells nothing of the key)
-is stored in chunks and may be logged.
+The key: at least 32 bytes, given as hex (64+ hex digits, whitespace ignored). It comes
+from an environment variable (``auth.key_env``, default ``KVTIER_AUTH_KEY``) or a small
+file (``auth.key_file``, a mounted secret). Never in config values, never logged, never in
+a repr. Only its *key id* is stored in chunks and may be logged. The key id is 8 bytes of
+HMAC of a fixed label, which tells nothing of the key.
 
 Who calls it: the kernel's I/O threads (tag and verify; a :class:`ChunkAuth` is immutable
-and thread-safe) and the worker's start-up (:func:`load_auth`, which may raise
+and thread-safe). Also the worker's start-up (:func:`load_auth`, which may raise
 :class:`~vllm_kvtier.errors.ConfigError`).
 """
 

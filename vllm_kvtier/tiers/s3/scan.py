@@ -387,14 +387,16 @@ class S3Scanner:
 
     def _choose_manifests(self, listing: _Listing, fresh: list[str], problem: Callable[[str], None],
                           work: ManifestWork) -> list[str]:
-        """The manifests of ``fresh`` this scan reads. Not read: with a key, one whose name
-        does not verify (:meth:`_name_refusal`); one refused before and listed unchanged
-        (same ETag and size), one listed larger than
-        :meth:`manifest_limit_bytes` (refused), and those past this scan's budget
-        (:data:`MANIFEST_READS_PER_SCAN`, :data:`MANIFEST_BYTES_PER_SCAN` or without a key
-        :data:`UNSIGNED_MANIFEST_BYTES_PER_SCAN`; left to the
-        next scans, ``manifest_deferred``). This writer's own comes first, then those of
-        writers read before, then the oldest."""
+        """The manifests of ``fresh`` this scan reads.
+
+        Some are not read. With a key, one whose name does not verify
+        (:meth:`_name_refusal`). One refused before and listed unchanged (same ETag and
+        size). One listed larger than :meth:`manifest_limit_bytes` (refused). And those past
+        this scan's budget: :data:`MANIFEST_READS_PER_SCAN`,
+        :data:`MANIFEST_BYTES_PER_SCAN`, or without a key
+        :data:`UNSIGNED_MANIFEST_BYTES_PER_SCAN`. Those are left to the next scans
+        (``manifest_deferred``). This writer's own comes first, then those of writers read
+        before, then the oldest."""
         limit = self.manifest_limit_bytes()
         todo = []
         for m in fresh:
@@ -538,9 +540,11 @@ class S3Scanner:
 
     def _scan_header(self, item: tuple[str, int, str],
                      late: Callable[[], bool] = lambda: False) -> ChunkHeader | FailureReason:
-        """The verified header of one listed object (one ranged GET, two for a header
-        longer than 4 KiB), every size in it bounded (by what this store writes, and by
-        the listed size) before it sizes a read; ``deadline`` without a request once ``late()``."""
+        """The verified header of one listed object.
+
+        It takes one ranged GET, two for a header longer than 4 KiB. Every size in it is
+        bounded before it sizes a read: by what this store writes, and by the listed size.
+        ``deadline`` without a request once ``late()``."""
         _, size, key = item
         if late():
             return FailureReason.DEADLINE

@@ -240,9 +240,11 @@ class S3Store(KernelStore[S3Medium]):
 
     def take_own_objects(self) -> frozenset[str]:
         """The listed objects this writer id's manifest named at the last scan without
-        ``collect`` (the start-up scan; written by this host, rank and namespace before a
-        restart: ours to reclaim), once: the set is dropped (up to ``manifest_max_entries``
-        ids need not stay in memory)."""
+        ``collect``, once.
+
+        That is the start-up scan. They were written by this host, rank and namespace
+        before a restart: ours to reclaim. The set is then dropped: up to
+        ``manifest_max_entries`` ids need not stay in memory."""
         return self._scanner.take_own_objects()
 
     def manifest_entries(self) -> int:
@@ -339,22 +341,25 @@ class S3Store(KernelStore[S3Medium]):
 
     def scan(self, *, cleanup: bool = False, collect: bool = False, deadline: float | None = None) -> ScanResult:
         """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
-        LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest changed since
-        the last scan (by its ETag) and one ranged GET per object neither a manifest nor
+        LastModified).
+
+        It costs ``ceil(keys/1000)`` LISTs and one GET per manifest changed since the last
+        scan (by its ETag). It costs one ranged GET per object that neither a manifest nor
         the header cache of earlier scans covers (see :attr:`last_scan`). Never raises for
-        a failed request: what could not be read is left out and counted in ``problems``
-        (a failed listing finds nothing, ``list_<reason>``, and ``last_scan.complete`` is
-        False).
+        a failed request. What could not be read is left out and counted in ``problems``.
+        A failed listing finds nothing (``list_<reason>``), and ``last_scan.complete`` is
+        False.
 
         With ``cleanup`` (the worker that owns the prefix), objects that fail to verify are
-        deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), manifests of
-        other writers not rewritten for ``manifest_max_age_s`` or covering no listed
-        object are deleted (``last_scan.manifests_collected``).
+        deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), some
+        manifests of other writers are deleted (``last_scan.manifests_collected``). Those
+        are manifests not rewritten for ``manifest_max_age_s`` or covering no listed
+        object.
 
         ``deadline`` (a ``time.monotonic()`` time; None: none): no LIST page, manifest GET
         or header GET starts after it. A scan cut short returns what it verified by then
-        (``last_scan.cut_short``; ``complete`` False if the listing itself was cut, and then
-        nothing is collected or cleaned up); its header cache keeps what it read, so the
+        (``last_scan.cut_short``). ``complete`` is False if the listing itself was cut; then
+        nothing is collected or cleaned up. Its header cache keeps what it read, so the
         next scan goes on from there."""
         return self._scanner.scan(cleanup=cleanup, collect=collect, deadline=deadline)
 
