@@ -2,16 +2,16 @@
 
 :class:`PromMetrics` makes one Prometheus metric per member of :mod:`vllm_kvtier.metrics`'
 ``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds them from a stats data dict
-(``KVTierStats.data``: counter deltas, last gauge values, histogram observations). vLLM's stat logger uses it through
-:class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with vLLM's metric classes and
-names ``vllm:kvtier_...``.
+(``KVTierStats.data``: counter deltas, last gauge values, histogram observations). vLLM's
+stat logger uses it through :class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with
+vLLM's metric classes and names ``vllm:kvtier_...``.
 
-:class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
-``/metrics`` (offline ``LLM`` use, tools): the same metrics on a registry the caller passes
-in (never the process-global one), served by prometheus_client's HTTP server. Its names
-have no ``vllm:`` prefix (``kvtier_blocks_loaded_total``, ``kvtier_usage_bytes``,
-``kvtier_request_load_wait_seconds_bucket``): they are not vLLM's metrics, and a Prometheus
-scraping both endpoints then sees no clash. This module never imports vLLM.
+The :class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
+``/metrics`` (offline ``LLM`` use, tools). It serves the same metrics on a registry the
+caller passes in (never the process-global one), with prometheus_client's HTTP server. Its
+names have no ``vllm:`` prefix (``kvtier_blocks_loaded_total``, ``kvtier_usage_bytes``,
+``kvtier_request_load_wait_seconds_bucket``). They are not vLLM's metrics. So a Prometheus
+scraping both endpoints sees no clash. This module never imports vLLM.
 """
 
 from __future__ import annotations

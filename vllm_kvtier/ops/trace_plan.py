@@ -262,11 +262,12 @@ def recommend_admission(setup: TierSetup, frontier: dict[int, tuple[float, float
 
 
 def recommend(configured: str, runs: dict[str, TiersResult], ttft_saved: dict[str, float]) -> tuple[str, str]:
-    """(policy, why): the CPU policy that saves the most TTFT (with a hardware profile), else
-    the one whose tiers serve the most prompt tokens, ties going to the one serving more from
-    the faster tiers (the share through each tier, from the slowest up). Another policy than
-    ``configured`` only when it wins by :data:`RECOMMEND_MARGIN` of the prompt tokens (or 5%
-    of the TTFT saved)."""
+    """(policy, why): the CPU policy that saves the most TTFT (with a hardware profile).
+
+    Without a profile it is the one whose tiers serve the most prompt tokens. Ties go to
+    the one serving more from the faster tiers (the share through each tier, from the
+    slowest up). Another policy than ``configured`` is picked only when it wins by
+    :data:`RECOMMEND_MARGIN` of the prompt tokens (or 5% of the TTFT saved)."""
     def cums(p: str) -> list[float]:
         r, out, c = runs[p], [], 0.0
         for t in r.tiers:

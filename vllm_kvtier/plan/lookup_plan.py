@@ -149,8 +149,10 @@ class LookupPlanner:
 
     def record(self, request: Request) -> None:
         """Count a lookup of the blocks of ``request`` a load could cover (once per
-        admission): every full prompt block where a load may be async (``load_mode:
-        async``, a tier below CPU, a peer), else all but the block of the last token. So a
+        admission).
+
+        Where a load may be async, that is every full prompt block (``load_mode: async``,
+        a tier below CPU, a peer). Else it is all but the block of the last token. So a
         DRAM-only sync setup still reads a full hit as 100%."""
         may_be_async = (self.options.always_async or self.cfg.load_mode == "async" or bool(self.parts.lower)
                         or self.extras.peer_plan is not None)

@@ -1,12 +1,13 @@
 """Shadow verification, worker side: compare stored blocks with freshly computed ones.
 
 Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
-thread, only when ``verify.sample_rate`` > 0. For each
-:class:`~vllm_kvtier.jobs.VerifyJob`:
+thread, only when ``verify.sample_rate`` > 0. Each
+:class:`~vllm_kvtier.jobs.VerifyJob` takes three steps.
 
-1. :meth:`BlockVerifier.start` (``begin_step``): the blocks stored below the CPU tier are
-   read into their CPU slots by the tier's normal read path (``ChunkWorker.start_read``,
-   not counted as a request's load); CPU hits are in their slots already.
+1. In :meth:`BlockVerifier.start` (``begin_step``), the blocks stored below the CPU tier
+   are read into their CPU slots. The tier's normal read path does it
+   (``ChunkWorker.start_read``, not counted as a request's load). CPU hits are in their
+   slots already.
 2. :meth:`~BlockVerifier.capture` (``end_step``, after the forward): this rank's shard of
    every computed engine block is copied to host memory (the engine may reuse the block
    afterwards). On CUDA this is a synchronous device-to-host copy of the sampled blocks
