@@ -23,9 +23,9 @@ class Medium(Protocol):
     """The byte primitives of one medium for one (namespace, rank).
 
     Who calls it: the kernel's I/O threads, several at once, each call on its own chunk
-    range and buffer; a call blocks its thread until done or failed (``deadline`` is a
-    ``time.monotonic()`` time: a medium that can bound its requests by it should).
-    Failures RAISE; the kernel turns them into results with :meth:`classify` (and
+    range and buffer. A call blocks its thread until done or failed. ``deadline`` is a
+    ``time.monotonic()`` time; a medium that can bound its requests by it should. Failures
+    RAISE. The kernel turns them into results with :meth:`classify` (and
     :class:`~vllm_kvtier.chunkformat.ChunkFormatError`'s own ``reason``)."""
 
     #: label in logs ("memory", "nvme", "s3", "mooncake")

@@ -23,15 +23,15 @@ READ_STEP_BYTES = 1 << 20
 
 
 class ObjectIO(Protocol):
-    """Moves one chunk object's bytes between host memory and the bucket: the
-    ``s3.io_engine`` plug point.
+    """Moves one chunk object's bytes between host memory and the bucket.
 
-    Who calls it: the S3 medium, on the store kernel's I/O threads, several at once, each
-    call on its own key and buffer; one call is one request attempt (the medium wraps it in
-    its retries, breaker and deadline) and blocks its thread until the request ended,
-    failed, or (engines that can tell) ``deadline`` (a ``time.monotonic()`` time) passed.
-    The store keeps everything else (keys, headers, CRC32s, multipart uploads, listing,
-    manifests), so the objects are the same whichever engine wrote them.
+    This is the ``s3.io_engine`` plug point. Who calls it: the S3 medium, on the store
+    kernel's I/O threads, several at once, each call on its own key and buffer. One call
+    is one request attempt; the medium wraps it in its retries, breaker and deadline. It
+    blocks its thread until the request ended or failed. Engines that can tell also stop
+    when ``deadline`` (a ``time.monotonic()`` time) passed. The store keeps everything else
+    (keys, headers, CRC32s, multipart uploads, listing, manifests). So the objects are the
+    same whichever engine wrote them.
 
     Failure: raises; :func:`~vllm_kvtier.tiers.s3.config.error_reason` labels it (botocore's
     errors, ChunkFormatError for a short body, TimeoutError, ConnectionError). After a
