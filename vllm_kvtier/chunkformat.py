@@ -1,7 +1,7 @@
 """The on-disk (and on-wire) format of a chunk: a few consecutive KV blocks, self-describing.
 
-Layout, every part a multiple of ``ALIGN`` bytes so a chunk can be written and read with
-O_DIRECT in one I/O::
+Every part is a multiple of ``ALIGN`` bytes. So a chunk can be written and read with
+O_DIRECT in one I/O. Layout::
 
     header  (header_bytes)     fixed fields, then one entry per block, then a CRC32 of it all
     block 0 (stride bytes)     raw bytes of block 0, zero padded to the stride

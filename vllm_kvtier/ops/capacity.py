@@ -1,10 +1,10 @@
 """Capacity planning: the usual KV-size formula, tier by tier (``kvtier plan``).
 
-    standard attention (MHA, GQA, MQA):  KV bytes = 2 x L x H_kv x D_head x S x B
+    Standard attention (MHA, GQA, MQA):  KV bytes = 2 x L x H_kv x D_head x S x B
     MLA (DeepSeek-V2/V3):                KV bytes = L x (kv_lora_rank + qk_rope_head_dim) x S x B
 
-Here 2 = K and V; L layers; H_kv KV heads; D_head head dimension; S tokens; B bytes per
-value. MLA caches one latent vector per token per layer, so there is no factor 2. Layers
+Here 2 = K and V. L is the layers, H_kv the KV heads, D_head the head dimension. S is
+the tokens, B the bytes per value. MLA caches one latent vector per token per layer, so there is no factor 2. Layers
 with a sliding window hold at most ``window`` tokens.
 
 Everything here is a pure function of its arguments, called from the CLI thread. No vllm,

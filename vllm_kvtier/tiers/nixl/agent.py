@@ -10,7 +10,8 @@ It, :meth:`NixlAgent.register` and :meth:`NixlAgent.close` block briefly. ``subm
 post a transfer and return. Completions come back through :meth:`NixlAgent.poll`, like
 the chunk stores.
 
-The exchange, out of band (vLLM carries it in a request's ``kv_transfer_params``)::
+The exchange goes out of band. vLLM carries it in a request's ``kv_transfer_params``.
+An example::
 
     prefill:  agent = NixlAgent("prefill-r0"); agent.register(pool)   # once, at start
               params = agent.peer_info().to_dict()                      # JSON-safe
@@ -18,7 +19,7 @@ The exchange, out of band (vLLM carries it in a request's ``kv_transfer_params``
               agent.submit_read(job, "prefill-r0", [(local_addr, remote_addr, nbytes), ...],
                                 notif=b"req-42")
               agent.poll() -> [XferResult(job, ok=True, ...)]
-    prefill:  agent.get_notifs() -> {"decode-r0": [b"req-42"]}          # free those blocks
+    prefill:  agent.get_notifs() -> {"decode-r0": [b"req-42"]}          # free those blocks.
 
 Trust: the agent metadata is NIXL's own opaque blob (parsed by NIXL, not by pickle).
 Descriptors are built here from integers checked against the regions the peer published.
