@@ -177,13 +177,15 @@ class ChunkPlanner:
 
     def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
         """Index the start-up listing's chunks present on every rank; (blocks, chunks)
-        added. A chunk that does not fit the capacity is deleted. On an exclusive tier
-        (:attr:`ChunkPolicy.exclusive`) two more kinds are deleted, by the ranks that hold
-        them: chunks present on only some ranks (a write that did not reach every rank),
-        and chunks of another block size. They count as ``reclaimed_files``. A chunk in
-        ``unread`` is not known partial (a rank could not read it: EMFILE, EIO). It is left
-        alone. A rescan's chunks are only ignored then (:meth:`_apply_slice`). Another
-        instance may be using or still writing them."""
+        added.
+
+        A chunk that does not fit the capacity is deleted. An exclusive tier
+        (:attr:`ChunkPolicy.exclusive`) deletes two more kinds. One is chunks present on
+        only some ranks (a write that did not reach every rank). The other is chunks of
+        another block size. The ranks that hold them delete them. They count as
+        ``reclaimed_files``. A chunk in ``unread`` is not known partial. A rank could not
+        read it (EMFILE, EIO). It is left alone. A rescan's chunks are only ignored then
+        (:meth:`_apply_slice`). Another instance may be using or still writing them."""
         reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
@@ -222,8 +224,10 @@ class ChunkPlanner:
     # ---- KV events -------------------------------------------------------------------
 
     def attach_events(self, log: EventLog) -> None:
-        """Report to ``log`` every key that becomes loadable from this tier or stops being so
-        from now on, and announce (over the next steps) what it holds already."""
+        """Report to ``log`` every key that becomes loadable from this tier.
+
+        Also every key that stops being so, from now on. Over the next steps, announce what
+        it holds already."""
         self._events = log
         self.index.watch = self._watched
         log.announce(self.tier, self._holdings())
@@ -236,8 +240,10 @@ class ChunkPlanner:
         self._events.record(self.tier, keys, loadable, self._locality(fid))
 
     def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
-        """The chunks indexed now (a snapshot of their ids, ~100 B each; what is indexed
-        later is reported by the watch), each as it is when the iterator reaches it."""
+        """The chunks indexed now, each as it is when the iterator reaches it.
+
+        It iterates a snapshot of their ids (~100 B each). What is indexed later is
+        reported by the watch."""
         fids = self.index.chunk_ids()
 
         def walk() -> Iterator[tuple[Sequence[BlockKey], Locality]]:
@@ -249,13 +255,14 @@ class ChunkPlanner:
         return walk()
 
     def refresh(self) -> None:
-        """Take what the catalog pushed: pool answers (indexed at once), and finished
-        background rescans (a queue poll, then, once per step, at most
-        :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks added and as many
-        removed; the rest at the next steps).
-        Called before lookups, so a request sees what other instances stored, and no longer
-        offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
-        one goes at its unpin)."""
+        """Take what the catalog pushed.
+
+        Pool answers are indexed at once. Finished background rescans come from a queue
+        poll. Once per step, at most
+        :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks are added, and as many
+        removed. The rest go at the next steps. Called before lookups. So a request sees
+        what other instances stored. And it no longer offers what the tier lost. A chunk
+        waiting to be removed is not offered. A pinned one goes at its unpin."""
         if self._lookups is not None:
             self._take_answers()
         if self._rescans is None:
@@ -304,19 +311,21 @@ class ChunkPlanner:
         return self.merge.pending()
 
     def reclaim(self, chunk_ids: Sequence[str]) -> None:
-        """Delete these chunks (ours, left unusable: on only some ranks by a crashed
-        predecessor, of another block size) with the next step's deletes; counted as
-        ``reclaimed_files``. Indexed chunks are never reclaimed."""
+        """Delete these chunks with the next step's deletes; counted as ``reclaimed_files``.
+
+        They are ours, left unusable: on only some ranks by a crashed predecessor, or of
+        another block size. Indexed chunks are never reclaimed."""
         fids = [f for f in chunk_ids if f not in self.index]
         self._deletes.extend(fids)
         self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> bool:
-        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know
-        (scheduler thread; never waits for the pool). True while an answer about one of
-        them is still to come within the lookup's deadline: the caller may ask again next
-        step (vLLM's ``None``); until then they are a miss. An answer that comes is
-        indexed by :meth:`refresh`, whoever asked."""
+        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know.
+
+        It runs on the scheduler thread and never waits for the pool. It returns True while
+        an answer about one of them is still to come within the lookup's deadline. The
+        caller may then ask again next step (vLLM's ``None``). Until then they are a miss.
+        An answer that comes is indexed by :meth:`refresh`, whoever asked."""
         lookups = self._lookups
         if lookups is None:
             return False
@@ -383,13 +392,16 @@ class ChunkPlanner:
             self._dirty.move_to_end(key)
 
     def has_flush_work(self) -> bool:
-        """Blocks only in DRAM that an idle engine should write now, or deletes to send
-        (start-up reclaim: debris goes at the first step, not at the first request)."""
+        """Blocks only in DRAM that an idle engine should write now, or deletes to send.
+
+        Deletes are the start-up reclaim: debris goes at the first step, not at the first
+        request."""
         return bool(self._deletes) or (bool(self._dirty) and not self.admission.paused())
 
     def _take_flush(self, cpu_slot_of: Callable[[BlockKey], int | None], idle: bool) -> list[tuple[int, BlockKey]]:
-        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step;
-        a block no longer in its slot (evicted, or its slot reused) is forgotten."""
+        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step.
+
+        A block no longer in its slot (evicted, or its slot reused) is forgotten."""
         if not self._dirty or self.admission.paused():
             return []
         due = self._clock() - self.policy.flush_interval_s
