@@ -184,8 +184,8 @@ class _FixedHeaderCache:
 class NVMeTierConfig(_FixedHeaderCache):
     """The NVMe tier: chunk files under ``path``, at most ``capacity_bytes`` of them.
 
-    It survives restarts: a new engine pointed at the same ``path`` (and the same model
-    and layout: files live under a namespace digest) serves hits from what was stored.
+    It survives restarts. A new engine pointed at the same ``path`` serves hits from what
+    was stored. It needs the same model and layout: files live under a namespace digest.
     """
 
     path: str
@@ -266,11 +266,12 @@ class NVMeTierConfig(_FixedHeaderCache):
 class S3TierConfig:
     """The object-store tier: chunk objects in ``store.bucket`` under ``store.prefix``.
 
-    In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.s3.config.S3Config` (bucket, prefix, region, endpoint_url,
-    path_style, ca_bundle, profile, timeouts, retries, breaker, threads, multipart,
-    manifests, io_engine) next to the policy fields below. No credential field exists: credentials
-    come from the standard AWS chain (environment, profile, IRSA, instance metadata).
+    In YAML the section is flat. The fields of
+    :class:`~vllm_kvtier.tiers.s3.config.S3Config` sit next to the policy fields below.
+    Those are bucket, prefix, region, endpoint_url, path_style, ca_bundle, profile,
+    timeouts, retries, breaker, threads, multipart, manifests and io_engine. No credential
+    field exists. Credentials come from the standard AWS chain (environment, profile,
+    IRSA, instance metadata).
     """
 
     store: S3Config
@@ -327,16 +328,19 @@ class S3TierConfig:
 
 @dataclass(frozen=True)
 class MooncakeTierConfig(_FixedHeaderCache):
-    """A Mooncake Store pool (``mooncake_master`` plus clients pooling their DRAM, TCP or
-    RDMA), shared by every instance that points at the same master: the KV store pool of
-    prefill/decode disaggregation (the prefill instance writes, the decode one loads).
+    """A Mooncake Store pool, shared by every instance that points at the same master.
 
-    In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.mooncake.store.MooncakeConfig` (master, metadata_server,
-    local_hostname, protocol, device_name, segment and buffer sizes, deadline_s, threads,
-    replicas, breaker) next to the policy fields below. One object per block, named by the
-    block's chained hash, so any instance finds a prefix from its own block hashes; leases
-    and eviction are Mooncake's. ``kv_role: kv_consumer`` makes this instance read-only.
+    The pool is a ``mooncake_master`` plus clients pooling their DRAM, over TCP or RDMA.
+    It is the KV store pool of prefill/decode disaggregation. The prefill instance writes,
+    and the decode one loads.
+
+    In YAML the section is flat. The fields of
+    :class:`~vllm_kvtier.tiers.mooncake.store.MooncakeConfig` sit next to the policy
+    fields below. Those are master, metadata_server, local_hostname, protocol,
+    device_name, segment and buffer sizes, deadline_s, threads, replicas and breaker. There
+    is one object per block, named by the block's chained hash. So any instance finds a
+    prefix from its own block hashes. Leases and eviction are Mooncake's. ``kv_role:
+    kv_consumer`` makes this instance read-only.
     """
 
     store: MooncakeConfig
@@ -406,11 +410,13 @@ class MooncakeTierConfig(_FixedHeaderCache):
 
 @dataclass(frozen=True)
 class NixlTierConfig:
-    """Prefill/decode disaggregation peer to peer: the decode instance reads a prompt's
-    blocks straight out of the prefill instance's CPU tier over NIXL (UCX: RDMA, or TCP /
-    shared memory on one host), using the ``kv_transfer_params`` vLLM passes through the
-    request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl.agent.NixlConfig`'s
-    fields (backends, deadline_s, num_threads, progress_thread) next to ``hold_s``."""
+    """Prefill/decode disaggregation peer to peer.
+
+    The decode instance reads a prompt's blocks straight out of the prefill instance's CPU
+    tier over NIXL. NIXL uses UCX: RDMA, or TCP / shared memory on one host. It uses the
+    ``kv_transfer_params`` vLLM passes through the request. In YAML the section is flat:
+    :class:`~vllm_kvtier.tiers.nixl.agent.NixlConfig`'s fields (backends, deadline_s,
+    num_threads, progress_thread) sit next to ``hold_s``."""
 
     store: NixlConfig
     #: Prefill side: how long a finished request's blocks stay pinned for the decode side
@@ -495,8 +501,10 @@ class NixlTierConfig:
 @dataclass(frozen=True)
 class LoadOrRecomputeConfig:
     """For hits below the CPU tier: load only the part of the prefix that is faster to
-    read than to compute again (measured tier bandwidth and latency against the measured
-    prefill rate, kept up to date at run time). CPU hits are always loaded."""
+    read than to compute again.
+
+    It weighs the measured tier bandwidth and latency against the measured prefill rate.
+    Both are kept up to date at run time. CPU hits are always loaded."""
 
     enabled: bool = True
     #: Starting estimate of the prefill rate; None: 5000 tokens/s until measured.
@@ -521,8 +529,9 @@ class LoadOrRecomputeConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """Promote a conversation's blocks that left DRAM back into it when its request ends,
-    ahead of the next turn (only with a tier below CPU)."""
+    """Promote a conversation's blocks that left DRAM back into it when its request ends.
+
+    This is ahead of the next turn, and only with a tier below CPU."""
 
     enabled: bool = True
     #: Promotions in flight at most (a bandwidth and memory budget).
@@ -701,8 +710,10 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class EventsConfig:
-    """Bounds of the KV events the connector publishes (``take_events``) when vLLM's
-    ``--kv-events-config`` turns KV cache events on; with them off nothing is built."""
+    """Bounds of the KV events the connector publishes (``take_events``).
+
+    They apply when vLLM's ``--kv-events-config`` turns KV cache events on. With them off,
+    nothing is built."""
 
     #: Block entries (one block stored in or removed from one tier) queued between two
     #: ``take_events`` calls at most; beyond it new ones are dropped and counted

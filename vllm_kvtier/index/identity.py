@@ -98,8 +98,9 @@ logger = logging.getLogger("vllm_kvtier")
 @dataclass(frozen=True)
 class WeightsFingerprint:
     """What :func:`fingerprint_weights` found: the digest and what computing it cost.
-    ``reads``: read calls made; ``bytes_hashed``: bytes of weight files read and hashed
-    this time (0 when every file's hash came from the cache); ``cached_files``: weight
+
+    ``reads``: read calls made. ``bytes_hashed``: bytes of weight files read and hashed
+    this time. It is 0 when every file's hash came from the cache. ``cached_files``: weight
     files whose content hash came from the cache."""
 
     digest: str
@@ -113,9 +114,10 @@ class WeightsFingerprint:
 
 
 def safetensors_header(f: Any, size: int) -> bytes | None:
-    """The JSON header of the safetensors file open as ``f`` (``size`` bytes), or None if
-    it is not one: the length prefix is checked against the file and :data:`MAX_HEADER_BYTES`
-    before anything is read."""
+    """The JSON header of the safetensors file open as ``f`` (``size`` bytes).
+
+    None if it is not one. The length prefix is checked against the file and
+    :data:`MAX_HEADER_BYTES` before anything is read."""
     if size < 8:
         return None
     f.seek(0)
@@ -132,8 +134,10 @@ def safetensors_header(f: Any, size: int) -> bytes | None:
 
 
 def tensor_offsets(header: bytes, data_bytes: int) -> list[int]:
-    """Start offsets (within the data section) of the tensors ``header`` lists, sorted, the
-    ones outside ``data_bytes`` dropped; [] if the header is not valid JSON of that shape."""
+    """Start offsets (within the data section) of the tensors ``header`` lists, sorted.
+
+    The ones outside ``data_bytes`` are dropped. [] if the header is not valid JSON of that
+    shape."""
     try:
         meta = json.loads(header)
     except (ValueError, RecursionError):
@@ -349,10 +353,12 @@ class DigestCache:
 
 
 def _content_hashes(weights: list[Path], cache_dir: Path | None) -> tuple[list[str], int, int, int]:
-    """The content hash of each file of ``weights``, from the cache where its state is the
-    cached one, else read: (hashes, bytes hashed, read calls, files from the cache). Each
-    file's hash is saved as soon as it is known, so a start killed mid-hash (a ready
-    timeout on a large model) leaves the finished files cached and the next start hashes
+    """The content hash of each file of ``weights``.
+
+    A hash comes from the cache where the file's state is the cached one. Else the file is
+    read. Returns (hashes, bytes hashed, read calls, files from the cache). Each file's
+    hash is saved as soon as it is known. A start may be killed mid-hash (a ready timeout
+    on a large model). It then leaves the finished files cached, and the next start hashes
     only the rest. The first error of a file is raised once every other file is done."""
     with DigestCache(cache_dir) if cache_dir is not None else contextlib.nullcontext() as cache:
         keys = [str(p.resolve()) for p in weights]
@@ -391,11 +397,13 @@ _MEMO_MAX = 256
 def fingerprint_weights(path: str | Path, *, mode: FingerprintMode = "full",
                         cache_dir: Path | None = None) -> WeightsFingerprint:
     """The fingerprint of the model directory (or single weights file, e.g. a GGUF) at
-    ``path``: its weight files hashed whole (``full``) or sampled (``sampled``) as the
-    module says, and its config files whole. ``cache_dir``: where this host's content
-    hashes are kept (``full`` only; None: no cache, every call without a memo hit reads
-    every byte). Memoised per process by (path, state of each file). OSError when ``path``
-    is neither a directory nor a file, holds no weight file, or cannot be read."""
+    ``path``.
+
+    Its weight files are hashed whole (``full``) or sampled (``sampled``), as the module
+    says. Its config files are hashed whole. ``cache_dir``: where this host's content
+    hashes are kept (``full`` only). None means no cache; every call without a memo hit
+    reads every byte. Memoised per process by (path, state of each file). OSError when
+    ``path`` is neither a directory nor a file, holds no weight file, or cannot be read."""
     root = Path(path)
     if not (root.is_dir() or root.is_file()):
         raise FileNotFoundError(f"{root}: not a local model directory or file")
@@ -438,8 +446,10 @@ def fingerprint_weights(path: str | Path, *, mode: FingerprintMode = "full",
 
 
 def canonical(value: Any) -> str:
-    """A stable text form of a config value (dicts sorted; other objects by ``str``; a
-    value JSON cannot walk, e.g. one that contains itself, by its ``repr``)."""
+    """A stable text form of a config value.
+
+    Dicts are sorted. Other objects go by ``str``. A value JSON cannot walk (e.g. one that
+    contains itself) goes by its ``repr``."""
     try:
         return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
     except (ValueError, TypeError, RecursionError):
@@ -451,10 +461,10 @@ class ModelIdentity:
     """Everything about the model that changes the bytes of a KV block, besides its
     geometry (which :class:`~vllm_kvtier.keys.NamespaceFields` holds).
 
-    ``weights`` is the weights fingerprint of a local model, or ``""`` where none could be
-    taken (a hub id): then ``model`` (id@revision) stands for the weights. A fingerprinted
-    model is named by its content only, so copies of one checkpoint under different paths
-    share KV."""
+    ``weights`` is the weights fingerprint of a local model. It is ``""`` where none could
+    be taken (a hub id). Then ``model`` (id@revision) stands for the weights. A
+    fingerprinted model is named by its content only. So copies of one checkpoint under
+    different paths share KV."""
 
     model: str
     weights: str
@@ -483,9 +493,10 @@ class ModelIdentity:
 
 
 def adapter_key(adapter: bytes, block_hash: bytes) -> bytes:
-    """The key a block of a LoRA request is stored under: its block hash bound to the
-    adapter's content fingerprint, the same length as the hash (vLLM hashes the adapter's
-    name, not its weights)."""
+    """The key a block of a LoRA request is stored under.
+
+    It is its block hash bound to the adapter's content fingerprint, the same length as the
+    hash. vLLM hashes the adapter's name, not its weights."""
     size = min(max(len(block_hash), 16), 64)
     return hashlib.blake2b(adapter + block_hash, digest_size=size, person=b"kvtier-lora").digest()
 
@@ -520,9 +531,10 @@ class AdapterKeys(Sequence[bytes]):
 
 
 class AdapterFingerprints:
-    """Content fingerprints of LoRA adapter directories (``sampled``), cached by (path,
-    state of each file): a rewritten adapter gets a new fingerprint, an unchanged one costs
-    a few ``stat`` calls. Scheduler thread only."""
+    """Content fingerprints of LoRA adapter directories (``sampled``).
+
+    They are cached by (path, state of each file). A rewritten adapter gets a new
+    fingerprint. An unchanged one costs a few ``stat`` calls. Scheduler thread only."""
 
     def __init__(self, max_entries: int = 256) -> None:
         self._max = max_entries

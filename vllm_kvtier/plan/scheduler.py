@@ -93,10 +93,12 @@ TIER = TierName.CPU
 
 
 class SchedulerPlanner:
-    """The whole step's policy, over its parts: :class:`LookupPlanner` (hits),
-    :class:`LoadPlanner` (loads), :class:`SavePlanner` (saves), :class:`RequestTable` (the
-    requests followed), the lower tiers' planners, prefetch, P/D and verification. Owns
-    the step count and the wiring between the parts."""
+    """The whole step's policy, over its parts.
+
+    The parts are :class:`LookupPlanner` (hits), :class:`LoadPlanner` (loads),
+    :class:`SavePlanner` (saves) and :class:`RequestTable` (the requests followed). Also
+    the lower tiers' planners, prefetch, P/D and verification. It owns the step count and
+    the wiring between the parts."""
 
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
@@ -104,10 +106,11 @@ class SchedulerPlanner:
         events: EventLog | None = None, namespace: str = "",
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
+
         ``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where KV
-        events go (None: vLLM's KV events are off, and no event work is done).
-        ``namespace``: the one this process computed, sent in every step plan so that each
-        worker checks it computed the same (``""``: nothing to check)."""
+        events go. None means vLLM's KV events are off, and no event work is done.
+        ``namespace``: the one this process computed. It is sent in every step plan, so
+        that each worker checks it computed the same (``""``: nothing to check)."""
         self.cfg = cfg
         self.namespace = namespace
         self.block_size = block_size
@@ -322,12 +325,14 @@ class SchedulerPlanner:
             self.loads.end(state)
 
     def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Save what is left and hold the blocks while the worker copies them (vLLM's
-        ``request_finished``): (whether we hold the blocks, ``kv_transfer_params`` to return).
+        """Save what is left and hold the blocks while the worker copies them.
 
-        A request aborted during its async load is not held by us: vLLM itself keeps its
-        blocks until the load is reported in ``finished_recving`` (holding it too would
-        free the blocks twice).
+        This is vLLM's ``request_finished``. Returns (whether we hold the blocks,
+        ``kv_transfer_params`` to return).
+
+        A request aborted during its async load is not held by us. vLLM itself keeps its
+        blocks until the load is reported in ``finished_recving``. Holding it too would
+        free the blocks twice.
         """
         self.lookups.forget(request.request_id)  # aborted before admission
         self.handoff.forget(request.request_id)
@@ -402,8 +407,10 @@ class SchedulerPlanner:
                 self.verify.on_worker_meta(meta)
 
     def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
-        """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
-        their source chunks down), and undo the saves computed on top of them."""
+        """Engine blocks ``bad`` of ``state`` failed to load.
+
+        Drop their keys, and cool their source chunks down. Undo the saves computed on top
+        of them."""
         dropped = 0
         for b in bad:
             dropped += self.loads.drop(state, b)
@@ -430,9 +437,11 @@ class SchedulerPlanner:
         return self.saves.pending_final()
 
     def has_pending_work(self) -> bool:
-        """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
-        releases to issue, prefetches queued or in flight (they land between requests), or
-        write-back blocks to flush."""
+        """Whether vLLM should keep stepping an otherwise idle engine for us.
+
+        It should when there are saves and releases to issue, or write-back blocks to
+        flush. It should too while prefetches are queued or in flight (they land between
+        requests)."""
         pf = self.prefetcher
         return bool(self.saves.pending_final() or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
@@ -456,6 +465,8 @@ class SchedulerPlanner:
         return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
-        """Shutdown: stop background rescans of the lower tiers (all of them, even when one
-        fails to close; the first failure is raised after)."""
+        """Shutdown: stop background rescans of the lower tiers.
+
+        All of them stop, even when one fails to close. The first failure is raised
+        after."""
         run_all(tier.close for tier in self.lower)

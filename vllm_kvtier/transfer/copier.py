@@ -76,8 +76,10 @@ class _FutureTransfer:
 
 
 class _HostSave:
-    """A save run on the copy thread. ``done`` and ``wait`` never raise: a failed copy is
-    ``error`` (the worker invalidates the slots: a failed save is a future miss)."""
+    """A save run on the copy thread.
+
+    ``done`` and ``wait`` never raise. A failed copy is ``error``. The worker then
+    invalidates the slots: a failed save is a future miss."""
 
     def __init__(self, fut: Future[int], nbytes: int, started_s: float) -> None:
         self._fut = fut
@@ -97,8 +99,10 @@ class _HostSave:
 
 
 class _EventTransfer:
-    """One layer of a layer-by-layer host load: set by the copy thread when the layer's
-    rows are in place (or its copy failed: ``wait`` re-raises)."""
+    """One layer of a layer-by-layer host load.
+
+    The copy thread sets it when the layer's rows are in place. It sets it too when its
+    copy failed; ``wait`` then re-raises."""
 
     def __init__(self, nbytes: int, started_s: float) -> None:
         self.nbytes = nbytes
@@ -228,8 +232,10 @@ def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | 
 
 
 def _copy_rows_on_thread(*args: object) -> int:
-    """:func:`_copy_rows` on the copy thread: vLLM's KV tensors are inference tensors, which
-    torch updates in place only under inference mode (a thread-local switch)."""
+    """:func:`_copy_rows` on the copy thread.
+
+    vLLM's KV tensors are inference tensors. Torch updates them in place only under
+    inference mode, which is a thread-local switch."""
     with torch.inference_mode():
         return _copy_rows(*args)  # type: ignore[arg-type]
 
@@ -266,9 +272,12 @@ class HostCopyEngine:
     def submit(
         self, direction: Direction, blocks: list[int], slots: list[int], *, background: bool
     ) -> Transfer:
-        """``background`` save: on the copy thread (the caller's step goes on: its token is
-        sampled and sent while the rows are copied); ``background`` load: on the copy thread
-        only if ``threaded_async``. Anything else runs here, after the copy thread's queue."""
+        """Where a transfer runs.
+
+        A ``background`` save runs on the copy thread. The caller's step goes on: its token
+        is sampled and sent while the rows are copied. A ``background`` load runs on the
+        copy thread only if ``threaded_async``. Anything else runs here, after the copy
+        thread's queue."""
         t0 = time.perf_counter()
         nbytes = self.layout.block_bytes * len(blocks)
         if background and (direction == "save" or self.threaded_async):
@@ -318,8 +327,9 @@ class HostCopyEngine:
         transfer.wait()
 
     def fence(self) -> None:
-        """Order every copy submitted so far before any later write to the KV cache: on a
-        host cache, wait here until the copy thread has run them all."""
+        """Order every copy submitted so far before any later write to the KV cache.
+
+        On a host cache, wait here until the copy thread has run them all."""
         self.drain()
 
     def shutdown(self) -> None:
@@ -356,9 +366,10 @@ class CudaCopyEngine:
         return _CudaTransfer(event, nbytes, t0)
 
     def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
-        """Load layer by layer on the copy stream, one event per layer: the forward's
-        stream waits for a layer's event just before that layer's attention, so the
-        copies of later layers overlap the compute of earlier ones."""
+        """Load layer by layer on the copy stream, one event per layer.
+
+        The forward's stream waits for a layer's event just before that layer's attention.
+        So the copies of later layers overlap the compute of earlier ones."""
         t0 = time.perf_counter()
         out: dict[str, Transfer] = {}
         self.stream.wait_stream(torch.cuda.current_stream(self.layout.device))
@@ -375,16 +386,20 @@ class CudaCopyEngine:
         torch.cuda.current_stream(self.layout.device).wait_event(transfer.event)
 
     def fence(self) -> None:
-        """Order every copy submitted so far before any later write to the KV cache: the
-        compute stream waits for the copy stream's work queued up to now. The host does not
-        wait; kernels queued later on the compute stream (the next step's) start after it."""
+        """Order every copy submitted so far before any later write to the KV cache.
+
+        The compute stream waits for the copy stream's work queued up to now. The host does
+        not wait. Kernels queued later on the compute stream (the next step's) start after
+        it."""
         event = torch.cuda.Event()
         event.record(self.stream)
         torch.cuda.current_stream(self.layout.device).wait_event(event)
 
     def drain(self) -> None:
-        """Nothing to wait for on the host: the stream orders the copies, and the compute
-        stream waits on events where it must (``order_before_compute``)."""
+        """Nothing to wait for on the host.
+
+        The stream orders the copies. The compute stream waits on events where it must
+        (``order_before_compute``)."""
 
     def shutdown(self) -> None:
         self.stream.synchronize()
