@@ -85,9 +85,11 @@ def real_id(req_id: str) -> str:
 
 
 class GroupView:
-    """One KV cache group of a live request as the planners see it: its own id and the
-    group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`; group 0: the request's
-    own), everything else the live request's (``base``: vLLM's request or a LoRA view)."""
+    """One KV cache group of a live request as the planners see it.
+
+    It has its own id and the group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`;
+    group 0: the request's own). Everything else is the live request's. ``base`` is
+    vLLM's request or a LoRA view."""
 
     def __init__(self, base: Any, group: int, origins: KeyOrigins | None = None) -> None:
         self.live = base
@@ -210,9 +212,10 @@ class GroupedPlanner(SchedulerPlanner):
         self.counters.add(CounterName.LOOKUP_BLOCKS, TierName.CPU, n)
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM queued ``request``: followed by ``schedule.order`` until admitted, with its
-        tokens to compute estimated from the tiers (the run of its blocks they hold; a
-        hybrid model's: its whole prompt until it is looked up)."""
+        """vLLM queued ``request``: ``schedule.order`` follows it until admitted.
+
+        Its tokens to compute are estimated from the tiers: the run of its blocks they
+        hold. For a hybrid model it is the whole prompt until it is looked up."""
         if self.order is None or not followed(request):
             return
         stored = 0 if self.hybrid else self.lookups.stored_blocks(self._view(request))
@@ -229,9 +232,11 @@ class GroupedPlanner(SchedulerPlanner):
         return n, load_async
 
     def _hybrid_lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The hit every group can serve: the shortest full-attention group hit, then, per
-        sliding-window group, the longest prefix within it whose window is stored; never
-        the block of the last prompt token (vLLM then computes from exactly the hit)."""
+        """The hit every group can serve.
+
+        It is the shortest full-attention group hit. Then, per sliding-window group, it is
+        the longest prefix within it whose window is stored. It never covers the block of
+        the last prompt token. vLLM then computes from exactly the hit."""
         views = self.group_views(request)
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -262,8 +267,9 @@ class GroupedPlanner(SchedulerPlanner):
         return (hit - start) * bs, True
 
     def _lookup_from(self, group: int, start: int) -> int:
-        """The first block of group ``group`` a hit starting at block ``start`` may need:
-        ``start``, or the start of a sliding window ending there."""
+        """The first block of group ``group`` a hit starting at block ``start`` may need.
+
+        It is ``start``, or the start of a sliding window ending there."""
         spec = self.layout.groups[group]
         return spec.window_start(start + 1) if spec.kind == "sliding" else start
 
@@ -288,8 +294,10 @@ class GroupedPlanner(SchedulerPlanner):
                 state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
 
     def _merge_load_timing(self, req_id: str) -> None:
-        """The async load of ``req_id`` ended: its views' waits are one wait, observed once
-        (by the first view: the slowest tier, every view's lower-tier blocks)."""
+        """The async load of ``req_id`` ended.
+
+        Its views' waits are one wait, observed once. The first view observes it: the
+        slowest tier, every view's lower-tier blocks."""
         states = [st for g in range(len(self.layout.groups))
                   if (st := self.request_state(view_id(req_id, g))) is not None and st.load_issued_s is not None]
         if len(states) < 2:
@@ -337,8 +345,9 @@ class GroupedPlanner(SchedulerPlanner):
         return hold, params
 
     def plan_groups(self, per_group: list[StepInput]) -> StepPlan:
-        """The plan of one step, from each group's view of vLLM's schedule, with vLLM's
-        request ids (the loads of one request are one async job)."""
+        """The plan of one step, from each group's view of vLLM's schedule.
+
+        It uses vLLM's request ids. The loads of one request are one async job."""
         if not self.hybrid:
             return self.plan_step(per_group[0])
         first = per_group[0]

@@ -81,8 +81,10 @@ _MAX_ID = 128
 
 
 def max_entry_bytes(max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
-    """The most uncompressed payload bytes one entry can take: the longest id and the
-    longest header of ``max_blocks`` blocks (either header version)."""
+    """The most uncompressed payload bytes one entry can take.
+
+    That is the longest id and the longest header of ``max_blocks`` blocks (either header
+    version)."""
     return _ID.size + _MAX_ID + _HLEN.size + header_bytes_for(max_blocks, True)
 
 
@@ -206,8 +208,9 @@ class _Stream:
         return False
 
     def read(self, n: int) -> bytes:
-        """Exactly ``n`` bytes (``truncated`` if the object ends first); ``n`` is always a
-        bounded size (a fixed field, or at most one step)."""
+        """Exactly ``n`` bytes (``truncated`` if the object ends first).
+
+        ``n`` is always a bounded size: a fixed field, or at most one step."""
         out = bytearray()
         while len(out) < n:
             if not self._cur.nbytes and not self._next():
@@ -223,9 +226,11 @@ class _Stream:
 
 
 class _Inflater:
-    """The decompressed payload, handed out in pieces as it is inflated. It never inflates
-    more than :data:`MAX_INFLATION` times the compressed bytes it consumed (plus
-    4 MiB): a zip bomb costs CPU in proportion to its size, as an honest manifest does."""
+    """The decompressed payload, handed out in pieces as it is inflated.
+
+    It never inflates more than :data:`MAX_INFLATION` times the compressed bytes it
+    consumed (plus 4 MiB). So a zip bomb costs CPU in proportion to its size, as an honest
+    manifest does."""
 
     def __init__(self, more: Callable[[], bytes | None], max_piece: int) -> None:
         self._d = zlib.decompressobj()
@@ -271,10 +276,12 @@ def manifest_file_name(writer_id: str, auth: ChunkAuth | None, namespace: str, r
 
 def manifest_name_refusal(file_name: str, auth: ChunkAuth | None, namespace: str,
                           rank: int) -> tuple[str, FailureReason | None]:
-    """The writer id that a manifest's object name ``file_name`` gives, and why a reader
-    holding ``auth`` must not read it (None: it may). No key: every name is read (the
-    whole stem is the writer id). With a key: a name without a tag (an earlier build's,
-    or a forger's) is ``unauthenticated``; a tag no accepted key makes is ``auth_failed``."""
+    """The writer id that a manifest's object name ``file_name`` gives.
+
+    Also why a reader holding ``auth`` must not read it (None: it may). No key: every name
+    is read, and the whole stem is the writer id. With a key, a name without a tag is
+    ``unauthenticated``. That is an older build's name, or a forger's. A tag no accepted
+    key makes is ``auth_failed``."""
     stem = file_name.removesuffix(MANIFEST_SUFFIX)
     if auth is None:
         return stem, None
@@ -304,16 +311,18 @@ def sign_manifest(body: bytes, key_id: bytes, mac: bytes) -> bytes:
 
 def signed_body(pieces: Iterable[bytes | bytearray | memoryview],
                 hashers: dict[bytes, hmac.HMAC] | None) -> Iterator[memoryview]:
-    """The manifest bytes of a stored manifest as they arrive (``pieces``), without its
-    signature trailer, for :func:`iter_manifest`; the trailer is checked when the pieces
-    end, so an iterator over what this yields ends without raising only if it verifies.
+    """The manifest bytes of a stored manifest as they arrive (``pieces``), for
+    :func:`iter_manifest`.
+
+    The signature trailer is left out. It is checked when the pieces end. So an iterator
+    over what this yields ends without raising only if it verifies.
 
     ``hashers``: a store's running MACs by accepted key id
-    (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_hashers`): the manifest must be
-    signed with one of them (else ChunkFormatError ``unauthenticated``; a MAC that does not
-    verify: ``auth_failed``). None (no key): a signed manifest is refused
-    (``unauthenticated``: its chunks are signed, this store serves none). Holds back the
-    last :data:`SIG_BYTES` bytes at most: memory stays one piece."""
+    (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_hashers`). The manifest must be
+    signed with one of them. Else it raises ChunkFormatError ``unauthenticated``. A MAC
+    that does not verify is ``auth_failed``. None (no key): a signed manifest is refused
+    as ``unauthenticated``. Its chunks are signed, and this store serves none. It holds
+    back the last :data:`SIG_BYTES` bytes at most, so memory stays one piece."""
     tail = b""
     for piece in pieces:
         data = tail + bytes(piece)
