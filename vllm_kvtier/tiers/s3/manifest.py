@@ -18,6 +18,13 @@ A reader streams the bytes through :func:`signed_body`, which checks the trailer
 end. The scanner does so over the raw bytes before it decodes any of them: a forged
 manifest costs an HMAC pass, never a decode.
 
+Names (:func:`manifest_file_name`): without a key, ``<writer id>.kvm``. With a key,
+``<writer id>.<tag>.kvm``, the tag 16 hex digits of a MAC over the namespace, rank and
+writer id (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_name_tag`). A reader with a
+key checks the tag from the listing alone (:func:`manifest_name_refusal`). So a forger
+without the key cannot make a name it will read: a flood of forged manifests costs no GET.
+One who overwrites a real writer's manifest is caught by its signature, one GET per change.
+
 The header bytes in the layout below are the chunk's own header (``chunkformat``). They
 are verified again with their own CRC32 when decoded. Their zero padding is what zlib
 removes. Nothing is unpickled. Layout (little endian)::
@@ -25,13 +32,6 @@ removes. Nothing is unpickled. Layout (little endian)::
     magic b"KVTMANI1", version u32, namespace 16s, entry count u32, payload length u64
     payload: zlib( per entry: id length u16, id (ASCII), header length u32, header bytes )
     CRC32 of everything above, u32
-
-Names (:func:`manifest_file_name`): without a key, ``<writer id>.kvm``. With a key,
-``<writer id>.<tag>.kvm``, the tag 16 hex digits of a MAC over the namespace, rank and
-writer id (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_name_tag`). A reader with a
-key checks the tag from the listing alone (:func:`manifest_name_refusal`). So a forger
-without the key cannot make a name it will read: a flood of forged manifests costs no GET.
-One who overwrites a real writer's manifest is caught by its signature, one GET per change.
 """
 
 from __future__ import annotations
