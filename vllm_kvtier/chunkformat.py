@@ -118,8 +118,10 @@ class ChunkHeader:
 
 
 def header_memory_bytes(h: ChunkHeader) -> int:
-    """About the memory a decoded header holds (the object, its tuples, keys, CRCs and
-    tags; the namespace string is shared): what a header cache bounded by bytes counts.
+    """About the memory a decoded header holds: what a header cache bounded by bytes
+    counts.
+
+    It counts the object, its tuples, keys, CRCs and tags; the namespace string is shared.
     A 16-block unsigned header is about 2.1 KB, 256 blocks about 29 KB."""
     return (sys.getsizeof(h) + 2 * 64  # the object, key_id and mac
             + sys.getsizeof(h.keys) + sum(map(sys.getsizeof, h.keys))
@@ -139,15 +141,19 @@ FIXED_BYTES = _FIXED.size
 
 
 def chunk_id_for(keys: Iterable[bytes]) -> str:
-    """A new chunk's id: the first key (a chained hash naming the whole prefix) plus a
-    random suffix, so a re-written chunk never collides with one being deleted."""
+    """A new chunk's id: the first key plus a random suffix.
+
+    The first key is a chained hash naming the whole prefix. The suffix means a re-written
+    chunk never collides with one being deleted."""
     first = next(iter(keys))
     return f"{first.hex()[:32]}-{os.urandom(4).hex()}"
 
 
 def max_chunk_bytes(max_blocks: int, block_bytes: int) -> int:
-    """The largest chunk an engine writing at most ``max_blocks`` blocks of ``block_bytes``
-    can have written (in either version): the bound of every size read back from stored bytes."""
+    """The largest chunk an engine could have written (in either version).
+
+    The engine writes at most ``max_blocks`` blocks of ``block_bytes``. This is the bound
+    of every size read back from stored bytes."""
     return header_bytes_for(max_blocks, True) + max_blocks * align_up(block_bytes)
 
 
@@ -159,9 +165,9 @@ def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: in
     garbage count sizes an allocation or a read. ``block_bytes`` None: any block size (a
     reader that does not know it, e.g. the scheduler's scan).
 
-    Raises ChunkFormatError: ``truncated`` (shorter than the fixed part), ``format`` (not
-    a chunk, or blocks of another size, or sizes that do not agree), ``too_large`` (more
-    blocks than ``max_blocks``)."""
+    Raises ChunkFormatError. ``truncated``: shorter than the fixed part. ``format``: not a
+    chunk, or blocks of another size, or sizes that do not agree. ``too_large``: more
+    blocks than ``max_blocks``."""
     if len(head) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, _, nblocks, bb, stride, hbytes = _FIXED.unpack_from(head, 0)
@@ -248,10 +254,12 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
 
 
 def decode_header(data: bytes | memoryview, namespace: str, *, rank: int | None = None) -> ChunkHeader:
-    """Parse and verify a header (either version; a version 4 header's MAC is NOT checked
-    here: that needs the key, :mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on
-    any mismatch: with ``rank`` given, a header of another store rank is ``key_mismatch``
-    (a rank's shard copied or moved to another rank's place: never served there)."""
+    """Parse and verify a header (either version).
+
+    A version 4 header's MAC is NOT checked here: that needs the key
+    (:mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on any mismatch. With
+    ``rank`` given, a header of another store rank is ``key_mismatch``. That is a rank's
+    shard copied or moved to another rank's place: never served there."""
     if len(data) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, ns, nblocks, block_bytes, stride, header_bytes = _FIXED.unpack_from(data, 0)

@@ -1,10 +1,11 @@
 """Prometheus metrics from the plugin's stats, on vLLM's ``/metrics`` or on a port of their own.
 
-:class:`PromMetrics` makes one Prometheus metric per member of :mod:`vllm_kvtier.metrics`'
-``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds them from a stats data dict
-(``KVTierStats.data``: counter deltas, last gauge values, histogram observations). vLLM's
-stat logger uses it through :class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with
-vLLM's metric classes and names ``vllm:kvtier_...``.
+The :class:`PromMetrics` makes one Prometheus metric per member of
+:mod:`vllm_kvtier.metrics`' ``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds
+them from a stats data dict. That dict is ``KVTierStats.data``: counter deltas, last gauge
+values, histogram observations. vLLM's stat logger uses it through
+:class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with vLLM's metric classes and
+names ``vllm:kvtier_...``.
 
 The :class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
 ``/metrics`` (offline ``LLM`` use, tools). It serves the same metrics on a registry the
@@ -62,10 +63,11 @@ class PromMetrics:
         }
 
     def zero(self, tiers: Sequence[str], labelvalues: Sequence[object] = ()) -> None:
-        """Export every counter and histogram at 0 for ``tiers`` now, before any event, so
-        that ``rate(...)`` alerts and dashboards read 0, not "no data", on a healthy idle
-        server. Gauges get their values with the first stats (a 0 would be a false
-        capacity or estimate)."""
+        """Export every counter and histogram at 0 for ``tiers`` now, before any event.
+
+        So ``rate(...)`` alerts and dashboards read 0, not "no data", on a healthy idle
+        server. Gauges get their values with the first stats. A 0 there would be a false
+        capacity or estimate."""
         for tier in tiers:
             for counter in self.counters.values():
                 counter.labels(*labelvalues, tier)
@@ -95,11 +97,11 @@ class PromMetrics:
 class StandaloneExporter:
     """The plugin's metrics on ``registry``, named ``kvtier_...``, optionally served over HTTP.
 
-    ``labels``: constant labels on every sample (``{"model_name": ...}``); ``tiers``: the
+    ``labels``: constant labels on every sample (``{"model_name": ...}``). ``tiers``: the
     configured tiers, whose counters are exported at 0 from the start. Whoever holds the
-    stats (a stat logger, a tool polling ``KVTierStats``) calls :meth:`observe` with each
-    data dict, from any thread; :meth:`start` serves ``registry`` on ``/metrics`` from a
-    daemon thread until :meth:`stop`.
+    stats calls :meth:`observe` with each data dict, from any thread. That is a stat
+    logger, or a tool polling ``KVTierStats``. The :meth:`start` call serves ``registry``
+    on ``/metrics`` from a daemon thread until :meth:`stop`.
     """
 
     def __init__(self, registry: CollectorRegistry, *, labels: Mapping[str, str] | None = None,

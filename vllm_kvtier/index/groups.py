@@ -38,8 +38,10 @@ _GROUP_TAG = b"kvtier-group"
 
 
 def group_key(block_hash: bytes, group: int) -> bytes:
-    """The key of group ``group``'s unit at the block whose vLLM hash is ``block_hash``:
-    the hash itself for group 0, a 32-byte digest of (tag, group, hash) otherwise."""
+    """The key of group ``group``'s unit at the block whose vLLM hash is ``block_hash``.
+
+    It is the hash itself for group 0. Otherwise it is a 32-byte digest of (tag, group,
+    hash)."""
     if group == 0:
         return block_hash
     if not 0 < group < 2**32:
@@ -165,9 +167,11 @@ class SaveFilter:
 
 
 class GroupKeys(Sequence[bytes]):
-    """A live view of a request's ``block_hashes`` (anything with that attribute: vLLM's
-    request or a LoRA view) through :func:`group_key` for one group; derived keys are
-    cached by position, and recorded in ``origins`` (if given) for :class:`KeyOrigins`."""
+    """A live view of a request's ``block_hashes`` through :func:`group_key` for one group.
+
+    The request is anything with that attribute: vLLM's request or a LoRA view. Derived
+    keys are cached by position. They are recorded in ``origins`` (if given) for
+    :class:`KeyOrigins`."""
 
     def __init__(self, request: Any, group: int, origins: KeyOrigins | None = None) -> None:
         self._request = request
@@ -206,10 +210,11 @@ class GroupKeys(Sequence[bytes]):
 
 
 class KeyOrigins:
-    """A bounded map from a derived key back to (vLLM's block hash, group index), for
-    the keys derived in this process (KV events name a block by its hash and group).
-    The oldest entries go first once ``max_entries`` are held; group 0 keys are their
-    own hash and are not recorded."""
+    """A bounded map from a derived key back to (vLLM's block hash, group index).
+
+    It holds the keys derived in this process. KV events name a block by its hash and
+    group. The oldest entries go first once ``max_entries`` are held. Group 0 keys are
+    their own hash and are not recorded."""
 
     def __init__(self, max_entries: int = 1 << 20) -> None:
         self._max = max_entries

@@ -83,12 +83,13 @@ def _key_id(key: bytes) -> bytes:
 
 class ChunkAuth:
     """The signing key and the verify keys, and what the chunk format computes with them.
-    The keys themselves are private: not in ``repr``, not in any log line; key ids
+
+    The keys themselves are private: not in ``repr``, not in any log line. Key ids
     (:attr:`key_id`, :attr:`key_ids`) are what identify them.
 
-    ``key`` signs every chunk written (and verifies); ``verify``: older (or newer) keys whose
-    chunks are accepted on reads too, never used to sign (a key rotation: see
-    docs/security.md)."""
+    ``key`` signs every chunk written, and verifies. ``verify``: older (or newer) keys
+    whose chunks are accepted on reads too. They are never used to sign. This is for a key
+    rotation: see docs/security.md."""
 
     __slots__ = ("_key", "_keys", "key_id", "key_ids")
 
@@ -112,8 +113,10 @@ class ChunkAuth:
 
     def block_tag(self, namespace: str, rank: int, key: bytes, data: memoryview | bytes,
                   key_id: bytes | None = None) -> bytes:
-        """The tag of one block's bytes under its namespace, store rank and block key, with
-        the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
+        """The tag of one block's bytes under its namespace, store rank and block key.
+
+        It uses the signing key, or the accepted key ``key_id``. KeyError if that is not
+        one."""
         if len(key) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
         h = hmac.new(self._secret(key_id), _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little")
@@ -155,9 +158,10 @@ class ChunkAuth:
         return h.digest()
 
     def manifest_hashers(self, namespace: str, rank: int, writer_id: str) -> dict[bytes, hmac.HMAC]:
-        """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank),
-        one per accepted key: a reader streams the manifest's bytes through them all, and
-        the trailer's key id, read last, says which one must match."""
+        """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank).
+
+        There is one per accepted key. A reader streams the manifest's bytes through them
+        all. The trailer's key id, read last, says which one must match."""
         label = _manifest_label(namespace, rank, writer_id)
         return {kid: hmac.new(secret, label, "sha256") for kid, secret in self._keys.items()}
 
@@ -255,15 +259,17 @@ def check_key_files(cfg: AuthConfig) -> None:
 
 
 def load_auth(cfg: AuthConfig, environ: Mapping[str, str] | None = None) -> ChunkAuth | None:
-    """The keys ``cfg`` points at: the signing key from ``auth.key_file`` if set, else the
-    environment variable ``auth.key_env``; None when neither holds one (unauthenticated)
-    unless ``auth.required``, which raises ConfigError. Then every verify key
-    (``auth.verify_key_files``, ``auth.verify_key_envs``): each must hold a key, and they
+    """The keys ``cfg`` points at.
+
+    The signing key comes from ``auth.key_file`` if set, else the environment variable
+    ``auth.key_env``. None when neither holds one (unauthenticated). But with
+    ``auth.required`` that raises ConfigError. Then come the verify keys
+    (``auth.verify_key_files``, ``auth.verify_key_envs``). Each must hold a key, and they
     need a signing key (ConfigError naming the entry). Called at start-up, once per
     process that builds stores or scans them.
 
-    A key file must be a small regular file; one that group or other can read is refused
-    (ConfigError naming the field) unless ``auth.allow_readable_key_file``."""
+    A key file must be a small regular file. One that group or other can read is refused
+    (ConfigError naming the field), unless ``auth.allow_readable_key_file``."""
     env = os.environ if environ is None else environ
     key: bytes | None = None
     if cfg.key_file is not None:
