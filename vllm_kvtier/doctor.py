@@ -2,12 +2,13 @@
 
 Two steps, so the checks can be read and tested alone:
 
-- :func:`probe_machine` measures this machine: DRAM from ``/proc/meminfo`` (and the cgroup
-  memory limit of a container), the NVMe path's disk with :func:`shutil.disk_usage`,
-  RDMA devices under ``/sys/class/infiniband``, and the GPUs through ``torch.cuda`` when
-  no size is given (torch is imported only then; never vllm).
+- :func:`probe_machine` measures this machine. It reads DRAM from ``/proc/meminfo`` (and
+  the cgroup memory limit of a container). It checks the NVMe path's disk with
+  :func:`shutil.disk_usage` and RDMA devices under ``/sys/class/infiniband``. It reads the
+  GPUs through ``torch.cuda`` when no size is given (torch is imported only then; never
+  vllm).
 - :func:`run_checks` judges a parsed :class:`~vllm_kvtier.config.KVTierConfig`, the
-  operator's :class:`Target` and the :class:`Machine`; it reads nothing but the alert
+  operator's :class:`Target` and the :class:`Machine`. It reads nothing but the alert
   rules file it is given and the key files the config names. Each check is PASS, WARN
   or FAIL with the reason.
 

@@ -26,18 +26,18 @@ class ConfigError(KVTierError, ValueError):
 
 
 class FailureReason(StrEnum):
-    """Why a chunk write, read or delete failed: the label in counters, logs and
-    :attr:`~vllm_kvtier.tiers.base.IOResult.reason`.
+    """Why a chunk write, read or delete failed.
 
+    It is the label in counters, logs and :attr:`~vllm_kvtier.tiers.base.IOResult.reason`.
     Each medium maps its own exceptions or codes to these with ONE classifier function
-    (``nvme.classify``, ``s3_config.error_reason``, ``mooncake.code_reason``), never by
-    searching message text. :attr:`damaged` splits them in two for the reader of a failed
-    read: DAMAGED (the stored bytes are wrong or gone: drop the chunk from the index and
-    delete it) and TRANSIENT (the way to it failed: keep it, a later read may succeed; on a
-    shared bucket it is good data other instances use).
+    (``nvme.classify``, ``s3_config.error_reason``, ``mooncake.code_reason``). It never
+    searches message text. :attr:`damaged` splits them in two for the reader of a failed
+    read. DAMAGED: the stored bytes are wrong or gone; drop the chunk from the index and
+    delete it. TRANSIENT: the way to it failed; keep it, a later read may succeed. On a
+    shared bucket it is good data other instances use.
 
-    The values are the labels the counters used before this enum existed, so dashboards
-    keep their series; a member compares (and hashes) equal to its string.
+    The values are the counters' labels, so dashboards keep their series. A member
+    compares (and hashes) equal to its string.
     """
 
     # ---- damaged: the chunk itself is wrong or gone --------------------------------------
@@ -106,10 +106,12 @@ AUTH_REASONS: frozenset[FailureReason] = frozenset({FailureReason.AUTH_FAILED, F
 
 
 def run_all(steps: Iterable[Callable[[], object] | None]) -> None:
-    """Call every step in order (None: a part that is not there, skipped) even when some raise (a shutdown: a part that cannot close
-    must not keep the others' threads alive); then raise the first failure, if any, with
-    the later ones in its notes. Only ``Exception``: an interrupt (``KeyboardInterrupt``,
-    ``SystemExit``) stops at once, as it should."""
+    """Call every step in order, even when some raise; then raise the first failure.
+
+    None is a part that is not there, and is skipped. This is for a shutdown: a part that
+    cannot close must not keep the others' threads alive. The first failure is raised with
+    the later ones in its notes. Only ``Exception`` is caught. An interrupt
+    (``KeyboardInterrupt``, ``SystemExit``) stops at once, as it should."""
     first: BaseException | None = None
     for step in steps:
         if step is None:

@@ -1,17 +1,18 @@
 """Prometheus metrics from the plugin's stats, on vLLM's ``/metrics`` or on a port of their own.
 
-:class:`PromMetrics` makes one Prometheus metric per member of :mod:`vllm_kvtier.metrics`'
-``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds them from a stats data dict
-(``KVTierStats.data``: counter deltas, last gauge values, histogram observations). vLLM's stat logger uses it through
+The :class:`PromMetrics` makes one Prometheus metric per member of
+:mod:`vllm_kvtier.metrics`' ``CounterName``, ``GaugeName`` and ``HistogramName``. It feeds
+them from a stats data dict. That dict is ``KVTierStats.data``: counter deltas, last gauge
+values, histogram observations. vLLM's stat logger uses it through
 :class:`~vllm_kvtier.connector.stats.KVTierPromMetrics`, with vLLM's metric classes and
 names ``vllm:kvtier_...``.
 
-:class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
-``/metrics`` (offline ``LLM`` use, tools): the same metrics on a registry the caller passes
-in (never the process-global one), served by prometheus_client's HTTP server. Its names
-have no ``vllm:`` prefix (``kvtier_blocks_loaded_total``, ``kvtier_usage_bytes``,
-``kvtier_request_load_wait_seconds_bucket``): they are not vLLM's metrics, and a Prometheus
-scraping both endpoints then sees no clash. This module never imports vLLM.
+The :class:`StandaloneExporter` is for setups whose metrics do not go through vLLM's
+``/metrics`` (offline ``LLM`` use, tools). It serves the same metrics on a registry the
+caller passes in (never the process-global one), with prometheus_client's HTTP server. Its
+names have no ``vllm:`` prefix (``kvtier_blocks_loaded_total``, ``kvtier_usage_bytes``,
+``kvtier_request_load_wait_seconds_bucket``). They are not vLLM's metrics. So a Prometheus
+scraping both endpoints sees no clash. This module never imports vLLM.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class PromMetrics:
         }
 
     def zero(self, tiers: Sequence[str], labelvalues: Sequence[object] = ()) -> None:
-        """Export every counter and histogram at 0 for ``tiers`` now, before any event, so
-        that ``rate(...)`` alerts and dashboards read 0, not "no data", on a healthy idle
-        server. Gauges get their values with the first stats (a 0 would be a false
-        capacity or estimate)."""
+        """Export every counter and histogram at 0 for ``tiers`` now, before any event.
+
+        So ``rate(...)`` alerts and dashboards read 0, not "no data", on a healthy idle
+        server. Gauges get their values with the first stats. A 0 there would be a false
+        capacity or estimate."""
         for tier in tiers:
             for counter in self.counters.values():
                 counter.labels(*labelvalues, tier)
@@ -95,11 +97,11 @@ class PromMetrics:
 class StandaloneExporter:
     """The plugin's metrics on ``registry``, named ``kvtier_...``, optionally served over HTTP.
 
-    ``labels``: constant labels on every sample (``{"model_name": ...}``); ``tiers``: the
+    ``labels``: constant labels on every sample (``{"model_name": ...}``). ``tiers``: the
     configured tiers, whose counters are exported at 0 from the start. Whoever holds the
-    stats (a stat logger, a tool polling ``KVTierStats``) calls :meth:`observe` with each
-    data dict, from any thread; :meth:`start` serves ``registry`` on ``/metrics`` from a
-    daemon thread until :meth:`stop`.
+    stats calls :meth:`observe` with each data dict, from any thread. That is a stat
+    logger, or a tool polling ``KVTierStats``. The :meth:`start` call serves ``registry``
+    on ``/metrics`` from a daemon thread until :meth:`stop`.
     """
 
     def __init__(self, registry: CollectorRegistry, *, labels: Mapping[str, str] | None = None,

@@ -1,15 +1,17 @@
 """The plain values the scheduler half and the worker half exchange each step.
 
 :class:`StepPlan` goes from the scheduler to every worker (inside vLLM's
-``SchedulerOutput``); :class:`WorkerReport` comes back from each worker (merged over TP
-ranks by :meth:`WorkerReport.aggregate`). The jobs inside them are frozen dataclasses of
-ints, strings and bytes: cheap to pickle to every worker process, and never a sentinel
-(a block that cannot be loaded is named in :attr:`LoadJob.unloadable`, not given slot -1).
-A tier is a :class:`~vllm_kvtier.keys.TierName` (a ``StrEnum``: it equals its string).
+``SchedulerOutput``). :class:`WorkerReport` comes back from each worker. It is merged over
+TP ranks by :meth:`WorkerReport.aggregate`. The jobs inside them are frozen dataclasses
+of ints, strings and bytes. They are cheap to pickle to every worker process. They never
+hold a sentinel. A block that cannot be loaded is named in :attr:`LoadJob.unloadable`,
+not given slot -1. A tier is a :class:`~vllm_kvtier.keys.TierName` (a ``StrEnum``: it
+equals its string).
 
-This module imports only :mod:`vllm_kvtier.keys` (the bottom), and no vLLM or torch: the
-planners (``plan/``) build these values and the worker side reads them without either. The connector's thin vLLM
-subclasses (``connector/metadata.py``) add only vLLM's base classes.
+This module imports only :mod:`vllm_kvtier.keys` (the bottom), and no vLLM or torch. The
+planners (``plan/``) build these values, and the worker side reads them without either.
+The connector's thin vLLM subclasses (``connector/metadata.py``) add only vLLM's base
+classes.
 """
 
 from __future__ import annotations
@@ -60,15 +62,16 @@ class PeerRead:
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Copy CPU ``slots[i]`` (holding ``keys[i]``) into engine ``block_ids[i]``;
-    ``asynchronous`` jobs are reported through ``finished_recving``, sync jobs complete
+    """Copy CPU ``slots[i]`` (holding ``keys[i]``) into engine ``block_ids[i]``.
+
+    ``asynchronous`` jobs are reported through ``finished_recving``. Sync jobs complete
     before the forward.
 
-    ``reads`` first fill some of the slots from a lower tier (NVMe, S3: a promotion, the
-    block stays in the CPU tier afterwards); ``peer_read`` fills some over NIXL.
-    ``unloadable``: engine blocks of this load that got no CPU slot (none was free for
-    their promotion); the worker reports them failed and vLLM recomputes them. A job with
-    any is asynchronous (failures are reported with ``finished_recving``).
+    ``reads`` first fill some of the slots from a lower tier (NVMe, S3). That is a
+    promotion: the block stays in the CPU tier afterwards. ``peer_read`` fills some over
+    NIXL. ``unloadable``: engine blocks of this load that got no CPU slot. None was free
+    for their promotion. The worker reports them failed, and vLLM recomputes them. A job
+    with any is asynchronous (failures are reported with ``finished_recving``).
     """
 
     req_id: str
@@ -94,8 +97,9 @@ class ChunkWriteJob:
 
 @dataclass(frozen=True)
 class PrefetchJob:
-    """Fill CPU slots from lower tiers ahead of a request (no engine block involved): a
-    prefix predicted to come back is promoted before it is asked for."""
+    """Fill CPU slots from lower tiers ahead of a request (no engine block involved).
+
+    A prefix predicted to come back is promoted before it is asked for."""
 
     prefetch_id: int
     reads: tuple[ChunkRead, ...]
@@ -103,11 +107,12 @@ class PrefetchJob:
 
 @dataclass(frozen=True)
 class VerifyJob:
-    """Shadow verification of one sampled hit (``verify.sample_rate``): the request
-    recomputed blocks ``block_ids[i]`` (vLLM was told 0 external tokens); CPU
-    ``slots[i]`` hold, or are filled by ``reads`` with, the stored block ``keys[i]`` of
-    tier ``tiers[i]``. After this step's forward the worker compares each slot with its
-    freshly computed engine block, and reports the outcome per key."""
+    """Shadow verification of one sampled hit (``verify.sample_rate``).
+
+    The request recomputed blocks ``block_ids[i]`` (vLLM was told 0 external tokens). CPU
+    ``slots[i]`` hold the stored block ``keys[i]`` of tier ``tiers[i]``, or ``reads`` fill
+    them with it. After this step's forward, the worker compares each slot with its
+    freshly computed engine block. It reports the outcome per key."""
 
     verify_id: int
     req_id: str

@@ -1,14 +1,14 @@
 """Names every layer shares, at the bottom of the house (imports nothing internal).
 
-A :data:`BlockKey` is vLLM's chained block hash (``request.block_hashes[i]``): it names
-the whole token prefix up to the end of block ``i`` (plus LoRA, multimodal inputs and
-``cache_salt``, which vLLM folds into the hash). It does not name the model or the KV
-layout; the :func:`namespace` digest does, and every tier that outlives one engine stores
-keys inside it, so KV from an incompatible engine is never read back.
+A :data:`BlockKey` is vLLM's chained block hash (``request.block_hashes[i]``). It names
+the whole token prefix up to the end of block ``i``. That includes LoRA, multimodal inputs
+and ``cache_salt``, which vLLM folds into the hash. It does not name the model or the KV
+layout; the :func:`namespace` digest does. Every tier that outlives one engine stores keys
+inside it, so KV from an incompatible engine is never read back.
 
 :class:`TierName` names a tier in counters, metadata and logs. It is a ``StrEnum``: a
-member equals its string (``TierName.NVME == "nvme"``), so it crosses process boundaries
-as a plain string and metric labels stay what operators' dashboards already use.
+member equals its string (``TierName.NVME == "nvme"``). So it crosses process boundaries
+as a plain string, and metric labels stay what operators' dashboards already use.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Every metric is declared once, as a member of :class:`CounterName`, :class:`GaugeName` or
 :class:`HistogramName`. A member is its name (a ``StrEnum``: ``CounterName.BLOCKS_LOADED ==
 "blocks_loaded"``) and carries its help text (a histogram's buckets too). :class:`Counters`
-takes only these members: mypy rejects a plain string, and at run time an undeclared name
-raises ``ValueError`` at once instead of vanishing from the exported metrics.
+takes only these members: mypy rejects a plain string. At run time an undeclared name
+raises ``ValueError`` at once, instead of vanishing from the exported metrics.
 
 The hot path bumps plain counters in a dict (:class:`Counters`). They cross processes as
 plain dicts inside vLLM's ``KVConnectorStats``. They become Prometheus metrics on vLLM's own

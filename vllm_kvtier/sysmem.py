@@ -1,9 +1,12 @@
-"""How much DRAM this process may still use: the host's available memory, capped by the
-container's cgroup limit (a Kubernetes pod's ``resources.limits.memory``).
+"""How much DRAM this process may still use.
 
-Who calls it: the connector when it sizes the CPU tier (once, at start-up: a fixed
-``cpu.capacity_bytes`` that cannot fit fails the start, naming the field), ``kvtier
-check-config`` (a warning) and ``kvtier doctor``. Reads ``/proc`` and ``/sys`` only; never raises.
+It is the host's available memory, capped by the container's cgroup limit (a Kubernetes
+pod's ``resources.limits.memory``).
+
+Who calls it: the connector when it sizes the CPU tier, once, at start-up. There a fixed
+``cpu.capacity_bytes`` that cannot fit fails the start, naming the field. Also ``kvtier
+check-config`` (a warning) and ``kvtier doctor``. Reads ``/proc`` and ``/sys`` only; never
+raises.
 
 Why the cgroup matters: ``MemAvailable`` is the *node's* free memory. In a pod limited to
 64 GiB on a 1 TiB node, half of "available" would be far above the limit, and the pool's
@@ -73,9 +76,11 @@ def available_memory(root: str = "/sys/fs/cgroup", meminfo: str = "/proc/meminfo
 
 
 def budget_overrun(capacity_bytes: int | None) -> str | None:
-    """Why a CPU tier of ``capacity_bytes`` (``cpu.capacity_bytes``) cannot fit in what this
-    process may still allocate (a sentence with both figures), or None when it
-    fits or no fixed budget is set (``cpu.capacity_fraction`` sizes from this figure)."""
+    """Why a CPU tier of ``capacity_bytes`` (``cpu.capacity_bytes``) cannot fit.
+
+    The limit is what this process may still allocate. The answer is a sentence with both
+    figures. None when it fits, or when no fixed budget is set. Then
+    ``cpu.capacity_fraction`` sizes from this figure."""
     if capacity_bytes is None:
         return None
     available, where = available_memory()

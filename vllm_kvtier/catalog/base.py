@@ -39,11 +39,12 @@ def common_chunks(found: Found) -> dict[str, ChunkHeader]:
 
 @dataclass(frozen=True)
 class RescanDelta:
-    """What changed between two listings of a tier, computed on the rescan thread: the
-    chunks present on every rank that the previous listing did not show (``added``: chunk
-    id -> (keys, bytes per rank, block bytes), oldest first) and the chunks the previous
-    listing (or this instance's own confirmed writes) showed that this one does not
-    (``removed``: deleted out of band, expired by a lifecycle rule)."""
+    """What changed between two listings of a tier, computed on the rescan thread.
+
+    ``added``: the chunks present on every rank that the previous listing did not show.
+    It maps chunk id -> (keys, bytes per rank, block bytes), oldest first. ``removed``: the
+    chunks the previous listing (or this instance's own confirmed writes) showed that this
+    one does not. They were deleted out of band or expired by a lifecycle rule."""
 
     added: dict[str, tuple[tuple[BlockKey, ...], int, int]]
     removed: frozenset[str]

@@ -25,18 +25,19 @@ _MAX_PENDING_CHUNKS = 1 << 18
 
 
 class Rescanner:
-    """Runs ``scan`` every ``interval_s`` on a daemon thread and turns each listing into a
-    :class:`RescanDelta` there, so the scheduler thread only applies deltas.
+    """Runs ``scan`` every ``interval_s`` on a daemon thread.
 
-    ``scan`` may block for seconds (it lists a bucket); it never runs on the scheduler
-    thread. A failed scan (it raises: a listing that could not complete must not read as
-    "everything was deleted") is logged and skipped. ``initial``: the start-up listing the
-    planner was built from (the first delta is against it). The thread keeps the set of
-    chunk ids of the last listing (about 100 B each), and the deltas not taken yet merged
-    into one (by chunk id: a chunk added then removed before a take is in neither), at
-    most :data:`_MAX_PENDING_CHUNKS` chunks: beyond, they are dropped and the next rescan
-    computes one delta against what the planner last took (a resync, counted as
-    ``rescan_resyncs``), so an idle engine holds one delta's worth, not every rescan's.
+    It turns each listing into a :class:`RescanDelta` there, so the scheduler thread only
+    applies deltas. ``scan`` may block for seconds (it lists a bucket); it never runs on
+    the scheduler thread. A failed scan raises, and is logged and skipped. A listing that
+    could not complete must not read as "everything was deleted". ``initial``: the
+    start-up listing the planner was built from (the first delta is against it). The
+    thread keeps the set of chunk ids of the last listing (about 100 B each). It also keeps
+    the deltas not taken yet, merged into one by chunk id. A chunk added then removed
+    before a take is in neither. It keeps at most :data:`_MAX_PENDING_CHUNKS` chunks.
+    Beyond that, they are dropped. The next rescan then computes one delta against what the
+    planner last took (a resync, counted as ``rescan_resyncs``). So an idle engine holds one
+    delta's worth, not every rescan's.
     """
 
     def __init__(self, name: str, scan: Callable[[], Found], interval_s: float, *, initial: Found | None = None,

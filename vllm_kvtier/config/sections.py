@@ -75,9 +75,9 @@ class CPUTierConfig:
 
     ``capacity_bytes`` is the budget for the whole engine (all TP ranks together).
     When it is not given, the budget is ``capacity_fraction`` of the DRAM that is
-    *available* when the engine starts (after the OS, the model weights and vLLM's own
-    KV cache have taken theirs): the usual 50-70% of DRAM, at its conservative end by
-    default because vLLM workers and the API server keep growing after start-up.
+    *available* when the engine starts. That is after the OS, the model weights and vLLM's
+    own KV cache have taken theirs. It is usually 50-70% of DRAM. The default is at its
+    conservative end, because vLLM workers and the API server keep growing after start-up.
     """
 
     capacity_bytes: int | None = None
@@ -184,8 +184,8 @@ class _FixedHeaderCache:
 class NVMeTierConfig(_FixedHeaderCache):
     """The NVMe tier: chunk files under ``path``, at most ``capacity_bytes`` of them.
 
-    It survives restarts: a new engine pointed at the same ``path`` (and the same model
-    and layout: files live under a namespace digest) serves hits from what was stored.
+    It survives restarts. A new engine pointed at the same ``path`` serves hits from what
+    was stored. It needs the same model and layout: files live under a namespace digest.
     """
 
     path: str
@@ -266,11 +266,12 @@ class NVMeTierConfig(_FixedHeaderCache):
 class S3TierConfig:
     """The object-store tier: chunk objects in ``store.bucket`` under ``store.prefix``.
 
-    In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.s3.config.S3Config` (bucket, prefix, region, endpoint_url,
-    path_style, ca_bundle, profile, timeouts, retries, breaker, threads, multipart,
-    manifests, io_engine) next to the policy fields below. No credential field exists: credentials
-    come from the standard AWS chain (environment, profile, IRSA, instance metadata).
+    In YAML the section is flat. The fields of
+    :class:`~vllm_kvtier.tiers.s3.config.S3Config` sit next to the policy fields below.
+    Those are bucket, prefix, region, endpoint_url, path_style, ca_bundle, profile,
+    timeouts, retries, breaker, threads, multipart, manifests and io_engine. No credential
+    field exists. Credentials come from the standard AWS chain (environment, profile,
+    IRSA, instance metadata).
     """
 
     store: S3Config
@@ -327,16 +328,19 @@ class S3TierConfig:
 
 @dataclass(frozen=True)
 class MooncakeTierConfig(_FixedHeaderCache):
-    """A Mooncake Store pool (``mooncake_master`` plus clients pooling their DRAM, TCP or
-    RDMA), shared by every instance that points at the same master: the KV store pool of
-    prefill/decode disaggregation (the prefill instance writes, the decode one loads).
+    """A Mooncake Store pool, shared by every instance that points at the same master.
 
-    In YAML the section is flat: the fields of
-    :class:`~vllm_kvtier.tiers.mooncake.store.MooncakeConfig` (master, metadata_server,
-    local_hostname, protocol, device_name, segment and buffer sizes, deadline_s, threads,
-    replicas, breaker) next to the policy fields below. One object per block, named by the
-    block's chained hash, so any instance finds a prefix from its own block hashes; leases
-    and eviction are Mooncake's. ``kv_role: kv_consumer`` makes this instance read-only.
+    The pool is a ``mooncake_master`` plus clients pooling their DRAM, over TCP or RDMA.
+    It is the KV store pool of prefill/decode disaggregation. The prefill instance writes,
+    and the decode one loads.
+
+    In YAML the section is flat. The fields of
+    :class:`~vllm_kvtier.tiers.mooncake.store.MooncakeConfig` sit next to the policy
+    fields below. Those are master, metadata_server, local_hostname, protocol,
+    device_name, segment and buffer sizes, deadline_s, threads, replicas and breaker. There
+    is one object per block, named by the block's chained hash. So any instance finds a
+    prefix from its own block hashes. Leases and eviction are Mooncake's. ``kv_role:
+    kv_consumer`` makes this instance read-only.
     """
 
     store: MooncakeConfig
@@ -406,11 +410,13 @@ class MooncakeTierConfig(_FixedHeaderCache):
 
 @dataclass(frozen=True)
 class NixlTierConfig:
-    """Prefill/decode disaggregation peer to peer: the decode instance reads a prompt's
-    blocks straight out of the prefill instance's CPU tier over NIXL (UCX: RDMA, or TCP /
-    shared memory on one host), using the ``kv_transfer_params`` vLLM passes through the
-    request. In YAML the section is flat: :class:`~vllm_kvtier.tiers.nixl.agent.NixlConfig`'s
-    fields (backends, deadline_s, num_threads, progress_thread) next to ``hold_s``."""
+    """Prefill/decode disaggregation peer to peer.
+
+    The decode instance reads a prompt's blocks straight out of the prefill instance's CPU
+    tier over NIXL. NIXL uses UCX: RDMA, or TCP / shared memory on one host. It uses the
+    ``kv_transfer_params`` vLLM passes through the request. In YAML the section is flat:
+    :class:`~vllm_kvtier.tiers.nixl.agent.NixlConfig`'s fields (backends, deadline_s,
+    num_threads, progress_thread) sit next to ``hold_s``."""
 
     store: NixlConfig
     #: Prefill side: how long a finished request's blocks stay pinned for the decode side
@@ -495,8 +501,10 @@ class NixlTierConfig:
 @dataclass(frozen=True)
 class LoadOrRecomputeConfig:
     """For hits below the CPU tier: load only the part of the prefix that is faster to
-    read than to compute again (measured tier bandwidth and latency against the measured
-    prefill rate, kept up to date at run time). CPU hits are always loaded."""
+    read than to compute again.
+
+    It weighs the measured tier bandwidth and latency against the measured prefill rate.
+    Both are kept up to date at run time. CPU hits are always loaded."""
 
     enabled: bool = True
     #: Starting estimate of the prefill rate; None: 5000 tokens/s until measured.
@@ -521,8 +529,9 @@ class LoadOrRecomputeConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    """Promote a conversation's blocks that left DRAM back into it when its request ends,
-    ahead of the next turn (only with a tier below CPU)."""
+    """Promote a conversation's blocks that left DRAM back into it when its request ends.
+
+    This is ahead of the next turn, and only with a tier below CPU."""
 
     enabled: bool = True
     #: Promotions in flight at most (a bandwidth and memory budget).
@@ -544,15 +553,16 @@ MAX_SCHEDULE_WAIT_S = 60.0
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The order in which vLLM admits waiting requests, as far as a connector can change
-    it: its lookup may answer "not yet" for a request, and vLLM's scheduler then looks at
-    the next one in its queue. "short-first" passes over a request with more than
-    ``short_tokens`` left to compute after its hits while one with at most that many waits
-    in the queue, up to ``max_wait_s`` a request, so that a request whose prefix is
-    stored does not wait for KV space or its turn behind a long prefill. The long one
-    waits the short one's step more (bounded). Off by default: on the production trace
-    measured (docs/benchmarks.md) it cut the short requests' wait and their mean TTFT,
-    raised the long ones' tail, and left the mean where it was."""
+    """The order in which vLLM admits waiting requests, as far as a connector can change it.
+
+    Its lookup may answer "not yet" for a request. vLLM's scheduler then looks at the next
+    one in its queue. "short-first" passes over a request with more than ``short_tokens``
+    left to compute after its hits. It does so while one with at most that many waits in
+    the queue, up to ``max_wait_s`` a request. So a request whose prefix is stored does not
+    wait for KV space or its turn behind a long prefill. The long one waits the short one's
+    step more (bounded). Off by default. On the production trace measured
+    (docs/benchmarks.md) it cut the short requests' wait and their mean TTFT. It raised the
+    long ones' tail, and left the mean where it was."""
 
     #: "fifo": vLLM's order (arrival) untouched. "short-first": as above.
     order: Literal["fifo", "short-first"] = "fifo"
@@ -611,11 +621,11 @@ MAX_VERIFY_KEYS = 8
 class AuthConfig:
     """Authenticated chunks (MACs) for the tiers below CPU: WHERE the key is, never the key.
 
-    With a key found, every chunk and pool object the shared tiers (s3, mooncake) write
-    carries a MAC over its header and blocks, and every read verifies it before a block is
-    used; a chunk without a valid MAC is a miss (``kvtier_auth_failures_total``). Without
-    one, write access to the bucket or the pool is control over every reader's output. See
-    :mod:`vllm_kvtier.tiers.auth` for the format."""
+    With a key found, the shared tiers (s3, mooncake) sign what they write. Every chunk and
+    pool object carries a MAC over its header and blocks. Every read verifies it before a
+    block is used. A chunk without a valid MAC is a miss (``kvtier_auth_failures_total``).
+    Without a key, write access to the bucket or the pool is control over every reader's
+    output. See :mod:`vllm_kvtier.tiers.auth` for the format."""
 
     #: Environment variable holding the key as hex (64+ hex digits = 32+ bytes), read when
     #: ``key_file`` is not set. Unset or empty: no key.
@@ -654,10 +664,11 @@ class AuthConfig:
 
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Shadow verification: a sampled hit is recomputed instead of loaded, and the stored
-    blocks (read from their tier into CPU slots, as a load would) are compared with the
-    freshly computed ones; a mismatch is counted, logged and may quarantine the tier.
-    ``sample_rate: 0`` (default) takes no code path at all."""
+    """Shadow verification: a sampled hit is recomputed instead of loaded.
+
+    Its stored blocks are read from their tier into CPU slots, as a load would. They are
+    compared with the freshly computed ones. A mismatch is counted, logged and may
+    quarantine the tier. ``sample_rate: 0`` (default) takes no code path at all."""
 
     #: Share of hits (requests that would load blocks from a tier) verified, in [0, 1];
     #: 1.0 verifies every hit (and so serves none: each is recomputed).
@@ -699,8 +710,10 @@ class VerifyConfig:
 
 @dataclass(frozen=True)
 class EventsConfig:
-    """Bounds of the KV events the connector publishes (``take_events``) when vLLM's
-    ``--kv-events-config`` turns KV cache events on; with them off nothing is built."""
+    """Bounds of the KV events the connector publishes (``take_events``).
+
+    They apply when vLLM's ``--kv-events-config`` turns KV cache events on. With them off,
+    nothing is built."""
 
     #: Block entries (one block stored in or removed from one tier) queued between two
     #: ``take_events`` calls at most; beyond it new ones are dropped and counted

@@ -2,11 +2,12 @@
 
 vLLM builds the connector twice: in the scheduler role (EngineCore process) and in the
 worker role (each worker process). This class picks :class:`SchedulerHalf` or
-:class:`WorkerHalf` by role and forwards vLLM's calls to it; the logic lives in
-``plan/`` (scheduler side), ``transfer/`` (worker side), ``index/``, ``tiers/`` and
-``engine/`` (what is built at start-up), which never import vLLM. This package is the only one that does: the facade here, the
-translation of vLLM's objects (``scheduler.py``, ``metadata.py``), stats glue
-(``stats.py``), wiring (``wiring.py``) and the entry point (``plugin.py``).
+:class:`WorkerHalf` by role and forwards vLLM's calls to it. The logic lives in ``plan/``
+(scheduler side), ``transfer/`` (worker side), ``index/``, ``tiers/`` and ``engine/``
+(what is built at start-up). Those never import vLLM. This package is the only one that
+does. It holds the facade here and the translation of vLLM's objects (``scheduler.py``,
+``metadata.py``). It also holds stats glue (``stats.py``), wiring (``wiring.py``) and the
+entry point (``plugin.py``).
 
 Turn it on with ``--kv-transfer-config '{"kv_connector":"KVTierConnector","kv_role":"kv_both",
 "kv_load_failure_policy":"recompute","kv_connector_extra_config":{"preset":"interactive"}}'``
@@ -74,7 +75,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that keeps KV blocks in tiers beyond GPU memory.
 
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for models mixing full and
-    sliding-window attention; blocks of every KV cache group are stored with their group
+    sliding-window attention. Blocks of every KV cache group are stored with their group
     (:mod:`vllm_kvtier.index.groups`). Models with state-space (Mamba, linear attention)
     layers are refused at start (:func:`~vllm_kvtier.connector.wiring.group_layout`)."""
 
@@ -206,9 +207,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierStats(data) if data else None
 
     def shutdown(self) -> None:
-        """Closes every part, and never raises: vLLM clears its connector global only after
-        this returns, so a raise would leave this connector installed for the next engine
-        of an in-process user (an ``LLM`` created after this one's ``shutdown``)."""
+        """Closes every part, and never raises.
+
+        vLLM clears its connector global only after this returns. So a raise would leave
+        this connector installed for the next engine of an in-process user. That is an
+        ``LLM`` created after this one's ``shutdown``."""
         try:
             run_all([self._worker.shutdown if self._worker is not None else None,
                      self._sched.close if self._sched is not None else None,

@@ -1,24 +1,27 @@
-"""KV events in vLLM's own types: the planner's tier events as ``BlockStored`` /
-``BlockRemoved`` (``vllm.distributed.kv_events``), for ``KVTierConnector.take_events``.
+"""KV events in vLLM's own types, for ``KVTierConnector.take_events``.
 
-Who calls it: the connector in the scheduler role, from vLLM's scheduler thread (vLLM
+The planner's tier events become ``BlockStored`` / ``BlockRemoved``
+(``vllm.distributed.kv_events``).
+
+Who calls it: the connector in the scheduler role, from vLLM's scheduler thread. vLLM
 publishes what ``take_events`` returns with the KV cache manager's own events, over its
-``--kv-events-config`` publisher). Built only when ``kv_events_config.enable_kv_cache_events``
+``--kv-events-config`` publisher. Built only when ``kv_events_config.enable_kv_cache_events``
 is on (:func:`event_log`); otherwise nothing here runs.
 
-Mediums (``docs/events.md`` says why): the CPU tier is vLLM's ``"CPU"`` (what its native CPU
-offloading publishes; no ``locality``, as vLLM's own). The tiers below it are vLLM's
-``"STORAGE"`` (what its native disk/object offloading publishes, and what Dynamo's router maps
-to its disk tier; a router that knows only GPU and CPU sets it aside), with ``ownership``
-naming the tier (``"nvme"``, ``"s3"``, ``"mooncake"``) so a router can tell them apart, and
-``locality`` ``"LOCAL"`` (this instance stored it) or ``"REMOTE"`` (another writer did, in a
-shared bucket or pool).
+Mediums (``docs/events.md`` says why): the CPU tier is vLLM's ``"CPU"``. That is what its
+native CPU offloading publishes; no ``locality``, as vLLM's own. The tiers below it are
+vLLM's ``"STORAGE"``. That is what its native disk/object offloading publishes. Dynamo's
+router maps it to its disk tier; a router that knows only GPU and CPU sets it aside.
+``ownership`` names the tier (``"nvme"``, ``"s3"``, ``"mooncake"``), so a router can tell
+them apart. ``locality`` is ``"LOCAL"`` (this instance stored it) or ``"REMOTE"`` (another
+writer did, in a shared bucket or pool).
 
-Hashes are vLLM's (``maybe_convert_block_hash`` of the live request's ``block_hashes``, as
-its own events publish them; for a LoRA request not our adapter-bound key). A block whose
-request is gone and was forgotten, or that a scan found, goes out in vLLM's placeholder form
-(hash only: ``token_ids`` empty, ``block_size`` 0), and by our key, which for a LoRA block a
-router will not recognise (so it ignores it).
+Hashes are vLLM's: ``maybe_convert_block_hash`` of the live request's ``block_hashes``, as
+its own events publish them. For a LoRA request it is not our adapter-bound key. Some
+blocks go out in vLLM's placeholder form (hash only: ``token_ids`` empty, ``block_size``
+0). Those are a block whose request is gone and was forgotten, or one a scan found. They
+go out by our key. A router will not recognise that key for a LoRA block, so it ignores
+it.
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ def events_enabled(vllm_config: Any) -> bool:
 
 
 def describe(block_size: int):  # type: ignore[no-untyped-def]
-    """``describe(request, i)`` for :class:`~vllm_kvtier.plan.events.EventLog`: block ``i``
-    as vLLM's own events show it: for a LoRA request, the live request's hash, not ours; for
-    a hybrid model's group view, vLLM's hash of the block with the view's ``group_idx`` (the
-    keys of groups >= 1 are derived from it)."""
+    """``describe(request, i)`` for :class:`~vllm_kvtier.plan.events.EventLog`.
+
+    It gives block ``i`` as vLLM's own events show it. For a LoRA request it is the live
+    request's hash, not ours. For a hybrid model's group view it is vLLM's hash of the
+    block, with the view's ``group_idx``. The keys of groups >= 1 are derived from it."""
 
     def info(request: Any, i: int) -> BlockInfo | None:
         group = 0

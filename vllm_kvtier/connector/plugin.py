@@ -33,10 +33,11 @@ CONNECTOR_NAME = "KVTierConnector"
 
 
 class _ToVllmHandlers(logging.Handler):
-    """Hands each record to the handlers the ``vllm`` logger has *now* (vLLM configures,
-    and may reconfigure, its logging after plugins are loaded), at vLLM's level; nothing
-    when vLLM's logging is not configured (``VLLM_CONFIGURE_LOGGING=0``: the record still
-    propagates to the application's root handlers)."""
+    """Hands each record to the handlers the ``vllm`` logger has *now*, at vLLM's level.
+
+    vLLM configures, and may reconfigure, its logging after plugins are loaded. Nothing is
+    handed when vLLM's logging is not configured (``VLLM_CONFIGURE_LOGGING=0``). The record
+    still propagates to the application's root handlers."""
 
     def emit(self, record: logging.LogRecord) -> None:
         target = logging.getLogger("vllm")
@@ -66,15 +67,15 @@ def route_logs_to_vllm() -> None:
 def check_command_line_config() -> None:
     """Refuse a bad ``kv_connector_extra_config`` given on vLLM's command line at once.
 
-    vLLM builds the connector only after the model is loaded (minutes for a real model),
-    and then reports a typo inside hundreds of lines and several tracebacks. vLLM loads
-    general plugins first of all, as it builds its argument parser, so :func:`register`
+    vLLM builds the connector only after the model is loaded (minutes for a real model).
+    It then reports a typo inside hundreds of lines and several tracebacks. vLLM loads
+    general plugins first of all, as it builds its argument parser. So :func:`register`
     reads ``--kv-transfer-config`` from the command line of a vLLM entry point itself
-    (``vllm serve``, ``python -m vllm.entrypoints...``), in the main process only, and
-    when it names this connector and its extra config does not parse, prints the one-line
-    error naming the field and exits with status 2. Anything it cannot read (other forms
-    of the flag, bad JSON, another connector) is left to vLLM and to the connector's own
-    check at start.
+    (``vllm serve``, ``python -m vllm.entrypoints...``). It does so in the main process
+    only. The flag may name this connector with an extra config that does not parse. Then
+    it prints the one-line error naming the field and exits with status 2. Anything it
+    cannot read is left to vLLM and to the connector's own check at start. That covers
+    other forms of the flag, bad JSON and another connector.
     """
     import multiprocessing
     import os
@@ -106,10 +107,12 @@ def check_command_line_config() -> None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: make ``{"kv_connector": "KVTierConnector"}``
-    work without ``kv_connector_module_path``, route the plugin's logs to vLLM's handlers,
-    and refuse a bad config on the command line before vLLM loads the model. vLLM calls
-    this in every process; calling it twice is harmless."""
+    """``vllm.general_plugins`` entry point.
+
+    It makes ``{"kv_connector": "KVTierConnector"}`` work without
+    ``kv_connector_module_path``. It routes the plugin's logs to vLLM's handlers. It
+    refuses a bad config on the command line before vLLM loads the model. vLLM calls this
+    in every process; calling it twice is harmless."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     route_logs_to_vllm()

@@ -1,9 +1,9 @@
 """vLLM's stats plumbing for our counters: ``KVConnectorStats`` and Prometheus metrics.
 
-Workers and the scheduler each return a :class:`KVTierStats` every step; vLLM aggregates
-them and ships ``to_dict()`` to the API-server (or ``LLM``) process, where
+Workers and the scheduler each return a :class:`KVTierStats` every step. vLLM aggregates
+them and ships ``to_dict()`` to the API-server (or ``LLM``) process. There
 :class:`KVTierPromMetrics` turns them into ``vllm:kvtier_*`` metrics on vLLM's own
-registry (multiprocess-safe metric classes are passed in by vLLM).
+registry. vLLM passes in multiprocess-safe metric classes.
 """
 
 from __future__ import annotations

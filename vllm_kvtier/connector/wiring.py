@@ -36,9 +36,10 @@ logger = logging.getLogger("vllm_kvtier")
 
 def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block of this rank's KV cache, over all its layers (a CPU slot's).
-    With more than one KV cache group the groups alias one memory region (each
-    ``KVCacheTensor`` spans it, several layers share a tensor): a block is that region
-    divided by ``num_blocks``, as the worker's deduplicated layout sees it."""
+
+    With more than one KV cache group, the groups alias one memory region. Each
+    ``KVCacheTensor`` spans it, and several layers share a tensor. A block is then that
+    region divided by ``num_blocks``, as the worker's deduplicated layout sees it."""
     groups = kv_cache_config.kv_cache_groups
     tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
     if len(groups) > 1 and tensors and kv_cache_config.num_blocks:
@@ -50,10 +51,12 @@ def rank_block_bytes(kv_cache_config: KVCacheConfig) -> int:
 
 
 def kv_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
-    """Whether every rank of a TP group holds the same KV cache: an MLA model (vLLM's
+    """Whether every rank of a TP group holds the same KV cache.
+
+    That is an MLA model with TP > 1 and no decode context parallelism. MLA means vLLM's
     ``MLAAttentionSpec`` in every KV cache group: one latent vector per token, not split by
-    heads) with TP > 1 and no decode context parallelism (DCP splits the latent cache's
-    tokens across the TP ranks: then each rank's shard is stored, as for other models)."""
+    heads. DCP splits the latent cache's tokens across the TP ranks. Then each rank's shard
+    is stored, as for other models."""
     par = vllm_config.parallel_config
     if par.tensor_parallel_size <= 1 or int(getattr(par, "decode_context_parallel_size", 1) or 1) > 1:
         return False
@@ -87,11 +90,13 @@ def _spec_kind(spec: Any) -> tuple[str, int] | None:
 
 
 def group_layout(cfg: KVTierConfig, kv_cache_config: KVCacheConfig) -> GroupLayout:
-    """The engine's KV cache groups, refusing at start what the tiers cannot store:
-    state-space layers (Mamba, linear attention: their state is not a per-block KV row),
-    and, with more than one group, other attention kinds, mixed block sizes, and the
-    features that move blocks by block id (P/D over NIXL, pool hand-offs, shadow
-    verification). A ConfigError names the field or layer and what to do."""
+    """The engine's KV cache groups, refusing at start what the tiers cannot store.
+
+    State-space layers are refused (Mamba, linear attention: their state is not a per-block
+    KV row). With more than one group, other attention kinds and mixed block sizes are
+    refused. So are the features that move blocks by block id (P/D over NIXL, pool
+    hand-offs, shadow verification). A ConfigError names the field or layer and what to
+    do."""
     from vllm.v1 import kv_cache_interface as kvi
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -132,10 +137,10 @@ def group_layout(cfg: KVTierConfig, kv_cache_config: KVCacheConfig) -> GroupLayo
 def worker_rank(vllm_config: VllmConfig | None = None) -> int:
     """This worker's rank within its engine (TP x PP; chunk files are per rank).
 
-    vLLM's world group spans every data-parallel engine of a MoE model: world rank =
-    ``data_parallel_rank * world_size + rank``. The rank within the engine is what names
-    this worker's chunks: the ranks of every engine then count from 0, as each engine's
-    scheduler counts them (:func:`dp_engine` tells the engines apart)."""
+    vLLM's world group spans every data-parallel engine of a MoE model. There world rank =
+    ``data_parallel_rank * world_size + rank``. The rank within the engine names this
+    worker's chunks. So the ranks of every engine count from 0, as each engine's scheduler
+    counts them. :func:`dp_engine` tells the engines apart."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
@@ -146,17 +151,21 @@ def worker_rank(vllm_config: VllmConfig | None = None) -> int:
 
 
 def engine_rank(world_rank: int, vllm_config: VllmConfig | None) -> int:
-    """The rank within its engine of vLLM's world rank ``world_rank`` (the world spans the
-    data-parallel engines of a MoE model; a dense model's engines are worlds of their own)."""
+    """The rank within its engine of vLLM's world rank ``world_rank``.
+
+    The world spans the data-parallel engines of a MoE model. A dense model's engines are
+    worlds of their own."""
     if vllm_config is None:
         return world_rank
     return world_rank % max(1, int(vllm_config.parallel_config.world_size))
 
 
 def dp_engine(vllm_config: VllmConfig | None) -> int:
-    """This engine's data-parallel index (0 without data parallelism). vLLM resets
-    ``data_parallel_rank`` to 0 in each engine of a dense model (they run independently);
-    ``data_parallel_index`` keeps the engine's place, so it is read first."""
+    """This engine's data-parallel index (0 without data parallelism).
+
+    vLLM resets ``data_parallel_rank`` to 0 in each engine of a dense model. Those engines
+    run independently. ``data_parallel_index`` keeps the engine's place, so it is read
+    first."""
     if vllm_config is None:
         return 0
     par = vllm_config.parallel_config
@@ -175,11 +184,11 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *,
     """Number of CPU slots for the configured budget (whole engine, all ranks).
 
     ``allocating``: the caller is a worker, about to allocate its pool. It checks that its
-    share of a fixed ``cpu.capacity_bytes`` fits in what this process may still allocate
-    (ConfigError at start-up, not at the first request). Then the engine's ranks agree on
-    the smallest figure (:func:`engine_min`): each measured before any of them allocated.
-    The scheduler calls this (``allocating=False``) only for the size it plans with until
-    the workers' handshake comes."""
+    share of a fixed ``cpu.capacity_bytes`` fits in what this process may still allocate.
+    A misfit is a ConfigError at start-up, not at the first request. Then the engine's
+    ranks agree on the smallest figure (:func:`engine_min`). Each measured before any of
+    them allocated. The scheduler calls this with ``allocating=False``. It does so only for
+    the size it plans with until the workers' handshake comes."""
     if cfg.cpu.capacity_bytes is not None:
         budget = cfg.cpu.capacity_bytes
         overrun = budget_overrun(budget // max(1, world_size)) if allocating else None
@@ -200,11 +209,13 @@ def pool_slots(cfg: KVTierConfig, block_bytes_per_rank: int, world_size: int, *,
 
 
 def engine_min(value: int) -> int:
-    """The smallest ``value`` over this engine's ranks: an all-reduce over vLLM's CPU
-    process groups of tensor, then pipeline, parallelism. Every rank calls it at the same
-    point (``register_kv_caches``), so it is also a barrier: no rank allocates its pool
-    before every rank has measured. ``value`` itself with one rank, or outside an engine
-    (unit tests drive the worker directly)."""
+    """The smallest ``value`` over this engine's ranks.
+
+    It is an all-reduce over vLLM's CPU process groups of tensor, then pipeline,
+    parallelism. Every rank calls it at the same point (``register_kv_caches``). So it is
+    also a barrier: no rank allocates its pool before every rank has measured. It returns
+    ``value`` itself with one rank, or outside an engine. Unit tests drive the worker
+    directly."""
     try:
         import torch
         import torch.distributed as dist
@@ -228,18 +239,20 @@ UNRESOLVED_LAYOUT = "unresolved"
 
 
 def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """The physical KV cache layout vLLM resolved for this engine (``LBHNC``, ``LBNHC``,
-    ``BLHNC``...: the stride order of a block's layers, heads, tokens and content), by its
-    canonical name. It decides how the bytes of a block sit in memory, which is how the
-    worker stores them (``transfer/layout.py``), so it is part of the namespace.
+    """The physical KV cache layout vLLM resolved for this engine, by its canonical name.
 
-    Both roles read the same value: vLLM >= 0.32 resolves it once in the engine core
-    (backends' supported layouts, ``VLLM_KV_CACHE_LAYOUT``, a connector's requirement)
-    before either role's connector is built, and records it on every ``KVCacheConfig``
-    and on ``cache_config`` (workers adopt it by RPC). An older vLLM resolves it per
-    process (``get_kv_cache_layout``: NHD, HND for FlashInfer on Blackwell, the env
-    variable); the scheduler and the workers reading different values is caught at the
-    first step (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
+    Examples: ``LBHNC``, ``LBNHC``, ``BLHNC``. It is the stride order of a block's layers,
+    heads, tokens and content. It decides how the bytes of a block sit in memory. That is
+    how the worker stores them (``transfer/layout.py``), so it is part of the namespace.
+
+    Both roles read the same value. vLLM >= 0.32 resolves it once in the engine core,
+    before either role's connector is built. It uses the backends' supported layouts,
+    ``VLLM_KV_CACHE_LAYOUT`` and a connector's requirement. It records it on every
+    ``KVCacheConfig`` and on ``cache_config`` (workers adopt it by RPC). An older vLLM
+    resolves it per process (``get_kv_cache_layout``: NHD, HND for FlashInfer on
+    Blackwell, the env variable). The scheduler and the workers may then read different
+    values. That is caught at the first step
+    (:meth:`~vllm_kvtier.transfer.worker.WorkerHalf.begin_step`)."""
     name = getattr(kv_cache_config, "kv_cache_layout", None) \
         or getattr(vllm_config.cache_config, "kv_cache_layout", None)
     if not name:
@@ -256,11 +269,14 @@ def kv_cache_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, salt: str = "",
                      log: bool = False, groups: GroupLayout | None = None, fingerprint: FingerprintMode = "full",
                      cache_dir: Path | None = None, require_fingerprint: bool = False) -> str:
-    """The digest naming what this engine stores (the model's identity: weights, dtype,
-    quantization, overrides, salt; KV dtype and shape, TP size, the resolved physical KV
-    layout (:func:`kv_cache_layout`), hash): blocks of
-    another namespace are never read back. ``log``: its inputs at INFO (once per engine:
-    the scheduler role). ``require_fingerprint``: :func:`~vllm_kvtier.engine.identity.model_identity`'s."""
+    """The digest naming what this engine stores; blocks of another namespace are never
+    read back.
+
+    Its inputs are the model's identity (weights, dtype, quantization, overrides, salt).
+    They also include the KV dtype and shape, the TP size and the hash. And the resolved
+    physical KV layout (:func:`kv_cache_layout`). ``log``: its inputs at INFO (once per
+    engine: the scheduler role). ``require_fingerprint``:
+    :func:`~vllm_kvtier.engine.identity.model_identity`'s."""
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
     model = vllm_config.model_config
@@ -314,9 +330,10 @@ def start_exporter(cfg: KVTierConfig, ns: str) -> Any:
 
 def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                    ns: str, groups: GroupLayout | None = None) -> SchedulerHalf:
-    """The scheduler role's half: the CPU tier sized from the config, the planners of the
-    tiers below it (their start-up scans run here), and the KV event log if vLLM's KV events
-    are on."""
+    """The scheduler role's half.
+
+    It holds the CPU tier sized from the config, and the planners of the tiers below it.
+    Their start-up scans run here. It holds the KV event log if vLLM's KV events are on."""
     par = vllm_config.parallel_config
     world = engine_world_size(vllm_config)
     block_bytes = rank_block_bytes(kv_cache_config)
@@ -357,22 +374,27 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
 
 def sync_load_failures_unsafe(vllm_config: VllmConfig) -> bool:
     """Whether a sync load that fails after vLLM allocated and scheduled it gives wrong
-    output: vLLM's V2 model runner with ``kv_load_failure_policy: recompute`` (vllm#49250,
-    open in 0.32). There the scheduler truncates the request's ``num_computed_tokens``
-    backward, and the runner applies that to its CPU mirror only: the recompute gathers
-    tokens and positions from the old offset. Such engines get async loads only: a request
-    waits for its load outside the running batch, and a failure (by block or by request)
-    sets its ``num_computed_tokens`` before the runner first sees it, so nothing goes
-    backward. Cost: one step of latency per hit. Under ``fail`` a failed sync load ends
-    the request with an error (never wrong output): sync loads stay."""
+    output.
+
+    That is vLLM's V2 model runner with ``kv_load_failure_policy: recompute``
+    (vllm#49250, open in 0.32). There the scheduler truncates the request's
+    ``num_computed_tokens`` backward. The runner applies that to its CPU mirror only. So
+    the recompute gathers tokens and positions from the old offset. Such engines get
+    async loads only. A request then waits for its load outside the running batch. A
+    failure (by block or by request) sets its ``num_computed_tokens`` before the runner
+    first sees it. So nothing goes backward. Cost: one step of latency per hit. Under
+    ``fail``, a failed sync load ends the request with an error (never wrong output). So
+    sync loads stay."""
     policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
     return policy == "recompute" and bool(getattr(vllm_config, "use_v2_model_runner", False))
 
 
 def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
     """Whether other ranks of this engine (TP/PP, or data-parallel ranks it started) run on
-    this host: their compute cores are not known in this process (vLLM computes them from
-    the executor's CPU mask, which this worker no longer has), so ``background_cpus: auto``
+    this host.
+
+    Their compute cores are not known in this process. vLLM computes them from the
+    executor's CPU mask, which this worker no longer has. So ``background_cpus: auto``
     leaves the threads where they are rather than risk another rank's cores."""
     if vllm_config is None:
         return False
@@ -382,11 +404,13 @@ def shares_host_with_other_ranks(vllm_config: VllmConfig | None) -> bool:
 
 def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
                 vllm_config: VllmConfig | None = None) -> WorkerHalf:
-    """The worker role's half of this rank. Its data path (pool, copy engine, lower tiers)
-    is built in ``register_kv_caches``, with a pool sized there by :func:`pool_slots`
-    (after vLLM allocated its own KV cache, in the process that allocates the pool).
-    ``vllm_config``: the world size, and to tell a replicated (MLA) cache, whose lower-tier
-    copy only the TP group's first rank writes (None: one rank, not replicated)."""
+    """The worker role's half of this rank.
+
+    Its data path (pool, copy engine, lower tiers) is built in ``register_kv_caches``. Its
+    pool is sized there by :func:`pool_slots`. That is after vLLM allocated its own KV
+    cache, in the process that allocates the pool. ``vllm_config`` gives the world size.
+    It also tells a replicated (MLA) cache, whose lower-tier copy only the TP group's
+    first rank writes. None: one rank, not replicated."""
     rank = worker_rank(vllm_config)
     replicated = vllm_config is not None and kv_replicated(vllm_config, kv_cache_config)
     tp = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
@@ -401,9 +425,10 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
 
 
 def under_multi_connector() -> bool:
-    """Whether this worker's connector is one of vLLM's ``MultiConnector``: it hands the
-    first sub-connector's start-up handshake to all of them, and another's scheduler
-    (NIXL's) refuses ours. Then this worker sends none."""
+    """Whether this worker's connector is one of vLLM's ``MultiConnector``.
+
+    It hands the first sub-connector's start-up handshake to all of them. Another's
+    scheduler (NIXL's) refuses ours. Then this worker sends none."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector

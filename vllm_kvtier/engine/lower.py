@@ -1,7 +1,9 @@
-"""Building the tiers below CPU (NVMe, S3, Mooncake) from the config: the scheduler's
-planners and each worker's stores. Every store is opened through the tier registry
-(:mod:`vllm_kvtier.tiers.registry`) from its config section and one context: each
-medium's spec builds its store (a worker's) and its catalog (the scheduler's).
+"""Building the tiers below CPU (NVMe, S3, Mooncake) from the config.
+
+It builds the scheduler's planners and each worker's stores. Every store is opened
+through the tier registry (:mod:`vllm_kvtier.tiers.registry`) from its config section and
+one context. Each medium's spec builds its store (a worker's) and its catalog (the
+scheduler's).
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` at construction (scheduler
 role: :func:`make_planners`; worker role: :func:`make_workers`, once the CPU pool exists).
@@ -10,23 +12,24 @@ A tier that cannot start is logged and disabled (every write and read a miss); s
 goes on.
 
 TP ranks (:class:`RankRole`): each rank stores its own shard of every chunk under its own
-rank (directory ``r<rank>``, object prefix or key ``r<rank>``), except when the KV cache is
-the same on every rank of a TP group (MLA: the latent cache is replicated, not sharded).
-Then the group stores one copy: its first rank writes it under the group's index (the
-pipeline stage, 0 without PP: rank 0's names, as a TP-1 engine uses), the other ranks read
-that copy, and the scheduler's planners count ``copies`` shards instead of ``world_size``
-(existence on every copy, acknowledgements, capacity and usage): what ``kvtier plan``
-assumes. Models whose KV is sharded keep their names and counts exactly as before.
+rank (directory ``r<rank>``, object prefix or key ``r<rank>``). The exception is a KV
+cache that is the same on every rank of a TP group (MLA: the latent cache is replicated,
+not sharded). Then the group stores one copy. Its first rank writes it under the group's
+index. That index is the pipeline stage, 0 without PP: rank 0's names, as a TP-1 engine
+uses. The other ranks read that copy. The scheduler's planners count ``copies`` shards
+instead of ``world_size``. That covers existence on every copy, acknowledgements,
+capacity and usage: what ``kvtier plan`` assumes. Models whose KV is sharded keep one
+name and one count per rank.
 
 Data parallelism: ranks here are ranks within one engine (``0 .. world_size - 1``), never
 vLLM's world rank across data-parallel engines. Engines of one model share the namespace
-and the names on the shared media (S3, Mooncake): each finds what the others stored, as
+and the names on the shared media (S3, Mooncake). Each finds what the others stored, as
 another instance would. A private medium (NVMe) keeps one directory per engine
 (``engine``): its own lock, scan and capacity.
 
 Storage format (``storage_dtype``): both sides derive it, the stored block size and the
-tier's namespace from the same facts (the config, the engine's block bytes per rank and
-KV dtype), so they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
+tier's namespace from the same facts. The facts are the config, the engine's block bytes
+per rank and KV dtype. So they agree without talking; see :mod:`vllm_kvtier.transfer.fp8`.
 """
 
 from __future__ import annotations
@@ -74,27 +77,32 @@ class RankRole:
 
 
 def rank_role(rank: int, *, tp_size: int, replicated: bool) -> RankRole:
-    """The role of world rank ``rank``. ``replicated``: every rank of a TP group holds the
-    same KV (MLA). vLLM numbers world ranks with TP innermost (``rank = group * tp_size +
-    tp_rank``; PP stages and context-parallel shards are the groups), as LMCache's MLA
-    handling also assumes."""
+    """The role of world rank ``rank``.
+
+    ``replicated``: every rank of a TP group holds the same KV (MLA). vLLM numbers world
+    ranks with TP innermost: ``rank = group * tp_size + tp_rank``. PP stages and
+    context-parallel shards are the groups. LMCache's MLA handling also assumes this."""
     if not replicated or tp_size <= 1:
         return RankRole(rank)
     return RankRole(rank // tp_size, writes=rank % tp_size == 0)
 
 
 def stored_copies(world_size: int, *, tp_size: int, replicated: bool) -> int:
-    """How many distinct shards of each block the lower tiers store: one per rank, or one
-    per TP group when the KV is replicated across it (the planners' ``world_size``)."""
+    """How many distinct shards of each block the lower tiers store.
+
+    It is one per rank, or one per TP group when the KV is replicated across it. This is
+    the planners' ``world_size``."""
     if not replicated or tp_size <= 1:
         return world_size
     return max(1, world_size // tp_size)
 
 
 def tier_namespace(namespace: str, fmt: StorageFormat) -> str:
-    """The namespace a tier stores under: the engine's for native blocks (what earlier
-    versions stored stays readable), else a 16-hex-digit digest of it and the format, so
-    FP8 and native blocks of one engine never meet (a namespace mismatch is a miss)."""
+    """The namespace a tier stores under.
+
+    Native blocks use the engine's namespace, so native blocks already stored stay
+    readable. Other formats use a 16-hex-digit digest of it and the format. So FP8 and
+    native blocks of one engine never meet (a namespace mismatch is a miss)."""
     if fmt == "native":
         return namespace
     return hashlib.sha256(f"{namespace}/{fmt}".encode()).hexdigest()[:16]
@@ -112,8 +120,9 @@ class TierFormat:
 
 def tier_format(tier: str, storage_dtype: StorageDtype, *, namespace: str, block_bytes: int,
                 kv_dtype: torch.dtype | None) -> TierFormat:
-    """A tier's format, namespace and stored block size, from what both sides know:
-    ``block_bytes`` (of this rank's shard of a block) and the KV cache's dtype."""
+    """A tier's format, namespace and stored block size, from what both sides know.
+
+    Those are ``block_bytes`` (of this rank's shard of a block) and the KV cache's dtype."""
     fmt = storage_format(storage_dtype, kv_dtype)
     if storage_dtype != "native" and fmt == "native":
         logger.info("kvtier %s: storage_dtype %s on a %s KV cache: blocks are stored as they are",
@@ -124,9 +133,10 @@ def tier_format(tier: str, storage_dtype: StorageDtype, *, namespace: str, block
 
 @dataclass(frozen=True)
 class TierContext:
-    """What every tier below CPU is built from, beside its config section: the engine's
-    facts, the same in the scheduler and in every worker (so both derive the same
-    namespaces and sizes)."""
+    """What every tier below CPU is built from, beside its config section.
+
+    These are the engine's facts, the same in the scheduler and in every worker. So both
+    derive the same namespaces and sizes."""
 
     #: The engine's namespace; each tier's comes from it and its storage format.
     namespace: str
@@ -167,14 +177,15 @@ def make_planners(
     cfg: KVTierConfig, *, namespace: str, world_size: int, block_bytes_per_rank: int, counters: Counters,
     kv_dtype: torch.dtype | None = None, read_only_pool: bool = False, engine: int = 0,
 ) -> list[ChunkPlanner]:
-    """Planners of the configured lower tiers, fastest first. ``world_size``: the shards
-    stored of each block (:func:`stored_copies`: the ranks, or one per TP group for a
-    replicated KV cache), named ``r0`` .. ``r<world_size - 1>``. ``engine``: the
-    data-parallel engine (its own NVMe directories, see the module doc). ``kv_dtype``: the KV
-    cache's element type (None: unknown, then every tier stores native blocks).
-    ``read_only_pool``: this instance never writes a shared pool (``kv_consumer``).
-    Raises ConfigError when ``auth.required`` and no key is found (the scheduler only lists
-    and indexes; the workers verify every chunk they read)."""
+    """Planners of the configured lower tiers, fastest first.
+
+    ``world_size``: the shards stored of each block, named ``r0`` .. ``r<world_size - 1>``.
+    See :func:`stored_copies`: the ranks, or one per TP group for a replicated KV cache.
+    ``engine``: the data-parallel engine (its own NVMe directories, see the module doc).
+    ``kv_dtype``: the KV cache's element type. None means unknown; then every tier stores
+    native blocks. ``read_only_pool``: this instance never writes a shared pool
+    (``kv_consumer``). Raises ConfigError when ``auth.required`` and no key is found. The
+    scheduler only lists and indexes; the workers verify every chunk they read."""
     # The scheduler verifies what it indexes with the workers' keys: a header a read would
     # refuse (a key not accepted, a MAC that does not verify, another rank) is never indexed.
     tier_ctx = TierContext.of(cfg, namespace=namespace, block_bytes=block_bytes_per_rank, kv_dtype=kv_dtype,
@@ -195,20 +206,22 @@ def make_workers(
     cfg: KVTierConfig, *, namespace: str, rank: int, slots: SlotTable, counters: Counters,
     kv_dtype: torch.dtype | None = None, role: RankRole | None = None, engine: int = 0,
 ) -> dict[str, ChunkWorker]:
-    """This rank's data path of each configured lower tier, by tier name. ``rank``: within
-    the engine; ``engine``: the data-parallel engine (see the module doc). ``slots``: the
-    worker's slot table (its pool's slot size is the block size stored); ``kv_dtype``: the
-    KV cache's (None: unknown, native storage). ``role``: whose chunks this rank's blocks
-    are and whether it writes them (None: its own, written by it; see :class:`RankRole`).
+    """This rank's data path of each configured lower tier, by tier name.
 
-    One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process)
-    is handed to every store and chunk driver built here: their transfer buffers share one
+    ``rank``: within the engine. ``engine``: the data-parallel engine (see the module doc).
+    ``slots``: the worker's slot table; its pool's slot size is the block size stored.
+    ``kv_dtype``: the KV cache's (None: unknown, native storage). ``role``: whose chunks
+    this rank's blocks are, and whether it writes them. None means its own, written by it
+    (see :class:`RankRole`).
+
+    One :class:`~vllm_kvtier.tiers.buffers.BufferPool` per call (one per worker process) is
+    handed to every store and chunk driver built here. So their transfer buffers share one
     bound on idle memory. A store that cannot start is None in its driver: every write and
-    read a miss. A shared medium's headers are fetched on a chunk's first read; a private
-    medium's writer lists and cleans it first (the spec's ``start_up``).
+    read is a miss. A shared medium's headers are fetched on a chunk's first read. A
+    private medium's writer lists and cleans it first (the spec's ``start_up``).
 
     Authentication (``auth``): with a key found, the shared tiers (s3, mooncake) sign and
-    verify every chunk, and nvme too when ``auth.local_tiers``; ConfigError when
+    verify every chunk. So does nvme when ``auth.local_tiers`` is on. ConfigError when
     ``auth.required`` and there is none."""
     tier_ctx = TierContext.of(cfg, namespace=namespace, block_bytes=slots.pool.slot_bytes, kv_dtype=kv_dtype,
                               counters=counters)

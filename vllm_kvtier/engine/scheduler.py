@@ -1,17 +1,18 @@
-"""The scheduler half without vLLM: the planner under vLLM's hook names, for hybrid
-models and LoRA requests.
+"""The scheduler half without vLLM: the planner under vLLM's hook names.
+
+It serves hybrid models and LoRA requests.
 
 Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
-scheduler thread only, with vLLM's ``Request`` objects as they are (they have the
+scheduler thread only. It passes vLLM's ``Request`` objects as they are (they have the
 attributes of :class:`~vllm_kvtier.plan.inputs.Request`) and plain step inputs.
 
 Hybrid models (more than one KV cache group, vLLM's hybrid KV cache manager on): each
-vLLM request reaches the planner as one :class:`GroupView` per group (id
-``<request id>\x1fg<group>``, the group's keys, :mod:`vllm_kvtier.index.groups`), so the
-planner stores and loads units of every group with no notion of groups itself. This
-module fans the inputs out to the views and maps the plan back to vLLM's ids: the
-loads of one request become one async job, saves and releases carry the real id, and a
-failed load is reported (and recomputed) per request.
+vLLM request reaches the planner as one :class:`GroupView` per group. A view has the id
+``<request id>\x1fg<group>`` and the group's keys (:mod:`vllm_kvtier.index.groups`). So
+the planner stores and loads units of every group with no notion of groups itself. This
+module fans the inputs out to the views and maps the plan back to vLLM's ids. The loads of
+one request become one async job. Saves and releases carry the real id. A failed load is
+reported (and recomputed) per request.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ MAX_VIEWS = 65536
 
 
 def followed(request: Any) -> bool:
-    """Whether ``schedule.order`` may judge ``request`` by this connector's hits: not
-    one that reads no cache (``prompt_logprobs``: vLLM replaces the lookup's answer,
-    ``None`` too, with 0), nor one whose KV another connector brings (a P/D decode
-    request under vLLM's MultiConnector, ``do_remote_prefill``). vLLM 0.34 renamed the flag
+    """Whether ``schedule.order`` may judge ``request`` by this connector's hits.
+
+    Not one that reads no cache (``prompt_logprobs``): vLLM replaces the lookup's answer,
+    ``None`` too, with 0. Nor one whose KV another connector brings: a P/D decode request
+    under vLLM's MultiConnector (``do_remote_prefill``). vLLM 0.34 renamed the flag
     ``skip_reading_external_kv``: either counts."""
     if getattr(request, "skip_reading_prefix_cache", False) or getattr(request, "skip_reading_external_kv", False):
         return False
@@ -49,12 +51,13 @@ def followed(request: Any) -> bool:
 
 
 class AdapterRequest:
-    """A LoRA request as the planners see it: vLLM's live ``Request`` with its block
-    hashes bound to the adapter's content (:class:`~vllm_kvtier.index.identity.AdapterKeys`).
-    vLLM folds only the adapter's *name* into its block hashes, so without this a
-    rewritten adapter under the same name would be served its old KV. ``adapter`` None (no
-    fingerprint could be taken): no block hashes, so the request neither loads from nor
-    saves to the tiers."""
+    """A LoRA request as the planners see it.
+
+    It is vLLM's live ``Request`` with its block hashes bound to the adapter's content
+    (:class:`~vllm_kvtier.index.identity.AdapterKeys`). vLLM folds only the adapter's
+    *name* into its block hashes. Without this, a rewritten adapter under the same name
+    would be served its old KV. ``adapter`` None means no fingerprint could be taken. Then
+    there are no block hashes, so the request neither loads from nor saves to the tiers."""
 
     def __init__(self, request: Any, adapter: bytes | None) -> None:
         self.live = request
@@ -82,9 +85,11 @@ def real_id(req_id: str) -> str:
 
 
 class GroupView:
-    """One KV cache group of a live request as the planners see it: its own id and the
-    group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`; group 0: the request's
-    own), everything else the live request's (``base``: vLLM's request or a LoRA view)."""
+    """One KV cache group of a live request as the planners see it.
+
+    It has its own id and the group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`;
+    group 0: the request's own). Everything else is the live request's. ``base`` is
+    vLLM's request or a LoRA view."""
 
     def __init__(self, base: Any, group: int, origins: KeyOrigins | None = None) -> None:
         self.live = base
@@ -207,9 +212,10 @@ class GroupedPlanner(SchedulerPlanner):
         self.counters.add(CounterName.LOOKUP_BLOCKS, TierName.CPU, n)
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM queued ``request``: followed by ``schedule.order`` until admitted, with its
-        tokens to compute estimated from the tiers (the run of its blocks they hold; a
-        hybrid model's: its whole prompt until it is looked up)."""
+        """vLLM queued ``request``: ``schedule.order`` follows it until admitted.
+
+        Its tokens to compute are estimated from the tiers: the run of its blocks they
+        hold. For a hybrid model it is the whole prompt until it is looked up."""
         if self.order is None or not followed(request):
             return
         stored = 0 if self.hybrid else self.lookups.stored_blocks(self._view(request))
@@ -226,9 +232,11 @@ class GroupedPlanner(SchedulerPlanner):
         return n, load_async
 
     def _hybrid_lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The hit every group can serve: the shortest full-attention group hit, then, per
-        sliding-window group, the longest prefix within it whose window is stored; never
-        the block of the last prompt token (vLLM then computes from exactly the hit)."""
+        """The hit every group can serve.
+
+        It is the shortest full-attention group hit. Then, per sliding-window group, it is
+        the longest prefix within it whose window is stored. It never covers the block of
+        the last prompt token. vLLM then computes from exactly the hit."""
         views = self.group_views(request)
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -259,8 +267,9 @@ class GroupedPlanner(SchedulerPlanner):
         return (hit - start) * bs, True
 
     def _lookup_from(self, group: int, start: int) -> int:
-        """The first block of group ``group`` a hit starting at block ``start`` may need:
-        ``start``, or the start of a sliding window ending there."""
+        """The first block of group ``group`` a hit starting at block ``start`` may need.
+
+        It is ``start``, or the start of a sliding window ending there."""
         spec = self.layout.groups[group]
         return spec.window_start(start + 1) if spec.kind == "sliding" else start
 
@@ -285,8 +294,10 @@ class GroupedPlanner(SchedulerPlanner):
                 state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
 
     def _merge_load_timing(self, req_id: str) -> None:
-        """The async load of ``req_id`` ended: its views' waits are one wait, observed once
-        (by the first view: the slowest tier, every view's lower-tier blocks)."""
+        """The async load of ``req_id`` ended.
+
+        Its views' waits are one wait, observed once. The first view observes it: the
+        slowest tier, every view's lower-tier blocks."""
         states = [st for g in range(len(self.layout.groups))
                   if (st := self.request_state(view_id(req_id, g))) is not None and st.load_issued_s is not None]
         if len(states) < 2:
@@ -334,8 +345,9 @@ class GroupedPlanner(SchedulerPlanner):
         return hold, params
 
     def plan_groups(self, per_group: list[StepInput]) -> StepPlan:
-        """The plan of one step, from each group's view of vLLM's schedule, with vLLM's
-        request ids (the loads of one request are one async job)."""
+        """The plan of one step, from each group's view of vLLM's schedule.
+
+        It uses vLLM's request ids. The loads of one request are one async job."""
         if not self.hybrid:
             return self.plan_step(per_group[0])
         first = per_group[0]

@@ -2,21 +2,22 @@
 
 Who calls it: the scheduler half, from vLLM's scheduler thread only. Pure bookkeeping.
 
-Life of a chunk file: :meth:`reserve` (the scheduler decided to write it; its bytes count
-against the capacity at once, so the tier never exceeds its size even with writes in
-flight) -> :meth:`confirm` (every TP rank reported it durable; its keys become loadable) or
-:meth:`cancel` (a write failed). Eviction is LRU over whole files, never a pinned one (a
-load is reading it) nor one still being written.
+Life of a chunk file: first :meth:`reserve`, when the scheduler decided to write it. Its
+bytes count against the capacity at once. So the tier never exceeds its size even with
+writes in flight. Then :meth:`confirm`, when every TP rank reported it durable; its keys
+become loadable. Or :meth:`cancel`, when a write failed. Eviction is LRU over whole
+files. It never takes a pinned one (a load is reading it) nor one still being written.
 
-A file the tier no longer holds (deleted out of band, expired by a bucket's lifecycle rule:
-an authoritative listing no longer shows it) is :meth:`retire`-d: forgotten at once, or, if
-a load is reading it (pinned), no longer offered to lookups and forgotten when its last
-pin goes (:meth:`unpin`).
+A file the tier no longer holds is :meth:`retire`-d. It was deleted out of band or
+expired by a bucket's lifecycle rule: an authoritative listing no longer shows it. It is
+forgotten at once. If a load is reading it (pinned), it is no longer offered to lookups. It
+is then forgotten when its last pin goes (:meth:`unpin`).
 
-**Watching** (KV events): :attr:`ChunkIndex.watch`, when set, is called as ``watch(chunk_id,
-keys, True)`` when keys become loadable from a file (confirmed, found, listed again) and
-``watch(chunk_id, keys, False)`` when they stop being loadable (evicted, removed, retired),
-synchronously, on the caller's thread; None (the default) costs nothing.
+**Watching** (KV events): :attr:`ChunkIndex.watch`, when set, is called synchronously, on
+the caller's thread. The call is ``watch(chunk_id, keys, True)`` when keys become
+loadable from a file (confirmed, found, listed again). It is ``watch(chunk_id, keys,
+False)`` when they stop being loadable (evicted, removed, retired). None (the default)
+costs nothing.
 """
 
 from __future__ import annotations

@@ -1,32 +1,32 @@
 """Load or recompute: is reading a stored prefix faster than computing it again?
 
 Who calls it: the scheduler half, from vLLM's scheduler thread. Pure arithmetic on
-estimates that the scheduler keeps up to date from what it observes (no clock reads here
-except through the caller's ``now``).
+estimates that the scheduler keeps up to date from what it observes. There are no clock
+reads here except through the caller's ``now``.
 
 The model, per tier below CPU: loading ``b`` bytes of one request costs ``latency_s +
-b / bandwidth_Bps`` (a request's chunks are fetched in parallel, so the latency is paid
-about once per tier, the bytes share the tier's bandwidth). Recomputing ``t`` tokens costs
-``t / prefill_tokens_per_s``. For a matched run of blocks (each in some tier), the
-decision loads the prefix length ``k`` that saves the most time, ``recompute(k) -
-load(k)``, and recomputes the rest; the CPU tier costs ``bytes / cpu bandwidth``, so a
-DRAM prefix always wins.
+b / bandwidth_Bps``. A request's chunks are fetched in parallel. So the latency is paid
+about once per tier, and the bytes share the tier's bandwidth. Recomputing ``t`` tokens
+costs ``t / prefill_tokens_per_s``. A matched run of blocks has each block in some tier.
+For it, the decision loads the prefix length ``k`` that saves the most time,
+``recompute(k) - load(k)``, and recomputes the rest. The CPU tier costs ``bytes / cpu
+bandwidth``, so a DRAM prefix always wins.
 
-Each tier's two figures are fitted separately from observed samples, a request's load of
-``b`` bytes taking ``t`` seconds from issue to done: a least-squares line ``t = latency +
-b / bandwidth`` over the recent samples (older ones decay by :data:`DECAY` per sample),
-held towards the starting figures by a prior worth one sample of each (a read of no
-bytes, and one of the typical read size). So a handful of small reads informs the
-latency, not the bandwidth (before this, one figure of seconds per byte took all of a
-tier's latency as slowness: S3 read as ~15 MB/s from a few small reads, and the policy
-recomputed what it should have loaded), and reads of one size alone leave the split near
-the prior while still predicting that size's time. Prefill speed moves by an
-exponentially weighted average of prefill steps. A tier that is never loaded from would
-never be measured again, so when the estimate says "recompute" and the last sample is
-older than ``probe_interval_s``, one load is let through to refresh it.
+Each tier's two figures are fitted separately from observed samples. A sample is a
+request's load of ``b`` bytes taking ``t`` seconds from issue to done. The fit is a
+least-squares line ``t = latency + b / bandwidth`` over the recent samples. Older ones
+decay by :data:`DECAY` per sample. A prior worth one sample of each holds the fit towards
+the starting figures: a read of no bytes, and one of the typical read size. So a handful
+of small reads informs the latency, not the bandwidth. One figure of seconds per byte
+would take all of a tier's latency as slowness. S3 would read as ~15 MB/s from a few
+small reads, and the policy would recompute what it should load. Reads of one size alone
+leave the split near the prior, while still predicting that size's time. Prefill speed
+moves by an exponentially weighted average of prefill steps. A tier that is never loaded
+from would never be measured again. So when the estimate says "recompute" and the last
+sample is older than ``probe_interval_s``, one load is let through to refresh it.
 
 Each decision says whether it flipped a tier between "load" and "recompute"
-(:attr:`Decision.changed`), so the caller can log the decision with its inputs once per
+(:attr:`Decision.changed`). So the caller can log the decision with its inputs once per
 change instead of once per request.
 """
 
@@ -129,10 +129,11 @@ class CostModel:
     # ---- samples -----------------------------------------------------------------------
 
     def observe_load(self, tier: str, nbytes: float, seconds: float, now: float) -> None:
-        """One request's blocks from ``tier`` (``nbytes`` per rank) took ``seconds`` from
-        the load being issued until it was done: what the decision is about, queueing
-        behind other loads included (per-read timings are not: reads of one request run in
-        parallel and wait for each other)."""
+        """One request's blocks from ``tier`` (``nbytes`` per rank) took ``seconds``.
+
+        The time runs from the load being issued until it was done: what the decision is
+        about. Queueing behind other loads is included. Per-read timings are not: reads of
+        one request run in parallel and wait for each other."""
         if nbytes <= 0 or seconds <= 0:
             return
         est = self.tier(tier)

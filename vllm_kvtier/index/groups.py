@@ -1,23 +1,25 @@
-"""KV cache groups of a hybrid model: what a stored unit of each group is, its key, and
-which blocks of a sliding-window group a later request can use.
+"""KV cache groups of a hybrid model.
+
+It says what a stored unit of each group is and its key. It says which blocks of a
+sliding-window group a later request can use.
 
 vLLM's hybrid KV cache manager splits a model's attention layers into *groups* of one
-kind (full attention, sliding-window attention), each with its own block table; a block
+kind (full attention, sliding-window attention). Each has its own block table. A block
 position of a sliding-window group outside the window holds vLLM's null block (id 0).
 A stored unit here is (group ``g``, block position ``p``): the rows of every KV plane at
 that group's engine block. Its key:
 
-* ``g == 0``: vLLM's block hash unchanged (a single-group model keeps its keys and its
-  namespace, so nothing stored before is lost);
+* ``g == 0``: vLLM's block hash unchanged. A single-group model keeps its keys and its
+  namespace, so nothing stored before is lost.
 * ``g >= 1``: :func:`group_key` of the hash (a different unit of the same prefix).
 
-Sliding-window arithmetic (:func:`window_start`): a request whose first ``m`` blocks
-are computed reads, in a sliding group of window ``w`` tokens and block size ``bs``,
-only the blocks from ``window_start(m)`` on (vLLM's
+Sliding-window arithmetic (:func:`window_start`): take a request whose first ``m`` blocks
+are computed. In a sliding group of window ``w`` tokens and block size ``bs``, it reads
+only the blocks from ``window_start(m)`` on. This is vLLM's
 ``SlidingWindowManager.get_num_skipped_tokens``: ``max(0, m*bs - w + 1)`` tokens are
-skipped). So a hit of ``m`` blocks needs that group's keys at ``[window_start(m), m)``
-only, and saving a sliding block is worth it only if it lies in such a window for a
-boundary ``m`` a later request may stop at (:class:`SaveFilter`).
+skipped. So a hit of ``m`` blocks needs that group's keys at ``[window_start(m), m)``
+only. Saving a sliding block is worth it only if it lies in such a window. The window must
+be for a boundary ``m`` a later request may stop at (:class:`SaveFilter`).
 
 No vLLM import here: the connector reads vLLM's specs into :class:`GroupLayout`.
 """
@@ -36,8 +38,10 @@ _GROUP_TAG = b"kvtier-group"
 
 
 def group_key(block_hash: bytes, group: int) -> bytes:
-    """The key of group ``group``'s unit at the block whose vLLM hash is ``block_hash``:
-    the hash itself for group 0, a 32-byte digest of (tag, group, hash) otherwise."""
+    """The key of group ``group``'s unit at the block whose vLLM hash is ``block_hash``.
+
+    It is the hash itself for group 0. Otherwise it is a 32-byte digest of (tag, group,
+    hash)."""
     if group == 0:
         return block_hash
     if not 0 < group < 2**32:
@@ -120,14 +124,20 @@ def sliding_hit(present: Sequence[bool], upto: int, spec: GroupSpec, floor: int 
 
 
 class SaveFilter:
-    """Which block positions of a sliding group's request are worth storing: those in
-    ``[window_start(b), b)`` for a boundary ``b`` a later request may stop at, namely the
-    prompt's repeat boundary (``(num_prompt_tokens - 1) // bs``: the same prompt again),
-    its full prompt blocks (``num_prompt_tokens // bs``: a later turn extends it), every
-    multiple of the checkpoint interval within the prompt (a prompt sharing a long
-    prefix), and, at the end, the request's final boundary (:meth:`with_final`).
-    Positions past the prompt (decode blocks) are kept while the request runs; at its
-    end the ones outside every window are dropped again (:meth:`keep`)."""
+    """Which block positions of a sliding group's request are worth storing.
+
+    Those in ``[window_start(b), b)`` for a boundary ``b`` a later request may stop at.
+    These are the boundaries.
+
+    * The prompt's repeat boundary (``(num_prompt_tokens - 1) // bs``: the same prompt
+      again).
+    * Its full prompt blocks (``num_prompt_tokens // bs``: a later turn extends it).
+    * Every multiple of the checkpoint interval within the prompt (a prompt sharing a long
+      prefix).
+    * At the end, the request's final boundary (:meth:`with_final`).
+
+    Positions past the prompt (decode blocks) are kept while the request runs. At its end
+    the ones outside every window are dropped again (:meth:`keep`)."""
 
     def __init__(self, spec: GroupSpec, num_prompt_tokens: int, checkpoint_blocks: int) -> None:
         self.spec = spec
@@ -157,9 +167,11 @@ class SaveFilter:
 
 
 class GroupKeys(Sequence[bytes]):
-    """A live view of a request's ``block_hashes`` (anything with that attribute: vLLM's
-    request or a LoRA view) through :func:`group_key` for one group; derived keys are
-    cached by position, and recorded in ``origins`` (if given) for :class:`KeyOrigins`."""
+    """A live view of a request's ``block_hashes`` through :func:`group_key` for one group.
+
+    The request is anything with that attribute: vLLM's request or a LoRA view. Derived
+    keys are cached by position. They are recorded in ``origins`` (if given) for
+    :class:`KeyOrigins`."""
 
     def __init__(self, request: Any, group: int, origins: KeyOrigins | None = None) -> None:
         self._request = request
@@ -198,10 +210,11 @@ class GroupKeys(Sequence[bytes]):
 
 
 class KeyOrigins:
-    """A bounded map from a derived key back to (vLLM's block hash, group index), for
-    the keys derived in this process (KV events name a block by its hash and group).
-    The oldest entries go first once ``max_entries`` are held; group 0 keys are their
-    own hash and are not recorded."""
+    """A bounded map from a derived key back to (vLLM's block hash, group index).
+
+    It holds the keys derived in this process. KV events name a block by its hash and
+    group. The oldest entries go first once ``max_entries`` are held. Group 0 keys are
+    their own hash and are not recorded."""
 
     def __init__(self, max_entries: int = 1 << 20) -> None:
         self._max = max_entries

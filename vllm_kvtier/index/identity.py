@@ -1,44 +1,46 @@
 """Model identity: a fingerprint of what the engine computes with, for the namespace.
 
 The namespace digest (:func:`vllm_kvtier.keys.namespace`) must change whenever the
-bytes of a KV block would: new weights under the same path, another quantization, other
-``hf_overrides``/rope settings, another model dtype, a ``namespace_salt``. This module
-holds the pure-Python parts (no vLLM): the weights sampler, the :class:`ModelIdentity`
-record and its digest, and the LoRA-adapter keys. The vLLM-reading glue is
-``connector/wiring.py``.
+bytes of a KV block would. Causes: new weights under the same path, another quantization,
+other ``hf_overrides``/rope settings, another model dtype, a ``namespace_salt``. This
+module holds the pure-Python parts (no vLLM). They are the weights sampler, the
+:class:`ModelIdentity` record and its digest, and the LoRA-adapter keys. The vLLM-reading
+glue is ``connector/wiring.py``.
 
-The weights fingerprint (``full``, the default) hashes every byte of every weight file
-(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``; sorted relative names) with
-SHA-256, and the digest is over each file's relative name, size and content hash: copies of
-one checkpoint on different hosts (own files, own inodes and times) agree, any changed byte
-changes it. Hashing costs one read of the weights (figures in ``docs/security.md``), so a
-file's content hash is kept in a small local cache (:class:`DigestCache`) keyed by what
-says the file is unchanged on this host: its resolved path, size, ``mtime_ns``,
-``ctime_ns``, inode and device. ``ctime`` cannot be set back by a user (restoring
-``mtime`` after an edit still changes it), so a cached start re-reads nothing and a
-changed file is hashed again; nothing local enters the digest itself. Each file's hash is
-saved as soon as it is read: a start killed mid-hash resumes where it stopped. While one process
-hashes, the others of the host wait on the cache's lock and then read its result (the
-scheduler and every worker compute the namespace).
+The weights fingerprint ``full`` is the default. It hashes every byte of every weight file
+with SHA-256. Weight files are ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth`` and
+``*.gguf``, by sorted relative names. The digest is over each file's relative name, size
+and content hash. So copies of one checkpoint on different hosts agree (own files, own
+inodes and times). Any changed byte changes it. Hashing costs one read of the weights
+(figures in ``docs/security.md``). So a file's content hash is kept in a small local cache
+(:class:`DigestCache`). Its key is what says the file is unchanged on this host: its
+resolved path, size, ``mtime_ns``, ``ctime_ns``, inode and device. ``ctime`` cannot be set
+back by a user: restoring ``mtime`` after an edit still changes it. So a cached start
+re-reads nothing and a changed file is hashed again. Nothing local enters the digest
+itself. Each file's hash is saved as soon as it is read: a start killed mid-hash resumes
+where it stopped. While one process hashes, the others of the host wait on the cache's
+lock. Then they read its result (the scheduler and every worker compute the namespace).
 
-Checksums a model ships are not used: a safetensors ``__metadata__`` carries none as a
-rule, an index maps tensors to files without digests, and a hub blob's name (the SHA-256
-of what was downloaded) says nothing of an edit made since.
+Checksums a model ships are not used. A safetensors ``__metadata__`` carries none as a
+rule. An index maps tensors to files without digests. A hub blob's name (the SHA-256 of
+what was downloaded) says nothing of an edit made since.
 
-``sampled`` (``weights_fingerprint: sampled``) is the older, cheaper fingerprint, for
-checkpoints too large to hash at start: per file its name and size, its safetensors header
-(its 8-byte length prefix is untrusted: a length beyond :data:`MAX_HEADER_BYTES` or the
-file makes it "not a safetensors" before anything is allocated), the first
-:data:`WINDOW_BYTES` of every tensor the header lists (at most :data:`MAX_TENSOR_WINDOWS`
-per file, evenly spread) and :data:`FILE_WINDOWS` windows spread over the data section. It
-sees a fine-tune (every tensor's first bytes differ) but not an edit between its windows
-(a 2 MiB edit inside a 4 GiB shard). Files are only read: nothing is unpickled or parsed
-but the safetensors JSON header. Results are memoised per process by (path, size, times,
-inode of every file), so the scheduler and the workers of one process compute it once.
+``sampled`` (``weights_fingerprint: sampled``) is a cheaper fingerprint, for checkpoints
+too large to hash at start. Per file it reads these parts. First, its name and size.
+Second, its safetensors header. The header's 8-byte length prefix is untrusted. A length
+beyond :data:`MAX_HEADER_BYTES` or the file makes it "not a safetensors" before anything is
+allocated. Third, the first :data:`WINDOW_BYTES` of every tensor the header lists. At most
+:data:`MAX_TENSOR_WINDOWS` are read per file, evenly spread. Fourth, :data:`FILE_WINDOWS`
+windows spread over the data section. It sees a fine-tune (every tensor's first bytes
+differ). It misses an edit between its windows (a 2 MiB edit inside a 4 GiB shard). Files
+are only read: nothing is unpickled or parsed but the safetensors JSON header. Results are
+memoised per process by (path, size, times, inode of every file). So the scheduler and the
+workers of one process compute it once.
 
-Who calls it: connector wiring at start-up (any role); :class:`AdapterFingerprints` from
-vLLM's scheduler thread, once per new adapter (then a few ``stat`` calls per request).
-Failures raise ``OSError``; callers turn them into a logged fallback, never a crash.
+Who calls it: connector wiring at start-up (any role). :class:`AdapterFingerprints` is
+called from vLLM's scheduler thread, once per new adapter (then a few ``stat`` calls per
+request). Failures raise ``OSError``; callers turn them into a logged fallback, never a
+crash.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ logger = logging.getLogger("vllm_kvtier")
 @dataclass(frozen=True)
 class WeightsFingerprint:
     """What :func:`fingerprint_weights` found: the digest and what computing it cost.
-    ``reads``: read calls made; ``bytes_hashed``: bytes of weight files read and hashed
-    this time (0 when every file's hash came from the cache); ``cached_files``: weight
+
+    ``reads``: read calls made. ``bytes_hashed``: bytes of weight files read and hashed
+    this time. It is 0 when every file's hash came from the cache. ``cached_files``: weight
     files whose content hash came from the cache."""
 
     digest: str
@@ -111,9 +114,10 @@ class WeightsFingerprint:
 
 
 def safetensors_header(f: Any, size: int) -> bytes | None:
-    """The JSON header of the safetensors file open as ``f`` (``size`` bytes), or None if
-    it is not one: the length prefix is checked against the file and :data:`MAX_HEADER_BYTES`
-    before anything is read."""
+    """The JSON header of the safetensors file open as ``f`` (``size`` bytes).
+
+    None if it is not one. The length prefix is checked against the file and
+    :data:`MAX_HEADER_BYTES` before anything is read."""
     if size < 8:
         return None
     f.seek(0)
@@ -130,8 +134,10 @@ def safetensors_header(f: Any, size: int) -> bytes | None:
 
 
 def tensor_offsets(header: bytes, data_bytes: int) -> list[int]:
-    """Start offsets (within the data section) of the tensors ``header`` lists, sorted, the
-    ones outside ``data_bytes`` dropped; [] if the header is not valid JSON of that shape."""
+    """Start offsets (within the data section) of the tensors ``header`` lists, sorted.
+
+    The ones outside ``data_bytes`` are dropped. [] if the header is not valid JSON of that
+    shape."""
     try:
         meta = json.loads(header)
     except (ValueError, RecursionError):
@@ -249,15 +255,17 @@ def hash_file(path: Path) -> tuple[str, int, int]:
 class DigestCache:
     """This host's content hashes of weight files, in ``directory/``:data:`CACHE_FILE`.
 
-    The file is data another process wrote: it is read only if it is a regular file of at
-    most :data:`MAX_CACHE_BYTES` (not through a symlink), each entry is type-checked and
-    dropped if malformed, and an entry is used only when the file's current state (resolved
-    path, size, mtime_ns, ctime_ns, inode, device) is the one it was hashed in. Whoever can
-    write this directory can make this host use a wrong hash: it is the user's own cache
-    directory (0700, the file 0600; one owned by another user or writable by others is not
-    used), no wider than the weights and the code it runs. Unusable (no such directory and
-    none can be made, read-only, no ``flock``): every call is a miss and nothing is saved. Held under an exclusive ``flock`` by :func:`fingerprint_weights` while
-    it hashes, so one process of a host hashes and the others wait for its result."""
+    The file is data another process wrote. It is read only if it is a regular file of at
+    most :data:`MAX_CACHE_BYTES` (not through a symlink). Each entry is type-checked and
+    dropped if malformed. An entry is used only when the file's current state is the one it
+    was hashed in. The state is the resolved path, size, mtime_ns, ctime_ns, inode and
+    device. Whoever can write this directory can make this host use a wrong hash. It is the
+    user's own cache directory (0700, the file 0600). One owned by another user or writable
+    by others is not used. So it is no wider than the weights and the code it runs.
+    Unusable (no such directory and none can be made, read-only, no ``flock``): every call
+    is a miss and nothing is saved. :func:`fingerprint_weights` holds an exclusive
+    ``flock`` on it while it hashes. So one process of a host hashes and the others wait
+    for its result."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -345,10 +353,12 @@ class DigestCache:
 
 
 def _content_hashes(weights: list[Path], cache_dir: Path | None) -> tuple[list[str], int, int, int]:
-    """The content hash of each file of ``weights``, from the cache where its state is the
-    cached one, else read: (hashes, bytes hashed, read calls, files from the cache). Each
-    file's hash is saved as soon as it is known, so a start killed mid-hash (a ready
-    timeout on a large model) leaves the finished files cached and the next start hashes
+    """The content hash of each file of ``weights``.
+
+    A hash comes from the cache where the file's state is the cached one. Else the file is
+    read. Returns (hashes, bytes hashed, read calls, files from the cache). Each file's
+    hash is saved as soon as it is known. A start may be killed mid-hash (a ready timeout
+    on a large model). It then leaves the finished files cached, and the next start hashes
     only the rest. The first error of a file is raised once every other file is done."""
     with DigestCache(cache_dir) if cache_dir is not None else contextlib.nullcontext() as cache:
         keys = [str(p.resolve()) for p in weights]
@@ -387,11 +397,13 @@ _MEMO_MAX = 256
 def fingerprint_weights(path: str | Path, *, mode: FingerprintMode = "full",
                         cache_dir: Path | None = None) -> WeightsFingerprint:
     """The fingerprint of the model directory (or single weights file, e.g. a GGUF) at
-    ``path``: its weight files hashed whole (``full``) or sampled (``sampled``) as the
-    module says, and its config files whole. ``cache_dir``: where this host's content
-    hashes are kept (``full`` only; None: no cache, every call without a memo hit reads
-    every byte). Memoised per process by (path, state of each file). OSError when ``path``
-    is neither a directory nor a file, holds no weight file, or cannot be read."""
+    ``path``.
+
+    Its weight files are hashed whole (``full``) or sampled (``sampled``), as the module
+    says. Its config files are hashed whole. ``cache_dir``: where this host's content
+    hashes are kept (``full`` only). None means no cache; every call without a memo hit
+    reads every byte. Memoised per process by (path, state of each file). OSError when
+    ``path`` is neither a directory nor a file, holds no weight file, or cannot be read."""
     root = Path(path)
     if not (root.is_dir() or root.is_file()):
         raise FileNotFoundError(f"{root}: not a local model directory or file")
@@ -434,8 +446,10 @@ def fingerprint_weights(path: str | Path, *, mode: FingerprintMode = "full",
 
 
 def canonical(value: Any) -> str:
-    """A stable text form of a config value (dicts sorted; other objects by ``str``; a
-    value JSON cannot walk, e.g. one that contains itself, by its ``repr``)."""
+    """A stable text form of a config value.
+
+    Dicts are sorted. Other objects go by ``str``. A value JSON cannot walk (e.g. one that
+    contains itself) goes by its ``repr``."""
     try:
         return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
     except (ValueError, TypeError, RecursionError):
@@ -447,10 +461,10 @@ class ModelIdentity:
     """Everything about the model that changes the bytes of a KV block, besides its
     geometry (which :class:`~vllm_kvtier.keys.NamespaceFields` holds).
 
-    ``weights`` is the weights fingerprint of a local model, or ``""`` where none could be
-    taken (a hub id): then ``model`` (id@revision) stands for the weights. A fingerprinted
-    model is named by its content only, so copies of one checkpoint under different paths
-    share KV."""
+    ``weights`` is the weights fingerprint of a local model. It is ``""`` where none could
+    be taken (a hub id). Then ``model`` (id@revision) stands for the weights. A
+    fingerprinted model is named by its content only. So copies of one checkpoint under
+    different paths share KV."""
 
     model: str
     weights: str
@@ -479,9 +493,10 @@ class ModelIdentity:
 
 
 def adapter_key(adapter: bytes, block_hash: bytes) -> bytes:
-    """The key a block of a LoRA request is stored under: its block hash bound to the
-    adapter's content fingerprint, the same length as the hash (vLLM hashes the adapter's
-    name, not its weights)."""
+    """The key a block of a LoRA request is stored under.
+
+    It is its block hash bound to the adapter's content fingerprint, the same length as the
+    hash. vLLM hashes the adapter's name, not its weights."""
     size = min(max(len(block_hash), 16), 64)
     return hashlib.blake2b(adapter + block_hash, digest_size=size, person=b"kvtier-lora").digest()
 
@@ -516,9 +531,10 @@ class AdapterKeys(Sequence[bytes]):
 
 
 class AdapterFingerprints:
-    """Content fingerprints of LoRA adapter directories (``sampled``), cached by (path,
-    state of each file): a rewritten adapter gets a new fingerprint, an unchanged one costs
-    a few ``stat`` calls. Scheduler thread only."""
+    """Content fingerprints of LoRA adapter directories (``sampled``).
+
+    They are cached by (path, state of each file). A rewritten adapter gets a new
+    fingerprint. An unchanged one costs a few ``stat`` calls. Scheduler thread only."""
 
     def __init__(self, max_entries: int = 256) -> None:
         self._max = max_entries

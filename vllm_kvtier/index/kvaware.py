@@ -11,11 +11,12 @@ counts the policy's operations (inserts and reuses), so it measures traffic, not
   deadline gets :data:`PROTECT_OPS` more operations. Chat turns come back thousands of
   blocks later, long after a small pool has cycled. A burst ages out: the extra time
   is counted from the last use.
-* **Two feedback loops**, ARC-like, each one number. How far back the history counts
-  (its window) grows when a block it protected is hit, and shrinks when one leaves
-  unused: a conversation that came back is a good bet, a document read once more is
-  not. A new block's lifetime (a share of the pool) grows when a block evicted unused
-  comes back, and shrinks when a reused one does: one-off tails leave sooner.
+* **Two feedback loops**, ARC-like, each one number. One is how far back the history
+  counts (its window). It grows when a block it protected is hit. It shrinks when one
+  leaves unused. A conversation that came back is a good bet; a document read once more
+  is not. The other is a new block's lifetime (a share of the pool). It grows when a
+  block evicted unused comes back. It shrinks when a reused one does. So one-off tails
+  leave sooner.
 * **Prefix structure.** A block without its parent never hits. A child's deadline is
   capped by its parent's, and ties go to the deeper block. So a chain leaves from its
   tail, and a parent only after its children (unless a child is pinned). A block stored
@@ -25,11 +26,11 @@ counts the policy's operations (inserts and reuses), so it measures traffic, not
 * **The tier below.** :meth:`KVAwarePolicy.note_below` marks a block that a lower tier
   also stores (the scheduler calls it when a chunk is confirmed on every rank). Dropping
   it from DRAM loses only a copy: it loses its extra time, not its place in time.
-  Over a write-back tier (``staging``), DRAM is where new blocks wait to be written:
-  the NVMe tier writes a block seen once only if it is still in DRAM when the
-  background flush comes. Protecting reused blocks there shortens that wait, and on
-  Mooncake's trace (1k DRAM over 30k NVMe) cut the hierarchy's share from 0.30 to
-  0.21. So over such a tier nothing gets extra time: LRU, with the prefix order.
+  Over a write-back tier (``staging``), DRAM is where new blocks wait to be written. The
+  NVMe tier writes a block seen once only if it is still in DRAM when the background
+  flush comes. Protecting reused blocks there shortens that wait. On Mooncake's trace
+  (1k DRAM over 30k NVMe) it cut the hierarchy's share from 0.30 to 0.21. So over such a
+  tier nothing gets extra time: LRU, with the prefix order.
 
 Costs: a heap of (deadline, -depth) with lazy deletion, so every operation is O(log n)
 amortised. State per block: deadline, depth, level, parent. The history holds at most

@@ -4,19 +4,19 @@ Who calls it: :class:`~vllm_kvtier.index.slot_index.SlotIndex` only, from the th
 owns the index (vLLM's scheduler thread). Not thread-safe. Pure bookkeeping over hashable
 keys (the tests use integers): no clock, no I/O, no knowledge of slots or pins. What may
 not be evicted (a slot read by a transfer, a key pinned with a TTL) is the index's
-business; it passes that in as the ``evictable`` predicate of :meth:`EvictionPolicy.evict`.
+business. It passes that in as the ``evictable`` predicate of :meth:`EvictionPolicy.evict`.
 
 Two policies:
 
-* ``lru``: least recently used, the historical default.
+* ``lru``: least recently used.
 * ``s3fifo``: S3-FIFO (Yang et al., "FIFO queues are all you need for cache eviction",
-  SOSP 2023), :mod:`vllm_kvtier.index.s3fifo`. Chosen over ARC and W-TinyLFU because:
-  it is scan-resistant by construction (a key seen once only ever occupies the small
-  queue, half of the pool, so a flood of one-off documents cannot push out a system prompt
-  that was reused); it needs no tuning (ARC adapts a target that a long scan drags around;
-  W-TinyLFU needs a count-min sketch, its width and an ageing period); every operation is
-  O(1) amortised with FIFO queues; and its "skip this one, look at the next" loop takes
-  the index's pins naturally, where ARC's ghost-list adaptation and TinyLFU's
+  SOSP 2023), :mod:`vllm_kvtier.index.s3fifo`. It was chosen over ARC and W-TinyLFU for
+  four reasons. It is scan-resistant by construction. A key seen once only ever occupies
+  the small queue, half of the pool. So a flood of one-off documents cannot push out a
+  system prompt that was reused. It needs no tuning. ARC adapts a target that a long scan
+  drags around. W-TinyLFU needs a count-min sketch, its width and an ageing period. Every
+  operation is O(1) amortised with FIFO queues. And its "skip this one, look at the next"
+  loop takes the index's pins naturally. ARC's ghost-list adaptation and TinyLFU's
   candidate-versus-victim admission duel both assume any victim can be taken.
 """
 

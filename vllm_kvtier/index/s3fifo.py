@@ -5,9 +5,9 @@ pure bookkeeping). How it works, and why it suits a KV-block pool:
 
 * New keys enter the **small** queue (half of the pool, :data:`DEFAULT_SMALL_FRACTION`).
   When the pool is full and the small queue holds at least its share, the victim comes
-  from there: its oldest key leaves if it was not reused since it entered (its name goes
-  to the **ghost** queue), or moves to the main queue if it was. A one-off document's
-  blocks are never reused, so they only ever cycle through the small queue.
+  from there. Its oldest key leaves if it was not reused since it entered; its name goes
+  to the **ghost** queue. If it was reused, it moves to the main queue. A one-off
+  document's blocks are never reused, so they only ever cycle through the small queue.
 * The **main** queue (the other half) is a CLOCK with a 2-bit counter: its oldest key is
   evicted if its counter is 0, else the counter drops by one and the key goes back to
   the tail. A system prompt reused by many requests keeps a high counter and stays.

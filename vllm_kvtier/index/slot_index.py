@@ -121,8 +121,9 @@ class SlotIndex:
         return n
 
     def touch(self, key: BlockKey) -> None:
-        """Record a reuse of ``key`` (a hit, or a save that found it stored): LRU makes it
-        the most recently used; S3-FIFO raises its reuse counter."""
+        """Record a reuse of ``key`` (a hit, or a save that found it stored).
+
+        LRU makes it the most recently used. S3-FIFO raises its reuse counter."""
         if key in self._slot_of:
             self.policy.access(key)
 
@@ -215,10 +216,10 @@ class SlotIndex:
     def allocate(self, key: BlockKey, parent: BlockKey | None = None) -> Allocation | None:
         """Give ``key`` a slot, evicting the policy's choice among unpinned keys if full.
 
-        ``parent``: the key of the block before it in its prompt (None for a first block
-        or when not known); the ``kvaware`` policy keeps parents over children. Returns
-        None when every slot is pinned (the caller skips the save). ``key`` must not be
-        present already.
+        ``parent``: the key of the block before it in its prompt. It is None for a first
+        block or when not known. The ``kvaware`` policy keeps parents over children.
+        Returns None when every slot is pinned (the caller skips the save). ``key`` must
+        not be present already.
         """
         if key in self._slot_of:
             raise KeyError(f"key already present: {key!r}")

@@ -1,14 +1,14 @@
 """Capacity planning: the usual KV-size formula, tier by tier (``kvtier plan``).
 
-    standard attention (MHA, GQA, MQA):  KV bytes = 2 x L x H_kv x D_head x S x B
+    Standard attention (MHA, GQA, MQA):  KV bytes = 2 x L x H_kv x D_head x S x B
     MLA (DeepSeek-V2/V3):                KV bytes = L x (kv_lora_rank + qk_rope_head_dim) x S x B
 
-(2 = K and V; L layers; H_kv KV heads; D_head head dimension; S tokens; B bytes per value.
-MLA caches one latent vector per token per layer, so there is no factor 2.) Layers with a
-sliding window hold at most ``window`` tokens.
+Here 2 = K and V. L is the layers, H_kv the KV heads, D_head the head dimension. S is
+the tokens, B the bytes per value. MLA caches one latent vector per token per layer, so there is no factor 2. Layers
+with a sliding window hold at most ``window`` tokens.
 
-Everything here is a pure function of its arguments, called from the CLI thread: no vllm,
-no torch, no I/O except :func:`read_model_config`, which reads one local ``config.json``
+Everything here is a pure function of its arguments, called from the CLI thread. No vllm,
+no torch, no I/O except :func:`read_model_config`. That reads one local ``config.json``
 (never the hub). Sizes are ``int`` bytes, bandwidths bytes per second, times seconds.
 1 GB = 10^9 bytes, 1 GiB = 2^30 bytes. Bad input raises :class:`PlanInputError` naming
 the config.json field, CLI option or file.
@@ -148,11 +148,13 @@ DEFAULT_BLOCK_TOKENS = 16
 
 @dataclass(frozen=True)
 class HostOverhead:
-    """Host memory the plugin may use OUTSIDE the CPU tier's budget, for a whole engine:
-    idle page-aligned transfer buffers kept for reuse (at most ``idle_per_worker_bytes`` in
-    each worker process, one per TP rank) and, per tier below DRAM, the chunks its write
-    queue may hold assembled at once (``max_queued_writes`` x ``chunk_blocks`` blocks).
-    Reads in flight are bounded by the same chunk size times the tier's ``io_threads``."""
+    """Host memory the plugin may use OUTSIDE the CPU tier's budget, for a whole engine.
+
+    It counts idle page-aligned transfer buffers kept for reuse. There are at most
+    ``idle_per_worker_bytes`` of them in each worker process, one per TP rank. It counts,
+    per tier below DRAM, the chunks its write queue may hold assembled at once
+    (``max_queued_writes`` x ``chunk_blocks`` blocks). Reads in flight are bounded by the
+    same chunk size times the tier's ``io_threads``."""
 
     idle_per_worker_bytes: int
     block_tokens: int

@@ -5,19 +5,19 @@ Each instance has its own CPU tier and local tiers below it (NVMe): an
 instances share one tier (S3 or the Mooncake pool): :class:`SharedTier`. A router
 (:mod:`vllm_kvtier.ops.routers`) picks the instance of each request, in trace order.
 
-Per request the instance runs :func:`~vllm_kvtier.ops.instance_replay.serve_request`, the
-code :func:`~vllm_kvtier.ops.trace_sim.simulate_tiers` runs (its module doc says what it does),
-with the shared tier last in the lookup. What the shared tier models:
+Per request the instance runs :func:`~vllm_kvtier.ops.instance_replay.serve_request`. That
+is the code :func:`~vllm_kvtier.ops.trace_sim.simulate_tiers` runs (its module doc says
+what it does). The shared tier comes last in the lookup. What the shared tier models:
 
-* **writes**: each instance decides its own writes with its own planner for the shared tier
-  (mode, admission counts, chunking), as the engine does; a written chunk goes into the
-  bucket at the request's time;
+* **writes**: each instance decides its own writes with its own planner for the shared
+  tier (mode, admission counts, chunking), as the engine does. A written chunk goes into
+  the bucket at the request's time.
 * **listing**: the writer finds its own chunk at once. Another instance finds it after its
-  next rescan of the bucket: S3 instances rescan every ``rescan_interval_s`` seconds, all
-  on one clock (a chunk written at ``t`` is listed at the next multiple of the interval).
-  A Mooncake pool answers lookups from the master: visible to every instance at once;
-* **reads**: a hit on another instance's chunk is a cross-instance hit (the figure a shared
-  tier exists for); a block visible in the bucket is not written again;
+  next rescan of the bucket. S3 instances rescan every ``rescan_interval_s`` seconds, all
+  on one clock. A chunk written at ``t`` is listed at the next multiple of the interval. A
+  Mooncake pool answers lookups from the master: visible to every instance at once.
+* **reads**: a hit on another instance's chunk is a cross-instance hit (the figure a
+  shared tier exists for). A block visible in the bucket is not written again.
 * **capacity**: one LRU over the bucket's chunks (a lifecycle rule, the pool's eviction),
   in the same chunk bytes as the single-instance replay.
 

@@ -1,19 +1,19 @@
 """Routers of the fleet replay (:mod:`vllm_kvtier.ops.fleet_sim`): which instance serves
 each request.
 
-Called once per request, in trace order, from the replay loop; pure and deterministic
-(ties go to the instance sent fewest requests, then the lowest number). A router sees :class:`RouterView`: each
-instance's requests in flight, and what each instance holds (as its KV events tell a
-router that consumes them).
+Called once per request, in trace order, from the replay loop. Pure and deterministic:
+ties go to the instance sent fewest requests, then the lowest number. A router sees
+:class:`RouterView`: each instance's requests in flight, and what each instance holds (as
+its KV events tell a router that consumes them).
 
 * ``round-robin``: instance ``i mod N`` for the ``i``-th request.
 * ``session``: a conversation sticks to one instance, the least loaded when it starts.
   A conversation is the requests whose prompts share their first block past the shared
   prefix (:func:`session_keys`).
 * ``prefix``: the instance holding the longest leading run of the prompt's blocks in its
-  own tiers, among those within the load bound: an instance with ``max_imbalance`` or more
-  requests in flight above the fleet's mean is passed over (the least loaded never is).
-  Ties, and prompts no instance holds, go to the least loaded.
+  own tiers, among those within the load bound. An instance with ``max_imbalance`` or
+  more requests in flight above the fleet's mean is passed over (the least loaded never
+  is). Ties, and prompts no instance holds, go to the least loaded.
 """
 
 from __future__ import annotations
@@ -78,13 +78,14 @@ class RoundRobin:
 
 
 def session_keys(traces_keys: Sequence[Sequence[BlockKey]], fanout: int = DEFAULT_SESSION_FANOUT) -> list[BlockKey]:
-    """Each request's conversation: the block after the prompt's last branch point, a block
-    followed over the whole trace by at least ``fanout`` distinct blocks that later prompts
-    extend (a prompt's last block is left out: a partial tail is never extended). A system
-    prompt or a shared document ends at a branch point; a conversation's own blocks are
-    followed by the same block turn after turn. No branch point: the prompt's first block.
-    One pass; memory: up to ``fanout`` ids per block of the first :data:`SESSION_DEPTH`
-    positions."""
+    """Each request's conversation: the block after the prompt's last branch point.
+
+    A branch point is a block followed over the whole trace by at least ``fanout``
+    distinct blocks that later prompts extend. A prompt's last block is left out: a
+    partial tail is never extended. A system prompt or a shared document ends at a branch
+    point. A conversation's own blocks are followed by the same block turn after turn. No
+    branch point: the prompt's first block. One pass; memory: up to ``fanout`` ids per
+    block of the first :data:`SESSION_DEPTH` positions."""
     nexts: dict[BlockKey, set[BlockKey]] = {}
     for keys in traces_keys:
         for p in range(min(len(keys) - 2, SESSION_DEPTH)):

@@ -1,10 +1,12 @@
-"""``kvtier plan --trace``: the tiers of a kvtier config (or capacities in blocks) replayed on
-an operator's own trace, with the bounds, the writes, the requests, their cost and the TTFT
-they save.
+"""``kvtier plan --trace``: the tiers of a kvtier config replayed on an operator's own
+trace.
 
-Pure functions over :mod:`vllm_kvtier.ops.trace_sim`'s results, called from the CLI thread;
-no vLLM, no torch, no I/O. Sizes are bytes, rates per hour of trace time (the trace's span
-from its first request to its last), times seconds, money US dollars.
+Capacities in blocks work too. It reports the bounds, the writes, the requests, their
+cost and the TTFT they save.
+
+Pure functions over :mod:`vllm_kvtier.ops.trace_sim`'s results, called from the CLI
+thread. No vLLM, no torch, no I/O. Sizes are bytes and times seconds. Rates are per hour
+of trace time: the trace's span from its first request to its last. Money is US dollars.
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ def _default(cls: type, name: str) -> Any:
 
 def lower_tier(name: str, capacity_blocks: int | None, *, trace_block_tokens: int, engine_block_tokens: int,
                block_bytes: int, cfg: NVMeTierConfig | S3TierConfig | None = None) -> LowerTier:
-    """A tier below CPU for the replay, with ``cfg``'s policy (mode, admission, chunk size,
-    flush interval) or the section's defaults, its chunks converted to trace blocks: a chunk
-    of ``chunk_blocks`` engine blocks is ``chunk_blocks x engine_block_tokens`` tokens."""
+    """A tier below CPU for the replay, with its chunks converted to trace blocks.
+
+    It takes ``cfg``'s policy (mode, admission, chunk size, flush interval), or the
+    section's defaults. A chunk of ``chunk_blocks`` engine blocks is
+    ``chunk_blocks x engine_block_tokens`` tokens."""
     cls = NVMeTierConfig if name == "nvme" else S3TierConfig
     get = (lambda n: getattr(cfg, n)) if cfg is not None else (lambda n: _default(cls, n))
     chunk_tokens = get("chunk_blocks") * engine_block_tokens
@@ -68,8 +72,9 @@ class Prices:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Prefill rate and each tier's read bandwidth to the GPU (bytes/s; a lower tier's
-    loads cross PCIe too, so give the slower of the two)."""
+    """Prefill rate and each tier's read bandwidth to the GPU (bytes/s).
+
+    A lower tier's loads cross PCIe too, so give the slower of the two."""
 
     prefill_tokens_per_s: float
     read_bytes_per_s: dict[str, float]
@@ -228,8 +233,10 @@ ADMISSIONS = (1, 2)
 
 
 def admission_frontier(trace: TraceSource, setup: TierSetup, configured: TiersResult) -> dict[int, tuple[float, float]]:
-    """Each of :data:`ADMISSIONS` on the NVMe tier, the rest as configured: (share of
-    prompt tokens served by all tiers, NVMe blocks written per hour). Empty without NVMe."""
+    """Each of :data:`ADMISSIONS` on the NVMe tier, the rest as configured.
+
+    Each gives (share of prompt tokens served by all tiers, NVMe blocks written per hour).
+    Empty without NVMe."""
     j = next((j for j, t in enumerate(setup.lower) if t.name == "nvme"), None)
     if j is None:
         return {}
@@ -247,9 +254,10 @@ def admission_frontier(trace: TraceSource, setup: TierSetup, configured: TiersRe
 
 
 def recommend_admission(setup: TierSetup, frontier: dict[int, tuple[float, float]]) -> tuple[int | None, str]:
-    """(admit_min_seen, why): the value that serves the most, unless another serves within
-    :data:`RECOMMEND_MARGIN` of it with fewer SSD writes; the configured one on a tie.
-    (None, "") without NVMe."""
+    """(admit_min_seen, why): the value that serves the most.
+
+    Another value wins if it serves within :data:`RECOMMEND_MARGIN` of it with fewer SSD
+    writes. The configured one wins a tie. (None, "") without NVMe."""
     if not frontier:
         return None, ""
     configured = next(t.admit_min_seen for t in setup.lower if t.name == "nvme")
@@ -262,11 +270,12 @@ def recommend_admission(setup: TierSetup, frontier: dict[int, tuple[float, float
 
 
 def recommend(configured: str, runs: dict[str, TiersResult], ttft_saved: dict[str, float]) -> tuple[str, str]:
-    """(policy, why): the CPU policy that saves the most TTFT (with a hardware profile), else
-    the one whose tiers serve the most prompt tokens, ties going to the one serving more from
-    the faster tiers (the share through each tier, from the slowest up). Another policy than
-    ``configured`` only when it wins by :data:`RECOMMEND_MARGIN` of the prompt tokens (or 5%
-    of the TTFT saved)."""
+    """(policy, why): the CPU policy that saves the most TTFT (with a hardware profile).
+
+    Without a profile it is the one whose tiers serve the most prompt tokens. Ties go to
+    the one serving more from the faster tiers (the share through each tier, from the
+    slowest up). Another policy than ``configured`` is picked only when it wins by
+    :data:`RECOMMEND_MARGIN` of the prompt tokens (or 5% of the TTFT saved)."""
     def cums(p: str) -> list[float]:
         r, out, c = runs[p], [], 0.0
         for t in r.tiers:
@@ -372,8 +381,10 @@ def blocks_of(nbytes: int, block_bytes: int, option: str) -> int:
 
 
 def cpu_blocks_from_config(cfg: KVTierConfig, block_bytes: int, dram_bytes: int | None, reserved: int) -> int:
-    """The CPU tier's slots in trace blocks: ``cpu.capacity_bytes``, or its fraction of
-    ``dram_bytes`` less ``reserved`` (what the connector takes of the DRAM available)."""
+    """The CPU tier's slots in trace blocks.
+
+    It is ``cpu.capacity_bytes``, or its fraction of ``dram_bytes`` less ``reserved``.
+    ``reserved`` is what the connector takes of the DRAM available."""
     if cfg.cpu.capacity_bytes is not None:
         return blocks_of(cfg.cpu.capacity_bytes, block_bytes, "cpu.capacity_bytes")
     if dram_bytes is None:
@@ -421,7 +432,8 @@ def render_sweep(rows: list[dict[str, Any]], infinite: float) -> str:
 
 
 def render_sweep_png(rows: list[dict[str, Any]], infinite: float, path: str) -> str | None:
-    """The sweep as a PNG (hit share against CPU size, one line per NVMe size and policy);
+    """The sweep as a PNG: hit share against CPU size, one line per NVMe size and policy.
+
     None when matplotlib is not installed (the table has the same figures)."""
     try:
         import matplotlib

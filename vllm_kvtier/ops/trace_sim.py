@@ -1,44 +1,49 @@
-"""Replay a request trace through the plugin's own index, eviction and admission code
-(``kvtier plan --trace``).
+"""Replay a request trace through the plugin's own index, eviction and admission code.
+
+This is ``kvtier plan --trace``.
 
 Trace format (Mooncake's FAST'25 release, Alibaba's traces, vLLM's ``timed_trace``): JSON
-Lines, one request a line: ``timestamp`` (ms from the start), ``input_length`` and
-``output_length`` (tokens), ``hash_ids`` (one id per block of ``block_tokens`` prompt tokens;
-equal ids are the same prefix block, i.e. reusable KV; the last block may be partial).
+Lines, one request a line. Fields: ``timestamp`` (ms from the start), ``input_length`` and
+``output_length`` (tokens), ``hash_ids``. There is one hash id per block of ``block_tokens``
+prompt tokens. Equal ids are the same prefix block, i.e. reusable KV. The last block may be
+partial.
 
-What a replay does per request, in trace order, one request at a time (the model the
-figures rest on; docs/planning.md says what it leaves out):
+What a replay does per request, in trace order, one request at a time. This is the model
+the figures rest on; docs/planning.md says what it leaves out.
 
-1. **lookup**: the longest run of the request's leading blocks found in the CPU tier's
-   index or, block by block, in the first lower tier that holds it (the scheduler's
-   ``_match``: CPU, then NVMe, then S3);
+1. **lookup**: the longest run of the request's leading blocks found in an index. A block
+   is looked up in the CPU tier's index, else in the first lower tier that holds it. This
+   is the scheduler's ``_match``: CPU, then NVMe, then S3.
 2. **admission counts**: each lower tier's :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner`
-   hears of the request's blocks (``note_request``, for ``admit_min_seen``);
-3. **load**: CPU hits are touched and pinned; lower-tier hits are promoted into CPU slots
-   (an eviction this causes is offered to the lower tiers: write-back demotion), one read
-   per contiguous run of a chunk's blocks (S3: one ranged GET); a hit that finds no slot
-   to read into ends there. The load ends before the request computes (pins released);
-4. **save**, ``step_blocks`` at a time (vLLM's chunked prefill): every block not in the CPU
-   index gets a slot (the policy's victim leaves; each lower tier hears ``on_cpu_evict`` /
-   ``on_cpu_save``; the step's own blocks are held against each other), a present one is
-   touched (:class:`~vllm_kvtier.plan.save_plan.SavePlanner`'s loop);
-5. **after each step**: each lower tier's ``take_jobs`` at the request's timestamp (the
-   background flush of write-back reads this clock), repeated while it returns writes;
-   every chunk written is confirmed at once (writes never fail here).
+   hears of the request's blocks (``note_request``, for ``admit_min_seen``).
+3. **load**: CPU hits are touched and pinned. Lower-tier hits are promoted into CPU slots.
+   An eviction this causes is offered to the lower tiers (write-back demotion). There is
+   one read per contiguous run of a chunk's blocks (S3: one ranged GET). A hit that finds
+   no slot to read into ends there. The load ends before the request computes (pins
+   released).
+4. **save**, ``step_blocks`` at a time (vLLM's chunked prefill). Every block not in the
+   CPU index gets a slot, and the policy's victim leaves. Each lower tier hears
+   ``on_cpu_evict`` / ``on_cpu_save``. The step's own blocks are held against each other. A
+   present block is touched. This is :class:`~vllm_kvtier.plan.save_plan.SavePlanner`'s
+   loop.
+5. **after each step**: each lower tier's ``take_jobs`` runs at the request's timestamp.
+   The background flush of write-back reads this clock. It repeats while it returns
+   writes. Every chunk written is confirmed at once (writes never fail here).
 
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
 with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
-:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Bounds computed
-beside them: an infinite cache, and Belady's MIN (evict the block whose next use is furthest;
-a block used never again, or later than every held one, is not stored).
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Two bounds are
+computed beside them. One is an infinite cache. The other is Belady's MIN: evict the block
+whose next use is furthest. A block used never again, or later than every held one, is not
+stored.
 
 A hit of ``n`` leading blocks covers ``min(n x block_tokens, input_length)`` prompt tokens.
 Pure: no vLLM, no torch, no I/O except :func:`read_trace`. The replays read a
-:class:`TraceSource` one request at a time: a :class:`Trace` in memory, or a file read at
-each pass (:mod:`vllm_kvtier.ops.trace_stream`). Then memory is the indexes, bounded by
-the capacities; the infinite cache adds each distinct block, Belady's MIN 8 bytes a block
-of the trace.
+:class:`TraceSource` one request at a time. It is a :class:`Trace` in memory, or a file
+read at each pass (:mod:`vllm_kvtier.ops.trace_stream`). Then memory is the indexes,
+bounded by the capacities. The infinite cache adds each distinct block. Belady's MIN adds
+8 bytes a block of the trace.
 """
 
 from __future__ import annotations
@@ -160,9 +165,11 @@ def key_of(hash_id: int) -> BlockKey:
 
 
 def hash_ids_from_tokens(tokens: Sequence[int], block_tokens: int) -> list[int]:
-    """The trace's ``hash_ids`` of a prompt: one id per ``block_tokens`` tokens (the last
-    block may be partial), each a 64-bit BLAKE2b of the previous block's id and this block's
-    tokens, so equal ids mean equal prefixes (vLLM's chained block hashes, in small)."""
+    """The trace's ``hash_ids`` of a prompt: one id per ``block_tokens`` tokens.
+
+    The last block may be partial. Each id is a 64-bit BLAKE2b of the previous block's id
+    and this block's tokens. So equal ids mean equal prefixes (vLLM's chained block hashes,
+    in small)."""
     ids: list[int] = []
     parent = 0
     for lo in range(0, len(tokens), block_tokens):
@@ -174,11 +181,13 @@ def hash_ids_from_tokens(tokens: Sequence[int], block_tokens: int) -> list[int]:
 
 
 def sample_conversations(records: Iterable[dict], fraction: float, seed: int = 0) -> list[dict]:
-    """The requests of about ``fraction`` of the conversations, whole: a request belongs to
-    the conversation named by its second block id (its first when it has one; the first
-    block is often a prompt every conversation shares), kept when a 64-bit BLAKE2b of that
-    id and ``seed`` falls in the fraction. Sampling requests instead would cut the reuse
-    between a conversation's turns that the tiers live on."""
+    """The requests of about ``fraction`` of the conversations, whole.
+
+    A request belongs to the conversation named by its second block id. It uses its first
+    when it has only one; the first block is often a prompt every conversation shares. A
+    conversation is kept when a 64-bit BLAKE2b of that id and ``seed`` falls in the
+    fraction. Sampling requests instead would cut the reuse between a conversation's turns
+    that the tiers live on."""
     out = []
     for r in records:
         ids = r["hash_ids"]
@@ -419,10 +428,11 @@ def simulate_belady(trace: TraceSource, capacity_blocks: int) -> CacheResult:
 class LowerTier:
     """A tier below CPU as the plugin's config has it, in trace blocks.
 
-    ``chunk_blocks``: trace blocks per chunk (at least 1); ``objects_per_chunk``: the
-    plugin's chunks (files, objects) one such chunk stands for, when a trace block is longer
-    than a chunk of the engine's blocks (Mooncake: 512 tokens = two chunks of 16 x 16);
-    ``block_bytes``: bytes of one trace block (0 when the model is not known)."""
+    ``chunk_blocks``: trace blocks per chunk (at least 1). ``objects_per_chunk``: how many
+    of the plugin's chunks (files, objects) one such chunk stands for. It matters when a
+    trace block is longer than a chunk of the engine's blocks (Mooncake: 512 tokens = two
+    chunks of 16 x 16). ``block_bytes``: bytes of one trace block (0 when the model is not
+    known)."""
 
     name: str
     capacity_blocks: int | None

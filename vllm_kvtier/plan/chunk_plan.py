@@ -1,44 +1,46 @@
-"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake):
-admission, demotion, chunking, eviction, and what other instances stored.
+"""Scheduler-side policy of a chunk tier below the CPU tier (NVMe, S3, Mooncake).
+
+It covers admission, demotion, chunking, eviction, and what other instances stored.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
-scheduler thread. No I/O and no thread here: the connector lists the tier at start-up and
-hands the listing in (``found``); later changes come from a catalog
+scheduler thread. No I/O and no thread here. The connector lists the tier at start-up and
+hands the listing in (``found``). Later changes come from a catalog
 (:mod:`vllm_kvtier.catalog`), which lists or asks on its own thread. A shared bucket's
-rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`), applied in slices
-(:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative: a
-chunk it no longer shows (deleted out of band, expired by a lifecycle rule) leaves the
-index (a chunk a load is reading, at its unpin); one shown on only some ranks is never
-indexed. A pool's lookups are submitted and answered on a later step
+rescans arrive as deltas (:class:`~vllm_kvtier.catalog.base.Rescans`). They are applied in
+slices (:class:`~vllm_kvtier.plan.rescan_merge.RescanMerge`). The listing is authoritative.
+A chunk it no longer shows leaves the index (deleted out of band, expired by a lifecycle
+rule). A chunk a load is reading leaves at its unpin. A chunk shown on only some ranks is
+never indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
   requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). Both
-  NVMe and S3 default to 1: a block's first reuse comes long after a small DRAM pool has
-  cycled, so a tier that waits for a second sight never serves it (2 trades those hits
-  for SSD writes; docs/planning.md).
-* **Write-back**: a block goes down when the CPU tier evicts it (if admitted); the worker
-  copies the slot out before the same step's saves reuse it. So that a restart (or an
-  abort, or a crash) finds what DRAM held, write-back also **flushes in the background**
-  the blocks still only in DRAM, whatever their admission count: while requests run, each
-  block once it has stayed in DRAM ``flush_interval_s`` (so an abort loses at most that
-  window; a one-off block evicted sooner is not written: admission keeps protecting the
-  SSD from floods); and all of them as soon as the engine has no request (it asks vLLM for
-  idle steps until they are written), at most :data:`_FLUSH_BLOCKS_PER_STEP` x
-  ``chunk_blocks`` blocks per step. Cost: each block that outlives the interval in DRAM, or
-  is in DRAM when the engine goes idle, is written once. **Write-through**: every admitted
-  block saved to the CPU tier is also written at once. With both NVMe and S3 configured,
-  each tier takes the CPU tier's blocks by its own mode: the hierarchy is inclusive, so
-  a block evicted from NVMe is usually still in S3 (nothing is copied NVMe -> S3).
+  NVMe and S3 default to 1. A block's first reuse comes long after a small DRAM pool has
+  cycled. So a tier that waits for a second sight never serves it. A value of 2 trades those
+  hits for SSD writes (docs/planning.md).
+* **Write-back**: a block goes down when the CPU tier evicts it (if admitted). The worker
+  copies the slot out before the same step's saves reuse it. Write-back also **flushes in
+  the background** the blocks still only in DRAM, whatever their admission count. So a
+  restart (or an abort, or a crash) finds what DRAM held. While requests run, a block is
+  flushed once it has stayed in DRAM ``flush_interval_s``. So an abort loses at most that
+  window. A one-off block evicted sooner is not written: admission still protects the SSD
+  from floods. When the engine has no request, all of them are flushed at once. The engine
+  then asks vLLM for idle steps until they are written. At most
+  :data:`_FLUSH_BLOCKS_PER_STEP` x ``chunk_blocks`` blocks go per step. Cost: a block is
+  written once if it outlives the interval in DRAM or is in DRAM when the engine goes idle.
+  **Write-through**: every admitted block saved to the CPU tier is also written at once.
+  With both NVMe and S3 configured, each tier takes the CPU tier's blocks by its own mode.
+  The hierarchy is inclusive: a block evicted from NVMe is usually still in S3. Nothing is
+  copied NVMe -> S3.
 * **Chunking**: one step's writes are grouped, in order, into chunks of up to
   ``chunk_blocks`` blocks, so I/Os are large and requests few.
 * **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
   deleted by the worker) to make room. A key becomes loadable only when every TP rank
   reported its chunk durable.
 * **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
-  index reports every key that becomes loadable or stops being so; a chunk is ``REMOTE``
-  when another writer stored it (found by a rescan or a pool lookup, or at start-up in a
-  shared tier and not in our own manifest), else ``LOCAL``.
+  index reports every key that becomes loadable or stops being so. A chunk is ``REMOTE``
+  when another writer stored it, else ``LOCAL``. Another writer's chunk is found by a rescan
+  or a pool lookup, or at start-up in a shared tier and not in our own manifest.
 """
 
 from __future__ import annotations
@@ -111,23 +113,24 @@ class ChunkPlanner:
     def __init__(self, policy: ChunkPolicy, ctx: PlannerContext, listing: Listing) -> None:
         """``listing``: what the tier's catalog found at start-up
         (:class:`~vllm_kvtier.catalog.base.Listing`). ``listing.found``: the chunks found.
-        ``listing.catalog``: where later changes come from (:mod:`vllm_kvtier.catalog`): a
-        listed tier's rescans (changes pushed), a pool's lookups (answered asynchronously),
-        or None (nothing changes but by this planner's own writes); closed by :meth:`close`.
-        ``listing.reserved_bytes_per_rank``: bytes the tier holds that are not chunks (an
-        NVMe rank directory's lock file and anything else found in it), taken off the
-        capacity so that it bounds every byte on the medium. ``listing.local_chunks``: the
-        chunks of ``found`` this instance wrote (a shared tier's own manifest); None: all of
-        them on an exclusive tier, none on a shared one (KV events' locality).
-        ``listing.unread``: chunks some rank's listing saw but could not read (a transient
-        error): not indexed, and never reclaimed as partial. ``listing.writable`` False:
-        the policy's mode becomes read-only. ``listing.reclaim``: chunks deleted at once.
+        ``listing.catalog``: where later changes come from (:mod:`vllm_kvtier.catalog`).
+        It is a listed tier's rescans (changes pushed) or a pool's lookups (answered
+        asynchronously). None: nothing changes but by this planner's own writes. It is
+        closed by :meth:`close`. ``listing.reserved_bytes_per_rank``: bytes the tier holds
+        that are not chunks. Examples: an NVMe rank directory's lock file, anything else
+        found in it. They are taken off the capacity, so that it bounds every byte on the
+        medium. ``listing.local_chunks``: the chunks of ``found`` this instance wrote (a
+        shared tier's own manifest). None means all of them on an exclusive tier and none on
+        a shared one (KV events' locality). ``listing.unread``: chunks some rank's listing
+        saw but could not read (a transient error). They are not indexed, and never
+        reclaimed as partial. ``listing.writable`` False: the policy's mode becomes
+        read-only. ``listing.reclaim``: chunks deleted at once.
 
-        The planner's jobs, each its own object: :attr:`admission` (which blocks are
-        written; the write breaker), :attr:`merge` (rescan deltas, sliced),
-        :attr:`cooling` (chunks whose read failed), :attr:`answered` (pool answers),
-        :attr:`origins` (who wrote each chunk: KV events' locality, what a failed read
-        deletes); the write queues and the index stay here."""
+        The planner's jobs are each their own object. The :attr:`admission` picks which
+        blocks are written and holds the write breaker. The :attr:`merge` slices rescan
+        deltas. The :attr:`cooling` holds chunks whose read failed. The :attr:`answered`
+        holds pool answers. The :attr:`origins` knows who wrote each chunk (KV events'
+        locality, what a failed read deletes). The write queues and the index stay here."""
         if not listing.writable:
             policy = dataclasses.replace(policy, mode="read-only")
         self.policy = policy
@@ -174,12 +177,15 @@ class ChunkPlanner:
 
     def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
         """Index the start-up listing's chunks present on every rank; (blocks, chunks)
-        added. A chunk that does not fit the capacity is deleted; on an exclusive tier
-        (:attr:`ChunkPolicy.exclusive`) so are chunks present on only some ranks (a write
-        that did not reach every rank) and chunks of another block size, by the ranks that
-        hold them (counted as ``reclaimed_files``). A chunk in ``unread`` is not known
-        partial (a rank could not read it: EMFILE, EIO): it is left alone. A rescan's chunks are only ignored
-        then (:meth:`_apply_slice`: another instance may be using or still writing them)."""
+        added.
+
+        A chunk that does not fit the capacity is deleted. An exclusive tier
+        (:attr:`ChunkPolicy.exclusive`) deletes two more kinds. One is chunks present on
+        only some ranks (a write that did not reach every rank). The other is chunks of
+        another block size. The ranks that hold them delete them. They count as
+        ``reclaimed_files``. A chunk in ``unread`` is not known partial. A rank could not
+        read it (EMFILE, EIO). It is left alone. A rescan's chunks are only ignored then
+        (:meth:`_apply_slice`). Another instance may be using or still writing them."""
         reclaim = self.policy.exclusive
         common = common_chunks(found)
         n_blocks = n_files = 0
@@ -218,8 +224,10 @@ class ChunkPlanner:
     # ---- KV events -------------------------------------------------------------------
 
     def attach_events(self, log: EventLog) -> None:
-        """Report to ``log`` every key that becomes loadable from this tier or stops being so
-        from now on, and announce (over the next steps) what it holds already."""
+        """Report to ``log`` every key that becomes loadable from this tier.
+
+        Also every key that stops being so, from now on. Over the next steps, announce what
+        it holds already."""
         self._events = log
         self.index.watch = self._watched
         log.announce(self.tier, self._holdings())
@@ -232,8 +240,10 @@ class ChunkPlanner:
         self._events.record(self.tier, keys, loadable, self._locality(fid))
 
     def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
-        """The chunks indexed now (a snapshot of their ids, ~100 B each; what is indexed
-        later is reported by the watch), each as it is when the iterator reaches it."""
+        """The chunks indexed now, each as it is when the iterator reaches it.
+
+        It iterates a snapshot of their ids (~100 B each). What is indexed later is
+        reported by the watch."""
         fids = self.index.chunk_ids()
 
         def walk() -> Iterator[tuple[Sequence[BlockKey], Locality]]:
@@ -245,13 +255,14 @@ class ChunkPlanner:
         return walk()
 
     def refresh(self) -> None:
-        """Take what the catalog pushed: pool answers (indexed at once), and finished
-        background rescans (a queue poll, then, once per step, at most
-        :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks added and as many
-        removed; the rest at the next steps).
-        Called before lookups, so a request sees what other instances stored, and no longer
-        offers what the tier lost (a chunk waiting to be removed is not offered; a pinned
-        one goes at its unpin)."""
+        """Take what the catalog pushed.
+
+        Pool answers are indexed at once. Finished background rescans come from a queue
+        poll. Once per step, at most
+        :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` chunks are added, and as many
+        removed. The rest go at the next steps. Called before lookups. So a request sees
+        what other instances stored. And it no longer offers what the tier lost. A chunk
+        waiting to be removed is not offered. A pinned one goes at its unpin."""
         if self._lookups is not None:
             self._take_answers()
         if self._rescans is None:
@@ -287,11 +298,12 @@ class ChunkPlanner:
             logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
 
     def take_forgets(self) -> list[str]:
-        """Chunks the rescans applied since the last call no longer list (deleted or expired
-        out of band), for this step's metadata: each rank's store drops them from its
-        writer's manifest (no request is sent; a chunk of another writer is not in it).
-        At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` a step, as the slices
-        that found them."""
+        """Chunks that the applied rescans no longer list, for this step's metadata.
+
+        They were deleted or expired out of band since the last call. Each rank's store
+        drops them from its writer's manifest. No request is sent; a chunk of another
+        writer is not in it. At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` go
+        a step, as the slices that found them."""
         return self.merge.take_forgets()
 
     def rescan_pending(self) -> int:
@@ -299,19 +311,21 @@ class ChunkPlanner:
         return self.merge.pending()
 
     def reclaim(self, chunk_ids: Sequence[str]) -> None:
-        """Delete these chunks (ours, left unusable: on only some ranks by a crashed
-        predecessor, of another block size) with the next step's deletes; counted as
-        ``reclaimed_files``. Indexed chunks are never reclaimed."""
+        """Delete these chunks with the next step's deletes; counted as ``reclaimed_files``.
+
+        They are ours, left unusable: on only some ranks by a crashed predecessor, or of
+        another block size. Indexed chunks are never reclaimed."""
         fids = [f for f in chunk_ids if f not in self.index]
         self._deletes.extend(fids)
         self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> bool:
-        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know
-        (scheduler thread; never waits for the pool). True while an answer about one of
-        them is still to come within the lookup's deadline: the caller may ask again next
-        step (vLLM's ``None``); until then they are a miss. An answer that comes is
-        indexed by :meth:`refresh`, whoever asked."""
+        """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know.
+
+        It runs on the scheduler thread and never waits for the pool. It returns True while
+        an answer about one of them is still to come within the lookup's deadline. The
+        caller may then ask again next step (vLLM's ``None``). Until then they are a miss.
+        An answer that comes is indexed by :meth:`refresh`, whoever asked."""
         lookups = self._lookups
         if lookups is None:
             return False
@@ -378,13 +392,16 @@ class ChunkPlanner:
             self._dirty.move_to_end(key)
 
     def has_flush_work(self) -> bool:
-        """Blocks only in DRAM that an idle engine should write now, or deletes to send
-        (start-up reclaim: debris goes at the first step, not at the first request)."""
+        """Blocks only in DRAM that an idle engine should write now, or deletes to send.
+
+        Deletes are the start-up reclaim: debris goes at the first step, not at the first
+        request."""
         return bool(self._deletes) or (bool(self._dirty) and not self.admission.paused())
 
     def _take_flush(self, cpu_slot_of: Callable[[BlockKey], int | None], idle: bool) -> list[tuple[int, BlockKey]]:
-        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step;
-        a block no longer in its slot (evicted, or its slot reused) is forgotten."""
+        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step.
+
+        A block no longer in its slot (evicted, or its slot reused) is forgotten."""
         if not self._dirty or self.admission.paused():
             return []
         due = self._clock() - self.policy.flush_interval_s
@@ -426,14 +443,15 @@ class ChunkPlanner:
         self, saved_this_step: set[BlockKey], cpu_slot_of: Callable[[BlockKey], int | None], *,
         idle: bool = False,
     ) -> tuple[list[ChunkWriteJob], list[ChunkWriteJob], list[str]]:
-        """(demotes, write-through writes, deletes) for this step's metadata; ``idle``: the
-        engine has no request (flush every dirty block now, see the module doc).
+        """(demotes, write-through writes, deletes) for this step's metadata.
 
-        The worker copies demoted slots *before* this step's saves and write-through slots
-        *after* them, so a pair is dropped when the slot will not hold that key's bytes at
-        that moment: a demoted key saved in this same step (its bytes never reached the
-        slot), or a write-through key whose slot was reused later in the step. Background
-        flushes go with the write-through writes (the slot holds its key after the saves).
+        ``idle``: the engine has no request (flush every dirty block now, see the module
+        doc). The worker copies demoted slots *before* this step's saves. It copies
+        write-through slots *after* them. So a pair is dropped when the slot will not hold
+        that key's bytes at that moment. One case is a demoted key saved in this same step
+        (its bytes never reached the slot). The other is a write-through key whose slot was
+        reused later in the step. Background flushes go with the write-through writes (the
+        slot holds its key after the saves).
         """
         self.answered.new_step()
         self.refresh()
@@ -469,11 +487,11 @@ class ChunkPlanner:
     def distrust_key(self, key: BlockKey) -> None:
         """Shadow verification found ``key``'s stored block wrong: never serve its chunk
         again. An exclusive tier (our own NVMe directory) deletes it, as :meth:`drop_key`.
-        A shared tier (a bucket, a pool: other instances read it) only forgets it here,
-        for good (no rescan or pool lookup indexes it again; counted in
-        ``verify_forgotten_chunks``): one sample on one instance may be a false alarm (a
-        tolerance too tight for a kernel), and a delete would take the chunk from every
-        instance. Each instance verifies what it reads itself; the chunk goes when its
+        A shared tier (a bucket, a pool: other instances read it) only forgets it here, for
+        good. No rescan or pool lookup indexes it again; it counts in
+        ``verify_forgotten_chunks``. One sample on one instance may be a false alarm (a
+        tolerance too tight for a kernel). A delete would take the chunk from every
+        instance. Each instance verifies what it reads itself. The chunk goes when its
         writer or a lifecycle rule removes it, or when this instance writes the key again."""
         if self.policy.exclusive:
             self.drop_key(key)
@@ -536,20 +554,24 @@ class ChunkPlanner:
                     self._rescans.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
-        """Whether a chunk whose read or write failed is deleted, not only forgotten: on
-        an exclusive tier always (every chunk there is this engine's); on a shared one only
-        a chunk this process wrote on every rank, whose header and keys came from its own
-        write, so the failure is the object's. A shared object found by a listing or a
-        manifest, or one whose write failed, is left to its writer (and a lifecycle rule)."""
+        """Whether a chunk whose read or write failed is deleted, not only forgotten.
+
+        On an exclusive tier it always is: every chunk there is this engine's. On a shared
+        one, only a chunk this process wrote on every rank is deleted. Its header and keys
+        came from its own write, so the failure is the object's. A shared object found by a
+        listing or a manifest is left to its writer (and a lifecycle rule). So is one whose
+        write failed."""
         return self.policy.exclusive or self.origins.written_here(fid)
 
     def _forget_untrusted(self, fid: str) -> None:
-        """A read refused ``fid`` as ``unauthenticated`` (signed with a key no longer
-        accepted, after a rotation; or unsigned): out of the index so that its keys are
-        written again, and kept out (a rescan that still lists it does not bring it back).
-        Not deleted from a listed tier: on a shared bucket it may be another fleet's good
-        data, and a lifecycle rule collects it. A key-named chunk (a pool) is deleted: the
-        rewrite reuses its name, and a pool keeps an existing object on a put."""
+        """A read refused ``fid`` as ``unauthenticated``: out of the index, and kept out.
+
+        The chunk was signed with a key no longer accepted (after a rotation), or unsigned.
+        Leaving the index means its keys are written again. A rescan that still lists it
+        does not bring it back. It is not deleted from a listed tier: on a shared bucket it
+        may be another fleet's good data, and a lifecycle rule collects it. A key-named
+        chunk (a pool) is deleted: the rewrite reuses its name, and a pool keeps an existing
+        object on a put."""
         self._acks.pop(fid, None)
         self._failed_files[fid] = None
         while len(self._failed_files) > 4096:

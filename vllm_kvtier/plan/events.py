@@ -1,35 +1,37 @@
 """KV events: which blocks became loadable from a tier, and which stopped being so.
 
-Who calls it: the scheduler-side planners, from vLLM's scheduler thread only, and only when
-vLLM's KV cache events are on (``--kv-events-config``; otherwise no :class:`EventLog` exists
-and nothing here runs). The indexes report every change through their ``watch`` hooks
-(:class:`~vllm_kvtier.index.slot_index.SlotIndex` for the CPU tier, each
-:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` below it), so an event mirrors exactly
+Who calls it: the scheduler-side planners, from vLLM's scheduler thread only. Only when
+vLLM's KV cache events are on (``--kv-events-config``). Otherwise no :class:`EventLog`
+exists and nothing here runs. The indexes report every change through their ``watch``
+hooks (:class:`~vllm_kvtier.index.slot_index.SlotIndex` for the CPU tier, each
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` below it). So an event mirrors exactly
 what a lookup can find:
 
-* **CPU**: stored when a key takes a slot (its save is issued; the worker runs saves before
-  loads, in step order, so a later load sees the bytes), removed when it is evicted or
-  dropped (failed load, computed on top of a bad block, a private peer block).
-* **lower tiers** (NVMe, S3, Mooncake): stored when every TP rank acknowledged the chunk's
-  write, or when a scan found it (start-up, S3 rescan, a pool lookup); removed when the tier
-  evicts, deletes, reclaims, drops (failed write, bad bytes) or a rescan no longer lists it.
+* **CPU**: stored when a key takes a slot (its save is issued). The worker runs saves
+  before loads, in step order, so a later load sees the bytes. Removed when it is evicted
+  or dropped (failed load, computed on top of a bad block, a private peer block).
+* **lower tiers** (NVMe, S3, Mooncake): stored when every TP rank acknowledged the
+  chunk's write. Also stored when a scan found it (start-up, S3 rescan, a pool lookup).
+  Removed when the tier evicts, deletes, reclaims or drops it (failed write, bad bytes).
+  Also removed when a rescan no longer lists it.
 
-Each entry names its tier and a :data:`Locality`: ``LOCAL`` for what this instance wrote (and
-what an exclusive tier, its own NVMe directory, held at start), ``REMOTE`` for chunks another
-writer stored in a shared bucket or pool.
+Each entry names its tier and a :data:`Locality`. ``LOCAL`` is for what this instance
+wrote, and what an exclusive tier (its own NVMe directory) held at start. ``REMOTE`` is for
+chunks another writer stored in a shared bucket or pool.
 
 **Bounded**: entries are coalesced until :meth:`EventLog.take` (vLLM calls ``take_events``
-every step): a key stored and removed again before it (or removed and stored) cancels out, a
-repeat counts once. At most ``events.max_queued_blocks`` entries wait; beyond that new ones
-are dropped and counted (``events_dropped``). Start-up scan results are announced from a
-backlog, at most that many a step.
+every step). A key stored and removed again before it (or removed and stored) cancels out.
+A repeat counts once. At most ``events.max_queued_blocks`` entries wait. Beyond that new
+ones are dropped and counted (``events_dropped``). Start-up scan results are announced
+from a backlog, at most that many a step.
 
-**What a router sees of a block** (:class:`BlockInfo`): the hash vLLM publishes for it
-(not our key: for a LoRA request our key is bound to the adapter's content), its parent's,
-its token ids, LoRA name, KV cache group. It is known while the block's request is alive;
-it is remembered (LRU, ``events.max_block_info`` blocks) for events that come later (a
-demotion written after the request ended). A block without one (found by a scan, or
-forgotten) is announced by key only, in vLLM's own placeholder form: no tokens, block size 0.
+**What a router sees of a block** (:class:`BlockInfo`): the hash vLLM publishes for it,
+its parent's, its token ids, LoRA name, KV cache group. The hash is not our key: for a
+LoRA request our key is bound to the adapter's content. It is known while the block's
+request is alive. It is remembered (LRU, ``events.max_block_info`` blocks) for events that
+come later (a demotion written after the request ended). A block without one (found by a
+scan, or forgotten) is announced by key only. That is vLLM's own placeholder form: no
+tokens, block size 0.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""Load-or-recompute at the scheduler: decisions per request, and the samples that keep
-the estimates of :class:`~vllm_kvtier.index.cost.CostModel` current.
+"""Load-or-recompute at the scheduler.
+
+It makes decisions per request. It takes the samples that keep the estimates of
+:class:`~vllm_kvtier.index.cost.CostModel` current.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Nothing blocks.
 
 Samples: a load's time is measured per request, from the scheduler issuing it to vLLM
-reporting it done (``observe_load``: the time the request really waited, queueing behind
-other loads included); the prefill rate is timed here, as the prompt tokens a step
-scheduled over the time until the next step is scheduled (an idle gap between steps would
-look like a slow prefill, so one sample may lower the estimate by at most half).
+reporting it done (``observe_load``). That is the time the request really waited, queueing
+behind other loads included. The prefill rate is timed here. It is the prompt tokens a
+step scheduled over the time until the next step is scheduled. An idle gap between steps
+would look like a slow prefill. So one sample may lower the estimate by at most half.
 """
 
 from __future__ import annotations

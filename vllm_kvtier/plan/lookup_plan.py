@@ -42,34 +42,37 @@ class LookupPlanner:
         self._start: dict[str, int] = {}
 
     def loadable_blocks(self, request: Request) -> int:
-        """Prompt blocks that may come from a tier: every full one. An async load may
-        cover the whole prompt: when it lands, vLLM's scheduler recomputes only the last
-        token (``num_computed_tokens = num_tokens - 1``), so an exact multiple of the block
-        size recomputes 1 token instead of a whole block. A sync load is capped by
-        :meth:`sync_blocks`."""
+        """Prompt blocks that may come from a tier: every full one.
+
+        An async load may cover the whole prompt. When it lands, vLLM's scheduler
+        recomputes only the last token (``num_computed_tokens = num_tokens - 1``). So an
+        exact multiple of the block size recomputes 1 token instead of a whole block. A
+        sync load is capped by :meth:`sync_blocks`."""
         return request.num_prompt_tokens // self.block_size
 
     def sync_blocks(self, request: Request) -> int:
-        """Blocks a sync load may cover: vLLM computes at least one token in the step
-        that admits the request (it asserts ``num_new_tokens > 0``), so never the block
-        holding the prompt's last token."""
+        """Blocks a sync load may cover.
+
+        vLLM computes at least one token in the step that admits the request. It asserts
+        ``num_new_tokens > 0``. So never the block holding the prompt's last token."""
         return max(0, (request.num_prompt_tokens - 1) // self.block_size)
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(tokens after ``num_computed_tokens`` that can be loaded, whether the load is
-        async), vLLM's ``get_num_new_matched_tokens``. vLLM may ask again in a later step
-        if it cannot admit the request now. The only state kept is the latest answer's
-        starting block, which the allocation needs (vLLM sets
-        ``request.num_computed_tokens`` only after that call).
+        """vLLM's ``get_num_new_matched_tokens``.
 
-        A pool tier (Mooncake): while the pool's answer about the request's blocks may still
-        come, ``None`` (vLLM asks again next step; :meth:`lookups_pending`). The scheduler
-        thread never waits for it.
+        Returns (tokens after ``num_computed_tokens`` that can be loaded, whether the load
+        is async). vLLM may ask again in a later step if it cannot admit the request now.
+        The only state kept is the latest answer's starting block. The allocation needs it:
+        vLLM sets ``request.num_computed_tokens`` only after that call.
 
-        P/D decode side: a request whose prefill instance reported ``kvtier_pool_blocks``
-        blocks stored in the pool gets ``None`` (vLLM asks again next step) until they can
-        all be found, for at most ``mooncake.handoff_wait_s``. Then it goes on with what
-        is there (the rest is recomputed)."""
+        A pool tier (Mooncake): the pool's answer about the request's blocks may still
+        come. Then this returns ``None``, and vLLM asks again next step
+        (:meth:`lookups_pending`). The scheduler thread never waits for it.
+
+        P/D decode side: the prefill instance may have reported ``kvtier_pool_blocks``
+        blocks stored in the pool. Then the request gets ``None`` until they can all be
+        found; vLLM asks again next step. It waits for at most ``mooncake.handoff_wait_s``.
+        Then it goes on with what is there (the rest is recomputed)."""
         start = num_computed_tokens // self.block_size
         self._start[request.request_id] = start
         for tier in self.parts.lower:
@@ -107,8 +110,10 @@ class LookupPlanner:
         return len(tiers) * self.block_size, asynchronous
 
     def stored_blocks(self, request: Request) -> int:
-        """The run of the request's loadable blocks from its first that the tiers hold now
-        (as :meth:`lookup` would match from block 0, nothing submitted or recorded)."""
+        """The run of the request's loadable blocks from its first that the tiers hold now.
+
+        It matches as :meth:`lookup` would from block 0, with nothing submitted or
+        recorded."""
         return len(self._match(request.block_hashes, 0, min(self.loadable_blocks(request), len(request.block_hashes))))
 
     def lookups_pending(self, request: Request, lo: int, hi: int) -> bool:
@@ -122,10 +127,12 @@ class LookupPlanner:
         return any([tier.discover(keys) for tier in self.parts.lower])
 
     def present(self, request: Request, lo: int, hi: int) -> list[bool]:
-        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now
-        (in DRAM, or in a lower tier after its refresh), for a hit that needs keys at
-        scattered positions (a sliding-window group's window). A key whose pool lookup is
-        still under way is absent for now (:meth:`lookups_pending` first to wait for it)."""
+        """Whether each key of ``request`` at positions ``[lo, hi)`` could be loaded now.
+
+        A key counts if it is in DRAM, or in a lower tier after its refresh. This serves a
+        hit that needs keys at scattered positions (a sliding-window group's window). A key
+        whose pool lookup is still under way is absent for now. Call
+        :meth:`lookups_pending` first to wait for it."""
         hashes = request.block_hashes
         hi = min(hi, len(hashes))
         for tier in self.parts.lower:
@@ -149,8 +156,10 @@ class LookupPlanner:
 
     def record(self, request: Request) -> None:
         """Count a lookup of the blocks of ``request`` a load could cover (once per
-        admission): every full prompt block where a load may be async (``load_mode:
-        async``, a tier below CPU, a peer), else all but the block of the last token. So a
+        admission).
+
+        Where a load may be async, that is every full prompt block (``load_mode: async``,
+        a tier below CPU, a peer). Else it is all but the block of the last token. So a
         DRAM-only sync setup still reads a full hit as 100%."""
         may_be_async = (self.options.always_async or self.cfg.load_mode == "async" or bool(self.parts.lower)
                         or self.extras.peer_plan is not None)

@@ -5,33 +5,33 @@ scheduler thread. Pure bookkeeping; the workers move the bytes
 (:mod:`vllm_kvtier.transfer.peer`).
 
 Prefill side (a request with ``kv_transfer_params.do_remote_decode``): when the request
-finishes, its prompt blocks sit in CPU slots (saved, or being saved this step); those
-slots are pinned for ``hold_s`` and ``request_finished`` returns, as ``kv_transfer_params``,
-where they are: every rank's NIXL description, the slots, the block keys. A decode
-instance's read notifies the prefill ranks and the slots are released; if no read comes
-(the decode instance died, the proxy gave up), the hold expires and the slots are
+finishes, its prompt blocks sit in CPU slots (saved, or being saved this step). Those
+slots are pinned for ``hold_s``. ``request_finished`` returns where they are, as
+``kv_transfer_params``: every rank's NIXL description, the slots, the block keys. A
+decode instance's read notifies the prefill ranks, and the slots are released. If no read
+comes (the decode instance died, the proxy gave up), the hold expires. Then the slots are
 reclaimed (``peer_hold_timeouts``). Offers hold at most ``nixl.max_offered_fraction`` of
 the slots at once.
 
 Trust (prefill side): an offer hands out every rank's NIXL agent metadata (memory
-registration keys, pool addresses) and pins slots, and vLLM's OpenAI server forwards
+registration keys, pool addresses) and pins slots. vLLM's OpenAI server forwards
 ``kv_transfer_params`` from clients. So ``do_remote_decode`` is answered only with
-``nixl.accept_remote_decode`` on and, when a shared secret is configured
-(:func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`), only if the request carries a
-one-time token made with it (``kvtier_pd_auth``: :mod:`~vllm_kvtier.plan.pd_auth`; the
-secret itself is never sent, since vLLM logs the request); otherwise the request gets no offer,
-pins nothing, and is counted (``request_params_ignored{tier="peer"}``). The answer itself
-must reach only the proxy, never a client (docs/security.md).
+``nixl.accept_remote_decode`` on. A shared secret may be configured
+(:func:`~vllm_kvtier.config.secrets.load_remote_decode_secret`). Then the request must
+also carry a one-time token made with it (``kvtier_pd_auth``: :mod:`~vllm_kvtier.plan.pd_auth`).
+The secret itself is never sent, since vLLM logs the request. Otherwise the request gets
+no offer, pins nothing, and is counted (``request_params_ignored{tier="peer"}``). The
+answer itself must reach only the proxy, never a client (docs/security.md).
 
 Decode side (``do_remote_prefill`` with those parameters): the prompt's blocks whose keys
-match the request's own block hashes (so a mismatched model or prompt is never loaded)
-are an async load: each gets a CPU slot, the worker reads slots and stamps over NIXL, and
-only blocks whose stamp is the expected key are used; the rest is recomputed.
+match the request's own block hashes are an async load. So a mismatched model or prompt is
+never loaded. Each block gets a CPU slot. The worker reads slots and stamps over NIXL. Only
+blocks whose stamp is the expected key are used; the rest is recomputed.
 
 Trust (decode side): the offer comes in ``kv_transfer_params``, which vLLM's OpenAI server
 forwards from clients. It is read only if every rank's agent name matches
-``nixl.allowed_peers`` or ``nixl.trusted_peers`` (the worker checks again, and NIXL checks
-that the agent metadata names that agent); otherwise it is ignored and counted
+``nixl.allowed_peers`` or ``nixl.trusted_peers``. The worker checks again, and NIXL checks
+that the agent metadata names that agent. Otherwise it is ignored and counted
 (:mod:`~vllm_kvtier.plan.request_params`). A plan from an agent that is allowed but not
 trusted is ``trusted=False``: the scheduler uses its blocks for that request only.
 """

@@ -5,19 +5,19 @@ Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Pure bookkeeping on a request's ``kv_transfer_params``; no I/O.
 
 Prefill side (``do_remote_decode``): ``params_for`` says in the answer how many prompt
-blocks this instance puts into the pool (``kvtier_pool_blocks``); its saves write them
+blocks this instance puts into the pool (``kvtier_pool_blocks``). Its saves write them
 through as each block is computed.
 
 Decode side (``do_remote_prefill`` with ``kvtier_pool_blocks``): the prefill instance's
-puts may land after its answer reached the proxy, so ``should_wait`` asks vLLM to retry
-(``get_num_new_matched_tokens`` returns None) until those blocks are all visible, for at
-most ``mooncake.handoff_wait_s``; then the request goes on with what is there (the rest is
-recomputed, counted in ``handoff_timeouts``).
+puts may land after its answer reached the proxy. So ``should_wait`` asks vLLM to retry
+(``get_num_new_matched_tokens`` returns None) until those blocks are all visible. It waits
+at most ``mooncake.handoff_wait_s``. Then the request goes on with what is there. The
+rest is recomputed, counted in ``handoff_timeouts``.
 
-Both sides act only with ``mooncake.accept_handoffs`` on: the decode side's wait is asked
+Both sides act only with ``mooncake.accept_handoffs`` on. The decode side's wait is asked
 for by the request, and vLLM's OpenAI server forwards ``kv_transfer_params`` from clients.
-Off, the prefill side announces nothing and the decode side ignores (and counts, see
-:mod:`~vllm_kvtier.plan.request_params`) ``kvtier_pool_blocks``; pool hits are still hits.
+Off, the prefill side announces nothing. The decode side ignores ``kvtier_pool_blocks``
+and counts it (see :mod:`~vllm_kvtier.plan.request_params`). Pool hits are still hits.
 """
 
 from __future__ import annotations

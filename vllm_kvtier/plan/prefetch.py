@@ -1,23 +1,25 @@
-"""Prefetch: promote a prefix that is predictably coming back from NVMe / S3 / the pool into
-the CPU tier before its request arrives, so that request loads it synchronously from DRAM
-instead of waiting for a lower tier.
+"""Prefetch: promote a prefix that is predictably coming back into the CPU tier.
+
+The prefix comes from NVMe / S3 / the pool, before its request arrives. So that request
+loads it synchronously from DRAM instead of waiting for a lower tier.
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Nothing blocks: this plans promotions; the workers' I/O threads read.
 
-What is predicted: a conversation's next turn. When a request finishes, the blocks of its
-prompt and answer that are no longer in DRAM (evicted while it ran, e.g. by concurrent
-traffic, and demoted below) are queued; the next turn's prompt starts with exactly those
-blocks. A request that asked to pin its prompt (``kvtier_pin_ttl_s``) is treated the same.
+What is predicted: a conversation's next turn. When a request finishes, some blocks of its
+prompt and answer are no longer in DRAM. They were evicted while it ran (e.g. by
+concurrent traffic) and demoted below. Those blocks are queued. The next turn's prompt
+starts with exactly those blocks. A request that asked to pin its prompt
+(``kvtier_pin_ttl_s``) is treated the same.
 
-Budget and cancellation: at most ``max_inflight_blocks`` promotions in flight; a
+Budget and cancellation: at most ``max_inflight_blocks`` promotions are in flight. A
 prefetch never evicts a block of the chain it is restoring (those are pinned while slots
-are chosen), and never takes a slot when every slot is pinned: then it is cancelled,
-counted, and the rest of its queue dropped (memory is needed for live requests). Queued
+are chosen). It never takes a slot when every slot is pinned. Then it is cancelled,
+counted, and the rest of its queue dropped: memory is needed for live requests. Queued
 prefetches older than ``max_age_s`` are dropped. A block being prefetched is not readable
-from DRAM until every TP rank reported it; a request that needs it meanwhile is asked
-again next step (its KV is about to be in DRAM; a read fails or completes within its
-deadline).
+from DRAM until every TP rank reported it. A request that needs it meanwhile is asked
+again next step. Its KV is about to be in DRAM; a read fails or completes within its
+deadline.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner` (loads) and
 :class:`~vllm_kvtier.plan.prefetch.Prefetcher` (prefetches), from vLLM's scheduler thread
-only. This is the one owner of "which keys are being filled": a key promoted here has a
-pinned CPU slot whose bytes are not there yet, so it must not be read from the CPU tier
-(a lookup stops at it) nor promoted a second time; it leaves when its read ends
+only. This is the one owner of "which keys are being filled". A key promoted here has a
+pinned CPU slot whose bytes are not there yet. So it must not be read from the CPU tier (a
+lookup stops at it), nor promoted a second time. It leaves when its read ends
 (:meth:`end`) or is undone (:meth:`undo`).
 """
 

@@ -1,23 +1,20 @@
 """The trust boundary on a request's ``kv_transfer_params``.
 
-vLLM's OpenAI server forwards ``kv_transfer_params`` from the client's request body: what
+vLLM's OpenAI server forwards ``kv_transfer_params`` from the client's request body. What
 arrives here may come from anyone who can send a request. So each request-level feature is
-off unless the operator's config enables it, and limited when it is:
+off unless the operator's config enables it, and limited when it is.
 
-=====================  ====================================  ===============================
-parameter              enabled by                            limited by
-=====================  ====================================  ===============================
-``kvtier_pin_ttl_s``   ``cpu.request_pins``                  ``cpu.max_pin_ttl_s`` (TTL cut
-                                                             to it), ``cpu.max_pinned_fraction``
-``kvtier_peer``        ``nixl.allowed_peers`` (agent names)  ``nixl.trusted_peers``: only
-(``do_remote_prefill``)                                      their blocks are kept/stored
-``kvtier_pool_blocks`` ``mooncake.accept_handoffs``          ``mooncake.handoff_wait_s``
-=====================  ====================================  ===============================
+* ``kvtier_pin_ttl_s``: enabled by ``cpu.request_pins``. Limited by
+  ``cpu.max_pin_ttl_s`` (the TTL is cut to it) and ``cpu.max_pinned_fraction``.
+* ``kvtier_peer`` (``do_remote_prefill``): enabled by ``nixl.allowed_peers`` (agent
+  names). Limited by ``nixl.trusted_peers``: only their blocks are kept/stored.
+* ``kvtier_pool_blocks``: enabled by ``mooncake.accept_handoffs``. Limited by
+  ``mooncake.handoff_wait_s``.
 
-A parameter that is not enabled, not allowed or malformed is **ignored**: the request is
-served as if it had not been sent (recomputing what it would have loaded), counted in
-``request_params_ignored`` (tier label: ``cpu``, ``peer``, ``mooncake``), and logged at
-WARNING at most once a minute per parameter. A cut to a limit is counted in
+A parameter that is not enabled, not allowed or malformed is **ignored**. The request is
+served as if it had not been sent, recomputing what it would have loaded. The parameter
+is counted in ``request_params_ignored`` (tier label: ``cpu``, ``peer``, ``mooncake``). It
+is logged at WARNING at most once a minute per parameter. A cut to a limit is counted in
 ``request_params_capped``.
 
 Who calls it: the planners (:mod:`~vllm_kvtier.plan.scheduler`,

@@ -2,9 +2,9 @@
 
 Who calls it: :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner`, from vLLM's scheduler
 thread. The catalog's rescan thread computed the deltas
-(:class:`~vllm_kvtier.catalog.base.RescanDelta`); here they are only queued and sliced, so
-that one step applies at most :data:`MERGE_SLICE` chunks each way: a listing that changed
-by 400k objects costs the scheduler thread ~3 ms a step instead of one long stall.
+(:class:`~vllm_kvtier.catalog.base.RescanDelta`). Here they are only queued and sliced.
+One step applies at most :data:`MERGE_SLICE` chunks each way. So a listing that changed by
+400k objects costs the scheduler thread ~3 ms a step, instead of one long stall.
 """
 
 from __future__ import annotations

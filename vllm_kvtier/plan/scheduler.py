@@ -2,8 +2,9 @@
 
 Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, which translates
 vLLM's hooks into these methods, from vLLM's scheduler thread only. Nothing here blocks,
-does I/O or imports vLLM or torch: it decides (on plain inputs, :mod:`vllm_kvtier.plan.inputs`),
-the worker moves bytes (the :class:`~vllm_kvtier.jobs.StepPlan` it returns).
+does I/O or imports vLLM or torch. It decides, on plain inputs
+(:mod:`vllm_kvtier.plan.inputs`). The worker moves bytes (the
+:class:`~vllm_kvtier.jobs.StepPlan` it returns).
 
 Per request: :meth:`SchedulerPlanner.lookup` (how many tokens could be loaded),
 :meth:`~SchedulerPlanner.on_alloc` (vLLM gave it blocks: plan its load),
@@ -13,46 +14,47 @@ Per request: :meth:`SchedulerPlanner.lookup` (how many tokens could be loaded),
 What it decides each step (``plan_step``):
 
 * **loads**: for a new request, the longest run of its prompt's block keys present in the
-  CPU index, starting after vLLM's own prefix-cache hit, never the last prompt token (vLLM
-  must compute at least one token to produce logits): :mod:`~vllm_kvtier.plan.lookup_plan`.
-  Slots read by a load are pinned until the load is known to be done:
-  :mod:`~vllm_kvtier.plan.load_plan`.
+  CPU index (:mod:`~vllm_kvtier.plan.lookup_plan`). The run starts after vLLM's own
+  prefix-cache hit. It never includes the last prompt token: vLLM must compute at least
+  one token to produce logits. Slots read by a load are pinned until the load is known to
+  be done (:mod:`~vllm_kvtier.plan.load_plan`).
 * **saves**: every block whose KV is complete once this step's forward ran and whose key
-  is not stored yet: prompt blocks, and generated blocks if ``save_decode_blocks``. The
-  worker copies them right after the forward (``wait_for_save``), so they are stored even
-  if the engine never steps again. Blocks of a request that sync-loads in this step wait
-  for the next step (a failed load would make the KV computed on top of it wrong). What a
-  finished request still lacks is saved before the next forward while vLLM holds its
-  blocks for us (``on_finished`` returns True), released on ``finished_sending``.
-* **eviction**: ``kvaware`` (default: a prompt's head outlives its tail, reused blocks
-  live longer; :mod:`vllm_kvtier.index.kvaware`), S3-FIFO, ARC or LRU, among unpinned slots
-  (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). A request may pin its prompt's
-  blocks for a while with ``kv_transfer_params: {"kvtier_pin_ttl_s": N}`` if
-  ``cpu.request_pins`` is on (TTL at most ``cpu.max_pin_ttl_s``, pins bounded by
-  ``cpu.max_pinned_fraction``). Every request-level parameter is checked against the
-  config once per request (:mod:`vllm_kvtier.plan.request_params`): clients can send them.
+  is not stored yet. That means prompt blocks, and generated blocks if
+  ``save_decode_blocks``. The worker copies them right after the forward
+  (``wait_for_save``). So they are stored even if the engine never steps again. Blocks of
+  a request that sync-loads in this step wait for the next step. A failed load would make
+  the KV computed on top of it wrong. What a finished request still lacks is saved before
+  the next forward. vLLM holds its blocks for us meanwhile (``on_finished`` returns True).
+  They are released on ``finished_sending``.
+* **eviction**: ``kvaware`` (the default), S3-FIFO, ARC or LRU, among unpinned slots
+  (:class:`~vllm_kvtier.index.slot_index.SlotIndex`). Under ``kvaware``, a prompt's head
+  outlives its tail, and reused blocks live longer (:mod:`vllm_kvtier.index.kvaware`). A
+  request may pin its prompt's blocks for a while with ``kv_transfer_params:
+  {"kvtier_pin_ttl_s": N}`` if ``cpu.request_pins`` is on. The TTL is at most
+  ``cpu.max_pin_ttl_s``, and pins are bounded by ``cpu.max_pinned_fraction``. Every
+  request-level parameter is checked against the config once per request
+  (:mod:`vllm_kvtier.plan.request_params`): clients can send them.
 * **Lower tiers** (NVMe, S3 when configured, :mod:`vllm_kvtier.plan.chunk_plan`): a
-  prefix may continue into blocks stored below the CPU tier (each key is looked up in
-  CPU, then NVMe, then S3); such a load is always async, and each block is promoted into a
-  CPU slot (read there by the worker, then copied into the engine's block). Blocks evicted
+  prefix may continue into blocks stored below the CPU tier. Each key is looked up in
+  CPU, then NVMe, then S3. Such a load is always async. Each block is promoted into a CPU
+  slot: read there by the worker, then copied into the engine's block. Blocks evicted
   from the CPU tier are demoted (write-back) or written at once (write-through), per tier.
 
 * **Hybrid models** (several KV cache groups): the connector presents each group of a
-  request as a request of its own (:class:`~vllm_kvtier.engine.scheduler.GroupView`)
-  and decides the hit every group can serve; here, positions holding vLLM's null block
-  are neither loaded nor saved (``skip_null_blocks``), every load is async
-  (``always_async``; both :class:`~vllm_kvtier.plan.load_plan.LoadOptions`), a request's
-  ``keep`` filter limits what a sliding-window group
-  saves, and a load failed as a whole (``WorkerOutput.failed_loads``) drops every block
-  that request loaded.
+  request as a request of its own (:class:`~vllm_kvtier.engine.scheduler.GroupView`). It
+  decides the hit every group can serve. Here, positions holding vLLM's null block are
+  neither loaded nor saved (``skip_null_blocks``). Every load is async
+  (``always_async``; both are :class:`~vllm_kvtier.plan.load_plan.LoadOptions`). A
+  request's ``keep`` filter limits what a sliding-window group saves. A load failed as a
+  whole (``WorkerOutput.failed_loads``) drops every block that request loaded.
 
-A key is readable as soon as its save is issued: the worker runs each step's saves before
+A key is readable as soon as its save is issued. The worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
 
 **KV events** (``events``, only when vLLM's KV cache events are on): the CPU index and each
-lower tier's index report what becomes loadable and what stops being so to one
-:class:`~vllm_kvtier.plan.events.EventLog`; :meth:`SchedulerPlanner.take_events` hands a
-step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
+lower tier's index report to one :class:`~vllm_kvtier.plan.events.EventLog`. They report
+what becomes loadable and what stops being so. :meth:`SchedulerPlanner.take_events` hands
+a step's worth to vLLM (:mod:`vllm_kvtier.plan.events`).
 """
 
 from __future__ import annotations
@@ -91,10 +93,12 @@ TIER = TierName.CPU
 
 
 class SchedulerPlanner:
-    """The whole step's policy, over its parts: :class:`LookupPlanner` (hits),
-    :class:`LoadPlanner` (loads), :class:`SavePlanner` (saves), :class:`RequestTable` (the
-    requests followed), the lower tiers' planners, prefetch, P/D and verification. Owns
-    the step count and the wiring between the parts."""
+    """The whole step's policy, over its parts.
+
+    The parts are :class:`LookupPlanner` (hits), :class:`LoadPlanner` (loads),
+    :class:`SavePlanner` (saves) and :class:`RequestTable` (the requests followed). Also
+    the lower tiers' planners, prefetch, P/D and verification. It owns the step count and
+    the wiring between the parts."""
 
     def __init__(
         self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
@@ -102,10 +106,11 @@ class SchedulerPlanner:
         events: EventLog | None = None, namespace: str = "",
     ) -> None:
         """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
+
         ``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where KV
-        events go (None: vLLM's KV events are off, and no event work is done).
-        ``namespace``: the one this process computed, sent in every step plan so that each
-        worker checks it computed the same (``""``: nothing to check)."""
+        events go. None means vLLM's KV events are off, and no event work is done.
+        ``namespace``: the one this process computed. It is sent in every step plan, so
+        that each worker checks it computed the same (``""``: nothing to check)."""
         self.cfg = cfg
         self.namespace = namespace
         self.block_size = block_size
@@ -320,12 +325,14 @@ class SchedulerPlanner:
             self.loads.end(state)
 
     def on_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Save what is left and hold the blocks while the worker copies them (vLLM's
-        ``request_finished``): (whether we hold the blocks, ``kv_transfer_params`` to return).
+        """Save what is left and hold the blocks while the worker copies them.
 
-        A request aborted during its async load is not held by us: vLLM itself keeps its
-        blocks until the load is reported in ``finished_recving`` (holding it too would
-        free the blocks twice).
+        This is vLLM's ``request_finished``. Returns (whether we hold the blocks,
+        ``kv_transfer_params`` to return).
+
+        A request aborted during its async load is not held by us. vLLM itself keeps its
+        blocks until the load is reported in ``finished_recving``. Holding it too would
+        free the blocks twice.
         """
         self.lookups.forget(request.request_id)  # aborted before admission
         self.handoff.forget(request.request_id)
@@ -400,8 +407,10 @@ class SchedulerPlanner:
                 self.verify.on_worker_meta(meta)
 
     def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
-        """Engine blocks ``bad`` of ``state`` failed to load: drop their keys (and cool
-        their source chunks down), and undo the saves computed on top of them."""
+        """Engine blocks ``bad`` of ``state`` failed to load.
+
+        Drop their keys, and cool their source chunks down. Undo the saves computed on top
+        of them."""
         dropped = 0
         for b in bad:
             dropped += self.loads.drop(state, b)
@@ -428,9 +437,11 @@ class SchedulerPlanner:
         return self.saves.pending_final()
 
     def has_pending_work(self) -> bool:
-        """Whether vLLM should keep stepping an otherwise idle engine for us: saves and
-        releases to issue, prefetches queued or in flight (they land between requests), or
-        write-back blocks to flush."""
+        """Whether vLLM should keep stepping an otherwise idle engine for us.
+
+        It should when there are saves and releases to issue, or write-back blocks to
+        flush. It should too while prefetches are queued or in flight (they land between
+        requests)."""
         pf = self.prefetcher
         return bool(self.saves.pending_final() or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
@@ -454,6 +465,8 @@ class SchedulerPlanner:
         return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
-        """Shutdown: stop background rescans of the lower tiers (all of them, even when one
-        fails to close; the first failure is raised after)."""
+        """Shutdown: stop background rescans of the lower tiers.
+
+        All of them stop, even when one fails to close. The first failure is raised
+        after."""
         run_all(tier.close for tier in self.lower)

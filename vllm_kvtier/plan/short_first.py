@@ -1,25 +1,26 @@
-"""Short first: which waiting request vLLM's scheduler admits first (``schedule.order:
-short-first``).
+"""Short first: which waiting request vLLM's scheduler admits first.
+
+This is ``schedule.order: short-first``.
 
 Who calls it: :class:`~vllm_kvtier.connector.scheduler.SchedulerHalf`, from vLLM's
 scheduler thread only. Pure bookkeeping: no I/O, nothing blocks.
 
-vLLM admits waiting requests in arrival order and puts whatever fits into one step. So a
-request whose prefix a tier holds (a few dozen tokens to compute) shares its first step
-with the long prefill of a request that arrived just before it, and waits as long as that
-prefill. A connector can change the order in one way only: its lookup may answer "not
-yet" (``None``), and vLLM's scheduler then looks at the next request in its queue and
-asks again at the next step.
+vLLM admits waiting requests in arrival order and puts whatever fits into one step. Take
+a request whose prefix a tier holds, with a few dozen tokens to compute. It shares its
+first step with the long prefill of a request that arrived just before it. So it waits as
+long as that prefill. A connector can change the order in one way only. Its lookup may
+answer "not yet" (``None``). vLLM's scheduler then looks at the next request in its
+queue, and asks again at the next step.
 
 A request is *long* when more than ``short_tokens`` of its prompt are left to compute
-after its hits (vLLM's prefix cache and the tiers), else *short*. A long request is
-passed over while a short one waits in the queue (it arrived, vLLM has not admitted it,
-it has not ended), until ``max_wait_s`` from the first time has passed at its next
-lookup. Then it is no longer followed: vLLM admits it in its own order. A short request
-holds the others back only while it is fresh: it arrived or vLLM looked it up within the
-last ``max_wait_s`` (one that vLLM keeps skipping for its own reasons, say a LoRA slot,
-stops counting). Short requests, and requests not seen to arrive (a preempted one coming
-back), are never passed over.
+after its hits (vLLM's prefix cache and the tiers). Else it is *short*. A long request is
+passed over while a short one waits in the queue. Waiting means it arrived, vLLM has not
+admitted it, and it has not ended. This lasts until ``max_wait_s`` from the first time
+has passed at its next lookup. Then it is no longer followed: vLLM admits it in its own
+order. A short request holds the others back only while it is fresh. Fresh means it
+arrived or vLLM looked it up within the last ``max_wait_s``. One that vLLM keeps skipping
+for its own reasons (say a LoRA slot) stops counting. Short requests are never passed
+over. Nor are requests not seen to arrive (a preempted one coming back).
 
 A request's tokens to compute are known exactly once vLLM looks it up. Before that (it is
 behind the request being looked up) they are the caller's estimate at arrival.

@@ -1,31 +1,39 @@
-"""Shadow verification, scheduler side: which hits are sampled, what their check pins and
-reads, and what a mismatch does (counters, a warning, a quarantine of the tier).
+"""Shadow verification, scheduler side.
+
+It decides which hits are sampled, and what their check pins and reads. It decides what
+a mismatch does (counters, a warning, a quarantine of the tier).
 
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's scheduler
-thread only, and only when ``verify.sample_rate`` > 0 (otherwise it is never built and no
-code path of it runs). Pure bookkeeping: the worker reads and compares the bytes
+thread only, and only when ``verify.sample_rate`` > 0. Otherwise it is never built and no
+code path of it runs. Pure bookkeeping: the worker reads and compares the bytes
 (:mod:`vllm_kvtier.transfer.verify`).
 
-The life of a sampled hit:
+The life of a sampled hit has four steps.
 
-1. :meth:`VerifyPlanner.sample` (``lookup``): a request whose prefix would be loaded is
-   drawn (seeded; every hit at rate 1.0). vLLM is then told 0 external tokens: the request
-   recomputes its prefix, so its output is the recomputed one, never the loaded one.
-2. :meth:`~VerifyPlanner.begin` (``on_alloc``): the blocks it would have loaded are held:
-   a CPU hit's slot is pinned; a lower-tier block gets a promotion slot (pinned) that the
-   worker fills by the normal read path (into the CPU slot, never into an engine block).
-3. :meth:`~VerifyPlanner.take_jobs` (``plan_step``): in the step whose forward completes
-   the last of those blocks, a :class:`~vllm_kvtier.jobs.VerifyJob` goes to the workers;
-   after the forward each rank compares its stored shard with the computed one.
-4. :meth:`~VerifyPlanner.on_worker_meta`: once every rank reported, the samples and
-   mismatches are counted per tier; a mismatching block is dropped from its tier (never
-   served again; a wrong DRAM block from the lower tiers too, whose copies were written
-   from that slot: deleted from an exclusive tier, only forgotten by this instance on a
-   shared one, see :meth:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner.distrust_key`) and, with ``verify.quarantine_s`` > 0, its tier is quarantined once
-   ``verify.quarantine_mismatches`` checks of it mismatched within ``verify.quarantine_window_s``: its
-   lookups answer miss for that long (saves to it continue, so it is warm again after; a
-   tier still broken is caught again by the next sample). A block that matched stays in
-   the CPU tier (it was promoted there and is now known good). Pins are released.
+1. In :meth:`VerifyPlanner.sample` (``lookup``), a request whose prefix would be loaded is
+   drawn (seeded; every hit at rate 1.0). vLLM is then told 0 external tokens. The
+   request recomputes its prefix, so its output is the recomputed one, never the loaded
+   one.
+2. In :meth:`~VerifyPlanner.begin` (``on_alloc``), the blocks it would have loaded are
+   held. A CPU hit's slot is pinned. A lower-tier block gets a promotion slot (pinned).
+   The worker fills it by the normal read path (into the CPU slot, never into an engine
+   block).
+3. In :meth:`~VerifyPlanner.take_jobs` (``plan_step``), a
+   :class:`~vllm_kvtier.jobs.VerifyJob` goes to the workers. That happens in the step
+   whose forward completes the last of those blocks. After the forward each rank compares
+   its stored shard with the computed one.
+4. In :meth:`~VerifyPlanner.on_worker_meta`, once every rank reported, the samples and
+   mismatches are counted per tier. A mismatching block is dropped from its tier, never
+   served again. A wrong DRAM block is dropped from the lower tiers too, whose copies were
+   written from that slot. It is deleted from an exclusive tier. It is only forgotten by
+   this instance on a shared one (see
+   :meth:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner.distrust_key`). With
+   ``verify.quarantine_s`` > 0, a tier may also be quarantined. That happens once
+   ``verify.quarantine_mismatches`` checks of it mismatched within
+   ``verify.quarantine_window_s``. Its lookups then answer miss for that long. Saves to it
+   continue, so it is warm again after. A tier still broken is caught again by the next
+   sample. A block that matched stays in the CPU tier (it was promoted there and is now
+   known good). Pins are released.
 
 A sampled request finished or preempted before its job was issued releases what step 2
 held (:meth:`~VerifyPlanner.forget`). P/D peer reads (NIXL) are not sampled.

@@ -1,45 +1,45 @@
 """Authenticated chunks: the keys, the tags and MACs of the version 4 chunk format.
 
 Why: a CRC32 detects accidents, not intent. Anyone who can write to a shared bucket or
-join a Mooncake pool can compute our block keys offline (they are vLLM's chained hashes of
-token ids) and plant a chunk with valid CRCs that every reader would serve. With a key,
-every chunk carries a MAC that only holders of the key can make, and the store kernel
-(:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
+join a Mooncake pool can compute our block keys offline. They are vLLM's chained hashes of
+token ids. Such a writer can plant a chunk with valid CRCs that every reader would serve.
+With a key, every chunk carries a MAC that only holders of the key can make. The store
+kernel (:mod:`~vllm_kvtier.tiers.kernel`) verifies it before a block is delivered.
 
 What is signed (:mod:`~vllm_kvtier.chunkformat`, version 4):
 
-* each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``,
-  stored in the block's header entry, so a read of a few blocks of a chunk verifies just
-  those (and a block moved to another position, key, rank or namespace fails);
-* the header: ``mac = HMAC-SHA256(key, "kvtier.header.v2" | chunk id | header bytes before the MAC)``,
-  which covers the namespace, the store rank, every size, every key and every tag: a
-  header cannot be replayed under another chunk id or edited, and it vouches for the tags
-  of the blocks it lists. The reader checks that the rank it covers is its own (every
-  TP/PP rank stores its shard under the same chunk id; only the medium's path, which is
-  not signed, tells them apart);
-* a manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
-  namespace | rank | writer id | manifest bytes)``, so a manifest cannot be forged, nor
-  moved to another rank or another writer's name;
-* a manifest's object name (:meth:`ChunkAuth.manifest_name_tag`): 8 bytes of
+* Each block: ``tag = HMAC-SHA256(key, "kvtier.block.v3" | namespace | rank | key length | block key | block bytes)``.
+  It is stored in the block's header entry. So a read of a few blocks of a chunk verifies
+  just those. A block moved to another position, key, rank or namespace fails.
+* The header: ``mac = HMAC-SHA256(key, "kvtier.header.v2" | chunk id | header bytes before the MAC)``.
+  It covers the namespace, the store rank, every size, every key and every tag. So a
+  header cannot be replayed under another chunk id or edited. It vouches for the tags of
+  the blocks it lists. The reader checks that the rank it covers is its own. Every TP/PP
+  rank stores its shard under the same chunk id. Only the medium's path, which is not
+  signed, tells them apart.
+* A manifest (:meth:`ChunkAuth.manifest_mac`): ``HMAC-SHA256(key, "kvtier.manifest.v1" |
+  namespace | rank | writer id | manifest bytes)``. So a manifest cannot be forged, nor
+  moved to another rank or another writer's name.
+* A manifest's object name (:meth:`ChunkAuth.manifest_name_tag`): 8 bytes of
   ``HMAC-SHA256(key, "kvtier.manifest-name.v1" | namespace | rank | writer id)``, in hex.
   A reader refuses a name whose tag does not verify from the listing alone, with no GET.
 
-Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``); any number of
-*verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too on
-reads. A chunk names the key that signed it by its key id, so a reader picks the key.
+Several keys (rotation): one *signs* (``auth.key_file`` / ``auth.key_env``). Any number
+of *verify keys* (``auth.verify_key_files`` / ``auth.verify_key_envs``) are accepted too
+on reads. A chunk names the key that signed it by its key id, so a reader picks the key.
 
 HMAC-SHA256 rather than keyed BLAKE2b: measured with Python's hashlib on this project's
-x86 machines (SHA-NI), 1.9 GB/s against 1.1 GB/s for one core on 4 MiB; both release the
+x86 machines (SHA-NI), 1.9 GB/s against 1.1 GB/s for one core on 4 MiB. Both release the
 GIL, so a store's I/O threads verify in parallel. See bench/nvme_throughput.py ``--auth``.
 
-The key: at least 32 bytes, given as hex (64+ hex digits, whitespace ignored) in an
-environment variable (``auth.key_env``, default ``KVTIER_AUTH_KEY``) or a small file
-(``auth.key_file``, a mounted secret). Never in config values, never logged, never in a
-repr: only its *key id* (8 bytes of HMAC of a fixed label, which tells nothing of the key)
-is stored in chunks and may be logged.
+The key: at least 32 bytes, given as hex (64+ hex digits, whitespace ignored). It comes
+from an environment variable (``auth.key_env``, default ``KVTIER_AUTH_KEY``) or a small
+file (``auth.key_file``, a mounted secret). Never in config values, never logged, never in
+a repr. Only its *key id* is stored in chunks and may be logged. The key id is 8 bytes of
+HMAC of a fixed label, which tells nothing of the key.
 
 Who calls it: the kernel's I/O threads (tag and verify; a :class:`ChunkAuth` is immutable
-and thread-safe) and the worker's start-up (:func:`load_auth`, which may raise
+and thread-safe). Also the worker's start-up (:func:`load_auth`, which may raise
 :class:`~vllm_kvtier.errors.ConfigError`).
 """
 
@@ -83,12 +83,13 @@ def _key_id(key: bytes) -> bytes:
 
 class ChunkAuth:
     """The signing key and the verify keys, and what the chunk format computes with them.
-    The keys themselves are private: not in ``repr``, not in any log line; key ids
+
+    The keys themselves are private: not in ``repr``, not in any log line. Key ids
     (:attr:`key_id`, :attr:`key_ids`) are what identify them.
 
-    ``key`` signs every chunk written (and verifies); ``verify``: older (or newer) keys whose
-    chunks are accepted on reads too, never used to sign (a key rotation: see
-    docs/security.md)."""
+    ``key`` signs every chunk written, and verifies. ``verify``: older (or newer) keys
+    whose chunks are accepted on reads too. They are never used to sign. This is for a key
+    rotation: see docs/security.md."""
 
     __slots__ = ("_key", "_keys", "key_id", "key_ids")
 
@@ -112,8 +113,10 @@ class ChunkAuth:
 
     def block_tag(self, namespace: str, rank: int, key: bytes, data: memoryview | bytes,
                   key_id: bytes | None = None) -> bytes:
-        """The tag of one block's bytes under its namespace, store rank and block key, with
-        the signing key (or the accepted key ``key_id``; KeyError if it is not one)."""
+        """The tag of one block's bytes under its namespace, store rank and block key.
+
+        It uses the signing key, or the accepted key ``key_id``. KeyError if that is not
+        one."""
         if len(key) > MAX_KEY:
             raise ValueError(f"block key longer than {MAX_KEY} bytes")
         h = hmac.new(self._secret(key_id), _BLOCK + namespace.encode("ascii").ljust(16, b"\0") + rank.to_bytes(4, "little")
@@ -155,9 +158,10 @@ class ChunkAuth:
         return h.digest()
 
     def manifest_hashers(self, namespace: str, rank: int, writer_id: str) -> dict[bytes, hmac.HMAC]:
-        """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank),
-        one per accepted key: a reader streams the manifest's bytes through them all, and
-        the trailer's key id, read last, says which one must match."""
+        """Key id -> a running MAC of writer ``writer_id``'s manifest for (namespace, rank).
+
+        There is one per accepted key. A reader streams the manifest's bytes through them
+        all. The trailer's key id, read last, says which one must match."""
         label = _manifest_label(namespace, rank, writer_id)
         return {kid: hmac.new(secret, label, "sha256") for kid, secret in self._keys.items()}
 
@@ -255,15 +259,17 @@ def check_key_files(cfg: AuthConfig) -> None:
 
 
 def load_auth(cfg: AuthConfig, environ: Mapping[str, str] | None = None) -> ChunkAuth | None:
-    """The keys ``cfg`` points at: the signing key from ``auth.key_file`` if set, else the
-    environment variable ``auth.key_env``; None when neither holds one (unauthenticated)
-    unless ``auth.required``, which raises ConfigError. Then every verify key
-    (``auth.verify_key_files``, ``auth.verify_key_envs``): each must hold a key, and they
+    """The keys ``cfg`` points at.
+
+    The signing key comes from ``auth.key_file`` if set, else the environment variable
+    ``auth.key_env``. None when neither holds one (unauthenticated). But with
+    ``auth.required`` that raises ConfigError. Then come the verify keys
+    (``auth.verify_key_files``, ``auth.verify_key_envs``). Each must hold a key, and they
     need a signing key (ConfigError naming the entry). Called at start-up, once per
     process that builds stores or scans them.
 
-    A key file must be a small regular file; one that group or other can read is refused
-    (ConfigError naming the field) unless ``auth.allow_readable_key_file``."""
+    A key file must be a small regular file. One that group or other can read is refused
+    (ConfigError naming the field), unless ``auth.allow_readable_key_file``."""
     env = os.environ if environ is None else environ
     key: bytes | None = None
     if cfg.key_file is not None:

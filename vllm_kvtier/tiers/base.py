@@ -1,28 +1,29 @@
 """THE store contract: what every chunk medium (memory, NVMe, S3, Mooncake) offers the
 worker's data path, and what it promises.
 
-A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.chunkformat`
-(a header with every block's key and CRC32, then the blocks at a fixed stride), stored
-under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.chunkformat.chunk_id_for`).
+A *chunk* is a few consecutive KV blocks in the format of :mod:`~vllm_kvtier.chunkformat`.
+That is a header with every block's key and CRC32, then the blocks at a fixed stride. It is
+stored under a *chunk id* (``[A-Za-z0-9_.-]{1,128}``, see :func:`~vllm_kvtier.chunkformat.chunk_id_for`).
 Every store holds a :class:`~vllm_kvtier.tiers.kernel.StoreKernel` over a medium's byte
-primitives, so the guarantees below are written once; ``tests/tiers/contract.py`` checks
-them for every medium and :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both the
+primitives, so the guarantees below are written once. ``tests/tiers/contract.py`` checks
+them for every medium. :class:`~vllm_kvtier.tiers.memory.MemoryStore` is both the
 reference implementation and the fake for higher layers.
 
 Who calls it: the worker half's chunk driver
-(:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`), from the worker's main thread
-(tools and tests from theirs): ONE caller thread per store. The store's own I/O threads do
-the transfers; results come back only through :meth:`ChunkStore.poll`, on the caller's
-thread.
+(:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`), from the worker's main thread. Tools
+and tests call it from theirs. There is ONE caller thread per store. The store's own I/O
+threads do the transfers. Results come back only through :meth:`ChunkStore.poll`, on the
+caller's thread.
 
 Never blocking: ``submit_write``, ``submit_read``, ``submit_delete`` and ``poll`` return at
 once, whatever the medium does (a dead endpoint, a stalled disk). Only ``wait`` (bounded by
 its argument), ``close`` (shutdown) and the optional start-up abilities block.
 
-Failure (style rule 9): no method raises for a failed transfer; it is an :class:`IOResult`
-with ``ok`` False and a :class:`~vllm_kvtier.errors.FailureReason` whose ``damaged``
-property tells the caller whether to drop the chunk (the bytes are wrong or gone) or keep
-it (the way to it failed). Programming errors (a malformed chunk id) may raise.
+Failure (style rule 9): no method raises for a failed transfer. It is an :class:`IOResult`
+with ``ok`` False and a :class:`~vllm_kvtier.errors.FailureReason`. The reason's
+``damaged`` property tells the caller what to do. Damaged: drop the chunk (the bytes are
+wrong or gone). Not damaged: keep it (the way to it failed). Programming errors (a
+malformed chunk id) may raise.
 
 Every store opens the same way, through its medium's spec in the tier registry
 (:mod:`~vllm_kvtier.tiers.registry`): ``open_store(section, ctx)``.
@@ -135,20 +136,21 @@ class ChunkStore(Protocol):
         ...
 
     def submit_write(self, job_id: int, chunk_id: str, wb: WriteBuffer) -> bool:
-        """Queue a write of the chunk assembled in ``wb`` (every ``wb.block(i)`` filled,
-        or a ``wb.fill`` that fills them: the store calls it on its I/O thread first, and a
-        False from it ends the write ``superseded`` with nothing written; the store stamps
-        the header: keys, CRC32s, namespace). Never blocks.
+        """Queue a write of the chunk assembled in ``wb``. Never blocks.
 
-        Returns False when refused (the bounded write queue is full: back-pressure, or the
-        store is closed): nothing was queued, no result will come, and the CALLER still
-        owns ``wb`` (close it or retry). Returns True when queued: the STORE owns ``wb``
-        from now on and closes it when the write ends, and one result comes by ``poll``
-        (``header`` set when ok). A write is atomic: a reader of ``chunk_id`` sees the old
-        chunk, the new one, or none, never a mix. Writing an id that exists succeeds
-        (the chunk is replaced, or kept where the medium refuses overwrites, e.g. Mooncake:
-        ids name their content). Failure reasons: ``queue``/``closed`` never (that is
-        False); ``disk_full``, ``permission``, ``read_only``, ``io_error``, ``os_error``,
+        Every ``wb.block(i)`` is filled, or a ``wb.fill`` fills them. The store calls the
+        fill on its I/O thread first. A False from it ends the write ``superseded`` with
+        nothing written. The store stamps the header: keys, CRC32s, namespace.
+
+        Returns False when refused: the bounded write queue is full (back-pressure), or the
+        store is closed. Then nothing was queued and no result will come. The CALLER still
+        owns ``wb`` (close it or retry). Returns True when queued. The STORE then owns
+        ``wb`` and closes it when the write ends. One result comes by ``poll`` (``header``
+        set when ok). A write is atomic: a reader of ``chunk_id`` sees the old chunk, the
+        new one, or none, never a mix. Writing an id that exists succeeds. The chunk is
+        replaced, or kept where the medium refuses overwrites (e.g. Mooncake: ids name
+        their content). Failure reasons: ``queue``/``closed`` never (that is False);
+        ``disk_full``, ``permission``, ``read_only``, ``io_error``, ``os_error``,
         ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``, ``no_buffer``,
         ``pool_full``, ``error``...
         """
@@ -158,39 +160,45 @@ class ChunkStore(Protocol):
         self, job_id: int, chunk_id: str, header: ChunkHeader | None, positions: Sequence[int],
         keys: Sequence[bytes],
     ) -> None:
-        """Queue a read of the blocks at ``positions`` (any order; the result's ``blocks``
-        follow it), which must hold ``keys`` (the keys the scheduler expects there, same
-        order). Never blocks; exactly one result comes by ``poll``.
+        """Queue a read of the blocks at ``positions``, which must hold ``keys``.
+
+        ``positions`` may be in any order; the result's ``blocks`` follow it. ``keys`` are
+        the keys the scheduler expects there, in the same order. Never blocks; exactly one
+        result comes by ``poll``.
 
         ``header``: the chunk's header as the caller knows it (from a write, a scan or an
-        earlier read); None for a chunk this process has not seen (another instance wrote
-        it): the store reads and verifies the header first, within the same deadline, and
-        returns it in the result's ``header``.
+        earlier read). None for a chunk this process has not seen (another instance wrote
+        it). Then the store reads and verifies the header first, within the same deadline.
+        It returns it in the result's ``header``.
 
         What a successful read guarantees (the ONE verified read path of the kernel):
-        every size taken from stored bytes was bounded by what this engine could have
-        written BEFORE any memory was sized from it (``too_large``); the key at each
-        position equals the key asked for (``key_mismatch``); every block's CRC32 matched
-        before the result was made (``checksum``); a stored header read along is the
-        caller's header (``checksum``); the object is complete (``truncated``). A store
-        with a key (``authenticated``) also verified the header's MAC (the caller's header
-        too: it is re-verified, wherever it came from) and the tag of every returned block
-        (``auth_failed``), and serves only chunks signed with a key it accepts
-        (``unauthenticated`` otherwise; a store without a key serves only unsigned chunks).
-        Every store serves only chunks whose header names its own rank (``key_mismatch``:
-        another rank's shard, copied or moved to this rank's place).
+
+        * Every size taken from stored bytes was bounded BEFORE any memory was sized from
+          it. The bound is what this engine could have written (``too_large``).
+        * The key at each position equals the key asked for (``key_mismatch``).
+        * Every block's CRC32 matched before the result was made (``checksum``).
+        * A stored header read along is the caller's header (``checksum``).
+        * The object is complete (``truncated``).
+        * A store with a key (``authenticated``) also verified the header's MAC. The
+          caller's header is re-verified too, wherever it came from. It also verified the
+          tag of every returned block (``auth_failed``).
+        * A store with a key serves only chunks signed with a key it accepts
+          (``unauthenticated`` otherwise). A store without a key serves only unsigned
+          chunks.
+        * Every store serves only chunks whose header names its own rank. Another rank's
+          shard, copied or moved to this rank's place, is ``key_mismatch``.
 
         Deadline: the result arrives within the store's ``read_deadline_s`` of this call.
         If the medium has not answered by then, ``poll`` reports the read failed with
-        ``deadline`` (transient); the late answer is dropped and its buffer freed.
+        ``deadline`` (transient). The late answer is dropped and its buffer freed.
 
-        Failure reasons: damaged (the caller drops the chunk) ``checksum``, ``truncated``,
-        ``missing``, ``namespace``, ``format``, ``key_mismatch``, ``too_large``,
-        ``not_regular``, ``bad_request`` (positions out of range), ``io_error``,
-        ``auth_failed``; kept, but the caller forgets it (so it is written again)
-        ``unauthenticated``; transient (kept)
-        ``deadline``, ``timeout``, ``throttled``, ``unavailable``, ``breaker_open``,
-        ``no_buffer``, ``closed`` (a read submitted after close), ``permission``, ``error``.
+        Failure reasons, damaged (the caller drops the chunk): ``checksum``,
+        ``truncated``, ``missing``, ``namespace``, ``format``, ``key_mismatch``,
+        ``too_large``, ``not_regular``, ``bad_request`` (positions out of range),
+        ``io_error``, ``auth_failed``. Kept, but the caller forgets it (so it is written
+        again): ``unauthenticated``. Transient (kept): ``deadline``, ``timeout``,
+        ``throttled``, ``unavailable``, ``breaker_open``, ``no_buffer``, ``closed`` (a read
+        submitted after close), ``permission``, ``error``.
         """
         ...
 

@@ -1,12 +1,12 @@
 """Host memory for chunk transfers: page-aligned buffers, a bounded pool that reuses them,
 and the write buffer a caller assembles a chunk in.
 
-Who uses it: every chunk store (through :class:`~vllm_kvtier.tiers.kernel.StoreKernel`) and
-the worker-side chunk driver that fills write buffers
+Who uses it: every chunk store (through :class:`~vllm_kvtier.tiers.kernel.StoreKernel`).
+Also the worker-side chunk driver that fills write buffers
 (:class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`). The pool is INJECTED: the worker
-creates one :class:`BufferPool` per process and hands it to every store it builds, so the
-bound on idle memory is one number per process and a test can give a store its own pool and
-read what it allocated (:attr:`BufferPool.allocated_bytes`). :func:`shared_pool` is a
+creates one :class:`BufferPool` per process and hands it to every store it builds. So the
+bound on idle memory is one number per process. And a test can give a store its own pool
+and read what it allocated (:attr:`BufferPool.allocated_bytes`). :func:`shared_pool` is a
 process-wide default for callers that truly have none (tools, benchmarks, tests).
 
 Thread safety: a pool may be used from any thread; a buffer belongs to one owner at a time
@@ -85,11 +85,11 @@ class BufferPool:
     """Idle :class:`AlignedBuffer` s kept for reuse, at most ``max_idle_bytes`` of them.
 
     Why: fresh anonymous memory is zeroed page by page by the kernel on first touch. On a
-    2-vCPU VM that was ~1.7 GB/s (against ~16 GB/s to rewrite memory already mapped), so a
-    new 32 MiB buffer per chunk cost more than reading the chunk from the disk (a read
-    into a fresh buffer ran at half the speed of one into a reused buffer). Write buffers
-    (filled by the caller) and read buffers (filled by the I/O threads) both come from here;
-    a buffer is reused for any request of at least half its size.
+    2-vCPU VM that ran at ~1.7 GB/s, against ~16 GB/s to rewrite memory already mapped.
+    So a new 32 MiB buffer per chunk cost more than reading the chunk from the disk. A read
+    into a fresh buffer ran at half the speed of one into a reused buffer. Write buffers
+    (filled by the caller) and read buffers (filled by the I/O threads) both come from
+    here. A buffer is reused for any request of at least half its size.
     """
 
     def __init__(self, max_idle_bytes: int) -> None:

@@ -1,8 +1,9 @@
-"""What a medium implements for the store kernel (:mod:`vllm_kvtier.tiers.kernel`): the
-byte primitives (:class:`Medium`) and the optional abilities the kernel looks for with
-``isinstance`` (:class:`SizedMedium`, :class:`AllocatingMedium`, :class:`BatchingMedium`,
-:class:`WholeObjectMedium`, :class:`ExplainingMedium`). See the kernel's module doc for how
-each medium maps onto them."""
+"""What a medium implements for the store kernel (:mod:`vllm_kvtier.tiers.kernel`).
+
+That is the byte primitives (:class:`Medium`). It is also the optional abilities the
+kernel looks for with ``isinstance``: :class:`SizedMedium`, :class:`AllocatingMedium`,
+:class:`BatchingMedium`, :class:`WholeObjectMedium`, :class:`ExplainingMedium`. See the
+kernel's module doc for how each medium maps onto them."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ class Medium(Protocol):
     """The byte primitives of one medium for one (namespace, rank).
 
     Who calls it: the kernel's I/O threads, several at once, each call on its own chunk
-    range and buffer; a call blocks its thread until done or failed (``deadline`` is a
-    ``time.monotonic()`` time: a medium that can bound its requests by it should).
-    Failures RAISE; the kernel turns them into results with :meth:`classify` (and
+    range and buffer. A call blocks its thread until done or failed. ``deadline`` is a
+    ``time.monotonic()`` time; a medium that can bound its requests by it should. Failures
+    RAISE. The kernel turns them into results with :meth:`classify` (and
     :class:`~vllm_kvtier.chunkformat.ChunkFormatError`'s own ``reason``)."""
 
     #: label in logs ("memory", "nvme", "s3", "mooncake")
@@ -36,8 +37,9 @@ class Medium(Protocol):
     read_shape: ReadShape
 
     def put(self, chunk_id: str, view: memoryview, deadline: float) -> None:
-        """Store all of ``view`` as ``chunk_id``, atomically (a reader never sees part of
-        it); an existing chunk of that id is replaced (or kept, where ids name content)."""
+        """Store all of ``view`` as ``chunk_id``, atomically: a reader never sees part of it.
+
+        An existing chunk of that id is replaced, or kept where ids name content."""
         ...
 
     def read_into(self, chunk_id: str, offset: int, dst: memoryview, deadline: float) -> None:
@@ -90,17 +92,21 @@ class BatchingMedium(Protocol):
 @runtime_checkable
 class WholeObjectMedium(Protocol):
     """A "runs" medium with a cheaper request for a whole object (S3: a GET without a
-    Range). The kernel calls it, instead of ``read_into``, for a read of every block of a
-    chunk: ``dst`` is then ``header.total_bytes`` long and the object must be exactly that."""
+    Range).
+
+    The kernel calls it instead of ``read_into`` for a read of every block of a chunk.
+    ``dst`` is then ``header.total_bytes`` long, and the object must be exactly that."""
 
     def read_whole_into(self, chunk_id: str, dst: memoryview, deadline: float) -> None: ...
 
 
 @runtime_checkable
 class ExplainingMedium(Protocol):
-    """A medium whose reads may come back short without saying so (S3 through NIXL's OBJ
-    engine). After a range ``[0, end)`` of a chunk failed its checksum, the kernel asks
-    why: an exception to report instead (``truncated``, from the object's real size), or
-    None (the checksum failure stands). Costs the medium a request only on a failure."""
+    """A medium whose reads may come back short without saying so.
+
+    That is S3 through NIXL's OBJ engine. A range ``[0, end)`` of a chunk may fail its
+    checksum. Then the kernel asks why. The answer is an exception to report instead
+    (``truncated``, from the object's real size). Or it is None: the checksum failure
+    stands. It costs the medium a request only on a failure."""
 
     def explain_damage(self, chunk_id: str, end: int, deadline: float) -> BaseException | None: ...

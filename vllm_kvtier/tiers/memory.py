@@ -1,10 +1,10 @@
 """The reference :class:`~vllm_kvtier.tiers.base.ChunkStore`: chunks in a dict, in process
 memory, through the same :class:`~vllm_kvtier.tiers.kernel.StoreKernel` as every medium.
 
-It is what the contract means, with the plainest possible medium, and the fake that higher
-layers test against: a test can read, damage or forge the stored bytes of a chunk
-(:meth:`MemoryStore.raw`, :meth:`MemoryStore.forge`) and every read still goes through the
-kernel's verified path (bounded sizes, keys, CRC32s).
+It is what the contract means, with the plainest possible medium. It is also the fake
+that higher layers test against. A test can read, damage or forge the stored bytes of a
+chunk (:meth:`MemoryStore.raw`, :meth:`MemoryStore.forge`). Every read still goes through
+the kernel's verified path (bounded sizes, keys, CRC32s).
 """
 
 from __future__ import annotations

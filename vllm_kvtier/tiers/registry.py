@@ -102,10 +102,11 @@ class TierSpec(Protocol):
 
     @property
     def shared(self) -> bool:
-        """Other writers may share the medium (S3, Mooncake); False: only this rank writes
-        it, under its lock (NVMe). A shared medium's chunks are signed when a key is set,
-        and its worker fetches a header on a chunk's first read. A private one is listed
-        and cleaned by its worker at start-up."""
+        """Other writers may share the medium (S3, Mooncake).
+
+        False: only this rank writes it, under its lock (NVMe). A shared medium's chunks are
+        signed when a key is set. Its worker fetches a header on a chunk's first read. A
+        private one is listed and cleaned by its worker at start-up."""
         ...
 
     @property
@@ -137,8 +138,10 @@ class TierSpec(Protocol):
 
     def start_up(self, store: ChunkStore, section: Any, ctx: StoreContext, counters: Counters,
                  ) -> dict[str, ChunkHeader]:
-        """A worker's first look at its opened store: the headers it already holds (a
-        private medium's writer lists and cleans it), else an empty dict."""
+        """A worker's first look at its opened store, else an empty dict.
+
+        It gives the headers it already holds. A private medium's writer lists and cleans
+        it."""
         ...
 
 
@@ -172,9 +175,11 @@ def install_hint(name: str) -> str:
 
 
 def open_store(spec: TierSpec, section: Any, ctx: StoreContext) -> ChunkStore:
-    """``spec``'s store, built from its config section and ``ctx``. ImportError naming the
-    tier and its install hint when a dependency does not import (a missing package, or a
-    missing system library of an extension module); else what ``spec.open_store`` raises."""
+    """``spec``'s store, built from its config section and ``ctx``.
+
+    A dependency may not import: a missing package, or a missing system library of an
+    extension module. Then it raises ImportError naming the tier and its install hint.
+    Else it raises what ``spec.open_store`` raises."""
     for module in spec.requires:
         try:
             importlib.import_module(module)
@@ -184,16 +189,20 @@ def open_store(spec: TierSpec, section: Any, ctx: StoreContext) -> ChunkStore:
 
 
 def lower_tiers(cfg: KVTierConfig) -> list[tuple[TierSpec, LowerTierSection]]:
-    """The configured tiers below CPU with their sections, fastest first: this package's
-    (each under its own section), then the out-of-tree ones (``tiers``), in their order."""
+    """The configured tiers below CPU with their sections, fastest first.
+
+    This package's come first, each under its own section. Then come the out-of-tree ones
+    (``tiers``), in their order."""
     named = [(name, getattr(cfg, name)) for name in TIERS]
     named += list(cfg.tiers)
     return [(tier_spec(name), section) for name, section in named if section is not None]
 
 
 def metric_tiers(cfg: KVTierConfig) -> list[str]:
-    """The ``tier`` label values this config's counters can carry (exported at 0 from the
-    start): the CPU tier, each configured tier below it, ``peer`` with NIXL, ``all``."""
+    """The ``tier`` label values this config's counters can carry.
+
+    They are exported at 0 from the start. They are the CPU tier, each configured tier
+    below it, ``peer`` with NIXL, and ``all``."""
     tiers = [str(TierName.CPU), *(spec.name for spec, _ in lower_tiers(cfg))]
     if cfg.nixl is not None:
         tiers.append(str(TierName.PEER))

@@ -1,17 +1,17 @@
 """Retries with jittered exponential backoff under a deadline, and a circuit breaker.
 
-Used by the object-store tier (:mod:`vllm_kvtier.tiers.s3.medium`); nothing here knows about S3,
-so it is tested with a fake clock and plain exceptions.
+Used by the object-store tier (:mod:`vllm_kvtier.tiers.s3.medium`). Nothing here knows
+about S3, so it is tested with a fake clock and plain exceptions.
 
 Who calls it: the store's I/O threads, concurrently. :class:`CircuitBreaker` is thread-safe
-(one lock, held for a few comparisons); :func:`call_with_retries` blocks its calling thread
-for at most the deadline plus one attempt (an attempt already on the wire is bounded by the
-client's own socket timeouts, not by us).
+(one lock, held for a few comparisons). :func:`call_with_retries` blocks its calling
+thread for at most the deadline plus one attempt. An attempt already on the wire is
+bounded by the client's own socket timeouts, not by us.
 
 Why a breaker: when an endpoint is down, every request otherwise spends its whole deadline
-in connect timeouts and backoff. With the breaker open, requests fail at once (a miss, and the
-engine recomputes), and after a cool-down a single probe request decides whether traffic
-resumes, so a dead endpoint costs one request per cool-down instead of one per block.
+in connect timeouts and backoff. With the breaker open, requests fail at once (a miss, and
+the engine recomputes). After a cool-down a single probe request decides whether traffic
+resumes. So a dead endpoint costs one request per cool-down instead of one per block.
 """
 
 from __future__ import annotations

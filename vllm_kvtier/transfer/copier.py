@@ -1,19 +1,20 @@
 """Copy engines: whole blocks between vLLM's KV tensors and the CPU pool.
 
 Who calls them: the worker half, from the worker's main thread. Every method returns at
-once with a :class:`Transfer` (submit), whose completion is polled (``done``); only
+once with a :class:`Transfer` (submit), whose completion is polled (``done``). Only
 shutdown and sync loads on CPU wait.
 
 Ordering contract (what the scheduler relies on): transfers run in submission order with
 respect to the pool. On CPU, saves submitted with ``background=True`` (the saves after a
-forward) run on one copy thread, in order; sync loads run inline in the caller's thread once
-that thread has no save left (``drain``), and layer-by-layer loads on the same thread, after
-the saves. On CUDA, every copy goes on one dedicated stream, so a load issued after a save
-of the same slot sees its bytes; the stream waits for the compute stream before a save (the
-model must have written the block) and the compute stream waits for a sync load before
-attention reads it. ``fence`` orders every copy submitted so far before any later write to
-the KV cache (the worker calls it when a step's saves are issued: vLLM may reuse a block
-as soon as its request finishes or is preempted, see :mod:`vllm_kvtier.transfer.worker`).
+forward) run on one copy thread, in order. Sync loads run inline in the caller's thread
+once that thread has no save left (``drain``). Layer-by-layer loads run on the same thread,
+after the saves. On CUDA, every copy goes on one dedicated stream. So a load issued after
+a save of the same slot sees its bytes. The stream waits for the compute stream before a
+save: the model must have written the block. The compute stream waits for a sync load
+before attention reads it. ``fence`` orders every copy submitted so far before any later
+write to the KV cache. The worker calls it when a step's saves are issued. vLLM may reuse
+a block as soon as its request finishes or is preempted, see
+:mod:`vllm_kvtier.transfer.worker`.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ class _FutureTransfer:
 
 
 class _HostSave:
-    """A save run on the copy thread. ``done`` and ``wait`` never raise: a failed copy is
-    ``error`` (the worker invalidates the slots: a failed save is a future miss)."""
+    """A save run on the copy thread.
+
+    ``done`` and ``wait`` never raise. A failed copy is ``error``. The worker then
+    invalidates the slots: a failed save is a future miss."""
 
     def __init__(self, fut: Future[int], nbytes: int, started_s: float) -> None:
         self._fut = fut
@@ -96,8 +99,10 @@ class _HostSave:
 
 
 class _EventTransfer:
-    """One layer of a layer-by-layer host load: set by the copy thread when the layer's
-    rows are in place (or its copy failed: ``wait`` re-raises)."""
+    """One layer of a layer-by-layer host load.
+
+    The copy thread sets it when the layer's rows are in place. It sets it too when its
+    copy failed; ``wait`` then re-raises."""
 
     def __init__(self, nbytes: int, started_s: float) -> None:
         self.nbytes = nbytes
@@ -196,10 +201,10 @@ _PARALLEL_MIN_BYTES = 4 << 20
 def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | None) -> None:
     """Run the copies with libc memmove, split by bytes over ``pool``'s threads.
 
-    Why not ``dst[b:b+n].copy_(src[a:a+n])`` for small runs: a torch op costs ~5 us of
-    dispatch (and an OpenMP fork/join), ten times a memmove call, and scattered block ids
-    make many small runs. ctypes releases the GIL during each call, so the threads copy in
-    parallel (one memmove thread does not saturate DRAM bandwidth) and an async load on the
+    Why not ``dst[b:b+n].copy_(src[a:a+n])`` for small runs? A torch op costs ~5 us of
+    dispatch (and an OpenMP fork/join), ten times a memmove call. Scattered block ids make
+    many small runs. ctypes releases the GIL during each call, so the threads copy in
+    parallel. One memmove thread does not saturate DRAM bandwidth. And an async load on the
     copy thread does not stall the engine thread. bench/cpu_tier_throughput.py compares
     this with one plain torch copy of the same bytes.
     """
@@ -227,8 +232,10 @@ def _memmove_all(copies: list[tuple[int, int, int]], pool: ThreadPoolExecutor | 
 
 
 def _copy_rows_on_thread(*args: object) -> int:
-    """:func:`_copy_rows` on the copy thread: vLLM's KV tensors are inference tensors, which
-    torch updates in place only under inference mode (a thread-local switch)."""
+    """:func:`_copy_rows` on the copy thread.
+
+    vLLM's KV tensors are inference tensors. Torch updates them in place only under
+    inference mode, which is a thread-local switch."""
     with torch.inference_mode():
         return _copy_rows(*args)  # type: ignore[arg-type]
 
@@ -265,9 +272,12 @@ class HostCopyEngine:
     def submit(
         self, direction: Direction, blocks: list[int], slots: list[int], *, background: bool
     ) -> Transfer:
-        """``background`` save: on the copy thread (the caller's step goes on: its token is
-        sampled and sent while the rows are copied); ``background`` load: on the copy thread
-        only if ``threaded_async``. Anything else runs here, after the copy thread's queue."""
+        """Where a transfer runs.
+
+        A ``background`` save runs on the copy thread. The caller's step goes on: its token
+        is sampled and sent while the rows are copied. A ``background`` load runs on the
+        copy thread only if ``threaded_async``. Anything else runs here, after the copy
+        thread's queue."""
         t0 = time.perf_counter()
         nbytes = self.layout.block_bytes * len(blocks)
         if background and (direction == "save" or self.threaded_async):
@@ -289,9 +299,10 @@ class HostCopyEngine:
                 last.result()
 
     def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
-        """Load slots into blocks layer by layer on the copy thread, in forward order; one
-        transfer per layer, so the forward waits only for the layer it is about to run
-        while the next layers are still being copied (memmove releases the GIL)."""
+        """Load slots into blocks layer by layer on the copy thread, in forward order.
+
+        There is one transfer per layer. So the forward waits only for the layer it is about
+        to run, while the next layers are still being copied (memmove releases the GIL)."""
         t0 = time.perf_counter()
         per_layer = self.layout.layer_planes()
         out = {
@@ -316,8 +327,9 @@ class HostCopyEngine:
         transfer.wait()
 
     def fence(self) -> None:
-        """Order every copy submitted so far before any later write to the KV cache: on a
-        host cache, wait here until the copy thread has run them all."""
+        """Order every copy submitted so far before any later write to the KV cache.
+
+        On a host cache, wait here until the copy thread has run them all."""
         self.drain()
 
     def shutdown(self) -> None:
@@ -354,9 +366,10 @@ class CudaCopyEngine:
         return _CudaTransfer(event, nbytes, t0)
 
     def submit_layers(self, blocks: list[int], slots: list[int]) -> dict[str, Transfer]:
-        """Load layer by layer on the copy stream, one event per layer: the forward's
-        stream waits for a layer's event just before that layer's attention, so the
-        copies of later layers overlap the compute of earlier ones."""
+        """Load layer by layer on the copy stream, one event per layer.
+
+        The forward's stream waits for a layer's event just before that layer's attention.
+        So the copies of later layers overlap the compute of earlier ones."""
         t0 = time.perf_counter()
         out: dict[str, Transfer] = {}
         self.stream.wait_stream(torch.cuda.current_stream(self.layout.device))
@@ -373,16 +386,20 @@ class CudaCopyEngine:
         torch.cuda.current_stream(self.layout.device).wait_event(transfer.event)
 
     def fence(self) -> None:
-        """Order every copy submitted so far before any later write to the KV cache: the
-        compute stream waits for the copy stream's work queued up to now. The host does not
-        wait; kernels queued later on the compute stream (the next step's) start after it."""
+        """Order every copy submitted so far before any later write to the KV cache.
+
+        The compute stream waits for the copy stream's work queued up to now. The host does
+        not wait. Kernels queued later on the compute stream (the next step's) start after
+        it."""
         event = torch.cuda.Event()
         event.record(self.stream)
         torch.cuda.current_stream(self.layout.device).wait_event(event)
 
     def drain(self) -> None:
-        """Nothing to wait for on the host: the stream orders the copies, and the compute
-        stream waits on events where it must (``order_before_compute``)."""
+        """Nothing to wait for on the host.
+
+        The stream orders the copies. The compute stream waits on events where it must
+        (``order_before_compute``)."""
 
     def shutdown(self) -> None:
         self.stream.synchronize()

@@ -108,12 +108,14 @@ def build_datapath(cfg: KVTierConfig, layout: KVLayout, num_slots: int, *, names
 
 def open_lower(path: DataPath, cfg: KVTierConfig, make_tiers: Callable[..., dict[str, Any]], *, namespace: str,
                rank: int, counters: Counters) -> None:
-    """Open this rank's tiers below CPU on ``path``: ``make_tiers(cfg, namespace=, rank=,
-    slots=, counters=, kv_dtype=)``. Called once, at the first plan, only when the
-    scheduler's namespace agrees with the worker's. Why not in ``register_kv_caches``: a
-    store's start-up (NVMe: its directory lock, debris cleanup, the report or collection
-    of other namespaces' directories) must not run under a namespace the scheduler did
-    not compute, and the scheduler's start-up scan of the NVMe directories runs after
-    ``register_kv_caches``: a lock taken before it would read as another engine's."""
+    """Open this rank's tiers below CPU on ``path``.
+
+    The call is ``make_tiers(cfg, namespace=, rank=, slots=, counters=, kv_dtype=)``. It
+    runs once, at the first plan, only when the scheduler's namespace agrees with the
+    worker's. Why not in ``register_kv_caches``? A store's start-up must not run under a
+    namespace the scheduler did not compute. For NVMe it takes its directory lock, cleans
+    debris, and reports or collects other namespaces' directories. Also, the scheduler's
+    start-up scan of the NVMe directories runs after ``register_kv_caches``. A lock taken
+    before it would read as another engine's."""
     path.lower = make_tiers(cfg, namespace=namespace, rank=rank, slots=path.slots, counters=counters,
                             kv_dtype=path.layout.dtype)

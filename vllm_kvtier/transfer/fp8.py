@@ -1,50 +1,51 @@
 """How a block is stored below the CPU tier: as it is, or as FP8 (e4m3) with scales.
 
 A block here is one CPU pool slot: the rows of every byte plane of
-:class:`~vllm_kvtier.transfer.layout.KVLayout`, in plane order, each row holding elements
-of the KV cache's dtype. A :class:`BlockCodec` turns those rows into the bytes a chunk
+:class:`~vllm_kvtier.transfer.layout.KVLayout`, in plane order. Each row holds elements of
+the KV cache's dtype. A :class:`BlockCodec` turns those rows into the bytes a chunk
 stores (``encode``) and back (``decode``).
 
-* Format "native": no codec, the slot's bytes as they are. Also what ``storage_dtype:
-  fp8`` gets when the engine's KV cache already is 8-bit (vLLM's FP8 KV cache; its
-  tensors are ``float8_*`` or ``uint8``): there is nothing to shrink, so storage is a
-  plain copy, under the native namespace (the bytes are the same).
+* Format "native": no codec, the slot's bytes as they are. ``storage_dtype: fp8`` gets it
+  too when the engine's KV cache already is 8-bit. That is vLLM's FP8 KV cache; its
+  tensors are ``float8_*`` or ``uint8``. There is nothing to shrink, so storage is a plain
+  copy, under the native namespace (the bytes are the same).
 * :class:`FP8Codec`: for float32, bfloat16 and float16 caches. The block's elements, as one
-  flat sequence, are cut into groups of :data:`GROUP` consecutive elements; each group
-  gets a float32 scale ``amax / 448`` and its elements are stored as e4m3 of ``x / scale``.
+  flat sequence, are cut into groups of :data:`GROUP` consecutive elements. Each group
+  gets a float32 scale ``amax / 448``. Its elements are stored as e4m3 of ``x / scale``.
 
 Encoded block::
 
     scales   ceil(n / GROUP) x float32 (little endian)   first, so they are 4-byte aligned
     payload  n x float8_e4m3fn
 
-The block carries its scales, so it decodes alone; the chunk's namespace (derived from the
-engine's and the storage format, see :func:`vllm_kvtier.engine.lower.tier_namespace`)
-guarantees it is never read as anything else.
+The block carries its scales, so it decodes alone. The chunk's namespace guarantees it is
+never read as anything else. That namespace is derived from the engine's and the storage
+format (see :func:`vllm_kvtier.engine.lower.tier_namespace`).
 
-**Why groups of 1024 elements.** e4m3 is a floating-point format: every value within
-2^15 of its group's maximum keeps 3 mantissa bits (relative error <= 2^-4), whatever the
-scale. The scale only places the group's maximum at 448, so finer scales help only
-elements more than four decades below their neighbours (they fall into e4m3's subnormals,
-absolute error <= scale * 2^-10), which matter little in attention's dot products. Per
-block and plane would therefore do; per token and head (64-128 elements) would cost 3-6%
-more bytes for almost nothing. A fixed group of 1024 elements costs 0.4% more bytes,
-keeps an outlier's reach to 1024 elements (on the CPU attention layout a few tokens of
-one head, K and V; on FlashAttention-style layouts one K or V row of a token, all its
-heads, for 8 heads of 128) and, above all, makes the encoded size a function of the block
-bytes and the element size alone (:func:`stored_block_bytes`): the scheduler, which never
-sees the attention backend's planes, computes the same size as the worker. Groups follow
-plane boundaries whenever a plane holds a multiple of 1024 elements (block_size x heads x
-head_size: every usual geometry); otherwise a group may span two planes, which is only a
-shared scale. Measured (the tiny random model in transformers, 48 prompts, the first
-token's |logprob difference| after quantizing its KV): groups of 64 (token x head) 0.116,
-of 1024 0.130, of 8192 0.125, one scale per tensor 0.164; bf16 rounding, for scale, 0.008.
-The 3-bit mantissa dominates; finer scales would buy ~10% of the drift for 6% more bytes.
+**Why groups of 1024 elements.** e4m3 is a floating-point format. Every value within 2^15
+of its group's maximum keeps 3 mantissa bits (relative error <= 2^-4), whatever the scale.
+The scale only places the group's maximum at 448. So finer scales help only elements more
+than four decades below their neighbours. Those fall into e4m3's subnormals (absolute
+error <= scale * 2^-10), and matter little in attention's dot products. Per block and
+plane would therefore do. Per token and head (64-128 elements) would cost 3-6% more bytes
+for almost nothing. A fixed group of 1024 elements costs 0.4% more bytes. It keeps an
+outlier's reach to 1024 elements. On the CPU attention layout that is a few tokens of one
+head, K and V. On FlashAttention-style layouts it is one K or V row of a token, all its
+heads, for 8 heads of 128. Above all, it makes the encoded size a function of the block
+bytes and the element size alone (:func:`stored_block_bytes`). So the scheduler, which
+never sees the attention backend's planes, computes the same size as the worker. Groups
+follow plane boundaries whenever a plane holds a multiple of 1024 elements (block_size x
+heads x head_size: every usual geometry). Otherwise a group may span two planes, which is
+only a shared scale. Measured on the tiny random model in transformers, 48 prompts: the
+first token's |logprob difference| after quantizing its KV. Groups of 64 (token x head)
+gave 0.116, of 1024 0.130, of 8192 0.125, one scale per tensor 0.164. bf16 rounding, for
+scale, gave 0.008. The 3-bit mantissa dominates. Finer scales would buy ~10% of the drift
+for 6% more bytes.
 
 Who calls it: :class:`~vllm_kvtier.transfer.tier_io.ChunkWorker`, from the worker's
 main thread, once per block written or read. Pure torch on CPU tensors; no I/O, no state.
 Cost (one core, bench/fp8_drift.py prints it): roughly 1 G elements/s each way, against
-~10 for a plain copy; a 2 MiB bf16 block takes ~1 ms to encode and to decode.
+~10 for a plain copy. A 2 MiB bf16 block takes ~1 ms to encode and to decode.
 """
 
 from __future__ import annotations

@@ -7,22 +7,22 @@ surrounds it depend on the attention backend:
   contiguous slab per layer (K then V inside it).
 * FlashAttention-style CUDA backends: ``[2, num_blocks, block_size, kv_heads, head_size]``:
   a block is two contiguous slabs per layer (K and V).
-* vLLM 0.32 hands every layer as a standardized ``[B, H, N, C]`` view over the physical
-  layout it resolved (``LBNHC`` = NHD, ``LBHNC`` = HND, ``BLHNC``, ``LHBNC``, ...): the
-  view's order is not the memory's, so a block's bytes are found by stride
+* vLLM 0.32 hands every layer as a standardized ``[B, H, N, C]`` view. The view is over
+  the physical layout it resolved (``LBNHC`` = NHD, ``LBHNC`` = HND, ``BLHNC``, ``LHBNC``,
+  ...). The view's order is not the memory's. So a block's bytes are found by stride
   (:func:`_dense_planes`), not by the view's dimension order.
 
 We do not interpret the bytes. A *plane* is a ``uint8`` view ``[num_blocks, plane_bytes]``
-in which each block's row is contiguous; a layer yields one plane per index of the
+in which each block's row is contiguous. A layer yields one plane per index of the
 dimensions outside the block dimension. A stored block is the concatenation of its rows in
-every plane, in a fixed order; the copy engines move whole rows, merging runs of
+every plane, in a fixed order. The copy engines move whole rows, merging runs of
 consecutive blocks into one copy.
 
 Hybrid models (vLLM's hybrid KV cache manager): the KV cache groups alias one memory
-region, so several layer names map to the same tensor (one layer of each group). Such a
-tensor yields its planes once (:func:`build_layout` dedupes by storage, offset, shape and
-strides): a unit of any group is then the rows of every plane at that group's block id,
-and a block id's rows hold whichever group's KV vLLM put there.
+region. So several layer names map to the same tensor (one layer of each group). Such a
+tensor yields its planes once: :func:`build_layout` dedupes by storage, offset, shape and
+strides. A unit of any group is then the rows of every plane at that group's block id. A
+block id's rows hold whichever group's KV vLLM put there.
 """
 
 from __future__ import annotations
@@ -123,13 +123,13 @@ def _dense_planes(p: torch.Tensor, num_blocks: int, name: str, t: torch.Tensor) 
     """The uint8 planes ``[num_blocks, row_bytes]`` of ``p`` (``[N, *rest]``, blocks first).
 
     vLLM hands every layer as a ``[B, H, N, C]`` view whatever the physical layout it
-    resolved, so a block's ``[H, N, C]`` is often dense in memory but not in view order
-    (NHD: ``LBNHC``, FlashAttention's default), or split by a dimension that lies outside
-    the layer's slab (``LHBNC``, ``BHLNC``: one slab per head group). The inner dimensions
-    are taken in memory order (largest stride first), and the outermost are peeled off
-    into planes of their own until what is left is contiguous: each plane's row is then
-    one dense run of bytes, moved as it sits. The bytes of a block therefore depend on
-    the physical layout, which is why the resolved layout is part of the namespace."""
+    resolved. So a block's ``[H, N, C]`` is often dense in memory but not in view order
+    (NHD: ``LBNHC``, FlashAttention's default). Or it is split by a dimension that lies
+    outside the layer's slab (``LHBNC``, ``BHLNC``: one slab per head group). The inner
+    dimensions are taken in memory order (largest stride first). The outermost are peeled
+    off into planes of their own until what is left is contiguous. Each plane's row is then
+    one dense run of bytes, moved as it sits. The bytes of a block therefore depend on the
+    physical layout. That is why the resolved layout is part of the namespace."""
     inner = sorted(range(1, p.dim()), key=lambda d: (p.shape[d] > 1, p.stride(d)), reverse=True)
     x = p.permute(0, *inner)  # [N, *rest in memory order]
     for peel in range(len(inner)):  # at least one dimension left: a row, not single elements
@@ -166,9 +166,9 @@ def _layer_order(name: str) -> tuple[int, str]:
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Split paired indices into maximal runs where both advance by one.
 
-    Returns ``(src_start, dst_start, length)`` triples; one copy call per run instead of
-    one per block (a fresh pool hands out consecutive slots, and vLLM's free list hands a
-    request mostly consecutive blocks, so long prompts become a handful of large copies).
+    Returns ``(src_start, dst_start, length)`` triples: one copy call per run instead of one
+    per block. A fresh pool hands out consecutive slots, and vLLM's free list hands a
+    request mostly consecutive blocks. So long prompts become a handful of large copies.
     """
     out: list[tuple[int, int, int]] = []
     if not src:

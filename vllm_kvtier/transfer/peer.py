@@ -1,36 +1,39 @@
-"""Worker side of P/D peer to peer over NIXL: the prefill instance lends its CPU tier, the
-decode instance reads blocks straight out of it.
+"""Worker side of P/D peer to peer over NIXL.
+
+The prefill instance lends its CPU tier. The decode instance reads blocks straight out of
+it.
 
 Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
 thread (NIXL agents are created without thread synchronisation). ``read`` posts a
 transfer and returns; results come back through ``poll``.
 
-Both sides register two regions with their agent: the CPU pool (one allocation, every
-plane) and a **stamp** array, 16 bytes per slot: the first 16 bytes of the key the slot
-holds, written only once the slot's bytes are complete and zeroed before they change
-(:class:`~vllm_kvtier.transfer.slots.SlotTable` clears a slot's stamp before any copy into
-it starts). A decode-side read is a seqlock in three NIXL transfers, each posted once the
-one before completed (the spans of one transfer land in no guaranteed order): the stamps,
-then the blocks whose stamp was the key asked for, then the stamps again (with the
-notification that frees the offer). A block is used only if both stamps are its key: the
-slot held it completely before the bytes were read and was not rewritten (its stamp
-cleared) until after. That covers a read that arrives before the prefill instance has
-finished copying the block into the slot (its answer can reach the proxy first), a slot
-that was reused after its hold expired, and one rewritten while it was being read: each is
-a miss (recompute), never torn or wrong KV.
+Both sides register two regions with their agent. One is the CPU pool (one allocation,
+every plane). The other is a **stamp** array, 16 bytes per slot. A stamp is the first 16
+bytes of the key the slot holds. It is written only once the slot's bytes are complete. It
+is zeroed before they change: :class:`~vllm_kvtier.transfer.slots.SlotTable` clears a
+slot's stamp before any copy into it starts. A decode-side read is a seqlock in three NIXL
+transfers. Each is posted once the one before completed, since the spans of one transfer
+land in no guaranteed order. First the stamps. Then the blocks whose stamp was the key
+asked for. Then the stamps again, with the notification that frees the offer. A block is
+used only if both stamps are its key. Then the slot held it completely before the bytes
+were read, and was not rewritten (its stamp cleared) until after. This covers three
+cases, each a miss (recompute), never torn or wrong KV. A read may arrive before the
+prefill instance has finished copying the block into the slot (its answer can reach the
+proxy first). A slot may be reused after its hold expired. A slot may be rewritten while
+it is being read.
 
-What a prefill rank publishes (``describe``, carried to the scheduler in worker meta and
-to the decode instance in ``kv_transfer_params``): NIXL agent metadata and regions, each
-plane's base address and row size, the stamp array's address. Its agent is named
-``<nixl.agent_name>-<random>-r<rank>``.
+What a prefill rank publishes (``describe``): NIXL agent metadata and regions, each
+plane's base address and row size, the stamp array's address. It is carried to the
+scheduler in worker meta and to the decode instance in ``kv_transfer_params``. Its agent
+is named ``<nixl.agent_name>-<random>-r<rank>``.
 
 Peers (decode side): a description reaches us through a request's ``kv_transfer_params``,
-which a client can write, so an agent not allowed by ``nixl.allowed_peers`` /
-``trusted_peers`` is never added (the scheduler refused it already; this is the second
-check, on the name NIXL itself reads from the metadata). At most ``nixl.max_peers`` remote
-agents stay connected: a peer idle (no read in flight) for ``nixl.hold_s`` is removed (its
-offers have expired by then), and so is the least recently used idle one when a new one
-would exceed the cap; if every one has a read in flight, the new read is refused
+which a client can write. So an agent not allowed by ``nixl.allowed_peers`` /
+``trusted_peers`` is never added. The scheduler refused it already. This is the second
+check, on the name NIXL itself reads from the metadata. At most ``nixl.max_peers`` remote
+agents stay connected. A peer idle (no read in flight) for ``nixl.hold_s`` is removed (its
+offers have expired by then). So is the least recently used idle one, when a new one
+would exceed the cap. If every one has a read in flight, the new read is refused
 (recomputed, ``peer_refusals``). Removals are counted in ``peers_removed``.
 """
 

@@ -97,9 +97,11 @@ class Saves:
 
     def run(self, path: DataPath, jobs: list[SaveJob], *, step: int,
             background: bool = False) -> list[tuple[str, Transfer]]:
-        """Issue ``jobs``; return each issued copy with its request. ``step``: the last step
-        whose forward ended. ``background``: the copy may run on the engine's copy thread
-        (host KV cache); its slots stay busy until :meth:`settle` has seen it done."""
+        """Issue ``jobs``; return each issued copy with its request.
+
+        ``step``: the last step whose forward ended. ``background``: the copy may run on
+        the engine's copy thread (host KV cache). Its slots stay busy until :meth:`settle`
+        has seen it done."""
         slots = path.slots
         issued: list[tuple[str, Transfer]] = []
         for job in jobs:
@@ -157,19 +159,22 @@ class Saves:
                 path.engine.order_before_compute(t)
 
     def write_after(self, path: DataPath, step: int, tier: str, jobs: list[ChunkWriteJob]) -> None:
-        """Write ``jobs`` to ``tier`` now, or hold them while host saves are in flight (they
-        copy slots still being filled: written once those are done)."""
+        """Write ``jobs`` to ``tier`` now, or hold them while host saves are in flight.
+
+        Those saves copy slots still being filled. The writes go once they are done."""
         if self._host:
             self._held.append(HeldWrite(step, tier, jobs))
         else:
             path.lower[tier].write(jobs)
 
     def settle(self, path: DataPath, *, wait_before: float = -math.inf) -> None:
-        """Account the host saves that finished, after waiting for those issued by a step
-        before ``wait_before`` (``math.inf``: all of them): a failed one's slots hold
-        nothing (a future miss). Then queue the held writes whose saves are all settled, in
-        the order they were held. Every tier's writes are queued even when another tier's
-        raise; the first failure is raised at the end."""
+        """Account the host saves that finished.
+
+        It first waits for those issued by a step before ``wait_before`` (``math.inf``: all
+        of them). A failed one's slots hold nothing (a future miss). Then it queues the held
+        writes whose saves are all settled, in the order they were held. Every tier's
+        writes are queued even when another tier's raise. The first failure is raised at
+        the end."""
         if self._host:
             for h in self._host:
                 if h.step < wait_before:
@@ -221,9 +226,10 @@ class Saves:
                 del self._by_request[req_id]
 
     def log_unwritten(self) -> None:
-        """At shutdown, after the settling: writes still held back (their saves never
-        finished: the copy engine failed to shut down) are lost, as a cache loses them; say
-        how many."""
+        """At shutdown, after the settling: count the writes still held back.
+
+        Their saves never finished: the copy engine failed to shut down. They are lost, as
+        a cache loses them. Say how many."""
         if self._held or self._host:
             n = sum(len(j.keys) for w in self._held for j in w.jobs)
             logger.error("kvtier: shutdown: %d host save(s) unfinished; %d block(s) not written to the tiers "

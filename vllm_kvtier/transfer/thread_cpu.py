@@ -1,18 +1,19 @@
 """CPU time of the plugin's own threads, by tier (``background_cpu_seconds``).
 
 Who calls it: :meth:`~vllm_kvtier.transfer.worker.WorkerHalf.stats`, every step, from the
-worker's main thread; it samples at most once per ``interval_s``. What the plugin costs on
-the engine's own thread is ``step_seconds``; this is the rest: the copy thread (saves into
-the CPU tier, and its memmove helpers) under tier ``cpu``, each tier's I/O threads
-(``kvtier-<tier>-<n>``) under their tier. On a host whose cores are all busy that time is
-taken from the engine (the API server, the scheduler, a CPU forward), so an operator sizing
-a pod's CPU request, or a benchmark judging a cost below its noise, reads it here.
+worker's main thread. It samples at most once per ``interval_s``. What the plugin costs on
+the engine's own thread is ``step_seconds``. This is the rest. The copy thread (saves into
+the CPU tier, and its memmove helpers) counts under tier ``cpu``. Each tier's I/O threads
+(``kvtier-<tier>-<n>``) count under their tier. On a host whose cores are all busy, that
+time is taken from the engine (the API server, the scheduler, a CPU forward). So an
+operator sizing a pod's CPU request reads it here. So does a benchmark judging a cost
+below its noise.
 
 The figures are the kernel's per-thread accounting (``/proc/self/task/<tid>/stat``, user
-plus system time, in clock ticks): Linux only (elsewhere nothing is counted), native
-threads of libraries (NIXL, Mooncake's transfer engine, the kernel's own writeback) are
-not in it, and a thread that ends between two samples loses its time since the last one.
-One sampler per process (:data:`SAMPLER`): two worker halves in one process (a test, the
+plus system time, in clock ticks). Linux only: elsewhere nothing is counted. Native threads
+of libraries are not in it (NIXL, Mooncake's transfer engine, the kernel's own writeback).
+A thread that ends between two samples loses its time since the last one. There is one
+sampler per process (:data:`SAMPLER`). So two worker halves in one process (a test, the
 single-process executor) never count a thread twice.
 """
 

@@ -1,42 +1,46 @@
-"""Worker side of a chunk tier (NVMe files, S3 objects): moves blocks between CPU pool
-slots and chunks.
+"""Worker side of a chunk tier (NVMe files, S3 objects).
+
+It moves blocks between CPU pool slots and chunks.
 
 Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
-thread. I/O runs on the store's threads (:class:`ChunkStore`); this class copies read
+thread. I/O runs on the store's threads (:class:`ChunkStore`). This class copies read
 buffers back into slots, and reports outcomes to the scheduler (``WorkerReport``). Nothing
 here raises into vLLM: failures are results.
 
-Writes copy their slots into a write buffer in one of two places. A *demotion* (the CPU
-tier evicted the block, this step's saves reuse its slot) is copied here, at once, before
-those saves. Every other write (write-through, the background flush of write-back blocks,
-which slots keep holding) is copied on the store's I/O thread (``WriteBuffer.fill``; a
-plain memmove, so not with an FP8 codec, whose torch ops stay on this thread), so
-the engine thread, whose time delays every token of the step, does not copy (it did: 10
-of the 12 ms the plugin took of the engine thread per low-load request of
-``bench/serving.py``'s ``cpu-nvme``, 28 blocks flushed). Such a copy checks the slots' generations (:class:`SlotTable`) before and after:
-a slot claimed or re-keyed meanwhile ends the write ``superseded``, nothing written.
+Writes copy their slots into a write buffer in one of two places. A *demotion* is copied
+here, at once, before this step's saves. In a demotion the CPU tier evicted the block,
+and this step's saves reuse its slot. Every other write is copied on the store's I/O
+thread (``WriteBuffer.fill``). Those are write-through and the background flush of
+write-back blocks, which slots keep holding. The fill is a plain memmove. So it is not
+used with an FP8 codec, whose torch ops stay on this thread. The engine thread's time
+delays every token of the step, so it does not copy. Copying there took 10 of the 12 ms
+the plugin took of the engine thread per low-load request. That was ``bench/serving.py``'s
+``cpu-nvme``, with 28 blocks flushed. Such a copy checks the slots' generations
+(:class:`SlotTable`) before and after. A slot claimed or re-keyed meanwhile ends the
+write ``superseded``, nothing written.
 
 It is handed the worker's :class:`~vllm_kvtier.transfer.slots.SlotTable` once, at
-construction: what each slot holds and which device copy still uses it. It reads that
-table (a job whose slots no longer hold their keys is not written) and writes it only to
-claim the slots a read lands in: :meth:`ChunkWorker.poll` returns the reads that finished,
-and the worker records their keys.
+construction. The table says what each slot holds and which device copy still uses it.
+It reads that table: a job whose slots no longer hold their keys is not written. It
+writes the table only to claim the slots a read lands in. :meth:`ChunkWorker.poll`
+returns the reads that finished, and the worker records their keys.
 
-A tier may store blocks encoded (``storage_dtype: fp8``): the codec turns slot rows into
-the stored block in ``_buffer`` and back in ``poll``, on this thread (~1 ms per 2 MiB
-bf16 block each way; see :mod:`vllm_kvtier.transfer.fp8`).
+A tier may store blocks encoded (``storage_dtype: fp8``). The codec turns slot rows into
+the stored block in ``_buffer``, and back in ``poll``, on this thread. It takes ~1 ms per
+2 MiB bf16 block each way (see :mod:`vllm_kvtier.transfer.fp8`).
 
-The store is any :class:`~vllm_kvtier.tiers.base.ChunkStore` (the one store contract);
-each read passes the keys the scheduler expects at its positions, and the store fails a
+The store is any :class:`~vllm_kvtier.tiers.base.ChunkStore` (the one store contract).
+Each read passes the keys the scheduler expects at its positions. The store fails a
 chunk holding others (``key_mismatch``).
 
-A failed read is a miss either way; it marks the chunk *bad* (the scheduler forgets and
-deletes it) only when its :class:`~vllm_kvtier.errors.FailureReason` is ``damaged`` (the
-bytes are wrong or gone: checksum, truncated, missing, key mismatch...), and *untrusted*
-(the scheduler forgets it, so that it can be written again, and does not delete it) when
-it is ``unauthenticated`` (unsigned, or signed with a key this instance no longer accepts).
-A read that failed for the path to it (deadline, throttling, breaker open, timeout) leaves
-the chunk alone: on a shared bucket it is good data other instances use.
+A failed read is a miss either way. It marks the chunk *bad* only when its
+:class:`~vllm_kvtier.errors.FailureReason` is ``damaged``. Then the bytes are wrong or
+gone (checksum, truncated, missing, key mismatch...), and the scheduler forgets and
+deletes it. It marks the chunk *untrusted* when the reason is ``unauthenticated``
+(unsigned, or signed with a key this instance no longer accepts). The scheduler then
+forgets it, so that it can be written again, and does not delete it. A read that failed
+for the path to it (deadline, throttling, breaker open, timeout) leaves the chunk alone.
+On a shared bucket it is good data other instances use.
 """
 
 from __future__ import annotations
@@ -131,19 +135,20 @@ class ChunkWorker:
         chunks this rank already holds.
 
         ``ctx.fetches_headers``: the store can read a chunk whose header we do not have
-        (S3: another instance wrote it); the headers kept are then a cache of at most
-        ``settings.header_cache_entries`` holding at most ``settings.header_cache_bytes``
-        (LRU: a header it no longer has costs one more ranged GET at that chunk's next
-        read), otherwise every chunk's (the store cannot read without it).
+        (S3: another instance wrote it). The headers kept are then an LRU cache. It holds
+        at most ``settings.header_cache_entries`` headers and
+        ``settings.header_cache_bytes`` bytes. A header it no longer has costs one more
+        ranged GET at that chunk's next read. Otherwise every chunk's header is kept (the
+        store cannot read without it).
 
-        ``ctx.writes`` False: a *replica reader*. Another rank stores the bytes this rank would
-        store (an MLA model's latent cache is the same on every TP rank: its TP group's
-        first rank writes the one copy, see :class:`~vllm_kvtier.engine.lower.RankRole`),
-        and ``store`` reads that rank's chunks. Writes, shutdown flushes, deletes and
-        manifest changes are then the writer's: here they only drop cached headers, and
-        report nothing (the scheduler counts the writer's acknowledgement alone). Reads
-        fetch the header of a chunk they have not seen (``fetches_headers`` is forced on:
-        this rank never wrote it)."""
+        ``ctx.writes`` False: a *replica reader*. Another rank stores the bytes this rank
+        would store. An MLA model's latent cache is the same on every TP rank. Its TP
+        group's first rank writes the one copy (see
+        :class:`~vllm_kvtier.engine.lower.RankRole`). ``store`` reads that rank's chunks.
+        Writes, shutdown flushes, deletes and manifest changes are then the writer's. Here
+        they only drop cached headers, and report nothing. The scheduler counts the
+        writer's acknowledgement alone. Reads fetch the header of a chunk they have not
+        seen. ``fetches_headers`` is forced on: this rank never wrote it."""
         slots, counters, buffers, codec = ctx.slots, ctx.counters, ctx.buffers, ctx.codec
         mode, chunk_blocks, flush_on_shutdown_s = settings.mode, settings.chunk_blocks, settings.flush_on_shutdown_s
         max_headers, max_header_bytes = settings.header_cache_entries, settings.header_cache_bytes

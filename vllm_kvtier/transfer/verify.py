@@ -1,32 +1,34 @@
 """Shadow verification, worker side: compare stored blocks with freshly computed ones.
 
 Who calls it: :class:`~vllm_kvtier.transfer.worker.WorkerHalf`, from the worker's main
-thread, only when ``verify.sample_rate`` > 0. For each
-:class:`~vllm_kvtier.jobs.VerifyJob`:
+thread, only when ``verify.sample_rate`` > 0. Each
+:class:`~vllm_kvtier.jobs.VerifyJob` takes three steps.
 
-1. :meth:`BlockVerifier.start` (``begin_step``): the blocks stored below the CPU tier are
-   read into their CPU slots by the tier's normal read path (``ChunkWorker.start_read``,
-   not counted as a request's load); CPU hits are in their slots already.
+1. In :meth:`BlockVerifier.start` (``begin_step``), the blocks stored below the CPU tier
+   are read into their CPU slots. The tier's normal read path does it
+   (``ChunkWorker.start_read``, not counted as a request's load). CPU hits are in their
+   slots already.
 2. :meth:`~BlockVerifier.capture` (``end_step``, after the forward): this rank's shard of
    every computed engine block is copied to host memory (the engine may reuse the block
    afterwards). On CUDA this is a synchronous device-to-host copy of the sampled blocks
    only, on the compute stream (after the forward that wrote them).
 3. Once captured and every read landed (:meth:`~BlockVerifier.on_read`), each slot is
-   compared with its computed block (:func:`compare_block`) and the outcome goes to the
+   compared with its computed block (:func:`compare_block`). The outcome goes to the
    scheduler in the :class:`~vllm_kvtier.jobs.WorkerReport` (:meth:`~BlockVerifier.take_report`).
    A mismatch is logged here (tier, namespace, rank, key prefix, largest difference).
 
 Nothing here raises into vLLM: a block that cannot be read or compared is reported unread.
 
-The comparison: bitwise first; if not equal, normwise per plane (one layer's K/V rows of
-the block): ``max |stored - computed| <= atol + rtol * max |computed|`` over the plane's
-elements (NaN never within). Why not element by element: a recompute under another batch
-or chunk shape moves about half the elements of a bf16 block (measured, bench/verify_drift.py),
-and an element near 0 then differs by far more than its own magnitude while every plane
-stays within 2% of its largest value; a wrong block is off by the order of that value.
-Defaults by dtype (:data:`DEFAULT_TOLERANCES`); ``tolerance: exact`` compares bitwise only.
-An fp8 KV cache (vLLM allocates it as ``uint8``) is decoded by its format (e4m3 or e5m2,
-from ``cache_dtype``) and compared the same way; other 8-bit caches bitwise.
+The comparison is bitwise first. If not equal, it is normwise per plane (one layer's K/V
+rows of the block): ``max |stored - computed| <= atol + rtol * max |computed|`` over the
+plane's elements. NaN is never within. Why not element by element? A recompute under
+another batch or chunk shape moves about half the elements of a bf16 block (measured,
+bench/verify_drift.py). An element near 0 then differs by far more than its own
+magnitude. Yet every plane stays within 2% of its largest value. A wrong block is off by
+the order of that value. Defaults by dtype (:data:`DEFAULT_TOLERANCES`); ``tolerance:
+exact`` compares bitwise only. An fp8 KV cache (vLLM allocates it as ``uint8``) is
+decoded by its format (e4m3 or e5m2, from ``cache_dtype``). It is compared the same way;
+other 8-bit caches bitwise.
 """
 
 from __future__ import annotations

@@ -18,27 +18,27 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
 
 Per step, in vLLM's order:
 
-1. ``begin_step(meta)`` (from ``handle_preemptions``, or at the latest from
-   ``start_load_kv``): check the plan's namespace and pool size (the first plan opens the
-   lower tiers), settle the host saves that finished and queue their lower-tier writes,
-   then issue the **final saves** of finished requests whose blocks vLLM holds for them
-   (``StepPlan.saves``). Saves come first so a load in the same step can read a block saved
-   in it. A step that reads or writes pool slots on the host (loads, demotions, prefetches,
-   verification) first waits for every save and settles it, so a failed save's slots are
-   never used. Lower-tier writes of slots still being filled are held until their saves
-   settle. With a peer link, a slot is stamped only once its copy is done.
-   ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the forward
-   completed, then fences those copies (``CopyEngine.fence``): on a host KV cache it waits
-   for the copy thread; on CUDA the compute stream waits for the copy stream. Why: vLLM
-   frees a block when its request finishes or is preempted, never waiting for our copies,
-   and a runner may write a freed block before any hook of ours runs in the next step
-   (vLLM's V2 runner zeroes new blocks and applies copy-on-write copies in
-   ``update_requests``, before ``pre_forward``). So no save outlives the step that issued it,
-   whatever the order of the runner's hooks. The final saves read held blocks, which vLLM
-   frees only once ``transfer_results`` reported them (``take_sent``). ``begin_step``
-   still orders the saves of freed and preempted requests (``StepPlan.freed``,
-   ``preempted``) before the forward; after the fence that costs nothing. A hybrid model's
-   sliding-window blocks are saved inline (``wait_saves``).
+1. ``begin_step(meta)`` is called from ``handle_preemptions``, or at the latest from
+   ``start_load_kv``. It checks the plan's namespace and pool size (the first plan opens
+   the lower tiers). It settles the host saves that finished and queues their lower-tier
+   writes. Then it issues the **final saves** of finished requests whose blocks vLLM holds
+   for them (``StepPlan.saves``). Saves come first so a load in the same step can read a
+   block saved in it. A step that reads or writes pool slots on the host (loads,
+   demotions, prefetches, verification) first waits for every save and settles it. So a
+   failed save's slots are never used. Lower-tier writes of slots still being filled are
+   held until their saves settle. With a peer link, a slot is stamped only once its copy
+   is done. ``end_step`` (from ``wait_for_save``, after the forward) saves the blocks the
+   forward completed. Then it fences those copies (``CopyEngine.fence``). On a host KV
+   cache it waits for the copy thread. On CUDA the compute stream waits for the copy
+   stream. Why: vLLM frees a block when its request finishes or is preempted, never
+   waiting for our copies. And a runner may write a freed block before any hook of ours
+   runs in the next step. vLLM's V2 runner zeroes new blocks and applies copy-on-write
+   copies in ``update_requests``, before ``pre_forward``. So no save outlives the step
+   that issued it, whatever the order of the runner's hooks. The final saves read held
+   blocks, which vLLM frees only once ``transfer_results`` reported them (``take_sent``).
+   ``begin_step`` still orders the saves of freed and preempted requests
+   (``StepPlan.freed``, ``preempted``) before the forward; after the fence that costs
+   nothing. A hybrid model's sliding-window blocks are saved inline (``wait_saves``).
 2. ``start_loads()`` (from ``start_load_kv``): verify and issue **loads**. Sync loads are
    ordered before the model reads the KV cache; async loads complete later.
 3. ``transfer_results(finished)`` (from ``get_transfer_results``): poll transfers; report
@@ -116,10 +116,13 @@ class WorkerHalf:
                  namespace: str = "", rank: int = 0,
                  make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None,
                  cache_dtype: str = "auto") -> None:
-        """``pool_slots()``: the CPU pool's size, computed in ``register_kv_caches`` (after
-        vLLM allocated its KV cache). ``make_tiers(cfg, namespace=, rank=, slots=, counters=,
-        kv_dtype=)``: this rank's tiers below CPU by name, opened at the first plan when the
-        scheduler's namespace agrees (None: none). ``cache_dtype``: vLLM's ``cache_dtype`` (which fp8 format a ``uint8`` cache holds)."""
+        """``pool_slots()``: the CPU pool's size, computed in ``register_kv_caches``.
+
+        That is after vLLM allocated its KV cache. ``make_tiers(cfg, namespace=, rank=,
+        slots=, counters=, kv_dtype=)``: this rank's tiers below CPU by name. They are
+        opened at the first plan when the scheduler's namespace agrees (None: none).
+        ``cache_dtype``: vLLM's ``cache_dtype``. It says which fp8 format a ``uint8`` cache
+        holds."""
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.namespace = namespace
@@ -148,7 +151,8 @@ class WorkerHalf:
 
     @property
     def request_level_failures(self) -> bool:
-        """Report a failed async load per request (``take_failed_loads``), never by block:
+        """Report a failed async load per request (``take_failed_loads``), never by block.
+
         vLLM refuses block-level errors for a model with more than one KV cache group."""
         return self.loads.by_request
 
@@ -158,8 +162,10 @@ class WorkerHalf:
 
     @property
     def wait_saves(self) -> bool:
-        """Wait for each save's copy before the step ends (hybrid models: vLLM frees a
-        sliding-window group's blocks as the window passes, without waiting for us)."""
+        """Wait for each save's copy before the step ends.
+
+        This is for hybrid models. vLLM frees a sliding-window group's blocks as the window
+        passes, without waiting for us."""
         return self.saves.wait
 
     @wait_saves.setter
@@ -204,11 +210,13 @@ class WorkerHalf:
         return self.path.pool.num_slots if self.path is not None else 0
 
     def _check_namespace(self, theirs: str) -> None:
-        """Compare the scheduler's namespace (sent in every plan) with ours, before the
-        lower tiers open. The two processes compute it apart (the scheduler cannot see
-        this worker's tensors or environment); if they differ, the scheduler's index and this
-        worker's stored headers would name different things, and either one may be wrong:
-        no lower tier is opened, and every lower-tier job is refused and counted."""
+        """Compare the scheduler's namespace (sent in every plan) with ours.
+
+        This runs before the lower tiers open. The two processes compute it apart: the
+        scheduler cannot see this worker's tensors or environment. If they differ, the
+        scheduler's index and this worker's stored headers would name different things.
+        Either one may be wrong. So no lower tier is opened, and every lower-tier job is
+        refused and counted."""
         if not theirs or theirs == self.namespace or self.namespace_conflict:
             return
         self.namespace_conflict = theirs
@@ -218,8 +226,9 @@ class WorkerHalf:
                      "log lines show the inputs", self.rank, self.namespace, theirs)
 
     def _refuse_lower(self, meta: StepPlan) -> None:
-        """A namespace conflict: the step's lower-tier writes are reported failed (the
-        scheduler drops those chunks; its breaker pauses the tier), each counted."""
+        """A namespace conflict: the step's lower-tier writes are reported failed.
+
+        Each is counted. The scheduler drops those chunks; its breaker pauses the tier."""
         for job in meta.demotes + meta.write_through:
             self._report.failed.add((job.tier, job.chunk_id))
             self.counters.add(CounterName.NAMESPACE_MISMATCH, job.tier)
@@ -316,12 +325,13 @@ class WorkerHalf:
     def transfer_results(self, finished_req_ids: set[str], *, idle_step: bool = False) -> set[str]:
         """Return the requests whose async loads ended (``finished_recving``).
 
-        ``idle_step``: this step ran no forward (vLLM only waits for transfers); then we
-        wait up to 2 ms for lower-tier reads instead of returning at once, so the engine's
+        ``idle_step``: this step ran no forward (vLLM only waits for transfers). Then we
+        wait up to 2 ms for lower-tier reads instead of returning at once. So the engine's
         busy loop does not starve the I/O threads of the GIL.
 
-        The step's last connector call: the time this rank's calls took in a step that ran
-        a forward is counted (``step_seconds``, ``step_calls``); idle steps delay no token."""
+        This is the step's last connector call. It counts the time this rank's calls took
+        in a step that ran a forward (``step_seconds``, ``step_calls``). Idle steps delay
+        no token."""
         t0 = time.perf_counter()
         try:
             return self._transfer_results(idle_step)
@@ -349,8 +359,9 @@ class WorkerHalf:
         return recving
 
     def _on_read(self, path: DataPath, rid: int, read: ChunkRead, ok: bool) -> None:
-        """A lower-tier read ended: record what its slots hold, then route it by
-        ``(tier, read id)`` to the verifier, a prefetch or a load."""
+        """A lower-tier read ended: record what its slots hold.
+
+        Then route it by ``(tier, read id)`` to the verifier, a prefetch or a load."""
         if ok:
             for s, k in zip(read.slots, read.keys, strict=True):
                 path.slots.set_key(s, k)
@@ -395,15 +406,18 @@ class WorkerHalf:
         return self.loads.take_errors()
 
     def stats(self) -> dict[str, dict[str, float]] | None:
-        """This rank's counters since the last call, with the CPU time of the plugin's
-        threads in this process (sampled at most once a second, :mod:`.thread_cpu`)."""
+        """This rank's counters since the last call.
+
+        They include the CPU time of the plugin's threads in this process. That is sampled
+        at most once a second (:mod:`.thread_cpu`)."""
         if self.path is not None:
             SAMPLER.sample(self.counters)
         return self.counters.drain()
 
     def shutdown(self) -> None:
-        """Every step runs even when one fails (a tier that cannot close must not keep the
-        others' threads alive); the first failure is raised at the end."""
+        """Every step runs even when one fails; the first failure is raised at the end.
+
+        A tier that cannot close must not keep the others' threads alive."""
         path = self.path
         steps: list[Callable[[], None]] = []
         if path is not None:

@@ -1,7 +1,9 @@
-"""The state every part of the store kernel shares (:class:`KernelCore`): the settings, the
-queues, the pending reads, the results and the stats, and the small steps both the read
-path and the write path take (count an operation, classify a failure, take a buffer, claim
-a job, emit a result). The engine (:mod:`.engine`) adds the threads."""
+"""The state every part of the store kernel shares (:class:`KernelCore`).
+
+It holds the settings, the queues, the pending reads, the results and the stats. It holds
+the small steps both the read path and the write path take: count an operation, classify
+a failure, take a buffer, claim a job, emit a result. The engine (:mod:`.engine`) adds the
+threads."""
 
 from __future__ import annotations
 

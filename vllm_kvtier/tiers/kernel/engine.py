@@ -113,10 +113,11 @@ class StoreKernel(VerifiedReads, StampedWrites):
         return drain(self._results.done)
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until some job completed (True) or not. For idle engine
-        steps only: while a request waits for its load, an in-process engine spins through
-        empty steps that hold the GIL; waiting here hands it to the I/O threads (measured
-        on NVMe: a 2 MiB read went from ~100 ms to ~3 ms)."""
+        """Block up to ``timeout_s`` until some job completed (True) or not.
+
+        For idle engine steps only. While a request waits for its load, an in-process
+        engine spins through empty steps that hold the GIL. Waiting here hands it to the I/O
+        threads. Measured on NVMe, a 2 MiB read went from ~100 ms to ~3 ms."""
         done = self._results.has_done.wait(timeout_s)
         self._results.has_done.clear()
         return done

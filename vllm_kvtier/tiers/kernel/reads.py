@@ -1,10 +1,12 @@
-"""The ONE verified read path of the store kernel (:class:`VerifiedReads`): a read's
-request checked against its header (trust: MAC, key, rank; then block size, positions and
-the key at each), its ranges planned by the medium's ``read_shape``, a read with no header
-probed (the header's announced size bounded before anything is sized from it), the ranges
-read and verified (the stored header against the caller's, every wanted block's CRC32 and,
-with a key, its tag), a checksum failure explained by an
-:class:`~vllm_kvtier.tiers.medium.ExplainingMedium`, and exactly one result per read."""
+"""The ONE verified read path of the store kernel (:class:`VerifiedReads`).
+
+A read's request is checked against its header: trust (MAC, key, rank), then block size,
+positions and the key at each. Its ranges are planned by the medium's ``read_shape``. A
+read with no header is probed; the header's announced size is bounded before anything is
+sized from it. The ranges are read and verified: the stored header against the caller's,
+every wanted block's CRC32 and, with a key, its tag. A checksum failure is explained by an
+:class:`~vllm_kvtier.tiers.medium.ExplainingMedium`. There is exactly one result per
+read."""
 
 from __future__ import annotations
 

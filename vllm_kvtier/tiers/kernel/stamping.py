@@ -1,7 +1,9 @@
-"""The write path of the store kernel (:class:`StampedWrites`): a write buffer's deferred
-fill, the header stamped into it (every block's CRC32, keys, namespace, the store's rank;
-with a key, every block's tag and the header's MAC), the medium's ``put`` (or
-``put_batch``), and one result per write, whatever the medium did; deletes too."""
+"""The write path of the store kernel (:class:`StampedWrites`).
+
+It runs a write buffer's deferred fill. It stamps the header into it: every block's
+CRC32, keys, namespace, the store's rank; with a key, every block's tag and the header's
+MAC. It calls the medium's ``put`` (or ``put_batch``). It gives one result per write,
+whatever the medium did. Deletes go here too."""
 
 from __future__ import annotations
 

@@ -1,46 +1,46 @@
-"""The Mooncake tier's data path: chunk objects in a Mooncake Store pool (a ``mooncake_master``
-plus clients that pool their DRAM).
+"""The Mooncake tier's data path: chunk objects in a Mooncake Store pool.
 
-Who calls it: the worker half (one store per TP rank), from the worker's main thread;
-``submit_*`` return at once, completions come back through ``poll``: the
-:class:`~vllm_kvtier.tiers.base.ChunkStore` contract, implemented once by
+The pool is a ``mooncake_master`` plus clients that pool their DRAM.
+
+Who calls it: the worker half (one store per TP rank), from the worker's main thread.
+``submit_*`` return at once; completions come back through ``poll``. That is the
+:class:`~vllm_kvtier.tiers.base.ChunkStore` contract. It is implemented once by
 :class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, headers, the verified
-read path). What is Mooncake's: the medium's byte primitives
-(:class:`~vllm_kvtier.tiers.mooncake.medium.MooncakeMedium`, in :mod:`.medium`: sizes,
-batched puts and gets, removes, the classifier of return codes), and here joining and
-leaving the pool, :meth:`MooncakeStore.exists`
+read path). Mooncake's own part is the medium's byte primitives
+(:class:`~vllm_kvtier.tiers.mooncake.medium.MooncakeMedium`, in :mod:`.medium`). Those are
+sizes, batched puts and gets, removes, and the classifier of return codes. Here are
+joining and leaving the pool, :meth:`MooncakeStore.exists`
 (:class:`~vllm_kvtier.tiers.base.Probeable`), :meth:`MooncakeStore.stats`
 (:class:`~vllm_kvtier.tiers.base.ReportsRemoteStats`) and the circuit breaker. The
 constructor (connects to the master) and :meth:`MooncakeStore.close` block their caller.
 
-Objects: key ``kvtier/<namespace>/r<rank>/<chunk_id>``; the value is a chunk in the format
-of :mod:`~vllm_kvtier.chunkformat`. A read of a chunk this process has no header for
-asks the master for the object's size first (``get_size``), which the kernel bounds by the
-largest chunk this engine writes before any memory is taken; then the whole object is read
-and its header, the key at every position and every block's CRC32 are verified. Nothing
-read from the pool is ever unpickled: other clients of the pool can write any bytes under
-our keys.
+Objects: key ``kvtier/<namespace>/r<rank>/<chunk_id>``. The value is a chunk in the format
+of :mod:`~vllm_kvtier.chunkformat`. A read of a chunk this process has no header for asks
+the master for the object's size first (``get_size``). The kernel bounds it by the largest
+chunk this engine writes before any memory is taken. Then the whole object is read. Its
+header, the key at every position and every block's CRC32 are verified. Nothing read from
+the pool is ever unpickled: other clients of the pool can write any bytes under our keys.
 
 Transfers: one page-aligned arena of ``transfer_buffer_bytes``, registered with the
-client once (RDMA needs registered memory; registering per transfer would pin pages on
-every call). Reads land in it (:meth:`MooncakeMedium.take_buffer`); writes copy the
+client once. RDMA needs registered memory; registering per transfer would pin pages on
+every call. Reads land in it (:meth:`MooncakeMedium.take_buffer`). Writes copy the
 caller's chunk into it (one memory copy, cheap next to the network). The kernel hands the
-medium every queued operation of one kind at once (up to ``max_batch``), moved with one
+medium every queued operation of one kind at once (up to ``max_batch``). They move with one
 ``batch_put_from`` / ``batch_get_into`` call. A read result's blocks are views into the
 arena: copy them out, then ``release()`` the result.
 
-Leases, replicas and eviction are Mooncake's: the master evicts objects when its pool is
-full, and a read of an evicted chunk fails with ``missing`` (a miss). A put of a key that
-exists keeps the stored object (ids name their content). Deletes use ``force``: a plain
-remove is refused while an object holds a read lease (10 s by default after each read), and
-a reader racing a forced delete gets bytes that fail their CRC32, which is a miss, never
+Leases, replicas and eviction are Mooncake's. The master evicts objects when its pool is
+full. A read of an evicted chunk fails with ``missing`` (a miss). A put of a key that
+exists keeps the stored object (ids name their content). Deletes use ``force``. A plain
+remove is refused while an object holds a read lease (10 s by default after each read). A
+reader racing a forced delete gets bytes that fail their CRC32. That is a miss, never
 wrong KV.
 
-Failures: a read's deadline (``deadline_s``) is the kernel's: ``poll`` reports a read past
-it as failed even while the client call is still blocked (with the master gone, each call
-takes seconds to fail). A circuit breaker (:mod:`~vllm_kvtier.tiers.resilience`) makes
-requests fail at once (``breaker_open``) after ``breaker_failures`` consecutive unhealthy
-calls (``unavailable``, ``transfer``, ``error``).
+Failures: a read's deadline (``deadline_s``) is the kernel's. ``poll`` reports a read past
+it as failed even while the client call is still blocked. With the master gone, each call
+takes seconds to fail. A circuit breaker (:mod:`~vllm_kvtier.tiers.resilience`) makes
+requests fail at once (``breaker_open``). It trips after ``breaker_failures`` consecutive
+unhealthy calls (``unavailable``, ``transfer``, ``error``).
 """
 
 from __future__ import annotations

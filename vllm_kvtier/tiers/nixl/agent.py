@@ -1,15 +1,17 @@
-"""A small NIXL agent for DRAM -> DRAM transfers between processes: the peer path of
-prefill/decode disaggregation, where the decode side reads blocks straight out of the
-prefill side's CPU pool over UCX (RDMA where present; TCP, shared memory or cross-memory
-attach on one host).
+"""A small NIXL agent for DRAM -> DRAM transfers between processes.
+
+It is the peer path of prefill/decode disaggregation. The decode side reads blocks
+straight out of the prefill side's CPU pool over UCX. UCX uses RDMA where present, and
+TCP, shared memory or cross-memory attach on one host.
 
 Who calls it: the worker half, one agent per TP rank, from one thread (NIXL agents are
-created without thread synchronisation). Construction (creates the UCX backend, ~0.4 s),
-:meth:`NixlAgent.register` and :meth:`NixlAgent.close` block briefly; ``submit_*`` post a
-transfer and return; completions come back through :meth:`NixlAgent.poll`, like the chunk
-stores.
+created without thread synchronisation). Construction creates the UCX backend (~0.4 s).
+It, :meth:`NixlAgent.register` and :meth:`NixlAgent.close` block briefly. ``submit_*``
+post a transfer and return. Completions come back through :meth:`NixlAgent.poll`, like
+the chunk stores.
 
-The exchange, out of band (vLLM carries it in a request's ``kv_transfer_params``)::
+The exchange goes out of band. vLLM carries it in a request's ``kv_transfer_params``.
+An example::
 
     prefill:  agent = NixlAgent("prefill-r0"); agent.register(pool)   # once, at start
               params = agent.peer_info().to_dict()                      # JSON-safe
@@ -17,22 +19,22 @@ The exchange, out of band (vLLM carries it in a request's ``kv_transfer_params``
               agent.submit_read(job, "prefill-r0", [(local_addr, remote_addr, nbytes), ...],
                                 notif=b"req-42")
               agent.poll() -> [XferResult(job, ok=True, ...)]
-    prefill:  agent.get_notifs() -> {"decode-r0": [b"req-42"]}          # free those blocks
+    prefill:  agent.get_notifs() -> {"decode-r0": [b"req-42"]}          # free those blocks.
 
-Trust: the agent metadata is NIXL's own opaque blob (parsed by NIXL, not by pickle), and
-descriptors are built here from integers checked against the regions the peer published.
+Trust: the agent metadata is NIXL's own opaque blob (parsed by NIXL, not by pickle).
+Descriptors are built here from integers checked against the regions the peer published.
 NIXL's ``get_serialized_descs``/``deserialize_descs`` pickle, so they are never used: what
 a peer sends is data, not code.
 
 Failures: every transfer ends in one :class:`XferResult`. A peer whose process is gone
-fails at once (``peer_gone``); a transfer still in progress at its deadline is aborted and
-fails (``deadline``), so a frozen or unreachable peer costs one deadline, never a hang.
+fails at once (``peer_gone``). A transfer still in progress at its deadline is aborted and
+fails (``deadline``). So a frozen or unreachable peer costs one deadline, never a hang.
 After a failed READ the destination bytes are undefined.
 
-On machines whose libibverbs has provider plugins but no RDMA NIC, a process that used UCX
-can crash at exit (a libnl clash between UCX's bundled and the system's copies); setting
-``UCX_MODULES=^ib`` in the environment before the first agent avoids it. That is a
-deployment setting (leave it unset on RDMA hosts), so this module does not set it.
+Some machines' libibverbs has provider plugins but no RDMA NIC. There a process that used
+UCX can crash at exit: a libnl clash between UCX's bundled copy and the system's.
+Setting ``UCX_MODULES=^ib`` in the environment before the first agent avoids it. That is
+a deployment setting (leave it unset on RDMA hosts), so this module does not set it.
 """
 
 from __future__ import annotations

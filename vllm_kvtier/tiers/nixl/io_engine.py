@@ -1,45 +1,49 @@
-"""NIXL as the I/O engine of the NVMe tier (POSIX or GDS backend, ``nvme.io_engine``) and of
-the object tier (OBJ backend, ``s3.io_engine``).
+"""NIXL as the I/O engine of the NVMe tier and of the object tier.
 
-Each class here only moves bytes between a host buffer and a file range or an object; the
-stores keep everything else (file names and renames, syncs, headers, CRC32 checks, retries,
-breaker, deadlines), so the stored bytes are the same whichever engine wrote them. See
-:mod:`~vllm_kvtier.tiers.nvme.file_io` (the file contract) and
+The NVMe tier uses its POSIX or GDS backend (``nvme.io_engine``). The object tier uses its
+OBJ backend (``s3.io_engine``).
+
+Each class here only moves bytes between a host buffer and a file range or an object. The
+stores keep everything else: file names and renames, syncs, headers, CRC32 checks,
+retries, breaker, deadlines. So the stored bytes are the same whichever engine wrote them.
+See :mod:`~vllm_kvtier.tiers.nvme.file_io` (the file contract) and
 :class:`~vllm_kvtier.tiers.s3.object_io.ObjectIO` (the object contract).
 
-Who calls it: the stores' I/O threads, several at once; every call blocks its thread until
-the transfer ended (file engines) or ended or reached its deadline (object engine).
-Construction creates a NIXL agent and its backend (~10 ms for POSIX, ~0.25 s for OBJ); a
-missing ``nixl`` package or a plugin that does not load is a
-:class:`~vllm_kvtier.errors.ConfigError` naming the config field, with the install hint.
+Who calls it: the stores' I/O threads, several at once. A file engine call blocks its
+thread until the transfer ended. An object engine call blocks until it ended or reached
+its deadline. Construction creates a NIXL agent and its backend (~10 ms for POSIX, ~0.25 s
+for OBJ). A missing ``nixl`` package or a plugin that does not load is a
+:class:`~vllm_kvtier.errors.ConfigError`. It names the config field and gives the install
+hint.
 
 Threads: a NIXL agent made without thread synchronisation must be used by one thread at a
-time. The file engines keep a pool of such agents (one per concurrently busy thread):
-Linux AIO submits buffered writes synchronously inside ``transfer``, so one shared,
-locked agent would serialise the I/O threads. The object engine shares one agent created
-with NIXL's strict thread synchronisation: an OBJ transfer is posted to aws-sdk-cpp's own
-thread pool and returns at once, so the lock is held only briefly, and one agent means one
-S3 client and one connection pool.
+time. The file engines keep a pool of such agents (one per concurrently busy thread).
+Linux AIO submits buffered writes synchronously inside ``transfer``. So one shared, locked
+agent would serialise the I/O threads. The object engine shares one agent created with
+NIXL's strict thread synchronisation. An OBJ transfer is posted to aws-sdk-cpp's own
+thread pool and returns at once. So the lock is held only briefly. One agent means one S3
+client and one connection pool.
 
-Memory: every call registers its buffer and its file range or object key, and deregisters
+Memory: every call registers its buffer and its file range or object key. It deregisters
 them afterwards (~0.15 ms each; our transfers are MiBs). An OBJ transfer still in progress
-at its deadline cannot be cancelled (releasing NIXL's handle does not stop aws-sdk-cpp,
-which would go on writing into, or reading from, the buffer), so the engine keeps the
-handle, the registrations and a view of the buffer until NIXL reports it ended: the
-buffer then cannot return to the pool (:class:`~vllm_kvtier.tiers.nvme.store.AlignedBuffer`
-refuses to pool memory that still has a view) and is freed once the engine lets go of it.
+at its deadline cannot be cancelled. Releasing NIXL's handle does not stop aws-sdk-cpp,
+which would go on writing into, or reading from, the buffer. So the engine keeps the
+handle, the registrations and a view of the buffer until NIXL reports it ended. The buffer
+then cannot return to the pool: :class:`~vllm_kvtier.tiers.nvme.store.AlignedBuffer`
+refuses to pool memory that still has a view. It is freed once the engine lets go of it.
 
 What NIXL's OBJ backend does not tell us, and how it is handled:
 
-* why a transfer failed: a failed GET is diagnosed with one HEAD through the store's boto3
-  client (gone: ``missing``; shorter than the range: ``truncated``; endpoint down: the
-  connection error); a failed PUT, or a GET the HEAD does not explain, raises
-  :class:`NixlTransferError` (counted as ``unavailable``, retried within the deadline).
-* a short object: a ranged GET past the end of an object reports success and leaves the
-  rest of the buffer as it was. The CRC32 of every block decides, as always; a checksum
+* Why a transfer failed. A failed GET is diagnosed with one HEAD through the store's boto3
+  client. Gone: ``missing``. Shorter than the range: ``truncated``. Endpoint down: the
+  connection error. A failed PUT, or a GET the HEAD does not explain, raises
+  :class:`NixlTransferError`. It counts as ``unavailable`` and is retried within the
+  deadline.
+* A short object. A ranged GET past the end of an object reports success and leaves the
+  rest of the buffer as it was. The CRC32 of every block decides, as always. A checksum
   failure is also diagnosed with a HEAD, so a short object reads as ``truncated``.
-* timeouts: aws-sdk-cpp's own (connect, request, retries; not configurable through NIXL:
-  ~50 s against a dead endpoint) are cut short by the store's deadline, as above.
+* Timeouts. aws-sdk-cpp has its own (connect, request, retries), not configurable through
+  NIXL: ~50 s against a dead endpoint. The store's deadline cuts them short, as above.
 """
 
 from __future__ import annotations
@@ -106,13 +110,13 @@ def _address(view: memoryview) -> int:
 
 
 def _run(agent: Any, handle: Any, deadline: float | None) -> Literal["DONE", "PROC"]:
-    """Post ``handle`` and poll it until it is done (``DONE``) or ``deadline`` passed while
-    it is still in progress (``PROC``). Raises NIXL's error if it failed.
+    """Post ``handle`` and poll it until it is done (``DONE``) or ``deadline`` passed.
 
-    NIXL has no blocking wait, so this polls: a few times with a bare yield (a 256 KiB
-    O_DIRECT write takes ~0.1 ms), then sleeping 50 us doubling to 0.5 ms, so a waiting
-    thread neither takes a core from the transfer nor adds more than ~2% to a 32 MiB one
-    (Python's sleep releases the GIL)."""
+    At the deadline it may still be in progress (``PROC``). Raises NIXL's error if it
+    failed. NIXL has no blocking wait, so this polls. First a few times with a bare yield
+    (a 256 KiB O_DIRECT write takes ~0.1 ms). Then it sleeps 50 us, doubling to 0.5 ms. So
+    a waiting thread neither takes a core from the transfer nor adds more than ~2% to a
+    32 MiB one (Python's sleep releases the GIL)."""
     state = agent.transfer(handle)
     polls = 0
     pause = 25e-6

@@ -1,43 +1,46 @@
-"""The NVMe tier's directories: created private, checked before use, locked per rank, and
-what other namespaces left under ``nvme.path`` (reported, collected on request).
+"""The NVMe tier's directories: created private, checked before use, locked per rank.
+
+It also reports what other namespaces left under ``nvme.path``, and collects it on request.
 
 Who calls it: :class:`~vllm_kvtier.tiers.nvme.store.NVMeStore` at construction (the worker of
-each rank: :func:`open_rank_dir`), the scheduler's start-up scan (:func:`lock_holder`: is a
-rank directory held by another engine?), and rank 0's worker at start
-(:func:`foreign_namespaces`, :func:`collect_namespace`). Everything here blocks briefly
-(a few syscalls per directory; the foreign report walks those directories once); nothing
+each rank: :func:`open_rank_dir`). The scheduler's start-up scan calls :func:`lock_holder`:
+is a rank directory held by another engine? Rank 0's worker calls it at start
+(:func:`foreign_namespaces`, :func:`collect_namespace`). Everything here blocks briefly: a
+few syscalls per directory, and the foreign report walks those directories once. Nothing
 runs in the serving path.
 
-Trust rules (stored KV can be inverted back into the prompt, and a planted chunk is
-served): every directory this tier creates is 0700 and every file 0600, set explicitly
-(``chmod``/``fchmod``), whatever the umask. Before use:
+Trust rules: stored KV can be inverted back into the prompt, and a planted chunk is
+served. So every directory this tier creates is 0700 and every file 0600. This is set
+explicitly (``chmod``/``fchmod``), whatever the umask. Before use:
 
-* the **base path** (``nvme.path``) is resolved once (``realpath``): symlinks in it are
-  accepted (an operator's ``/mnt/nvme -> /data/nvme``) and the resolved path is logged. It
-  must be a directory owned by this user or by root, and not writable by group or others
-  unless it has the sticky bit (``/tmp``-like: nobody else can rename what we create in
-  it). Directories above it are not checked (like ``ssh``'s StrictModes, it is the
-  operator's machine);
-* the **namespace** and **rank directories** below it are ours: a real directory (a symlink
-  is refused), owned by this user, not writable by group or others. One that is not is
-  refused (:class:`UnsafeDirectory`, the tier is off, serving goes on); one of ours that is
-  only readable by others (an earlier version made them 0755) is tightened to 0700.
+* The **base path** (``nvme.path``) is resolved once (``realpath``). Symlinks in it are
+  accepted (an operator's ``/mnt/nvme -> /data/nvme``), and the resolved path is logged. It
+  must be a directory owned by this user or by root. It must not be writable by group or
+  others, unless it has the sticky bit (``/tmp``-like: nobody else can rename what we
+  create in it). Directories above it are not checked. Like ``ssh``'s StrictModes, it is
+  the operator's machine.
+* The **namespace** and **rank directories** below it are ours. Each must be a real
+  directory (a symlink is refused), owned by this user, not writable by group or others.
+  One that is not is refused (:class:`UnsafeDirectory`): the tier is off, serving goes on.
+  One of ours that is only readable by others (0755, as older versions made them) is
+  tightened to 0700.
 
 Rank directories (:func:`rank_dir_name`): ``r<rank>`` for an engine without data parallelism
 (and data-parallel engine 0), ``dp<engine>-r<rank>`` for data-parallel engine ``engine`` >= 1.
-Each engine on a host has its own directories, lock, scan and capacity: two data-parallel
-engines sharing one ``nvme.path`` never index, bound or lock each other's files.
+Each engine on a host has its own directories, lock, scan and capacity. So two
+data-parallel engines sharing one ``nvme.path`` never index, bound or lock each other's
+files.
 
-Lock (:data:`LOCK_NAME` in each rank directory, ``flock(LOCK_EX | LOCK_NB)``, held until
-the store closes): a second engine on the same directory gets :class:`DirectoryLocked`
-and runs without its NVMe tier; it never scans, cleans or writes the first one's
-directory. The lock file is never deleted by its owner (deleting a lock file races with
-another process that opened it); it is a few bytes, counted in the tier's capacity.
-flock works across processes on one host and, on Linux, on NFS (as a POSIX lock).
-A collector (:func:`collect_namespace`) holds the locks of a namespace while it deletes its
-files and says so in the lock note; an engine starting on that namespace then waits for it
-(up to :data:`_COLLECT_WAIT_S`) and creates the directory again, rather than running
-without its NVMe tier.
+Lock: :data:`LOCK_NAME` in each rank directory, ``flock(LOCK_EX | LOCK_NB)``, held until
+the store closes. A second engine on the same directory gets :class:`DirectoryLocked` and
+runs without its NVMe tier. It never scans, cleans or writes the first one's directory.
+The lock file is never deleted by its owner: deleting a lock file races with another
+process that opened it. It is a few bytes, counted in the tier's capacity. flock works
+across processes on one host and, on Linux, on NFS (as a POSIX lock). A collector
+(:func:`collect_namespace`) holds the locks of a namespace while it deletes its files. It
+says so in the lock note. An engine starting on that namespace then waits for it (up to
+:data:`_COLLECT_WAIT_S`). It then creates the directory again, rather than running without
+its NVMe tier.
 """
 
 from __future__ import annotations
@@ -255,12 +258,14 @@ def _lock_or_wait(fd: int, rank_dir: Path, start: float) -> None:
 
 def open_replica_dir(root: str | Path, namespace: str, rank: int, engine: int = 0) -> Path:
     """Create (0700) or check ``<root>/<namespace>/<rank_dir_name(rank, engine)>`` for a
-    worker that only READS it:
-    a TP rank of an MLA model, whose latent cache is identical on every rank of its TP group
-    and is written once, by the group's first rank (``rank`` here is that writer's store
-    rank). Same checks as :func:`open_rank_dir` (its directories are never tightened here:
-    the writer does that), but no lock: the writer holds it, and a second engine on the
-    directory is refused by that lock. Raises :class:`UnsafeDirectory` or another OSError."""
+    worker that only READS it.
+
+    That worker is a TP rank of an MLA model. Its latent cache is identical on every rank of
+    its TP group, and is written once, by the group's first rank. ``rank`` here is that
+    writer's store rank. Same checks as :func:`open_rank_dir`, but its directories are never
+    tightened here: the writer does that. No lock is taken: the writer holds it, and that
+    lock refuses a second engine on the directory. Raises :class:`UnsafeDirectory` or
+    another OSError."""
     base = _make_base(Path(root))
     ns_dir = base / namespace
     rank_dir = ns_dir / rank_dir_name(rank, engine)
@@ -291,10 +296,11 @@ def unsafe_reason(root: str | Path, namespace: str, rank: int, engine: int = 0) 
 
 
 def uncreatable_reason(root: str | Path, namespace: str, rank: int, engine: int = 0) -> str | None:
-    """Why :func:`open_rank_dir` could not create this rank directory or its lock file,
-    checked without changing anything (the scheduler's start-up check, so that it plans no
-    write the worker cannot make): the deepest existing part of the path must be a
-    directory this process may write into. None when it is."""
+    """Why :func:`open_rank_dir` could not create this rank directory or its lock file.
+
+    It is checked without changing anything. It is the scheduler's start-up check, so that
+    it plans no write the worker cannot make. The deepest existing part of the path must be
+    a directory this process may write into. None when it is."""
     want = Path(os.path.abspath(root)) / namespace / rank_dir_name(rank, engine)
     p = want
     while not os.path.lexists(p) and p != p.parent:
@@ -405,9 +411,9 @@ def foreign_namespaces(root: str | Path, own: set[str]) -> list[ForeignNamespace
 def collect_namespace(ns: ForeignNamespace) -> int:
     """Delete a foreign namespace directory's files, then its directories; the bytes freed.
 
-    Only what :func:`foreign_namespaces` found collectable, and only if every rank
-    directory's lock can be taken now (an engine that started meanwhile keeps its
-    directory); only this tier's file names are deleted, and a directory that still holds
+    It deletes only what :func:`foreign_namespaces` found collectable. It does so only if
+    every rank directory's lock can be taken now: an engine that started meanwhile keeps
+    its directory. Only this tier's file names are deleted. A directory that still holds
     anything else is left in place."""
     if ns.keep_reason:
         return 0

@@ -1,17 +1,19 @@
-"""How the NVMe tier moves a chunk's bytes between host memory and an open file: the
-``nvme.io_engine`` plug point.
+"""How the NVMe tier moves a chunk's bytes between host memory and an open file.
+
+This is the ``nvme.io_engine`` plug point.
 
 Who calls it: :class:`~vllm_kvtier.tiers.nvme.store.NVMeStore`'s I/O threads, several at once,
 each call on its own file descriptor and buffer. A call blocks its thread until every byte
-moved or the transfer failed. The store builds the engine once, at start-up (where a
+moved or the transfer failed. The store builds the engine once, at start-up. There a
 missing library or plugin is a :class:`~vllm_kvtier.errors.ConfigError` naming
-``nvme.io_engine``), and closes it after its threads stopped.
+``nvme.io_engine``. The store closes it after its threads stopped.
 
-What an engine does NOT do, so that it is the same code for every engine: open the file
-(with O_DIRECT when the store's probe allows it), the temporary name and the rename,
-``fdatasync``, ``posix_fadvise``, the chunk header, and the CRC32 check of every block
-before a read is trusted. Those stay in the store. The bytes on disk are therefore the same
-whichever engine wrote them: a chunk written through one engine reads through any other.
+Some things an engine does NOT do, so that they are the same code for every engine. Those
+are: open the file (with O_DIRECT when the store's probe allows it), the temporary name
+and the rename, ``fdatasync``, ``posix_fadvise``, the chunk header, and the CRC32 check of
+every block before a read is trusted. Those stay in the store. The bytes on disk are
+therefore the same whichever engine wrote them. A chunk written through one engine reads
+through any other.
 
 Engines (:data:`FILE_IO_ENGINES`, name -> import path, imported on first use):
 
@@ -22,9 +24,9 @@ Engines (:data:`FILE_IO_ENGINES`, name -> import path, imported on first use):
   host with libcufile). Our buffers are host memory, so it changes the I/O path, not where
   the bytes land.
 
-Failure: ``write``/``read_into`` raise :class:`OSError` (with an errno as precise as the
-engine can know: NIXL reports only "failed", so the NIXL engines say ENOSPC when the
-filesystem is full and EIO otherwise) or
+Failure: ``write``/``read_into`` raise :class:`OSError`, with an errno as precise as the
+engine can know. NIXL reports only "failed". So the NIXL engines say ENOSPC when the
+filesystem is full and EIO otherwise. They may also raise
 :class:`~vllm_kvtier.chunkformat.ChunkFormatError` ``truncated`` when the file ends
 before the range. The store turns either into a failed result (a miss) and a counter.
 """

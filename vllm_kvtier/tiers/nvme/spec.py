@@ -45,11 +45,13 @@ class NVMeSpec(MediumSpec):
         return NVMeStore.from_config(section, ctx)
 
     def open_catalog(self, section: NVMeTierConfig, ctx: CatalogContext) -> Listing:
-        """A read-only scan of every rank's directory. A directory held by another engine
-        (its lock), one the worker will refuse as unsafe (another user's, writable by
-        others), or one it cannot create (a path under a file, a read-only parent), turns
-        the tier off here too: nothing of it is indexed, nothing is written (the worker's
-        tier is off as well). No store is opened: that takes the lock.
+        """A read-only scan of every rank's directory.
+
+        Some directories turn the tier off here too. One is a directory held by another
+        engine (its lock). Another is one the worker will refuse as unsafe (another user's,
+        writable by others). Another is one it cannot create (a path under a file, a
+        read-only parent). Then nothing of it is indexed and nothing is written. The
+        worker's tier is off as well. No store is opened: that takes the lock.
 
         The scheduler usually runs on the workers' host, so it sees the path as they
         will. A path that only a worker's host lacks still fails there alone: each failed

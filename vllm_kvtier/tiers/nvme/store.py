@@ -1,44 +1,46 @@
 """The NVMe tier's data path: chunk files in a directory, written and read by I/O threads.
 
-Who calls it: the worker half (one store per TP rank), from the worker's main thread;
-``submit_*`` return at once, completions come back through :meth:`NVMeStore.poll`: the
-:class:`~vllm_kvtier.tiers.base.ChunkStore` contract, implemented once by
-:class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, headers, verification);
-this module is only the medium's byte primitives (:class:`NVMeMedium`) and the start-up
+Who calls it: the worker half (one store per TP rank), from the worker's main thread.
+``submit_*`` return at once; completions come back through :meth:`NVMeStore.poll`. This is
+the :class:`~vllm_kvtier.tiers.base.ChunkStore` contract. It is implemented once by
+:class:`~vllm_kvtier.tiers.kernel.StoreKernel` (queues, deadlines, headers, verification).
+This module is only the medium's byte primitives (:class:`NVMeMedium`) and the start-up
 scan. The scheduler half only reads file headers at start-up (:func:`scan_dir`) to rebuild
 its index.
 
-Directory layout: ``<path>/<namespace>/r<rank>/<chunk_id>.kvt`` where ``namespace`` digests
-everything that changes the bytes (model, dtype, geometry, TP size, format), so two
-engines sharing a disk never read each other's KV. Directories are 0700 and files 0600,
-checked and locked before use (one engine per rank directory): see
+Directory layout: ``<path>/<namespace>/r<rank>/<chunk_id>.kvt``. The ``namespace`` digests
+everything that changes the bytes (model, dtype, geometry, TP size, format). So two
+engines sharing a disk never read each other's KV. Directories are 0700 and files 0600.
+They are checked and locked before use (one engine per rank directory): see
 :mod:`~vllm_kvtier.tiers.nvme.dirs`. An MLA model's TP ranks share one directory, their TP
-group's first rank's: it writes and locks it, the others read it through a ``replica`` store
-(no lock, no writes).
+group's first rank's. That rank writes and locks it. The others read it through a
+``replica`` store (no lock, no writes).
 
 Crash safety: a chunk is written to ``.tmp-*`` in the same directory, fdatasync'ed, then
-renamed into place: a file with the final name is always complete, because its data was
-durable before the rename existed. The directory is not fsync'ed after the rename: after a
-power loss a rename may be lost, which is only a missing cache entry (its ``.tmp-*`` file
-is deleted at the next start), and skipping it saves a journal commit per chunk (+15-20%
-write throughput in bench/nvme_throughput.py). We chose rename over a preallocated slab with a journal because each chunk is
-large (many blocks, MiBs), so the per-file metadata cost is small, and rename gives
-atomicity from the filesystem with no recovery code of our own. Every block's CRC32 is in
-the header and is verified on every read; a mismatch is a miss. Only regular files are
-opened (a FIFO or device named ``*.kvt`` is skipped, never waited on: O_NONBLOCK and
-O_NOFOLLOW, then fstat), every size in a header is bounded before it sizes a read, and a
-file with holes where its chunk should be (sparse) is ``truncated`` without reading them.
+renamed into place. A file with the final name is always complete: its data was durable
+before the rename existed. The directory is not fsync'ed after the rename. After a power
+loss a rename may be lost, which is only a missing cache entry. Its ``.tmp-*`` file is
+deleted at the next start. Skipping the fsync saves a journal commit per chunk (+15-20%
+write throughput in bench/nvme_throughput.py). We chose rename over a preallocated slab
+with a journal. Each chunk is large (many blocks, MiBs), so the per-file metadata cost is
+small. Rename gives atomicity from the filesystem with no recovery code of our own. Every
+block's CRC32 is in the header and is verified on every read; a mismatch is a miss. Only
+regular files are opened. A FIFO or device named ``*.kvt`` is skipped, never waited on
+(O_NONBLOCK and O_NOFOLLOW, then fstat). Every size in a header is bounded before it sizes
+a read. A file with holes where its chunk should be (sparse) is ``truncated`` without
+reading them.
 
-I/O: O_DIRECT with page-aligned buffers when the filesystem accepts it (probed once at
-start; the reason is logged when it does not), so a large cache does not push the rest of
-the machine out of the page cache; otherwise buffered I/O followed by
+I/O: O_DIRECT with page-aligned buffers when the filesystem accepts it. It is probed once
+at start; the reason is logged when it does not. So a large cache does not push the rest
+of the machine out of the page cache. Otherwise it uses buffered I/O followed by
 ``posix_fadvise(DONTNEED)``. The bytes themselves move through a swappable engine
-(``nvme.io_engine``, :mod:`~vllm_kvtier.tiers.nvme.file_io`: ``pwrite``/``preadv``, or NIXL's
-POSIX or GDS backend); names, syncs, headers and checksums are this module's whatever the
-engine, so every engine reads what any other wrote. Reads are served before writes (the kernel's priority queue): a load is
-on a request's critical path, a store is not. Queued writes are bounded; when the disk
-cannot keep up, new writes are refused (counted), never queued without limit. A read not
-answered within ``read_deadline_s`` (a hung disk or network filesystem) is a miss.
+(``nvme.io_engine``, :mod:`~vllm_kvtier.tiers.nvme.file_io`). It is ``pwrite``/``preadv``,
+or NIXL's POSIX or GDS backend. Names, syncs, headers and checksums are this module's
+whatever the engine. So every engine reads what any other wrote. Reads are served before
+writes (the kernel's priority queue): a load is on a request's critical path, a store is
+not. Queued writes are bounded. When the disk cannot keep up, new writes are refused
+(counted), never queued without limit. A read not answered within ``read_deadline_s`` (a
+hung disk or network filesystem) is a miss.
 """
 
 from __future__ import annotations
@@ -153,10 +155,12 @@ def _check_no_hole(fd: int, start: int, end: int) -> None:
 
 def read_header(path: Path, namespace: str, *, max_blocks: int = MAX_CHUNK_BLOCKS,
                 block_bytes: int | None = None, rank: int | None = None) -> ChunkHeader:
-    """The verified header of one chunk file. Every size in it is bounded (``max_blocks``;
-    ``block_bytes`` when given) before it sizes a read; a non-regular file is refused
-    without waiting on it; a file shorter than its chunk, or with holes, is ``truncated``;
-    with ``rank``, a header of another rank is ``key_mismatch``."""
+    """The verified header of one chunk file.
+
+    Every size in it is bounded (``max_blocks``; ``block_bytes`` when given) before it
+    sizes a read. A non-regular file is refused without waiting on it. A file shorter than
+    its chunk, or with holes, is ``truncated``. With ``rank``, a header of another rank is
+    ``key_mismatch``."""
     fd = _open_regular(path, 0)
     try:
         size = os.fstat(fd).st_size
@@ -238,9 +242,10 @@ def scan_dir(directory: Path, namespace: str, *, cleanup: bool = False, max_bloc
 
 
 def other_bytes(directory: Path) -> int:
-    """Bytes on disk in ``directory`` that are not chunk files nor leftovers of a write
-    (the lock file, anything else someone put there), each rounded up to a 4 KiB block:
-    what the capacity bound must leave room for, since this tier neither indexes nor
+    """Bytes on disk in ``directory`` that are not chunk files nor leftovers of a write.
+
+    Examples: the lock file, anything else someone put there. Each is rounded up to a 4 KiB
+    block. The capacity bound must leave room for them, since this tier neither indexes nor
     deletes them. The lock file counts whether it exists yet or not (the store creates it)."""
     total = ALIGN  # the lock file
     try:
@@ -350,22 +355,23 @@ class NVMeStore(KernelStore[NVMeMedium]):
 
     def __init__(self, section: NVMeTierConfig, ctx: StoreContext, *,
                  read_deadline_s: float = DEFAULT_READ_DEADLINE_S) -> None:
-        """Blocks briefly: creates the rank directory (0700) or checks it, takes its lock
-        (:mod:`~vllm_kvtier.tiers.nvme.dirs`: an OSError, ``UnsafeDirectory`` or
-        ``DirectoryLocked``, names the path and the reason), probes O_DIRECT, builds the I/O
-        engine (``section.io_engine``: a name of
-        :data:`~vllm_kvtier.tiers.nvme.file_io.FILE_IO_ENGINES`; ConfigError naming
-        ``nvme.io_engine`` if it cannot run here), starts the threads. ``section`` is
-        ``cfg.nvme``: its ``path``, ``direct_io``, ``io_threads``, ``max_queued_writes``,
-        ``io_engine`` and ``chunk_blocks`` (the bound of a stored block count) are used.
+        """Blocks briefly: creates the rank directory (0700) or checks it, and takes its lock.
+
+        Lock errors come from :mod:`~vllm_kvtier.tiers.nvme.dirs`: an OSError,
+        ``UnsafeDirectory`` or ``DirectoryLocked``, naming the path and the reason. It then
+        probes O_DIRECT, builds the I/O engine and starts the threads. ``section.io_engine``
+        is a name of :data:`~vllm_kvtier.tiers.nvme.file_io.FILE_IO_ENGINES`. If it cannot
+        run here, a ConfigError names ``nvme.io_engine``. ``section`` is ``cfg.nvme``. Its
+        ``path``, ``direct_io``, ``io_threads``, ``max_queued_writes``, ``io_engine`` and
+        ``chunk_blocks`` are used. ``chunk_blocks`` bounds a stored block count.
         ``ctx.buffers``: the worker's pool (None: the process default).
 
         ``ctx.replica``: this store only reads ``ctx.rank``'s directory, which another
-        worker owns (an MLA model's TP rank reading its group's one copy, see
-        :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`). No lock is taken, and
-        nothing is written there by this store's owner (its driver never submits writes or
-        deletes). Reads are buffered (no O_DIRECT probe file in a directory another process
-        cleans) unless ``direct_io`` is "on". ``ctx.engine``: the data-parallel engine (its
+        worker owns. That is an MLA model's TP rank reading its group's one copy, see
+        :func:`~vllm_kvtier.tiers.nvme.dirs.open_replica_dir`. No lock is taken. Nothing is
+        written there by this store's owner (its driver never submits writes or deletes).
+        Reads are buffered unless ``direct_io`` is "on". No O_DIRECT probe file is written
+        in a directory another process cleans. ``ctx.engine``: the data-parallel engine (its
         own directories, see :func:`rank_dir`). Chunk headers carry the rank alone."""
         medium = _open_medium(section, ctx)
         settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, section.chunk_blocks,

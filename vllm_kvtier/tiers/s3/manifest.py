@@ -1,13 +1,15 @@
-"""Manifest objects: one writer's list of (object id, chunk header), so that a reader can
-rebuild its index with one GET per writer instead of one ranged GET per object.
+"""Manifest objects: one writer's list of (object id, chunk header).
 
-A manifest is a cache, never the truth: the bucket listing says which objects exist, and a
+A reader can then rebuild its index with one GET per writer, instead of one ranged GET
+per object.
+
+A manifest is a cache, never the truth: the bucket listing says which objects exist. A
 manifest entry is used only for an object the listing shows with at least the header's
 size. A lost, stale or damaged manifest costs requests (header GETs), never correctness.
-Without a key a manifest is not signed: whoever can write the bucket can write one, so a
+Without a key a manifest is not signed: whoever can write the bucket can write one. So a
 reader treats it as hostile input. Its size is bounded before it is read
-(:func:`max_manifest_bytes`), it is decoded entry by entry as its bytes arrive
-(:func:`iter_manifest`), and only the entries a reader keeps (the listed objects) become
+(:func:`max_manifest_bytes`). It is decoded entry by entry as its bytes arrive
+(:func:`iter_manifest`). Only the entries a reader keeps (the listed objects) become
 Python objects.
 
 Signed (a key is set): the bytes below, then a trailer of :data:`SIG_MAGIC`, the key id
@@ -16,21 +18,20 @@ A reader streams the bytes through :func:`signed_body`, which checks the trailer
 end. The scanner does so over the raw bytes before it decodes any of them: a forged
 manifest costs an HMAC pass, never a decode.
 
-Layout (little endian)::
-
-    magic b"KVTMANI1", version u32, namespace 16s, entry count u32, payload length u64
-    payload: zlib( per entry: id length u16, id (ASCII), header length u32, header bytes )
-    CRC32 of everything above, u32
-
-The header bytes are exactly the chunk's own header (``chunkformat``), verified again with
-its own CRC32 when decoded; their zero padding is what zlib removes. Nothing is unpickled.
-
 Names (:func:`manifest_file_name`): without a key, ``<writer id>.kvm``. With a key,
 ``<writer id>.<tag>.kvm``, the tag 16 hex digits of a MAC over the namespace, rank and
 writer id (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_name_tag`). A reader with a
 key checks the tag from the listing alone (:func:`manifest_name_refusal`). So a forger
 without the key cannot make a name it will read: a flood of forged manifests costs no GET.
 One who overwrites a real writer's manifest is caught by its signature, one GET per change.
+
+The header bytes in the layout below are the chunk's own header (``chunkformat``). They
+are verified again with their own CRC32 when decoded. Their zero padding is what zlib
+removes. Nothing is unpickled. Layout (little endian)::
+
+    magic b"KVTMANI1", version u32, namespace 16s, entry count u32, payload length u64
+    payload: zlib( per entry: id length u16, id (ASCII), header length u32, header bytes )
+    CRC32 of everything above, u32
 """
 
 from __future__ import annotations
@@ -80,15 +81,19 @@ _MAX_ID = 128
 
 
 def max_entry_bytes(max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
-    """The most uncompressed payload bytes one entry can take: the longest id and the
-    longest header of ``max_blocks`` blocks (either header version)."""
+    """The most uncompressed payload bytes one entry can take.
+
+    That is the longest id and the longest header of ``max_blocks`` blocks (either header
+    version)."""
     return _ID.size + _MAX_ID + _HLEN.size + header_bytes_for(max_blocks, True)
 
 
 def max_manifest_bytes(max_entries: int, max_blocks: int = MAX_CHUNK_BLOCKS) -> int:
     """The largest manifest object of ``max_entries`` entries of at most ``max_blocks``
-    blocks: the fixed part, the CRC, and zlib's worst case for the payload (data that does
-    not compress goes out as stored blocks: 5 bytes per 16 KiB or so, plus 11). A reader
+    blocks.
+
+    It is the fixed part, the CRC, and zlib's worst case for the payload. Data that does
+    not compress goes out as stored blocks: 5 bytes per 16 KiB or so, plus 11. A reader
     refuses a larger object before it reads a byte of it."""
     raw = max_entries * max_entry_bytes(max_blocks)
     return _FIXED.size + _CRC.size + raw + (raw >> 12) + 64
@@ -121,20 +126,22 @@ def iter_manifest(pieces: Iterable[bytes | bytearray | memoryview], namespace: s
                   max_blocks: int = MAX_CHUNK_BLOCKS, max_entries: int = MAX_ENTRIES,
                   block_bytes: int | None = None,
                   keep: Container[str] | None = None) -> Iterator[tuple[str, ChunkHeader]]:
-    """Decode a manifest entry by entry from its bytes as they arrive (``pieces``: the
-    object's body in any split; a piece may be reused by the producer once the next one is
-    asked for). Yields (object id, header) for the entries whose id is in ``keep`` (None:
-    all); an entry not kept is bounded and skipped, its header never decoded. Raises
-    ChunkFormatError on any mismatch, the CRC32 of the whole object last (after the last
-    entry): the caller keeps what it was given only once the iterator ended without
-    raising.
+    """Decode a manifest entry by entry from its bytes as they arrive.
 
-    Nothing in it sizes memory before it is bounded: the entry count by ``max_entries``
-    (``too_large``, before anything is inflated), each entry's header by ``max_blocks``
-    (and ``block_bytes`` when given) before it is decoded, and the payload is decompressed
-    step by step, never more than one entry's bound plus one step's output held at once
-    (a damaged or forged length field cannot make a reader inflate a huge buffer). Memory
-    held: about one step of input and one entry, plus the entries yielded (the caller's)."""
+    ``pieces``: the object's body in any split. The producer may reuse a piece once the
+    next one is asked for. Yields (object id, header) for the entries whose id is in
+    ``keep`` (None: all). An entry not kept is bounded and skipped, its header never
+    decoded. Raises ChunkFormatError on any mismatch. The CRC32 of the whole object is
+    checked last (after the last entry). So the caller keeps what it was given only once
+    the iterator ended without raising.
+
+    Nothing in it sizes memory before it is bounded. The entry count is bounded by
+    ``max_entries`` (``too_large``, before anything is inflated). Each entry's header is
+    bounded by ``max_blocks`` (and ``block_bytes`` when given) before it is decoded. The
+    payload is decompressed step by step. Never more than one entry's bound plus one
+    step's output is held at once. So a damaged or forged length field cannot make a
+    reader inflate a huge buffer. Memory held: about one step of input and one entry, plus
+    the entries yielded (the caller's)."""
     src = _Stream(pieces)
     magic, version, ns, count, plen = _FIXED.unpack(src.read(_FIXED.size))
     if magic != MAGIC or version != VERSION:
@@ -201,8 +208,9 @@ class _Stream:
         return False
 
     def read(self, n: int) -> bytes:
-        """Exactly ``n`` bytes (``truncated`` if the object ends first); ``n`` is always a
-        bounded size (a fixed field, or at most one step)."""
+        """Exactly ``n`` bytes (``truncated`` if the object ends first).
+
+        ``n`` is always a bounded size: a fixed field, or at most one step."""
         out = bytearray()
         while len(out) < n:
             if not self._cur.nbytes and not self._next():
@@ -218,9 +226,11 @@ class _Stream:
 
 
 class _Inflater:
-    """The decompressed payload, handed out in pieces as it is inflated. It never inflates
-    more than :data:`MAX_INFLATION` times the compressed bytes it consumed (plus
-    4 MiB): a zip bomb costs CPU in proportion to its size, as an honest manifest does."""
+    """The decompressed payload, handed out in pieces as it is inflated.
+
+    It never inflates more than :data:`MAX_INFLATION` times the compressed bytes it
+    consumed (plus 4 MiB). So a zip bomb costs CPU in proportion to its size, as an honest
+    manifest does."""
 
     def __init__(self, more: Callable[[], bytes | None], max_piece: int) -> None:
         self._d = zlib.decompressobj()
@@ -266,10 +276,12 @@ def manifest_file_name(writer_id: str, auth: ChunkAuth | None, namespace: str, r
 
 def manifest_name_refusal(file_name: str, auth: ChunkAuth | None, namespace: str,
                           rank: int) -> tuple[str, FailureReason | None]:
-    """The writer id that a manifest's object name ``file_name`` gives, and why a reader
-    holding ``auth`` must not read it (None: it may). No key: every name is read (the
-    whole stem is the writer id). With a key: a name without a tag (an earlier build's,
-    or a forger's) is ``unauthenticated``; a tag no accepted key makes is ``auth_failed``."""
+    """The writer id that a manifest's object name ``file_name`` gives.
+
+    Also why a reader holding ``auth`` must not read it (None: it may). No key: every name
+    is read, and the whole stem is the writer id. With a key, a name without a tag is
+    ``unauthenticated``. That is an older build's name, or a forger's. A tag no accepted
+    key makes is ``auth_failed``."""
     stem = file_name.removesuffix(MANIFEST_SUFFIX)
     if auth is None:
         return stem, None
@@ -299,16 +311,18 @@ def sign_manifest(body: bytes, key_id: bytes, mac: bytes) -> bytes:
 
 def signed_body(pieces: Iterable[bytes | bytearray | memoryview],
                 hashers: dict[bytes, hmac.HMAC] | None) -> Iterator[memoryview]:
-    """The manifest bytes of a stored manifest as they arrive (``pieces``), without its
-    signature trailer, for :func:`iter_manifest`; the trailer is checked when the pieces
-    end, so an iterator over what this yields ends without raising only if it verifies.
+    """The manifest bytes of a stored manifest as they arrive (``pieces``), for
+    :func:`iter_manifest`.
+
+    The signature trailer is left out. It is checked when the pieces end. So an iterator
+    over what this yields ends without raising only if it verifies.
 
     ``hashers``: a store's running MACs by accepted key id
-    (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_hashers`): the manifest must be
-    signed with one of them (else ChunkFormatError ``unauthenticated``; a MAC that does not
-    verify: ``auth_failed``). None (no key): a signed manifest is refused
-    (``unauthenticated``: its chunks are signed, this store serves none). Holds back the
-    last :data:`SIG_BYTES` bytes at most: memory stays one piece."""
+    (:meth:`~vllm_kvtier.tiers.auth.ChunkAuth.manifest_hashers`). The manifest must be
+    signed with one of them. Else it raises ChunkFormatError ``unauthenticated``. A MAC
+    that does not verify is ``auth_failed``. None (no key): a signed manifest is refused
+    as ``unauthenticated``. Its chunks are signed, and this store serves none. It holds
+    back the last :data:`SIG_BYTES` bytes at most, so memory stays one piece."""
     tail = b""
     for piece in pieces:
         data = tail + bytes(piece)

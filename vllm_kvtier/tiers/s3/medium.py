@@ -77,8 +77,10 @@ MANIFEST_STEP_BYTES = 256 << 10
 
 class BoundedBody:
     """A GET body of ``nbytes`` (at most the caller's bound), handed out ``step`` bytes at
-    a time into one reused buffer (a piece is valid until the next is asked for); ``etag``
-    names the version read (a second GET of that version sends it as ``IfMatch``)."""
+    a time into one reused buffer.
+
+    A piece is valid until the next is asked for. ``etag`` names the version read. A second
+    GET of that version sends it as ``IfMatch``."""
 
     def __init__(self, body: Any, nbytes: int, step: int, etag: str) -> None:
         self._body = body

@@ -1,9 +1,11 @@
-"""The S3 medium's request plumbing: the object I/O engine contract (:class:`ObjectIO`)
-and its boto3 engine, request bodies over memoryviews, and reading a GET body straight
-into a buffer. No boto3 import (the engine is handed a client); used only by
-:mod:`vllm_kvtier.tiers.s3.medium` (and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl.io_engine`).
-Checksums are not this module's: the store kernel verifies every block once its bytes
-landed (:mod:`vllm_kvtier.tiers.kernel`).
+"""The S3 medium's request plumbing.
+
+It holds the object I/O engine contract (:class:`ObjectIO`) and its boto3 engine. It
+holds request bodies over memoryviews, and reading a GET body straight into a buffer. No
+boto3 import: the engine is handed a client. Only :mod:`vllm_kvtier.tiers.s3.medium` uses
+it, and NIXL's engine in :mod:`vllm_kvtier.tiers.nixl.io_engine`. Checksums are not this
+module's. The store kernel verifies every block once its bytes landed
+(:mod:`vllm_kvtier.tiers.kernel`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ READ_STEP_BYTES = 1 << 20
 
 
 class ObjectIO(Protocol):
-    """Moves one chunk object's bytes between host memory and the bucket: the
-    ``s3.io_engine`` plug point.
+    """Moves one chunk object's bytes between host memory and the bucket.
 
-    Who calls it: the S3 medium, on the store kernel's I/O threads, several at once, each
-    call on its own key and buffer; one call is one request attempt (the medium wraps it in
-    its retries, breaker and deadline) and blocks its thread until the request ended,
-    failed, or (engines that can tell) ``deadline`` (a ``time.monotonic()`` time) passed.
-    The store keeps everything else (keys, headers, CRC32s, multipart uploads, listing,
-    manifests), so the objects are the same whichever engine wrote them.
+    This is the ``s3.io_engine`` plug point. Who calls it: the S3 medium, on the store
+    kernel's I/O threads, several at once, each call on its own key and buffer. One call
+    is one request attempt; the medium wraps it in its retries, breaker and deadline. It
+    blocks its thread until the request ended or failed. Engines that can tell also stop
+    when ``deadline`` (a ``time.monotonic()`` time) passed. The store keeps everything else
+    (keys, headers, CRC32s, multipart uploads, listing, manifests). So the objects are the
+    same whichever engine wrote them.
 
     Failure: raises; :func:`~vllm_kvtier.tiers.s3.config.error_reason` labels it (botocore's
     errors, ChunkFormatError for a short body, TimeoutError, ConnectionError). After a
@@ -45,8 +47,10 @@ class ObjectIO(Protocol):
         ...
 
     def get_into(self, key: str, start: int | None, view: memoryview, deadline: float) -> None:
-        """One GET of ``len(view)`` bytes at ``start`` into ``view``: a ranged GET, or with
-        ``start`` None a GET of the whole object (which must be exactly that long)."""
+        """One GET of ``len(view)`` bytes at ``start`` into ``view``.
+
+        It is a ranged GET. With ``start`` None it is a GET of the whole object, which must
+        be exactly that long."""
         ...
 
     def close(self) -> None:
@@ -139,16 +143,17 @@ def read_body_into(
     step: int = READ_STEP_BYTES,
     on_progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Fill ``view`` from a botocore StreamingBody of exactly ``len(view)`` bytes, at most
-    ``step`` bytes per read, calling ``on_progress(bytes so far)`` after each.
+    """Fill ``view`` from a botocore StreamingBody of exactly ``len(view)`` bytes.
 
-    Why not ``body.readinto``: urllib3's ``readinto`` reads into a new bytes object and
-    copies it (and http.client's ``read(n)`` copies once more), which on a 2-core host cost
-    ~10% of load throughput. When the layers are the usual ones (botocore's ``_raw_stream``,
-    a urllib3 response over an http.client response, no content decoding), read straight
-    from the http.client response into ``view`` and hand the connection back to urllib3's
-    pool; otherwise go through botocore. Socket errors map to the reasons botocore's own
-    wrappers would give (timeout, unavailable)."""
+    It reads at most ``step`` bytes per read, calling ``on_progress(bytes so far)`` after
+    each. Why not ``body.readinto``? urllib3's ``readinto`` reads into a new bytes object
+    and copies it. And http.client's ``read(n)`` copies once more. On a 2-core host that
+    cost ~10% of load throughput. So when the layers are the usual ones, this reads
+    straight from the http.client response into ``view``. The usual layers are botocore's
+    ``_raw_stream`` and a urllib3 response over an http.client response, with no content
+    decoding. It then hands the connection back to urllib3's pool. Otherwise it goes
+    through botocore. Socket errors map to the reasons botocore's own wrappers would give
+    (timeout, unavailable)."""
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     headers = getattr(raw, "headers", None) or {}

@@ -176,13 +176,14 @@ class ScanReport:
 
 
 class S3Scanner:
-    """The listing state of one :class:`~vllm_kvtier.tiers.s3.store.S3Store`: the header
-    cache, the refusals and the manifest ETags of earlier scans, and the last scan's report.
+    """The listing state of one :class:`~vllm_kvtier.tiers.s3.store.S3Store`.
 
-    The store makes one and forwards ``scan`` and the figures to it. ``refuses`` is the
-    store's trust check of a header (:meth:`~vllm_kvtier.tiers.kernel.StoreKernel.refuses`).
-    ``own_manifest_key`` is the key of this store's writer's manifest. One scan runs at a
-    time (the store's caller's thread). :meth:`read_manifest` may run on any thread."""
+    It holds the header cache, the refusals and the manifest ETags of earlier scans. It
+    holds the last scan's report. The store makes one and forwards ``scan`` and the
+    figures to it. ``refuses`` is the store's trust check of a header
+    (:meth:`~vllm_kvtier.tiers.kernel.StoreKernel.refuses`). ``own_manifest_key`` is the
+    key of this store's writer's manifest. One scan runs at a time (the store's caller's
+    thread). :meth:`read_manifest` may run on any thread."""
 
     def __init__(self, medium: S3Medium, *, block_bytes: int, max_chunk_blocks: int, auth: ChunkAuth | None,
                  refuses: Callable[[str, ChunkHeader], FailureReason | None], own_manifest_key: str) -> None:
@@ -306,8 +307,9 @@ class S3Scanner:
 
     def _remember(self, found: dict[str, ChunkHeader], objects: dict[str, tuple[int, float, str]],
                   listing: _Listing) -> None:
-        """Keep the headers of this scan for the next one (LRU, bounded), and the ETags of
-        the manifests it read; forget what the listing no longer shows."""
+        """Keep the headers of this scan for the next one (LRU, bounded).
+
+        Keep the ETags of the manifests it read. Forget what the listing no longer shows."""
         cache = self._headers
         for oid in [o for o in cache if o not in objects]:
             self._headers_bytes -= cache.pop(oid)[2]
@@ -355,10 +357,12 @@ class S3Scanner:
     def _manifest_headers(self, pool: ThreadPoolExecutor, listing: _Listing, fresh: list[str], collect: bool,
                           problem: Callable[[str], None], doomed: list[str], late: Callable[[], bool],
                           work: ManifestWork) -> dict[str, ChunkHeader]:
-        """Headers from the manifests in ``fresh`` (changed since the last scan), for the
-        objects the listing shows; with ``collect``, other writers' manifests that are
-        stale (not rewritten for ``manifest_max_age_s``) or cover nothing go to ``doomed``.
-        What it read, refused, deferred and decoded goes to ``work``."""
+        """Headers from the manifests in ``fresh`` (changed since the last scan).
+
+        Only the objects the listing shows count. With ``collect``, some other writers'
+        manifests go to ``doomed``. Those are stale ones (not rewritten for
+        ``manifest_max_age_s``) and ones that cover nothing. What it read, refused,
+        deferred and decoded goes to ``work``."""
         covered: dict[str, ChunkHeader] = {}
         own = self.own_manifest_key
         too_old = time.time() - self.config.manifest_max_age_s
@@ -387,14 +391,16 @@ class S3Scanner:
 
     def _choose_manifests(self, listing: _Listing, fresh: list[str], problem: Callable[[str], None],
                           work: ManifestWork) -> list[str]:
-        """The manifests of ``fresh`` this scan reads. Not read: with a key, one whose name
-        does not verify (:meth:`_name_refusal`); one refused before and listed unchanged
-        (same ETag and size), one listed larger than
-        :meth:`manifest_limit_bytes` (refused), and those past this scan's budget
-        (:data:`MANIFEST_READS_PER_SCAN`, :data:`MANIFEST_BYTES_PER_SCAN` or without a key
-        :data:`UNSIGNED_MANIFEST_BYTES_PER_SCAN`; left to the
-        next scans, ``manifest_deferred``). This writer's own comes first, then those of
-        writers read before, then the oldest."""
+        """The manifests of ``fresh`` this scan reads.
+
+        Some are not read. With a key, one whose name does not verify
+        (:meth:`_name_refusal`). One refused before and listed unchanged (same ETag and
+        size). One listed larger than :meth:`manifest_limit_bytes` (refused). And those past
+        this scan's budget: :data:`MANIFEST_READS_PER_SCAN`,
+        :data:`MANIFEST_BYTES_PER_SCAN`, or without a key
+        :data:`UNSIGNED_MANIFEST_BYTES_PER_SCAN`. Those are left to the next scans
+        (``manifest_deferred``). This writer's own comes first, then those of writers read
+        before, then the oldest."""
         limit = self.manifest_limit_bytes()
         todo = []
         for m in fresh:
@@ -464,22 +470,23 @@ class S3Scanner:
 
     def read_manifest(self, key: str, keep: Container[str] | None, late: Callable[[], bool] = lambda: False,
                       *, writer_id: str | None = None) -> dict[str, ChunkHeader]:
-        """The entries of manifest ``key`` whose object is in ``keep`` (None: all). The
-        object's length is bounded before it is read, at most ``manifest_max_entries``
-        entries are decoded, and only kept entries become objects. Raises what the GET,
-        :func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest` or
-        :func:`~vllm_kvtier.tiers.s3.manifest.signed_body` raise (and DeadlineExceeded once
-        ``late()`` between two pieces).
+        """The entries of manifest ``key`` whose object is in ``keep`` (None: all).
+
+        The object's length is bounded before it is read. At most
+        ``manifest_max_entries`` entries are decoded. Only kept entries become objects. It
+        raises what the GET, :func:`~vllm_kvtier.tiers.s3.manifest.iter_manifest` or
+        :func:`~vllm_kvtier.tiers.s3.manifest.signed_body` raise. It raises
+        DeadlineExceeded once ``late()`` between two pieces.
 
         With a key, a name whose tag does not verify is refused (ChunkFormatError) with no
-        GET; ``writer_id`` given, the name is not checked (an earlier build's name of that
-        writer, see :meth:`~vllm_kvtier.tiers.s3.store.S3Store.flush_manifest`). The whole
-        manifest is verified before a byte of it is decoded: its signature must be for this
-        namespace, rank and that writer id. A forged one costs one GET and one HMAC pass,
-        never a decode. A manifest of up to
-        :data:`MANIFEST_HOLD_BYTES` is held while it is verified; a longer one is read
-        twice (the second GET asks for the version verified, by its ETag) and decoded as
-        it arrives. Without a key it is decoded as it arrives; its CRC is checked at the end."""
+        GET. With ``writer_id`` given, the name is not checked. That is an earlier build's
+        name of that writer (see :meth:`~vllm_kvtier.tiers.s3.store.S3Store.flush_manifest`).
+        The whole manifest is verified before a byte of it is decoded. Its signature must
+        be for this namespace, rank and that writer id. A forged one costs one GET and one
+        HMAC pass, never a decode. A manifest of up to :data:`MANIFEST_HOLD_BYTES` is held
+        while it is verified. A longer one is read twice and decoded as it arrives. The
+        second GET asks for the version verified, by its ETag. Without a key it is decoded
+        as it arrives; its CRC is checked at the end."""
         return self._read_manifest(key, keep, late, _Tally(), writer_id)
 
     def _read_manifest(self, key: str, keep: Container[str] | None, late: Callable[[], bool],
@@ -538,9 +545,11 @@ class S3Scanner:
 
     def _scan_header(self, item: tuple[str, int, str],
                      late: Callable[[], bool] = lambda: False) -> ChunkHeader | FailureReason:
-        """The verified header of one listed object (one ranged GET, two for a header
-        longer than 4 KiB), every size in it bounded (by what this store writes, and by
-        the listed size) before it sizes a read; ``deadline`` without a request once ``late()``."""
+        """The verified header of one listed object.
+
+        It takes one ranged GET, two for a header longer than 4 KiB. Every size in it is
+        bounded before it sizes a read: by what this store writes, and by the listed size.
+        ``deadline`` without a request once ``late()``."""
         _, size, key = item
         if late():
             return FailureReason.DEADLINE

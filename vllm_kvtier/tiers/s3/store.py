@@ -99,12 +99,14 @@ S3Stats = RemoteStats
 
 
 def default_writer_id(namespace: str, rank: int, engine: int = 0, instance: str = "") -> str:
-    """A writer id stable across restarts: a digest of the host name (a pod's name in
-    Kubernetes), what tells this instance from others on that host (``instance``: its NVMe
-    path), the data-parallel engine, the rank and the namespace. Two instances with the same
-    host name and no NVMe path of their own share it. They then take each other's chunks
-    for their own (hits across instances are counted as their own) and overwrite each
-    other's manifest (costing header GETs, never correctness): set ``s3.writer_id``."""
+    """A writer id stable across restarts.
+
+    It is a digest of the host name (a pod's name in Kubernetes) and what tells this
+    instance from others on that host (``instance``: its NVMe path). It also covers the
+    data-parallel engine, the rank and the namespace. Two instances with the same host
+    name and no NVMe path of their own share it. They then take each other's chunks for
+    their own; hits across instances are counted as their own. They overwrite each other's
+    manifest, which costs header GETs, never correctness. Set ``s3.writer_id`` then."""
     dp = f"dp{engine}|" if engine else ""
     where = f"{socket.gethostname()}|{instance}" if instance else socket.gethostname()
     return hashlib.sha256(f"{where}|{dp}{rank}|{namespace}".encode()).hexdigest()[:16]
@@ -125,13 +127,15 @@ class S3Store(KernelStore[S3Medium]):
 
     def __init__(self, config: S3Config, ctx: StoreContext, *, max_chunk_blocks: int = MAX_CHUNK_BLOCKS,
                  read_deadline_s: float | None = None) -> None:
-        """Builds the client (ImportError with the install hint without boto3; ConfigError
-        naming ``s3.io_engine`` if it cannot run here) and starts the threads; sends no
-        request. ``ctx``: the namespace, rank and block size; ``ctx.buffers``, the worker's
-        read-buffer pool (None: the process default); ``ctx.engine``, the data-parallel
-        engine, which names this writer (:func:`writer_id_of`), not its keys.
-        ``max_chunk_blocks``: the config's ``chunk_blocks`` (the bound of a stored block
-        count); ``read_deadline_s``: None is ``s3.deadline_s``."""
+        """Builds the client and starts the threads; sends no request.
+
+        Without boto3 it raises ImportError with the install hint. If ``s3.io_engine``
+        cannot run here, a ConfigError names it. ``ctx``: the namespace, rank and block
+        size. ``ctx.buffers``: the worker's read-buffer pool (None: the process default).
+        ``ctx.engine``: the data-parallel engine, which names this writer
+        (:func:`writer_id_of`), not its keys. ``max_chunk_blocks``: the config's
+        ``chunk_blocks`` (the bound of a stored block count). ``read_deadline_s``: None is
+        ``s3.deadline_s``."""
         medium = S3Medium(config, ctx.namespace, ctx.rank)
         deadline_s = config.deadline_s if read_deadline_s is None else read_deadline_s
         settings = KernelSettings(ctx.namespace, ctx.rank, ctx.block_bytes, max_chunk_blocks, deadline_s,
@@ -161,10 +165,11 @@ class S3Store(KernelStore[S3Medium]):
 
     @classmethod
     def from_config(cls, section: S3TierConfig, ctx: StoreContext) -> S3Store:
-        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`): ``section``
-        is ``cfg.s3``. With ``ctx.lookup_only`` (the scheduler, which only lists and
-        reads headers, always through boto3) no NIXL agent is made, whatever
-        ``s3.io_engine`` says: the workers check that it runs."""
+        """The registry's constructor (:mod:`~vllm_kvtier.tiers.registry`).
+
+        ``section`` is ``cfg.s3``. ``ctx.lookup_only`` is the scheduler, which only lists
+        and reads headers, always through boto3. With it no NIXL agent is made, whatever
+        ``s3.io_engine`` says. The workers check that it runs."""
         config = replace(section.store, io_engine="boto3") if ctx.lookup_only else section.store
         return cls(config, ctx, max_chunk_blocks=section.chunk_blocks)
 
@@ -199,11 +204,13 @@ class S3Store(KernelStore[S3Medium]):
     # ---- the contract, where S3 adds to the kernel ------------------------------------------
 
     def forget(self, chunk_ids: list[str]) -> None:
-        """Chunks a rescan no longer lists (lifecycle expiry, an out-of-band delete) leave
-        this writer's manifest (:class:`~vllm_kvtier.tiers.base.Forgets`): it holds only
-        objects that were still there at the last listing, not ghosts until the entry cap
-        pushes them out. Ids of other writers' chunks are not in it. No request is sent;
-        the next manifest rewrite carries the change."""
+        """Chunks a rescan no longer lists leave this writer's manifest.
+
+        They expired by lifecycle or were deleted out of band
+        (:class:`~vllm_kvtier.tiers.base.Forgets`). So the manifest holds only objects that
+        were still there at the last listing. It keeps no ghosts until the entry cap pushes
+        them out. Ids of other writers' chunks are not in it. No request is sent; the next
+        manifest rewrite carries the change."""
         with self._mlock:
             for chunk_id in chunk_ids:
                 if self._manifest.pop(chunk_id, None) is not None:
@@ -240,9 +247,11 @@ class S3Store(KernelStore[S3Medium]):
 
     def take_own_objects(self) -> frozenset[str]:
         """The listed objects this writer id's manifest named at the last scan without
-        ``collect`` (the start-up scan; written by this host, rank and namespace before a
-        restart: ours to reclaim), once: the set is dropped (up to ``manifest_max_entries``
-        ids need not stay in memory)."""
+        ``collect``, once.
+
+        That is the start-up scan. They were written by this host, rank and namespace
+        before a restart: ours to reclaim. The set is then dropped: up to
+        ``manifest_max_entries`` ids need not stay in memory."""
         return self._scanner.take_own_objects()
 
     def manifest_entries(self) -> int:
@@ -305,13 +314,14 @@ class S3Store(KernelStore[S3Medium]):
             self._flush_lock.release()
 
     def _adopt_predecessor(self) -> None:
-        """Merge the manifest this writer id left before a restart (one GET, once), so the
-        next one still covers those objects; this process's writes stay the newest. A
-        failed GET is a lost cache, never an error.
+        """Merge the manifest this writer id left before a restart (one GET, once).
 
-        With a key and no manifest under the tagged name, the name an earlier build used
-        (no tag) is read too (one more GET, once). If its signature verifies for this
-        writer id, it is merged, and deleted after the next manifest write."""
+        So the next one still covers those objects. This process's writes stay the newest.
+        A failed GET is a lost cache, never an error.
+
+        With a key and no manifest under the tagged name, the untagged name is read too
+        (one more GET, once). Older builds used that name. If its signature verifies for
+        this writer id, it is merged, and deleted after the next manifest write."""
         old: dict[str, ChunkHeader] = {}
         keys = [self.manifest_key()]
         if self.auth is not None:  # and the name an earlier build used
@@ -339,22 +349,25 @@ class S3Store(KernelStore[S3Medium]):
 
     def scan(self, *, cleanup: bool = False, collect: bool = False, deadline: float | None = None) -> ScanResult:
         """Every verified chunk of this (namespace, rank) in the bucket, oldest first (by
-        LastModified). Costs ``ceil(keys/1000)`` LISTs, one GET per manifest changed since
-        the last scan (by its ETag) and one ranged GET per object neither a manifest nor
+        LastModified).
+
+        It costs ``ceil(keys/1000)`` LISTs and one GET per manifest changed since the last
+        scan (by its ETag). It costs one ranged GET per object that neither a manifest nor
         the header cache of earlier scans covers (see :attr:`last_scan`). Never raises for
-        a failed request: what could not be read is left out and counted in ``problems``
-        (a failed listing finds nothing, ``list_<reason>``, and ``last_scan.complete`` is
-        False).
+        a failed request. What could not be read is left out and counted in ``problems``.
+        A failed listing finds nothing (``list_<reason>``), and ``last_scan.complete`` is
+        False.
 
         With ``cleanup`` (the worker that owns the prefix), objects that fail to verify are
-        deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), manifests of
-        other writers not rewritten for ``manifest_max_age_s`` or covering no listed
-        object are deleted (``last_scan.manifests_collected``).
+        deleted. With ``cleanup`` or ``collect`` (a live instance's rescans), some
+        manifests of other writers are deleted (``last_scan.manifests_collected``). Those
+        are manifests not rewritten for ``manifest_max_age_s`` or covering no listed
+        object.
 
         ``deadline`` (a ``time.monotonic()`` time; None: none): no LIST page, manifest GET
         or header GET starts after it. A scan cut short returns what it verified by then
-        (``last_scan.cut_short``; ``complete`` False if the listing itself was cut, and then
-        nothing is collected or cleaned up); its header cache keeps what it read, so the
+        (``last_scan.cut_short``). ``complete`` is False if the listing itself was cut; then
+        nothing is collected or cleaned up. Its header cache keeps what it read, so the
         next scan goes on from there."""
         return self._scanner.scan(cleanup=cleanup, collect=collect, deadline=deadline)
 
