@@ -4,12 +4,12 @@ queue bound and its counter, locality, the start-up backlog, and vLLM's msgspec 
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
 
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
+from testkit.requests import Req
 from vllm_kvtier.catalog.base import Listing, MemoryLookups
 from vllm_kvtier.catalog.rescan import Rescanner
 from vllm_kvtier.chunkformat import align_up, header_bytes_for, make_header
@@ -40,16 +40,6 @@ def log(max_queued: int = 1000, max_info: int = 1000, counters: Counters | None 
 
 def flat(events: list[TierEvent]) -> list[tuple[bool, str, str, BlockKey]]:
     return [(e.stored, e.tier, e.locality, k) for e in events for k, _ in e.blocks]
-
-
-@dataclass
-class Req:
-    request_id: str
-    block_hashes: list[bytes]
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    all_token_ids: list[int] = field(default_factory=list)
-    lora_request: None = None
 
 
 def test_flips_within_a_step_cancel_and_repeats_count_once():

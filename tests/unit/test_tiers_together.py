@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import tracemalloc
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from testkit.requests import Req
 from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.config.sections import NVMeTierConfig
@@ -46,16 +46,6 @@ BS = 4
 
 def key(i: int) -> BlockKey:
     return BlockKey(i.to_bytes(32, "big"))
-
-
-@dataclass
-class Req:
-    request_id: str
-    block_hashes: list[bytes]
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    all_token_ids: list[int] = field(default_factory=list)
-    lora_request: None = None
 
 
 def test_a_write_confirmed_below_makes_its_dram_copy_the_next_to_go():

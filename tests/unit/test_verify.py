@@ -4,11 +4,10 @@ keys: no vLLM engine)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
+from testkit.requests import Req
 from vllm_kvtier.config import KVTierConfig, VerifyConfig, parse_config
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.jobs import WorkerReport
@@ -166,15 +165,6 @@ def test_verify_config_parses_and_defaults_off():
 # ---- scheduler bookkeeping -----------------------------------------------------------------
 
 BS = 4
-
-
-@dataclass
-class Req:
-    request_id: str
-    block_hashes: list[bytes]
-    num_prompt_tokens: int
-    num_computed_tokens: int = 0
-    kv_transfer_params: dict | None = field(default=None)
 
 
 def prompt(req_id: str, nblocks: int = 4) -> Req:
