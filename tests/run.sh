@@ -14,7 +14,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0   # fast in-process engines; multiproces
 export VLLM_LOGGING_LEVEL=WARNING          # vLLM's shutdown lines would print after pytest's summary
 log=$(mktemp)
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${KVTIER_TEST_WORKERS:-2}" --dist loadfile \
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${KVTIER_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
   --durations=15 --durations-min=20 "$@" ${KVTIER_TEST_PATHS:-tests} 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e

@@ -28,7 +28,7 @@ from tests.conftest import (
     reuse_scenario,
     run_scenario,
 )
-from tests.integration.test_nvme_engine import ROOT, results, run_process
+from tests.integration.test_nvme_engine import ROOT, results, run_engine, run_process
 
 WINDOW = 64  # tokens: a hit of m blocks needs the sliding group's blocks [m-2, m)
 LAYERS = 4  # sliding, full, sliding, full: two groups of two layers sharing two tensors
@@ -92,13 +92,13 @@ def test_reuse_scenario_with_the_hybrid_manager_on(hybrid_model, hybrid_baseline
 
 
 def test_restart_serves_both_groups_from_nvme(hybrid_model, hybrid_baseline, tmp_path):
-    """Process 1 stores both groups (write-through); process 2 loads them from NVMe. In-process
-    only: a multiprocess engine adds a shutdown in the worker's process, which write-through
-    does not need (the default config's restart test covers it)."""
+    """Engine 1 stores both groups (write-through); engine 2, in a process of its own, loads
+    them from NVMe. Engine 1 runs in this process: write-through has written every block
+    before it stops (the exit flush is the default config's restart test's subject)."""
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * SLOT_BYTES},
                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,
                                  "chunk_blocks": 4, "mode": "write-through"}})
-    run_process(hybrid_model, kv, NVME_PROMPTS, tmp_path)
+    run_engine(hybrid_model, kv, NVME_PROMPTS)
     data = run_process(hybrid_model, kv, NVME_PROMPTS, tmp_path)
     for r, base in zip(results(data), hybrid_baseline[1], strict=True):
         assert r.tokens == base

@@ -135,13 +135,18 @@ def test_tiny_cpu_tier_hits_come_from_nvme(tiny_model, baseline_of, tmp_path):
 
 @pytest.mark.parametrize("mode", ["write-through", "write-back"])
 def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
-    """Process 1 stores; it exits; process 2 (same directory, empty DRAM) loads from NVMe.
-    Write-back relies on the shutdown flush of blocks still only in DRAM."""
+    """Engine 1 stores; it stops; engine 2 (same directory, empty DRAM) loads from NVMe.
+    Write-back relies on the flush, at the process's exit, of blocks still only in DRAM:
+    its engines are processes of their own. Write-through has written every block before
+    the engine stops, so its engines run one after the other in this process."""
     ps = SETS[2]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode=mode)
-    run_process(tiny_model, kv, ps, tmp_path)
-    assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    if mode == "write-back":
+        run_process(tiny_model, kv, ps, tmp_path)
+    else:
+        run_engine(tiny_model, kv, ps)
+    assert list((tmp_path / "nvme").rglob("*.kvt")), "engine 1 left no chunk files"
+    data = run_process(tiny_model, kv, ps, tmp_path) if mode == "write-back" else run_engine(tiny_model, kv, ps)
     got = results(data)
     for p, r in zip(ps, got, strict=True):
         assert r.tokens == baseline_of(p)
@@ -155,13 +160,18 @@ def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_pa
     ignore admission counts), and a fresh process loads them with the baseline's tokens:
     every full block, the last one too for a prompt of whole blocks. The exit flush in a
     multiprocess engine's worker is tested by test_s3_engine's multiprocess case, a warm
-    ``vllm serve`` by test_serving's restarts."""
+    ``vllm serve`` by test_serving's restarts. The prompt of whole blocks tests what is
+    loaded, not the process's exit: its engines run one after the other in this process."""
     ps = SETS[set_id]
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20}})
-    run_process(tiny_model, kv, ps, tmp_path)
-    assert list((tmp_path / "nvme").rglob("*.kvt")), "process 1 left no chunk files"
-    data = run_process(tiny_model, kv, ps, tmp_path)
+
+    def run() -> dict:
+        return run_process(tiny_model, kv, ps, tmp_path) if set_id == 2 else run_engine(tiny_model, kv, ps)
+
+    run()
+    assert list((tmp_path / "nvme").rglob("*.kvt")), "engine 1 left no chunk files"
+    data = run()
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     assert data["counters"].get("blocks_loaded|nvme", 0) == sum(loadable_blocks(p) for p in ps)
@@ -181,7 +191,7 @@ def test_namespace_isolation(tiny_model, tmp_path):
     """An engine with another block size shares the directory but never reads the files."""
     ps = SETS[3]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
-    run_process(tiny_model, kv, ps, tmp_path)
+    run_engine(tiny_model, kv, ps)
     llm = make_llm(tiny_model, kv, block_size=64)
     try:
         r = generate(llm, ps[0])

@@ -51,15 +51,18 @@ def objects(server: MotoServer, bucket: str) -> list[str]:
                          ids=["inproc", "multiprocess"])
 def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_server, s3_bucket, tmp_path,
                                                  multiprocess):
-    """A (its own process, CPU + NVMe + S3) serves two long prompts and exits. B, another
-    process with empty CPU and NVMe tiers on the same bucket, loads every loadable block
-    of both prompts from S3, with the baseline's tokens (also with both engines run as
-    ``vllm serve`` runs them, multiprocess). A's NVMe tier has the default admission and
-    write-back: its exit flush (in the worker process when multiprocess) leaves every
-    loadable block of the prompts, seen once, in chunk files that verify."""
+    """A (CPU + NVMe + S3) serves two long prompts and stops. B, a process of its own with
+    empty CPU and NVMe tiers on the same bucket, loads every loadable block of both
+    prompts from S3, with the baseline's tokens. A's NVMe tier has the default admission
+    and write-back: its flush at shutdown leaves every loadable block of the prompts,
+    seen once, in chunk files that verify. A runs in this process, or, multiprocess, as
+    ``vllm serve`` runs it: then the flush runs in the engine's own process as it exits."""
     ps = SETS[2]
     kv_a = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-a")
-    run_process(tiny_model, kv_a, ps, tmp_path, multiprocess=multiprocess)
+    if multiprocess:
+        run_process(tiny_model, kv_a, ps, tmp_path, multiprocess=True)
+    else:
+        run_engine(tiny_model, kv_a, ps)
     keys = objects(s3_server, s3_bucket)
     assert any(k.endswith(".kvt") for k in keys), keys
     assert any(k.endswith(".kvm") for k in keys), "A writes its manifest at shutdown"
@@ -68,7 +71,7 @@ def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_ser
 
     # another writer id: A's chunks are another instance's (both would default to this host's)
     kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b", writer_id="writer-b")
-    data = run_process(tiny_model, kv_b, ps, tmp_path, multiprocess=multiprocess)
+    data = run_process(tiny_model, kv_b, ps, tmp_path)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     c = data["counters"]
