@@ -183,7 +183,7 @@ def test_last_request_before_exit_is_stored(tiny_model, tmp_path):
     ps = SETS[3]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
     run_process(tiny_model, kv, ps, tmp_path, max_tokens=1)
-    data = run_process(tiny_model, kv, ps, tmp_path, max_tokens=1)
+    data = run_engine(tiny_model, kv, ps, max_tokens=1)  # what the process left: read in this one
     assert data["counters"].get("blocks_loaded|nvme", 0) == (330 - 1) // BLOCK_SIZE
 
 
@@ -208,7 +208,7 @@ def test_sigkill_mid_write_then_corruption(tiny_model, baseline_of, tmp_path):
     ps = SETS[4]
     kv = nvme_config(tmp_path / "nvme", cpu_blocks=64, mode="write-through")
     run_process(tiny_model, kv, ps, tmp_path, kill_after_files=tmp_path / "nvme")
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    data = run_engine(tiny_model, kv, ps)  # the restarts run in this process
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     assert not list((tmp_path / "nvme").rglob(".tmp-*")), "partial writes must be cleaned up"
@@ -221,7 +221,7 @@ def test_sigkill_mid_write_then_corruption(tiny_model, baseline_of, tmp_path):
             b = fh.read(8)
             fh.seek(4096 + 100)
             fh.write(bytes(x ^ 0xFF for x in b))
-    data = run_process(tiny_model, kv, ps, tmp_path)
+    data = run_engine(tiny_model, kv, ps)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     assert data["counters"].get("load_failures|nvme", 0) > 0
