@@ -169,7 +169,7 @@ def host_overhead(bytes_per_token: int, cfg: KVTierConfig | None = None,
                   block_tokens: int = DEFAULT_BLOCK_TOKENS) -> HostOverhead:
     """The :class:`HostOverhead` of ``cfg``'s lower tiers (its queue and chunk sizes), or,
     without a config, of an NVMe and an S3 tier at their defaults."""
-    from vllm_kvtier.config.sections import NVMeTierConfig, S3TierConfig
+    from vllm_kvtier.config.lower import NVMeTierConfig, S3TierConfig
     from vllm_kvtier.config.stores import S3Config
 
     def default(cls: type, name: str) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.config.sections import NVMeTierConfig, S3TierConfig
+from vllm_kvtier.config.lower import NVMeTierConfig, S3TierConfig
 from vllm_kvtier.ops.capacity import PlanInputError, human_bytes
 from vllm_kvtier.ops.trace_sim import (
     CacheResult,
