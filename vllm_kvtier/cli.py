@@ -35,23 +35,10 @@ import yaml
 from vllm_kvtier import __version__
 from vllm_kvtier.config import PRESET_DIR, KVTierConfig, available_presets, parse_config
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.ops.capacity import (
-    KV_DTYPE_BYTES,
-    KVModel,
-    PlanInput,
-    PlanInputError,
-    gpu_kv_budget,
-    kv_bytes_per_token,
-    make_plan,
-    model_from_dims,
-    parse_count,
-    parse_positive,
-    parse_size,
-    parse_tokens,
-    plan_to_dict,
-    read_model_config,
-    render_plan,
-)
+from vllm_kvtier.ops.capacity import KV_DTYPE_BYTES, PlanInput, gpu_kv_budget, kv_bytes_per_token, make_plan
+from vllm_kvtier.ops.model_shape import KVModel, model_from_dims, read_model_config
+from vllm_kvtier.ops.plan_render import plan_to_dict, render_plan
+from vllm_kvtier.ops.units import PlanInputError, parse_count, parse_positive, parse_size, parse_tokens
 from vllm_kvtier.sysmem import budget_overrun
 from vllm_kvtier.tiers.auth import check_key_files
 

@@ -36,15 +36,9 @@ import yaml
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.files import read_small_file
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.ops.capacity import (
-    CPU_BUDGET_RANGE,
-    KVModel,
-    RequestKV,
-    gpu_kv_budget,
-    host_overhead,
-    human_bytes,
-    request_kv,
-)
+from vllm_kvtier.ops.capacity import CPU_BUDGET_RANGE, RequestKV, gpu_kv_budget, host_overhead, request_kv
+from vllm_kvtier.ops.model_shape import KVModel
+from vllm_kvtier.ops.units import human_bytes
 from vllm_kvtier.sysmem import available_memory, cgroup_memory_limit, read_meminfo
 from vllm_kvtier.tiers.auth import check_key_files
 

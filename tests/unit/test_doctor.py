@@ -20,7 +20,8 @@ from vllm_kvtier.doctor import (
     rdma_requirements,
     read_meminfo,
 )
-from vllm_kvtier.ops.capacity import model_from_dims, request_kv
+from vllm_kvtier.ops.capacity import request_kv
+from vllm_kvtier.ops.model_shape import model_from_dims
 
 GiB = 2**30
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
