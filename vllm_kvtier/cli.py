@@ -342,7 +342,9 @@ def _parse_kvtier_config(args: argparse.Namespace) -> KVTierConfig:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from vllm_kvtier.doctor import Status, Target, checks_to_dict, probe_machine, render_checks, run_checks
+    from vllm_kvtier.doctor import checks_to_dict, render_checks, run_checks
+    from vllm_kvtier.doctor.base import Status, Target
+    from vllm_kvtier.doctor.probe import probe_machine
 
     cfg = _parse_kvtier_config(args)
     c = _common(args, require_model=False)
