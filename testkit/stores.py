@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvtier.chunkformat import MAX_CHUNK_BLOCKS
-from vllm_kvtier.config.sections import NVMeTierConfig
+from vllm_kvtier.config.lower import NVMeTierConfig
 
 __all__ = ["nvme_section"]
 

@@ -28,7 +28,8 @@ from tests.sched_helpers import (
     prompt_tokens,
     sched_half,
 )
-from vllm_kvtier.index.identity import adapter_key, fingerprint_weights
+from vllm_kvtier.index.adapters import adapter_key
+from vllm_kvtier.index.identity import fingerprint_weights
 
 BS = BLOCK_SIZE
 

@@ -28,7 +28,8 @@ from vllm_kvtier.engine.lower import RankRole, make_planners, make_workers, rank
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
-from vllm_kvtier.ops.capacity import kv_bytes_per_token, model_from_hf_config
+from vllm_kvtier.ops.capacity import kv_bytes_per_token
+from vllm_kvtier.ops.model_shape import model_from_hf_config
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 from vllm_kvtier.tiers.cpu import CPUPool
 from vllm_kvtier.tiers.nvme.store import rank_dir

@@ -108,7 +108,8 @@ def same(a: Result, b: Result, tol: float = 1e-4) -> None:
 def test_mla_blocks_round_trip_through_cpu_and_nvme(mla_model: Path, references: dict[str, Result],
                                                      tmp_path: Path) -> None:
     from vllm_kvtier.chunkformat import header_bytes_for
-    from vllm_kvtier.ops.capacity import kv_bytes_per_token, read_model_config
+    from vllm_kvtier.ops.capacity import kv_bytes_per_token
+    from vllm_kvtier.ops.model_shape import read_model_config
     from vllm_kvtier.tiers.nvme.store import read_header
 
     nvme = {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20, "admit_min_seen": 1,

@@ -20,7 +20,7 @@ from testkit import s3_server as s3srv
 from testkit.s3_server import MotoServer
 from tests.tiers.test_s3_store import NS, config
 from vllm_kvtier.catalog.base import Listing
-from vllm_kvtier.config.sections import AuthConfig
+from vllm_kvtier.config.integrity import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey

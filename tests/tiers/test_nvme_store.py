@@ -280,7 +280,7 @@ def test_file_size_limit_refuses_puts(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import resource, signal, sys, time
         from vllm_kvtier.tiers.buffers import WriteBuffer
-        from vllm_kvtier.config.sections import NVMeTierConfig
+        from vllm_kvtier.config.lower import NVMeTierConfig
         from vllm_kvtier.tiers.nvme.store import NVMeStore
         from vllm_kvtier.tiers.registry import StoreContext
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed

@@ -574,7 +574,8 @@ def test_start_up_scan_stops_at_its_deadline_and_the_next_scan_goes_on(s3_server
     request after it, indexes what it verified by then (a partial index, ``cut_short``,
     the objects left out counted as ``deadline``), and the next scan GETs only the
     headers the first did not read. The planner built on it counts ``scan_cut_short``."""
-    from vllm_kvtier.config.sections import KVTierConfig, S3TierConfig
+    from vllm_kvtier.config.lower import S3TierConfig
+    from vllm_kvtier.config.sections import KVTierConfig
     from vllm_kvtier.engine.lower import make_planners
     from vllm_kvtier.metrics import Counters
 

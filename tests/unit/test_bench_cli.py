@@ -260,9 +260,9 @@ def test_help_lists_every_command_with_examples(capsys):
 def test_without_a_checkout_bench_says_why_and_the_rest_works(tmp_path, monkeypatch, capsys):
     """An installed wheel has no bench/: the command is still listed, every use of it exits 2 naming
     the reason, and the other commands do not depend on it."""
-    import vllm_kvtier.cli as cli
+    import vllm_kvtier.cli.bench as bench_cli
 
-    monkeypatch.setattr(cli, "BENCH_REPORT", tmp_path / "bench" / "benchreport.py")
+    monkeypatch.setattr(bench_cli, "BENCH_REPORT", tmp_path / "bench" / "benchreport.py")
     for argv in (["bench"], ["bench", "--quick", "cpu_tier_throughput"],
                  ["bench", "--report-only", "--results-dir", str(tmp_path)]):
         assert main(argv) == 2, argv

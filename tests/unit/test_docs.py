@@ -87,7 +87,8 @@ def missing_names(pages: list[Path], root: Path) -> list[str]:
     the CLI lacks and every ``make TARGET`` in code that the Makefile lacks."""
     ignored = [line.strip().rstrip("/") for line in (root / ".gitignore").read_text().splitlines()
                if line.strip().endswith("/") and "/" in line.strip()[:-1]]
-    commands = set(re.findall(r'_sub\(sub, "([a-z-]+)"', (root / "vllm_kvtier" / "cli.py").read_text()))
+    commands = set(re.findall(r'subcommand\(sub, "([a-z-]+)"', "".join(
+        p.read_text() for p in sorted((root / "vllm_kvtier" / "cli").glob("*.py")))))
     targets = set(make_targets(root / "Makefile"))
     bad = []
     for page in pages:
@@ -213,16 +214,17 @@ def test_every_relative_link_resolves():
 
 
 def test_every_path_and_command_named_in_the_pages_exists():
-    assert {"plan", "doctor"} <= set(re.findall(r'_sub\(sub, "([a-z-]+)"', (ROOT / "vllm_kvtier/cli.py").read_text()))
+    assert {"plan", "doctor"} <= set(re.findall(r'subcommand\(sub, "([a-z-]+)"', "".join(
+        p.read_text() for p in (ROOT / "vllm_kvtier/cli").glob("*.py"))))
     assert missing_names(PAGES, ROOT) == []
 
 
 def test_name_checker_catches_a_missing_path_command_and_target(tmp_path):
-    for top in ("docs", "vllm_kvtier", "bench/results"):
+    for top in ("docs", "vllm_kvtier/cli", "bench/results"):
         (tmp_path / top).mkdir(parents=True)
     (tmp_path / ".gitignore").write_text("bench/results/\n")
     (tmp_path / "Makefile").write_text("demo:\n\ttrue\n")
-    (tmp_path / "vllm_kvtier" / "cli.py").write_text('_sub(sub, "plan", ...)\n')
+    (tmp_path / "vllm_kvtier" / "cli" / "plan.py").write_text('subcommand(sub, "plan", ...)\n')
     (tmp_path / "docs" / "real.md").write_text("x")
     page = tmp_path / "README.md"
     page.write_text("See docs/real.md, docs/gone.md and bench/results/out.json.\n"

@@ -8,19 +8,15 @@ from pathlib import Path
 import pytest
 
 from vllm_kvtier.cli import main
-from vllm_kvtier.doctor import (
-    Machine,
-    Status,
-    Target,
-    cgroup_memory_limit,
-    check_alerting,
-    check_bandwidth,
-    check_gpu_budget,
-    check_rdma,
-    rdma_requirements,
-    read_meminfo,
-)
-from vllm_kvtier.ops.capacity import model_from_dims, request_kv
+from vllm_kvtier.doctor.alerting import check_alerting
+from vllm_kvtier.doctor.base import Status, Target
+from vllm_kvtier.doctor.probe import Machine
+from vllm_kvtier.doctor.sizing import check_gpu_budget
+from vllm_kvtier.doctor.tier_checks import check_rdma, rdma_requirements
+from vllm_kvtier.doctor.workload import check_bandwidth
+from vllm_kvtier.ops.capacity import request_kv
+from vllm_kvtier.ops.model_shape import model_from_dims
+from vllm_kvtier.sysmem import cgroup_memory_limit, read_meminfo
 
 GiB = 2**30
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
@@ -184,12 +180,12 @@ def test_meminfo_and_cgroup_readers(tmp_path):
 
 def _tier_checks(extra: dict) -> dict[str, tuple[Status, str]]:
     from vllm_kvtier.config import parse_config
-    from vllm_kvtier.doctor import (
+    from vllm_kvtier.doctor.probe import probe_tiers
+    from vllm_kvtier.doctor.tier_checks import (
         check_nvme_dir,
         check_s3_endpoint,
         check_shared_auth,
         check_tier_packages,
-        probe_tiers,
     )
 
     cfg = parse_config(extra)
@@ -210,7 +206,8 @@ def test_an_nvme_path_the_tier_refuses_fails(tmp_path):
 
 def test_an_nvme_path_in_memory_fails(tmp_path):
     from vllm_kvtier.config import parse_config
-    from vllm_kvtier.doctor import NVMeDir, TierProbe, _fstype, check_nvme_dir
+    from vllm_kvtier.doctor.probe import NVMeDir, TierProbe, _fstype
+    from vllm_kvtier.doctor.tier_checks import check_nvme_dir
 
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\nnfs:/x /mnt/nfs nfs4 rw 0 0\n")

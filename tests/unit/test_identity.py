@@ -18,15 +18,10 @@ import pytest
 
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.errors import ConfigError
-from vllm_kvtier.index import identity
-from vllm_kvtier.index.identity import (
-    AdapterFingerprints,
-    AdapterKeys,
-    ModelIdentity,
-    adapter_key,
-    fingerprint_weights,
-    safetensors_header,
-)
+from vllm_kvtier.index import digest_cache, identity, weight_sampling
+from vllm_kvtier.index.adapters import AdapterFingerprints, AdapterKeys, adapter_key
+from vllm_kvtier.index.identity import ModelIdentity, fingerprint_weights
+from vllm_kvtier.index.weight_sampling import safetensors_header
 
 
 def write_safetensors(path: Path, tensors: dict[str, bytes]) -> None:
@@ -145,12 +140,12 @@ def test_forged_header_length_does_not_allocate(tmp_path):
 
 def test_tensor_windows_are_bounded(tmp_path, monkeypatch):
     """A header listing more tensors than MAX_TENSOR_WINDOWS: that many windows, spread."""
-    monkeypatch.setattr(identity, "MAX_TENSOR_WINDOWS", 8)
+    monkeypatch.setattr(weight_sampling, "MAX_TENSOR_WINDOWS", 8)
     d = tmp_path / "many"
     d.mkdir()
     write_safetensors(d / "model.safetensors", {f"t{i}": bytes([i % 256]) * 5000 for i in range(200)})
     fp = fingerprint_weights(d)
-    assert fp.reads <= 1 + identity.FILE_WINDOWS + 8
+    assert fp.reads <= 1 + weight_sampling.FILE_WINDOWS + 8
 
 
 def ident(**change: str) -> ModelIdentity:
@@ -253,7 +248,7 @@ def test_cost_of_a_70b_layout_is_about_1200_reads_sampled(tmp_path):
             f.truncate(8 + len(blob) + step * len(chunk))
     fp = fingerprint_weights(d, mode="sampled")
     assert fp.files == 31
-    assert 723 + 30 <= fp.reads <= 723 + 30 * (1 + identity.FILE_WINDOWS) + 1
+    assert 723 + 30 <= fp.reads <= 723 + 30 * (1 + weight_sampling.FILE_WINDOWS) + 1
     assert 1100 <= fp.reads <= 1250
 
 
@@ -324,7 +319,7 @@ def test_a_cached_start_reads_no_weights_and_a_touched_file_keeps_its_digest(tmp
     weights = sum(f.stat().st_size for f in a.glob("*.safetensors"))
     first = start(a, cache)
     assert first["hashed"] == weights and first["cached"] == 0
-    assert oct((cache / identity.CACHE_FILE).stat().st_mode & 0o777) == "0o600"
+    assert oct((cache / digest_cache.CACHE_FILE).stat().st_mode & 0o777) == "0o600"
     second = start(a, cache)
     assert second == {"digest": first["digest"], "hashed": 0, "cached": 2}  # not a byte read
     # touched (same content, new mtime): hashed again, same digest
@@ -357,12 +352,12 @@ def test_a_damaged_or_foreign_cache_file_is_not_believed(tmp_path):
     path = str((a / "model.safetensors").resolve())
     st = os.stat(path)
     state = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    junk = [b"\x00not json", b"[" * (identity.MAX_CACHE_BYTES + 1),
+    junk = [b"\x00not json", b"[" * (digest_cache.MAX_CACHE_BYTES + 1),
             json.dumps({"version": 1, "files": [[path, state, "zz" * 32], [path, state[:4], "0" * 64],
                                                 [path, state, 5]]}).encode(),
             json.dumps({"version": 2, "files": [[path, state, "0" * 64]]}).encode()]
     for i, blob in enumerate(junk + [None]):
-        f = cache / identity.CACHE_FILE
+        f = cache / digest_cache.CACHE_FILE
         f.unlink(missing_ok=True)
         if blob is None:
             f.symlink_to(target)
@@ -371,7 +366,7 @@ def test_a_damaged_or_foreign_cache_file_is_not_believed(tmp_path):
         os.utime(a / "config.json", ns=(i + 1, i + 1))  # a new memo key: computed again
         fp = fingerprint_weights(a, cache_dir=cache)
         assert (fp.digest, fp.bytes_hashed) == (want, weights), i
-    assert target.read_text() == "keep" and not (cache / identity.CACHE_FILE).is_symlink()
+    assert target.read_text() == "keep" and not (cache / digest_cache.CACHE_FILE).is_symlink()
     # the rewritten cache is used by the next call (a new memo key, same weight files)
     os.utime(a / "config.json", ns=(99, 99))
     assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == 0
@@ -388,7 +383,7 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
     cache.mkdir(mode=0o777)
     os.chmod(cache, 0o777)  # past the umask
     fingerprint_weights(a, cache_dir=cache)
-    assert not (cache / identity.CACHE_FILE).exists()
+    assert not (cache / digest_cache.CACHE_FILE).exists()
     os.utime(a / "config.json", ns=(5, 5))  # a new memo key
     assert fingerprint_weights(a, cache_dir=cache).bytes_hashed == weights
     os.chmod(cache, 0o700)
@@ -409,7 +404,7 @@ def test_a_start_killed_mid_hash_resumes_with_the_files_it_finished(tmp_path, mo
         write_safetensors(a / f"model-{i:05d}.safetensors", tensors(i, n=2))
     want = fingerprint_weights(a).digest  # no cache: from nothing
     cache = tmp_path / "cache"
-    real = identity.hash_file
+    real = digest_cache.hash_file
     done: list[str] = []
     lock = __import__("threading").Lock()
 
@@ -420,17 +415,17 @@ def test_a_start_killed_mid_hash_resumes_with_the_files_it_finished(tmp_path, mo
             done.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(identity, "hash_file", dies_after_two)
+    monkeypatch.setattr(digest_cache, "hash_file", dies_after_two)
     os.utime(a / "config.json", ns=(1, 1))  # a new memo key
     with pytest.raises(OSError, match="killed"):
         fingerprint_weights(a, cache_dir=cache)
     assert len(done) == 2
     changed = sorted(done)[0]
     write_safetensors(a / changed, tensors(50, n=2))  # changed since: hashed again
-    monkeypatch.setattr(identity, "hash_file", real)
+    monkeypatch.setattr(digest_cache, "hash_file", real)
     want_changed = fingerprint_weights(a).digest
     hashed: list[str] = []
-    monkeypatch.setattr(identity, "hash_file", lambda path: (hashed.append(path.name), real(path))[1])
+    monkeypatch.setattr(digest_cache, "hash_file", lambda path: (hashed.append(path.name), real(path))[1])
     os.utime(a / "config.json", ns=(2, 2))
     fp = fingerprint_weights(a, cache_dir=cache)
     all_files = {p.name for p in a.glob("*.safetensors")}

@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 
 from vllm_kvtier.cli import main
-from vllm_kvtier.ops.capacity import (
-    KVModel,
-    PlanInput,
-    PlanInputError,
-    kv_bytes_per_token,
-    make_plan,
-    parse_size,
-    parse_tokens,
-    read_model_config,
-    request_kv,
-)
+from vllm_kvtier.ops.capacity import PlanInput, kv_bytes_per_token, make_plan, request_kv
+from vllm_kvtier.ops.model_shape import KVModel, read_model_config
+from vllm_kvtier.ops.units import PlanInputError, parse_size, parse_tokens
 
 GiB = 2**30
 K128 = 131072

@@ -13,7 +13,7 @@ import pytest
 from testkit.requests import Req
 from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
-from vllm_kvtier.config.sections import NVMeTierConfig
+from vllm_kvtier.config.lower import NVMeTierConfig
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters

@@ -1,26 +1,16 @@
-"""The plugin's configuration: typed frozen sections (:mod:`.sections`), the stores'
-connection settings (:mod:`.stores`) and the parser (:mod:`.parse`), at the bottom of the
-house: the tiers import from here, never the reverse (config imports only ``keys`` and
-``errors``)."""
+"""The plugin's configuration: typed frozen sections (:mod:`.sections` and the modules it
+names), the stores' connection settings (:mod:`.stores`) and the parser (:mod:`.parse`), at
+the bottom of the house: the tiers import from here, never the reverse (config imports only
+``keys`` and ``errors``)."""
 
+from vllm_kvtier.config.cpu import CPUTierConfig
+from vllm_kvtier.config.integrity import AuthConfig, FaultInjectionConfig, VerifyConfig
+from vllm_kvtier.config.loading import LoadOrRecomputeConfig, PrefetchConfig, ScheduleConfig
+from vllm_kvtier.config.lower import MooncakeTierConfig, NVMeTierConfig, S3TierConfig
 from vllm_kvtier.config.parse import PRESET_DIR, available_presets, parse_config
-from vllm_kvtier.config.sections import (
-    AuthConfig,
-    CPUTierConfig,
-    EventsConfig,
-    ExporterConfig,
-    FaultInjectionConfig,
-    KVTierConfig,
-    LoadMode,
-    LoadOrRecomputeConfig,
-    MooncakeTierConfig,
-    NixlTierConfig,
-    NVMeTierConfig,
-    PrefetchConfig,
-    S3TierConfig,
-    ScheduleConfig,
-    VerifyConfig,
-)
+from vllm_kvtier.config.peer import NixlTierConfig
+from vllm_kvtier.config.reporting import EventsConfig, ExporterConfig
+from vllm_kvtier.config.sections import KVTierConfig, LoadMode
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 
 __all__ = [

@@ -27,13 +27,9 @@ from typing import Any, Literal
 import yaml
 
 from vllm_kvtier.config.files import MAX_CONFIG_FILE_BYTES, read_small_file
-from vllm_kvtier.config.sections import (
-    KVTierConfig,
-    MooncakeTierConfig,
-    NixlTierConfig,
-    OtherTiers,
-    S3TierConfig,
-)
+from vllm_kvtier.config.lower import MooncakeTierConfig, S3TierConfig
+from vllm_kvtier.config.peer import NixlTierConfig
+from vllm_kvtier.config.sections import KVTierConfig, OtherTiers
 from vllm_kvtier.config.stores import MooncakeConfig, NixlConfig, S3Config
 from vllm_kvtier.config.units import size_bytes
 from vllm_kvtier.errors import ConfigError

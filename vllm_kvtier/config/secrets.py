@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vllm_kvtier.config.files import read_small_file
-from vllm_kvtier.config.sections import NixlTierConfig
+from vllm_kvtier.config.peer import NixlTierConfig
 from vllm_kvtier.errors import ConfigError
 
 MIN_SECRET_CHARS = 16

@@ -43,7 +43,7 @@ from typing import cast
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.config.sections import LowerTierSection
+from vllm_kvtier.config.lower import LowerTierSection
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext

@@ -22,8 +22,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_kvtier.index.adapters import AdapterFingerprints, AdapterKeys
 from vllm_kvtier.index.groups import GroupKeys, GroupLayout, GroupSpec, KeyOrigins, SaveFilter, sliding_hit
-from vllm_kvtier.index.identity import AdapterFingerprints, AdapterKeys
 from vllm_kvtier.jobs import LoadJob, StepPlan
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, HistogramName
@@ -54,7 +54,7 @@ class AdapterRequest:
     """A LoRA request as the planners see it.
 
     It is vLLM's live ``Request`` with its block hashes bound to the adapter's content
-    (:class:`~vllm_kvtier.index.identity.AdapterKeys`). vLLM folds only the adapter's
+    (:class:`~vllm_kvtier.index.adapters.AdapterKeys`). vLLM folds only the adapter's
     *name* into its block hashes. Without this, a rewritten adapter under the same name
     would be served its old KV. ``adapter`` None means no fingerprint could be taken. Then
     there are no block hashes, so the request neither loads from nor saves to the tiers."""

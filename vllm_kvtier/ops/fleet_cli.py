@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from vllm_kvtier.ops.capacity import parse_count, parse_positive
+from vllm_kvtier.ops.units import parse_count, parse_positive
 
 _ROUTER_NAMES = ("round-robin", "session", "prefix")
 
@@ -55,7 +55,7 @@ def _write_csv(path: str | None, text: str) -> None:
     error naming it (before any figure is printed)."""
     if path is None:
         return
-    from vllm_kvtier.ops.capacity import PlanInputError
+    from vllm_kvtier.ops.units import PlanInputError
 
     try:
         with open(path, "w", encoding="utf-8") as f:

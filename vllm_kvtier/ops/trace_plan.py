@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.config.sections import NVMeTierConfig, S3TierConfig
-from vllm_kvtier.ops.capacity import PlanInputError, human_bytes
+from vllm_kvtier.config.lower import NVMeTierConfig, S3TierConfig
 from vllm_kvtier.ops.trace_sim import (
     CacheResult,
     LowerTier,
@@ -31,6 +30,7 @@ from vllm_kvtier.ops.trace_sim import (
     simulate_policy,
     simulate_tiers,
 )
+from vllm_kvtier.ops.units import PlanInputError, human_bytes
 
 #: Eviction policies the CPU tier can run (``cpu.eviction``), all replayed.
 POLICIES = ("lru", "s3fifo", "arc", "kvaware")

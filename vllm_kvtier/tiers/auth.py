@@ -54,7 +54,7 @@ from pathlib import Path
 
 from vllm_kvtier.chunkformat import KEY_ID_BYTES, MAX_KEY, ChunkHeader, signed_bytes
 from vllm_kvtier.config.files import read_small_file
-from vllm_kvtier.config.sections import AuthConfig
+from vllm_kvtier.config.integrity import AuthConfig
 from vllm_kvtier.errors import ConfigError, FailureReason
 
 __all__ = ["MIN_KEY_BYTES", "ChunkAuth", "load_auth", "parse_key", "refusal", "refusal_reason"]

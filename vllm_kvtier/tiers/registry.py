@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm_kvtier.catalog.base import Listing
     from vllm_kvtier.chunkformat import ChunkHeader
     from vllm_kvtier.config import KVTierConfig
-    from vllm_kvtier.config.sections import LowerTierSection
+    from vllm_kvtier.config.lower import LowerTierSection
     from vllm_kvtier.metrics import Counters
     from vllm_kvtier.tiers.auth import ChunkAuth
     from vllm_kvtier.tiers.base import ChunkStore

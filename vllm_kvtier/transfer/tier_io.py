@@ -80,7 +80,7 @@ DEFAULT_MAX_HEADER_BYTES = HEADER_CACHE_BYTES
 
 class DriverSection(Protocol):
     """What a chunk driver reads of its tier's settings: every lower tier's config
-    section has these (:class:`~vllm_kvtier.config.sections.LowerTierSection`)."""
+    section has these (:class:`~vllm_kvtier.config.lower.LowerTierSection`)."""
 
     @property
     def mode(self) -> Literal["write-back", "write-through"]: ...

@@ -60,7 +60,7 @@ from vllm_kvtier.tiers.mooncake.spec import INSTALL_HINT
 from vllm_kvtier.tiers.resilience import CircuitBreaker, RemoteStats
 
 if TYPE_CHECKING:
-    from vllm_kvtier.config.sections import MooncakeTierConfig
+    from vllm_kvtier.config.lower import MooncakeTierConfig
     from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = ["INSTALL_HINT", "MooncakeConfig", "MooncakeMedium", "MooncakeStats", "MooncakeStore", "code_reason",

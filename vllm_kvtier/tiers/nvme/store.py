@@ -81,7 +81,7 @@ from vllm_kvtier.tiers.nvme.dirs import (
 from vllm_kvtier.tiers.nvme.file_io import FileIO, make_file_io
 
 if TYPE_CHECKING:
-    from vllm_kvtier.config.sections import NVMeTierConfig
+    from vllm_kvtier.config.lower import NVMeTierConfig
     from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = ["NVMeMedium", "NVMeStore", "classify", "other_bytes", "probe_direct_io", "rank_dir", "read_header",

@@ -76,7 +76,7 @@ from vllm_kvtier.tiers.s3.object_io import read_body_into
 from vllm_kvtier.tiers.s3.scan import S3Scanner, ScanReport
 
 if TYPE_CHECKING:
-    from vllm_kvtier.config.sections import S3TierConfig
+    from vllm_kvtier.config.lower import S3TierConfig
     from vllm_kvtier.tiers.registry import StoreContext
 
 __all__ = [
