@@ -128,7 +128,7 @@ class DriverContext:
     writes: bool = True
 
 
-class _InFlight:
+class _PendingIO:
     """The I/O a chunk driver queued and has no result for yet, by job id."""
 
     def __init__(self) -> None:
@@ -201,7 +201,7 @@ class ChunkWorker:
                                     max_bytes=settings.header_cache_bytes)
         self._bytes = SlotBuffers(ctx.slots, ctx.codec, ctx.buffers,
                                   authenticated=store is not None and store.authenticated)
-        self._jobs = _InFlight()
+        self._jobs = _PendingIO()
         self._meta = KVTierWorkerMeta()
         #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
         #: as the scheduler says (:meth:`mark_dirty`, :meth:`clean`)
