@@ -16,7 +16,7 @@ from vllm_kvtier.config import parse_config
 from vllm_kvtier.engine.lower import make_workers
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob, LoadJob, SaveJob, StepPlan
 from vllm_kvtier.metrics import sample_key
-from vllm_kvtier.transfer.worker import WorkerHalf
+from vllm_kvtier.transfer.worker import WorkerHalf, WorkerSetup
 
 NUM_BLOCKS = 16
 SLOTS = 8
@@ -30,8 +30,8 @@ def _key(i: int) -> bytes:
 def worker(tmp_path) -> WorkerHalf:
     cfg = parse_config({"cpu": {"capacity_bytes": 1 << 26},
                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 1 << 26, "admit_min_seen": 1}})
-    w = WorkerHalf(cfg, num_blocks=NUM_BLOCKS, pool_slots=lambda: SLOTS, namespace=OURS,
-                   make_tiers=functools.partial(make_workers))
+    w = WorkerHalf(cfg, WorkerSetup(num_blocks=NUM_BLOCKS, pool_slots=lambda: SLOTS, namespace=OURS,
+                                    make_tiers=functools.partial(make_workers)))
     with torch.inference_mode():
         w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 2, 32, 64))
                               for i in range(2)})

@@ -15,7 +15,7 @@ import torch
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.jobs import ChunkWriteJob, LoadJob, SaveJob, StepPlan
 from vllm_kvtier.metrics import sample_key
-from vllm_kvtier.transfer.worker import WorkerHalf
+from vllm_kvtier.transfer.worker import WorkerHalf, WorkerSetup
 
 NUM_BLOCKS = 16
 SLOTS = 8
@@ -54,8 +54,8 @@ def _worker(others: Callable[[WorkerHalf], dict] = lambda w: {}
             ) -> tuple[WorkerHalf, dict[str, torch.Tensor], _RecordingTier]:
     """A worker whose lower tiers are ``others(worker)`` and a recording "nvme" tier."""
     tiers: dict = {}
-    w = WorkerHalf(parse_config({"cpu": {"capacity_bytes": 1 << 26}}), num_blocks=NUM_BLOCKS,
-                   pool_slots=lambda: SLOTS, make_tiers=lambda *a, **k: tiers)
+    w = WorkerHalf(parse_config({"cpu": {"capacity_bytes": 1 << 26}}),
+                   WorkerSetup(num_blocks=NUM_BLOCKS, pool_slots=lambda: SLOTS, make_tiers=lambda *a, **k: tiers))
     with torch.inference_mode():
         kv = {f"model.layers.{i}.self_attn.attn": torch.randn((NUM_BLOCKS, 2, 32, 128)).to(torch.bfloat16)
               for i in range(2)}

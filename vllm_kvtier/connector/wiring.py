@@ -26,7 +26,7 @@ from vllm_kvtier.keys import NamespaceFields, namespace
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.sysmem import available_memory, budget_overrun
 from vllm_kvtier.tiers.registry import metric_tiers
-from vllm_kvtier.transfer.worker import WorkerHalf
+from vllm_kvtier.transfer.worker import WorkerHalf, WorkerSetup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -418,10 +418,10 @@ def worker_half(cfg: KVTierConfig, kv_cache_config: KVCacheConfig, ns: str,
     role = rank_role(rank, tp_size=tp, replicated=replicated)
     # here, on the compute thread, before any tier starts a thread
     cpus.configure(cfg.background_cpus, shared_host=shares_host_with_other_ranks(vllm_config))
-    return WorkerHalf(cfg, num_blocks=kv_cache_config.num_blocks, namespace=ns, rank=rank,
-                      pool_slots=functools.partial(pool_slots, cfg, rank_block_bytes(kv_cache_config), world),
-                      make_tiers=functools.partial(make_workers, role=role, engine=dp_engine(vllm_config)),
-                      cache_dtype=fp8_cache_dtype(vllm_config))
+    return WorkerHalf(cfg, WorkerSetup(
+        kv_cache_config.num_blocks, functools.partial(pool_slots, cfg, rank_block_bytes(kv_cache_config), world),
+        namespace=ns, rank=rank, make_tiers=functools.partial(make_workers, role=role, engine=dp_engine(vllm_config)),
+        cache_dtype=fp8_cache_dtype(vllm_config)))
 
 
 def under_multi_connector() -> bool:

@@ -56,7 +56,7 @@ from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.tiers.cpu import CPUPool
 
 if TYPE_CHECKING:
-    from vllm_kvtier.tiers.nixl.agent import PeerInfo
+    from vllm_kvtier.tiers.nixl.agent import NixlAgent, PeerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class _Seq:
     #: local slots whose first stamp was the key asked for
     pre_ok: set[int] | None = None
     seconds: float = 0.0
+    #: the read's id (each phase is a transfer of its own)
+    rid: int = 0
 
 
 @dataclass
@@ -89,6 +91,72 @@ class PeerResult:
     read: PeerRead
     #: keys whose slot now holds them (stamp verified); the others failed
     good: set[bytes]
+
+
+class PeerTable:
+    """The remote agents a decode rank reads from, and the reads in flight from each.
+
+    At most ``nixl.max_peers`` stay added. One idle for ``nixl.hold_s`` is removed, and so
+    is the least recently used idle one when a new one needs room. Who calls it: its
+    :class:`PeerLink`, on the worker's main thread."""
+
+    def __init__(self, cfg: NixlTierConfig, agent: NixlAgent, counters: Counters,
+                 clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.agent = agent
+        self.counters = counters
+        self._clock = clock
+        #: remote agents added, least recently used first -> when their last read ended
+        self._peers: OrderedDict[str, float] = OrderedDict()
+        #: remote agent -> reads in flight from it
+        self._busy: dict[str, int] = {}
+
+    def connect(self, info: PeerInfo) -> bool:
+        """Have ``info``'s agent added (it may already be); False if that would exceed
+        ``nixl.max_peers`` with every peer busy. Raises what NIXL raises on bad metadata."""
+        name = info.name
+        if name in self._peers:
+            self._peers[name] = self._clock()
+            self._peers.move_to_end(name)
+            return True
+        self.expire()
+        if len(self._peers) >= self.cfg.max_peers:
+            idle = next((n for n in self._peers if not self._busy.get(n)), None)
+            if idle is None:
+                return False
+            self._remove(idle)
+        self.agent.add_peer(info)
+        self._peers[name] = self._clock()
+        return True
+
+    def read_started(self, name: str) -> None:
+        self._busy[name] = self._busy.get(name, 0) + 1
+
+    def read_ended(self, name: str) -> None:
+        """A read from ``name`` ended: it is the most recently used peer now."""
+        if name in self._peers:
+            self._busy[name] = self._busy.get(name, 1) - 1
+            self._peers[name] = self._clock()
+            self._peers.move_to_end(name)
+
+    def _remove(self, name: str) -> None:
+        self._peers.pop(name, None)
+        self._busy.pop(name, None)
+        self.agent.remove_peer(name)
+        self.counters.add(CounterName.PEERS_REMOVED, TIER)
+
+    def expire(self) -> list[str]:
+        """Remove peers with no read in flight whose last read ended ``nixl.hold_s`` ago;
+        the names removed."""
+        due = self._clock() - self.cfg.hold_s
+        gone = [n for n, t in self._peers.items() if t <= due and not self._busy.get(n)]
+        for name in gone:
+            self._remove(name)
+        return gone
+
+    def names(self) -> list[str]:
+        """Remote agents connected now, least recently used first."""
+        return list(self._peers)
 
 
 class PeerLink:
@@ -101,8 +169,8 @@ class PeerLink:
         self.pool = pool
         self.rank = rank
         self.counters = counters
-        self._clock = clock
         self.agent = NixlAgent(f"{cfg.agent_name}-{uuid.uuid4().hex[:12]}-r{rank}", cfg.store)
+        self._table = PeerTable(cfg, self.agent, counters, clock)
         self.stamps = np.zeros((pool.num_slots, STAMP), dtype=np.uint8)
         self.agent.register(pool.buffer)
         self.agent.register(self.stamps)
@@ -111,14 +179,6 @@ class PeerLink:
         #: transfer id -> the read it is a phase of
         self._reads: dict[int, _Seq] = {}
         self._ids = 0
-        #: read id -> the remote agent it reads from
-        self._read_peer: dict[int, str] = {}
-        #: transfer id -> the read id it is a phase of
-        self._phase_of: dict[int, int] = {}
-        #: remote agents added, least recently used first -> when their last read ended
-        self._peers: OrderedDict[str, float] = OrderedDict()
-        #: remote agent -> reads in flight from it
-        self._busy: dict[str, int] = {}
 
     # ---- both sides: stamps -------------------------------------------------------------
 
@@ -168,7 +228,7 @@ class PeerLink:
                 raise ValueError(f"plane sizes {[pb for _, pb in planes]} != ours {list(self.pool.plane_bytes)}")
             if not self.cfg.allows_peer(info.name):
                 raise _Refused(f"agent {info.name!r} is not in nixl.allowed_peers")
-            if not self._connect(info):
+            if not self._table.connect(info):
                 raise _Refused(f"nixl.max_peers = {self.cfg.max_peers} peers all have reads in flight")
         except Exception as e:  # a malformed offer, or a peer that is gone (NIXL cannot connect)
             logger.warning("kvtier peer: cannot read from the prefill instance of %s: %s", read.req_id, e)
@@ -182,20 +242,18 @@ class PeerLink:
             return None
         for ls in read.slots:
             self.stamp(ls, None)
-        seq = _Seq(read, info.name, planes, stamps, notif)
         self._ids += 1
-        rid = self._ids
-        self._busy[info.name] = self._busy.get(info.name, 0) + 1
-        self._read_peer[rid] = info.name
-        self._post(rid, seq, "pre")
-        return rid
+        seq = _Seq(read, info.name, planes, stamps, notif, rid=self._ids)
+        self._table.read_started(info.name)
+        self._post(seq, "pre")
+        return seq.rid
 
     def _stamp_spans(self, seq: _Seq) -> list[tuple[int, int, int]]:
         return [(self._stamp_addr + ls * STAMP, seq.stamps + rs * STAMP, STAMP)
                 for rs, ls in zip(seq.read.remote_slots, seq.read.slots, strict=True)]
 
-    def _post(self, rid: int, seq: _Seq, phase: str) -> None:
-        """Post ``phase`` of read ``rid`` (a transfer id of its own, mapped to ``rid``)."""
+    def _post(self, seq: _Seq, phase: str) -> None:
+        """Post ``phase`` of read ``seq`` (a transfer id of its own, mapped to ``seq``)."""
         seq.phase = phase
         if phase == "data":
             assert seq.pre_ok is not None
@@ -206,48 +264,19 @@ class PeerLink:
             spans = self._stamp_spans(seq)
         self._ids += 1
         self._reads[self._ids] = seq
-        self._phase_of[self._ids] = rid
         self.agent.submit_read(self._ids, seq.peer, spans, notif=seq.notif if phase == "post" else b"")
 
     def _matches(self, slot: int, key: bytes) -> bool:
         return bytes(self.stamps[slot]) == key[:STAMP].ljust(STAMP, b"\0")
 
-    def _connect(self, info: PeerInfo) -> bool:
-        """Have ``info``'s agent added (it may already be); False if that would exceed
-        ``nixl.max_peers`` with every peer busy. Raises what NIXL raises on bad metadata."""
-        name = info.name
-        if name in self._peers:
-            self._peers[name] = self._clock()
-            self._peers.move_to_end(name)
-            return True
-        self.expire_peers()
-        if len(self._peers) >= self.cfg.max_peers:
-            idle = next((n for n in self._peers if not self._busy.get(n)), None)
-            if idle is None:
-                return False
-            self._remove_peer(idle)
-        self.agent.add_peer(info)
-        self._peers[name] = self._clock()
-        return True
-
-    def _remove_peer(self, name: str) -> None:
-        self._peers.pop(name, None)
-        self._busy.pop(name, None)
-        self.agent.remove_peer(name)
-        self.counters.add(CounterName.PEERS_REMOVED, TIER)
-
     def expire_peers(self) -> list[str]:
         """Remove peers with no read in flight whose last read ended ``nixl.hold_s`` ago
         (each worker step); the names removed."""
-        due = self._clock() - self.cfg.hold_s
-        gone = [n for n, t in self._peers.items() if t <= due and not self._busy.get(n)]
-        for name in gone:
-            self._remove_peer(name)
-        return gone
+        return self._table.expire()
 
     def peers(self) -> list[str]:
         """Remote agents connected now, least recently used first."""
-        return list(self._peers)
+        return self._table.names()
 
     def poll(self) -> list[tuple[int, PeerResult]]:
         out = []
@@ -255,7 +284,7 @@ class PeerLink:
             seq = self._reads.pop(res.job_id, None)
             if seq is None:
                 continue
-            rid = self._phase_of.pop(res.job_id)
+            rid = seq.rid
             read = seq.read
             seq.seconds += res.seconds
             if res.ok and seq.phase == "pre":
@@ -263,17 +292,13 @@ class PeerLink:
                 for ls in read.slots:
                     self.stamp(ls, None)  # the second stamp lands here
                 if seq.pre_ok:
-                    self._post(rid, seq, "data")
+                    self._post(seq, "data")
                     continue
                 self.agent.notify(seq.peer, seq.notif)  # nothing complete to read: free the offer
             elif res.ok and seq.phase == "data":
-                self._post(rid, seq, "post")
+                self._post(seq, "post")
                 continue
-            name = self._read_peer.pop(rid, "")
-            if name in self._peers:
-                self._busy[name] = self._busy.get(name, 1) - 1
-                self._peers[name] = self._clock()
-                self._peers.move_to_end(name)
+            self._table.read_ended(seq.peer)
             good: set[bytes] = set()
             if res.ok:
                 for ls, key in zip(read.slots, read.keys, strict=True):

@@ -26,8 +26,8 @@ writes the table only to claim the slots a read lands in. :meth:`ChunkWorker.pol
 returns the reads that finished, and the worker records their keys.
 
 A tier may store blocks encoded (``storage_dtype: fp8``). The codec turns slot rows into
-the stored block in ``_buffer``, and back in ``poll``, on this thread. It takes ~1 ms per
-2 MiB bf16 block each way (see :mod:`vllm_kvtier.transfer.fp8`).
+the stored block and back, on this thread (:class:`~.slot_buffers.SlotBuffers`). It takes
+~1 ms per 2 MiB bf16 block each way (see :mod:`vllm_kvtier.transfer.fp8`).
 
 The store is any :class:`~vllm_kvtier.tiers.base.ChunkStore` (the one store contract).
 Each read passes the keys the scheduler expects at its positions. The store fails a
@@ -48,12 +48,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from vllm_kvtier.chunkformat import ChunkHeader, chunk_id_for, header_memory_bytes
+from vllm_kvtier.chunkformat import ChunkHeader, chunk_id_for
 from vllm_kvtier.config.stores import HEADER_CACHE_BYTES, HEADER_CACHE_ENTRIES
 from vllm_kvtier.errors import AUTH_REASONS, FailureReason
 from vllm_kvtier.jobs import ChunkRead, ChunkWriteJob
@@ -61,8 +60,11 @@ from vllm_kvtier.jobs import WorkerReport as KVTierWorkerMeta
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
 from vllm_kvtier.tiers.base import ChunkStore, Forgets, IOResult, ReportsRemoteStats
-from vllm_kvtier.tiers.buffers import BufferPool, WriteBuffer, out_of_memory
+from vllm_kvtier.tiers.buffers import BufferPool, out_of_memory
+from vllm_kvtier.tiers.resilience import RemoteStats
 from vllm_kvtier.transfer.fp8 import BlockCodec
+from vllm_kvtier.transfer.header_cache import HeaderCache
+from vllm_kvtier.transfer.slot_buffers import SlotBuffers
 from vllm_kvtier.transfer.slots import SlotTable
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,44 @@ class DriverContext:
     writes: bool = True
 
 
+class _PendingIO:
+    """The I/O a chunk driver queued and has no result for yet, by job id."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        #: read id -> (the read, whether it is a prefetch's)
+        self.reads: dict[int, tuple[ChunkRead, bool]] = {}
+        #: write id -> its blocks, while queued (one result comes for each)
+        self.writes: dict[int, int] = {}
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def add_read(self, read: ChunkRead, prefetch: bool) -> int:
+        rid = self.next_id()
+        self.reads[rid] = (read, prefetch)
+        return rid
+
+
+class _RemoteFigures:
+    """A remote store's requests, retries and breaker, as counters and a gauge.
+
+    The store keeps running totals; each report adds what changed since the last."""
+
+    def __init__(self, stats: Callable[[], RemoteStats]) -> None:
+        self._stats = stats
+        self._reported = (0, 0, 0)  # requests, retries, breaker opens already counted
+
+    def report(self, counters: Counters, tier: TierName) -> None:
+        st = self._stats()
+        now = (sum(st.requests.values()), st.retries, st.breaker.opens)
+        names = (CounterName.REQUESTS, CounterName.RETRIES, CounterName.BREAKER_OPENS)
+        for name, new, old in zip(names, now, self._reported, strict=True):
+            counters.add(name, tier, new - old)
+        self._reported = now
+        counters.set_gauge(GaugeName.BREAKER_STATE, tier, int(st.breaker.state))
+
+
 class ChunkWorker:
     def __init__(self, tier: TierName, store: ChunkStore | None, settings: DriverSection, ctx: DriverContext,
                  headers: dict[str, ChunkHeader] | None = None) -> None:
@@ -149,41 +189,30 @@ class ChunkWorker:
         they only drop cached headers, and report nothing. The scheduler counts the
         writer's acknowledgement alone. Reads fetch the header of a chunk they have not
         seen. ``fetches_headers`` is forced on: this rank never wrote it."""
-        slots, counters, buffers, codec = ctx.slots, ctx.counters, ctx.buffers, ctx.codec
-        mode, chunk_blocks, flush_on_shutdown_s = settings.mode, settings.chunk_blocks, settings.flush_on_shutdown_s
-        max_headers, max_header_bytes = settings.header_cache_entries, settings.header_cache_bytes
-        writes, fetches_headers = ctx.writes, ctx.fetches_headers
-        self.buffers = buffers
-        self.slots = slots
-        self.codec = codec
         self.tier = tier
         self.store = store
-        self.counters = counters
-        self.mode = mode
-        self.chunk_blocks = chunk_blocks
-        self.flush_on_shutdown_s = flush_on_shutdown_s
-        self.headers: OrderedDict[str, ChunkHeader] = OrderedDict(headers or {})
-        #: memory the cached headers hold (``fetches_headers`` only; see ``max_header_bytes``)
-        self._header_bytes = 0
-        self.max_header_bytes = max_header_bytes
-        self.writes = writes
-        self.fetches_headers = fetches_headers or not writes
-        self.max_headers = max_headers
-        if self.fetches_headers:
-            self._header_bytes = sum(map(header_memory_bytes, self.headers.values()))
-            self._trim_headers()
-        self._ids = itertools.count(1)
-        self._reads: dict[int, ChunkRead] = {}
-        #: write id -> its blocks, while queued (one result comes for each)
-        self._writing: dict[int, int] = {}
-        self._prefetch_reads: set[int] = set()
+        self.counters = ctx.counters
+        self.slots = ctx.slots
+        #: mode, chunk size, shutdown flush bound, header cache bounds
+        self.settings = settings
+        self.writes = ctx.writes
+        self._headers = HeaderCache(headers, bounded=ctx.fetches_headers or not ctx.writes,
+                                    max_entries=settings.header_cache_entries,
+                                    max_bytes=settings.header_cache_bytes)
+        self._bytes = SlotBuffers(ctx.slots, ctx.codec, ctx.buffers,
+                                  authenticated=store is not None and store.authenticated)
+        self._jobs = _PendingIO()
         self._meta = KVTierWorkerMeta()
         #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
         #: as the scheduler says (:meth:`mark_dirty`, :meth:`clean`)
         self._dirty: set[int] = set()
         #: a remote store's request, retry and breaker figures, reported as metrics
-        self._remote_stats = store.stats if isinstance(store, ReportsRemoteStats) else None
-        self._reported = (0, 0, 0)  # requests, retries, breaker opens already counted
+        self._remote = _RemoteFigures(store.stats) if isinstance(store, ReportsRemoteStats) else None
+
+    @property
+    def headers(self) -> Mapping[str, ChunkHeader]:
+        """The chunk headers held, oldest first (see ``ctx.fetches_headers``)."""
+        return self._headers.entries
 
     # ---- writes -------------------------------------------------------------------
 
@@ -214,11 +243,8 @@ class ChunkWorker:
             if self.store is None:
                 self._meta.failed.add(ref)
                 continue
-            # An FP8 tier encodes here: torch ops on an I/O thread would start an OpenMP
-            # team of their own beside the compute threads'.
-            now = copy_now or self.codec is not None
             try:
-                wb = self._buffer(job.keys, job.slots) if now else self._deferred_buffer(job.keys, job.slots)
+                wb = self._bytes.write_buffer(job.keys, job.slots, copy_now=copy_now)
             except (MemoryError, OSError) as e:  # no memory for the buffer: not written now
                 if not out_of_memory(e):
                     raise
@@ -227,18 +253,18 @@ class ChunkWorker:
                 self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # like a full queue: back-pressure, not a failing tier
                 continue
-            wid = next(self._ids)
+            wid = self._jobs.next_id()
             if not self.store.submit_write(wid, job.chunk_id, wb):
                 wb.buf.close()
                 self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(job.keys))
                 self._meta.refused.add(ref)  # queue full: back-pressure, not a failing tier
                 continue  # still dirty: the shutdown flush may write them yet
-            self._writing[wid] = len(job.keys)
+            self._jobs.writes[wid] = len(job.keys)
             self.clean(job.slots)
 
     def delete(self, chunk_ids: list[str]) -> None:
         for fid in chunk_ids:
-            self._drop_header(fid)
+            self._headers.drop(fid)
             if self.store is not None and self.writes:  # the writer's file: it deletes it
                 self.store.submit_delete(fid)
 
@@ -246,7 +272,7 @@ class ChunkWorker:
         """Chunks a rescan no longer lists: their cached headers go, and a store that keeps
         a writer's manifest (S3) prunes them from it. No request is sent."""
         for fid in chunk_ids:
-            self._drop_header(fid)
+            self._headers.drop(fid)
         if chunk_ids and self.writes and isinstance(self.store, Forgets):
             self.store.forget(chunk_ids)
 
@@ -254,36 +280,15 @@ class ChunkWorker:
 
     def start_read(self, read: ChunkRead, *, prefetch: bool = False) -> int | None:
         """Queue a read; its id, or None if it cannot be read here (a miss)."""
-        header = self.headers.get(read.chunk_id)
-        if self.store is None or (header is None and not self.fetches_headers):
+        header = self._headers.get(read.chunk_id)
+        if self.store is None or (header is None and not self._headers.bounded):
             self._meta.bad.add((self.tier, read.chunk_id))
             return None
-        rid = next(self._ids)
-        self._reads[rid] = read
-        if prefetch:  # counted by the scheduler as prefetch_blocks, not as a request's load
-            self._prefetch_reads.add(rid)
+        # a prefetch is counted by the scheduler as prefetch_blocks, not as a request's load
+        rid = self._jobs.add_read(read, prefetch)
         # header None only for a store that fetches it (see fetches_headers).
         self.store.submit_read(rid, read.chunk_id, header, list(read.positions), list(read.keys))
         return rid
-
-    def _keep_header(self, chunk_id: str, header: ChunkHeader) -> None:
-        if not self.fetches_headers:
-            self.headers[chunk_id] = header
-            return
-        self._drop_header(chunk_id)
-        self.headers[chunk_id] = header
-        self._header_bytes += header_memory_bytes(header)
-        self._trim_headers()
-
-    def _trim_headers(self) -> None:
-        """LRU out of the cache until both bounds hold (``fetches_headers`` only)."""
-        while self.headers and (len(self.headers) > self.max_headers or self._header_bytes > self.max_header_bytes):
-            self._header_bytes -= header_memory_bytes(self.headers.popitem(last=False)[1])
-
-    def _drop_header(self, chunk_id: str) -> None:
-        h = self.headers.pop(chunk_id, None)
-        if h is not None and self.fetches_headers:
-            self._header_bytes -= header_memory_bytes(h)
 
     def poll(self) -> list[tuple[int, ChunkRead, bool]]:
         """Handle finished I/O: fill slots from completed reads. Returns (read id, read,
@@ -293,12 +298,11 @@ class ChunkWorker:
             if res.kind == "write":
                 self._on_write(res)
             elif res.kind == "read":
-                read = self._reads.pop(res.job_id, None)
-                was_prefetch = res.job_id in self._prefetch_reads
-                self._prefetch_reads.discard(res.job_id)
-                if read is None:
+                entry = self._jobs.reads.pop(res.job_id, None)
+                if entry is None:
                     res.release()
                     continue
+                read, was_prefetch = entry
                 ok, reason = res.ok, res.reason
                 if ok:
                     assert res.blocks is not None
@@ -308,13 +312,13 @@ class ChunkWorker:
                     try:
                         for slot, data in zip(read.slots, res.blocks, strict=True):
                             self.slots.wait(slot)  # a device copy may still use the slot (CUDA)
-                            self._fill(slot, data)
+                            self._bytes.fill_slot(slot, data)
                     except ValueError as e:  # a block of the wrong size: never served
                         logger.warning("kvtier %s: %s: %s", self.tier, read.chunk_id, e)
                         ok, reason = False, FailureReason.FORMAT
                 if ok:
                     if res.header is not None:
-                        self._keep_header(read.chunk_id, res.header)
+                        self._headers.keep(read.chunk_id, res.header)
                     if not was_prefetch:
                         self.counters.add(CounterName.READS, self.tier)
                         self.counters.add(CounterName.BLOCKS_LOADED, self.tier, len(read.slots))
@@ -330,33 +334,22 @@ class ChunkWorker:
                         self.counters.add(CounterName.AUTH_FAILURES, self.tier)
                     if reason is not None and reason.damaged:
                         self._meta.bad.add((self.tier, read.chunk_id))
-                        self._drop_header(read.chunk_id)
+                        self._headers.drop(read.chunk_id)
                     elif reason is FailureReason.UNAUTHENTICATED:  # forgotten, not deleted
                         self._meta.untrusted.add((self.tier, read.chunk_id))
-                        self._drop_header(read.chunk_id)
+                        self._headers.drop(read.chunk_id)
                 res.release()
                 finished.append((res.job_id, read, ok))
-        self._report_remote()
+        if self._remote is not None:
+            self._remote.report(self.counters, self.tier)
         return finished
-
-    def _report_remote(self) -> None:
-        """Requests, retries and breaker state of a remote store, as counters and a gauge."""
-        if self._remote_stats is None:
-            return
-        st = self._remote_stats()
-        now = (sum(st.requests.values()), st.retries, st.breaker.opens)
-        names = (CounterName.REQUESTS, CounterName.RETRIES, CounterName.BREAKER_OPENS)
-        for name, new, old in zip(names, now, self._reported, strict=True):
-            self.counters.add(name, self.tier, new - old)
-        self._reported = now
-        self.counters.set_gauge(GaugeName.BREAKER_STATE, self.tier, int(st.breaker.state))
 
     def _on_write(self, res: IOResult) -> None:
         ref = (self.tier, res.chunk_id)
-        nblocks = self._writing.pop(res.job_id, 0)
+        nblocks = self._jobs.writes.pop(res.job_id, 0)
         if res.ok:
             assert res.header is not None
-            self._keep_header(res.chunk_id, res.header)
+            self._headers.keep(res.chunk_id, res.header)
             self._meta.written[ref] = self._meta.written.get(ref, 0) + 1
             self.counters.add(CounterName.BLOCKS_STORED, self.tier, res.header.nblocks)
             self.counters.add(CounterName.BYTES_STORED, self.tier, res.nbytes)
@@ -380,11 +373,11 @@ class ChunkWorker:
 
     def wait_for_reads(self, timeout_s: float) -> None:
         """Idle steps only: give the I/O threads the GIL until a read may have finished."""
-        if self._reads and self.store is not None:
+        if self._jobs.reads and self.store is not None:
             self.store.wait(timeout_s)
 
     def pending_reads(self) -> int:
-        return len(self._reads)
+        return len(self._jobs.reads)
 
     # ---- shutdown -----------------------------------------------------------------
 
@@ -393,23 +386,24 @@ class ChunkWorker:
         then finish queued I/O and stop."""
         if self.store is None:
             return
-        deadline = time.monotonic() + self.flush_on_shutdown_s
-        if self.mode == "write-back" and self._dirty:
+        chunk_blocks = self.settings.chunk_blocks
+        deadline = time.monotonic() + self.settings.flush_on_shutdown_s
+        if self.settings.mode == "write-back" and self._dirty:
             items = [(s, k) for s in sorted(self._dirty) if (k := self.slots.key(s)) is not None]
             written = 0
-            for i in range(0, len(items), self.chunk_blocks):
+            for i in range(0, len(items), chunk_blocks):
                 if time.monotonic() > deadline:
                     break
-                part = items[i : i + self.chunk_blocks]
+                part = items[i : i + chunk_blocks]
                 keys = tuple(k for _, k in part)
                 try:
-                    wb = self._buffer(keys, tuple(s for s, _ in part))
+                    wb = self._bytes.copied(keys, tuple(s for s, _ in part))
                 except (MemoryError, OSError) as e:
                     if not out_of_memory(e):
                         raise
                     self.counters.add(CounterName.NO_BUFFER, self.tier)
                     break  # no memory: the rest stays unwritten, as past the deadline
-                while not self.store.submit_write(next(self._ids), chunk_id_for(keys), wb):
+                while not self.store.submit_write(self._jobs.next_id(), chunk_id_for(keys), wb):
                     if time.monotonic() > deadline:
                         wb.buf.close()
                         break
@@ -418,47 +412,3 @@ class ChunkWorker:
                     written += len(keys)
             logger.info("kvtier %s: flushed %d write-back blocks at shutdown", self.tier, written)
         self.store.close(timeout_s=max(0.0, deadline - time.monotonic()) + 5.0)
-
-    def _new_buffer(self, keys: tuple[bytes, ...], fill: Callable[[WriteBuffer], bool] | None = None) -> WriteBuffer:
-        pool = self.slots.pool
-        return WriteBuffer(list(keys), pool.slot_bytes if self.codec is None else self.codec.stored_bytes,
-                           self.buffers, authenticated=self.store is not None and self.store.authenticated,
-                           fill=fill)
-
-    def _copy_out(self, wb: WriteBuffer, slots: tuple[int, ...]) -> None:
-        codec, pool = self.codec, self.slots.pool
-        for i, s in enumerate(slots):
-            if codec is None:
-                pool.copy_slot_out(s, wb.block(i))
-            else:  # straight from the slot's rows into the buffer: no staging copy
-                codec.encode([p[s] for p in pool.planes], wb.block(i))
-
-    def _buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
-        """A write buffer holding ``slots`` copied now (on this thread)."""
-        wb = self._new_buffer(keys)
-        self._copy_out(wb, slots)
-        return wb
-
-    def _deferred_buffer(self, keys: tuple[bytes, ...], slots: tuple[int, ...]) -> WriteBuffer:
-        """A write buffer the store fills on its I/O thread, from ``slots`` as they are
-        now: their generations now must be theirs after the copy, else it is dropped."""
-        table = self.slots
-        gens = tuple(table.generation(s) for s in slots)
-
-        def unchanged() -> bool:
-            return all(table.generation(s) == g for s, g in zip(slots, gens, strict=True))
-
-        def fill(wb: WriteBuffer) -> bool:
-            if not unchanged():
-                return False
-            self._copy_out(wb, slots)
-            return unchanged()  # a claim during the copy: its bytes may be torn
-
-        return self._new_buffer(keys, fill)
-
-    def _fill(self, slot: int, data: memoryview) -> None:
-        pool = self.slots.pool
-        if self.codec is None:
-            pool.copy_slot_in(slot, data)
-        else:
-            self.codec.decode(data, [p[slot] for p in pool.planes])

@@ -12,6 +12,8 @@ It is the per-step orchestrator: it calls its parts in vLLM's order and forwards
   sizes its pool itself and tells the scheduler (:mod:`.datapath` says how). The tiers
   below CPU (``make_tiers``, the connector's wiring, ``engine/lower.py``) are opened at
   the first plan, only when the scheduler's namespace agrees with ours.
+- :class:`~.namespace_gate.NamespaceGate`: opens the lower tiers at the first plan, and
+  refuses their jobs while the scheduler's namespace is not ours.
 - :class:`~.saves.Saves`, :class:`~.loads.Loads`, :class:`~.prefetches.Prefetches`:
   what is in flight, in small typed records. A finished lower-tier read is routed by
   ``(tier, read id)``: to the verifier, a prefetch or a load.
@@ -70,9 +72,10 @@ from vllm_kvtier.jobs import ChunkRead, StepPlan, WorkerReport
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import CounterName, Counters
 from vllm_kvtier.transfer.copier import CopyEngine
-from vllm_kvtier.transfer.datapath import DataPath, build_datapath, open_lower
+from vllm_kvtier.transfer.datapath import DataPath, build_datapath
 from vllm_kvtier.transfer.layout import KVLayout, build_layout
 from vllm_kvtier.transfer.loads import Loads
+from vllm_kvtier.transfer.namespace_gate import NamespaceGate
 from vllm_kvtier.transfer.prefetches import Prefetches
 from vllm_kvtier.transfer.saves import Saves
 from vllm_kvtier.transfer.slots import SlotTable
@@ -111,30 +114,32 @@ def _step_timed(fn: _F) -> _F:
     return cast(_F, timed)
 
 
-class WorkerHalf:
-    def __init__(self, cfg: KVTierConfig, *, num_blocks: int, pool_slots: Callable[[], int],
-                 namespace: str = "", rank: int = 0,
-                 make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None,
-                 cache_dtype: str = "auto") -> None:
-        """``pool_slots()``: the CPU pool's size, computed in ``register_kv_caches``.
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker half is built from, beside its config (the connector's wiring)."""
 
-        That is after vLLM allocated its KV cache. ``make_tiers(cfg, namespace=, rank=,
-        slots=, counters=, kv_dtype=)``: this rank's tiers below CPU by name. They are
-        opened at the first plan when the scheduler's namespace agrees (None: none).
-        ``cache_dtype``: vLLM's ``cache_dtype``. It says which fp8 format a ``uint8`` cache
-        holds."""
+    #: vLLM's KV cache blocks per layer
+    num_blocks: int
+    #: The CPU pool's size, computed in ``register_kv_caches``, after vLLM allocated its
+    #: KV cache.
+    pool_slots: Callable[[], int]
+    namespace: str = ""
+    rank: int = 0
+    #: ``make_tiers(cfg, namespace=, rank=, slots=, counters=, kv_dtype=)``: this rank's
+    #: tiers below CPU by name. They are opened at the first plan when the scheduler's
+    #: namespace agrees (None: none).
+    make_tiers: Callable[..., dict[str, ChunkWorker]] | None = None
+    #: vLLM's ``cache_dtype``. It says which fp8 format a ``uint8`` cache holds.
+    cache_dtype: str = "auto"
+
+
+class WorkerHalf:
+    def __init__(self, cfg: KVTierConfig, setup: WorkerSetup) -> None:
         self.cfg = cfg
-        self.num_blocks = num_blocks
-        self.namespace = namespace
-        self.rank = rank
+        self.setup = setup
         self.counters = Counters()
-        self._pool_slots = pool_slots
-        #: builds the data path, with the inputs given here and nowhere else
-        self._build = functools.partial(build_datapath, cfg, cache_dtype=cache_dtype)
-        #: opens the lower tiers at the first plan (None: none, or opened already)
-        self._make_tiers = make_tiers
-        #: this rank's KV cache tensors, seen as block rows (``register_kv_caches``)
-        self.layout: KVLayout | None = None
+        #: opens the lower tiers at the first plan, only under the scheduler's namespace
+        self._gate = NamespaceGate(setup.namespace, setup.rank, setup.make_tiers)
         #: built in ``register_kv_caches``
         self.path: DataPath | None = None
         self.saves = Saves(self.counters, checksum=cfg.cpu.checksum)
@@ -143,9 +148,20 @@ class WorkerHalf:
         self._step = _Step()
         #: The report to the scheduler being built (``worker_meta`` hands it over).
         self._report = WorkerReport()
-        #: The scheduler's namespace when it is not ours (then no lower tier is built, and
-        #: every lower-tier job is refused); "" while they agree.
-        self.namespace_conflict = ""
+
+    @property
+    def namespace(self) -> str:
+        return self.setup.namespace
+
+    @property
+    def rank(self) -> int:
+        return self.setup.rank
+
+    @property
+    def namespace_conflict(self) -> str:
+        """The scheduler's namespace when it is not ours (then no lower tier is built, and
+        every lower-tier job is refused); "" while they agree."""
+        return self._gate.conflict
 
     # ---- the connector's switches, set once before the first step --------------------
 
@@ -175,6 +191,11 @@ class WorkerHalf:
     # ---- parts of the data path (None, or empty, until ``register_kv_caches``) ----------
 
     @property
+    def layout(self) -> KVLayout | None:
+        """This rank's KV cache tensors, seen as block rows (``register_kv_caches``)."""
+        return self.path.layout if self.path is not None else None
+
+    @property
     def engine(self) -> CopyEngine | None:
         return self.path.engine if self.path is not None else None
 
@@ -194,13 +215,13 @@ class WorkerHalf:
         """See the KV cache tensors, size the CPU pool, and build the data path on them.
         Raises :class:`~vllm_kvtier.errors.ConfigError` when ``cpu.capacity_bytes`` cannot
         fit in this process's memory (the engine then stops at start-up, not at a request)."""
-        layout = build_layout(kv_caches, self.num_blocks)
+        setup = self.setup
+        layout = build_layout(kv_caches, setup.num_blocks)
         logger.info("kvtier: KV layout %s, %d B per block", layout.description, layout.block_bytes)
         if layout.shared and self.cfg.layer_pipelined_loads != "off":
             logger.info("kvtier: layers share KV tensors (hybrid KV cache groups): layer-by-layer loads off")
-        self.layout = layout
-        self.path = self._build(layout, self._pool_slots(), namespace=self.namespace, rank=self.rank,
-                                counters=self.counters)
+        self.path = build_datapath(self.cfg, layout, setup.pool_slots(), namespace=setup.namespace, rank=setup.rank,
+                                   counters=self.counters, cache_dtype=setup.cache_dtype)
         if self.path.peer_info is not None:  # published once, so that the scheduler can reach this rank
             self._report.peer_info[self.rank] = self.path.peer_info
 
@@ -208,32 +229,6 @@ class WorkerHalf:
     def num_slots(self) -> int:
         """The CPU pool's size (0 before ``register_kv_caches``): sent to the scheduler once."""
         return self.path.pool.num_slots if self.path is not None else 0
-
-    def _check_namespace(self, theirs: str) -> None:
-        """Compare the scheduler's namespace (sent in every plan) with ours.
-
-        This runs before the lower tiers open. The two processes compute it apart: the
-        scheduler cannot see this worker's tensors or environment. If they differ, the
-        scheduler's index and this worker's stored headers would name different things.
-        Either one may be wrong. So no lower tier is opened, and every lower-tier job is
-        refused and counted."""
-        if not theirs or theirs == self.namespace or self.namespace_conflict:
-            return
-        self.namespace_conflict = theirs
-        logger.error("kvtier: rank %d computed namespace %s but the scheduler computed %s (model files, config or "
-                     "KV layout seen differently by the two processes): this rank refuses every NVMe/S3/pool read "
-                     "and write (blocks recomputed, nothing stored); the scheduler's and this worker's namespace "
-                     "log lines show the inputs", self.rank, self.namespace, theirs)
-
-    def _refuse_lower(self, meta: StepPlan) -> None:
-        """A namespace conflict: the step's lower-tier writes are reported failed.
-
-        Each is counted. The scheduler drops those chunks; its breaker pauses the tier."""
-        for job in meta.demotes + meta.write_through:
-            self._report.failed.add((job.tier, job.chunk_id))
-            self.counters.add(CounterName.NAMESPACE_MISMATCH, job.tier)
-        for read in [r for load in meta.loads for r in load.reads] + [r for pf in meta.prefetches for r in pf.reads]:
-            self.counters.add(CounterName.NAMESPACE_MISMATCH, read.tier)
 
     # ---- per step ----------------------------------------------------------------
 
@@ -248,14 +243,10 @@ class WorkerHalf:
         path = self.path
         if path is None:
             raise RuntimeError("kvtier: a step began before register_kv_caches")
-        self._check_namespace(meta.namespace)
+        self._gate.check(meta.namespace)
         path.check_size(meta.num_slots)
-        if self._make_tiers is not None:  # the first plan: open the lower tiers, unless in conflict
-            make, self._make_tiers = self._make_tiers, None
-            if not self.namespace_conflict:
-                open_lower(path, self.cfg, make, namespace=self.namespace, rank=self.rank, counters=self.counters)
-        if self.namespace_conflict:
-            self._refuse_lower(meta)  # the reads fail below: no such tier here
+        self._gate.open_once(path, self.cfg, self.counters)
+        self._gate.refuse(meta, self._report, self.counters)
         # The last forward's saves were fenced when it ended (the module's docstring); a
         # step that uses pool slots on the host also settles them all.
         touches_slots = bool(meta.loads or meta.demotes or meta.verifies or meta.prefetches)

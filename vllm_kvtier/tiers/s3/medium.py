@@ -69,7 +69,7 @@ from vllm_kvtier.tiers.s3.config import (
 from vllm_kvtier.tiers.s3.object_io import Boto3ObjectIO, ObjectIO, ViewReader, read_body_into
 from vllm_kvtier.tiers.s3.spec import INSTALL_HINT
 
-__all__ = ["MANIFEST_STEP_BYTES", "BoundedBody", "S3Medium"]
+__all__ = ["MANIFEST_STEP_BYTES", "BoundedBody", "RequestTally", "S3Medium"]
 
 #: Bytes of a manifest's body read (and decoded) at a time: what a manifest read holds.
 MANIFEST_STEP_BYTES = 256 << 10
@@ -96,6 +96,31 @@ class BoundedBody:
             read_body_into(self._body, buf[:k])
             got += k
             yield buf[:k]
+
+
+class RequestTally:
+    """Requests sent by operation, and attempts retried, counted from many threads.
+
+    botocore's ``before-send`` hook, the NIXL engine and the retry loop bump it on the
+    I/O threads; the store reads it (:meth:`S3Medium.request_counts`) for its metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, int] = {}
+        self._retries = 0
+
+    def count(self, op: str) -> None:
+        with self._lock:
+            self._requests[op] = self._requests.get(op, 0) + 1
+
+    def count_retry(self, e: BaseException | None = None) -> None:
+        with self._lock:
+            self._retries += 1
+
+    def snapshot(self) -> tuple[dict[str, int], int]:
+        """(requests sent by operation, attempts retried) so far."""
+        with self._lock:
+            return dict(self._requests), self._retries
 
 
 class S3Medium:
@@ -126,9 +151,7 @@ class S3Medium:
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         self._policy = RetryPolicy(config.max_attempts, config.backoff_base_s, config.backoff_max_s)
         self._rng = random.Random()
-        self._lock = threading.Lock()
-        self._requests: dict[str, int] = {}
-        self._retries = 0
+        self._tally = RequestTally()
         session = boto3.session.Session(region_name=config.region, profile_name=config.profile)
         self.client: Any = session.client(
             "s3",
@@ -159,7 +182,7 @@ class S3Medium:
         if config.io_engine == "nixl":
             from vllm_kvtier.tiers.nixl.io_engine import NixlObjectIO
 
-            self.data = NixlObjectIO(config, self._size_of, on_request=self._count_op)
+            self.data = NixlObjectIO(config, self._size_of, on_request=self._tally.count)
 
     def key(self, chunk_id: str) -> str:
         return object_key(self.config, self.namespace, self.rank, chunk_id)
@@ -205,7 +228,7 @@ class S3Medium:
     def call(self, fn: Callable[[], Any], deadline: float) -> Any:
         """``fn()`` with retries, backoff and the breaker, no attempt started past ``deadline``."""
         return call_with_retries(fn, transient=is_transient, policy=self._policy, breaker=self.breaker,
-                                 deadline=deadline, rng=self._rng, on_retry=self._on_retry)
+                                 deadline=deadline, rng=self._rng, on_retry=self._tally.count_retry)
 
     def _get(self, key: str, start: int | None, dst: memoryview, deadline: float) -> None:
         try:
@@ -309,17 +332,8 @@ class S3Medium:
     # figures
 
     def _count_request(self, event_name: str = "", **_: Any) -> None:
-        self._count_op(event_name.rsplit(".", 1)[-1])
-
-    def _count_op(self, op: str) -> None:
-        with self._lock:
-            self._requests[op] = self._requests.get(op, 0) + 1
-
-    def _on_retry(self, e: BaseException) -> None:
-        with self._lock:
-            self._retries += 1
+        self._tally.count(event_name.rsplit(".", 1)[-1])
 
     def request_counts(self) -> tuple[dict[str, int], int]:
         """(requests sent by operation, attempts retried) so far."""
-        with self._lock:
-            return dict(self._requests), self._retries
+        return self._tally.snapshot()
