@@ -147,8 +147,8 @@ def worker(model: str, kv_json: str) -> int:
     def list_bucket() -> None:
         # the S3 planner's rescan, run now on this thread, and all of it applied
         for p in half.lower:
-            if p._rescans is not None:
-                p._rescans.rescan_once()
+            if p.feed.rescans is not None:
+                p.feed.rescans.rescan_once()
                 p.refresh()
                 while p.rescan_pending():
                     p.refresh()
