@@ -142,11 +142,11 @@ def worker(model: str, kv_json: str) -> int:
 
     def writing() -> int:
         # the planners' chunks written but not confirmed yet (a bench-only look inside)
-        return sum(len(p.index._pending) for p in half.lower)
+        return sum(len(p.index._pending) for p in half.planner.lower)
 
     def list_bucket() -> None:
         # the S3 planner's rescan, run now on this thread, and all of it applied
-        for p in half.lower:
+        for p in half.planner.lower:
             if p.feed.rescans is not None:
                 p.feed.rescans.rescan_once()
                 p.refresh()
