@@ -142,13 +142,13 @@ def worker(model: str, kv_json: str) -> int:
 
     def writing() -> int:
         # the planners' chunks written but not confirmed yet (a bench-only look inside)
-        return sum(len(p.index._pending) for p in half.lower)
+        return sum(len(p.index._pending) for p in half.planner.lower)
 
     def list_bucket() -> None:
         # the S3 planner's rescan, run now on this thread, and all of it applied
-        for p in half.lower:
-            if p._rescans is not None:
-                p._rescans.rescan_once()
+        for p in half.planner.lower:
+            if p.feed.rescans is not None:
+                p.feed.rescans.rescan_once()
                 p.refresh()
                 while p.rescan_pending():
                     p.refresh()

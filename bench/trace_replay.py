@@ -168,18 +168,18 @@ class Engine:
         (the connector does not pass ``cpu.eviction`` to its index yet). Before any request
         the index is empty, so a fresh one is equivalent."""
         assert self.half is not None
-        if self.half.index.eviction == eviction:
+        if self.half.planner.index.eviction == eviction:
             return False
-        cpu = self.half.cfg.cpu
-        self.half.index = SlotIndex(
-            self.half.index.num_slots,
+        cpu = self.half.planner.cfg.cpu
+        self.half.planner.index = SlotIndex(
+            self.half.planner.index.num_slots,
             eviction=eviction,
             max_pinned_fraction=getattr(cpu, "max_pinned_fraction", 0.5),
         )
         return True
 
     def counter(self, name: str) -> float:
-        return self.half.counters.totals.get(f"{name}|cpu", 0.0) if self.half is not None else 0.0
+        return self.half.planner.counters.totals.get(f"{name}|cpu", 0.0) if self.half is not None else 0.0
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[float, int, int, list[int]]:
         """(TTFT, cached tokens, CPU-tier hit blocks, generated tokens) of one request."""
@@ -205,7 +205,7 @@ class Engine:
         )
         outcomes: dict[str, int] = {}
         for h in hasher(fake):
-            o = self.half.index.pin_key(BlockKey(h), ttl_s)
+            o = self.half.planner.index.pin_key(BlockKey(h), ttl_s)
             outcomes[o.value] = outcomes.get(o.value, 0) + 1
         return outcomes
 
@@ -251,9 +251,9 @@ def serve(conn: Any, name: str, model_dir: Path, systems: list[list[int]], a: ar
     while (msg := conn.recv()) is not None:
         conn.send(eng.run(*msg))
     if eng.half is not None:
-        info["counters"] = {k: v for k, v in eng.half.counters.totals.items() if k.endswith("|cpu")}
-        info["pinned_keys_end"] = eng.half.index.pinned_keys
-        info["eviction"] = eng.half.index.eviction
+        info["counters"] = {k: v for k, v in eng.half.planner.counters.totals.items() if k.endswith("|cpu")}
+        info["pinned_keys_end"] = eng.half.planner.index.pinned_keys
+        info["eviction"] = eng.half.planner.index.eviction
     eng.close()
     conn.send(info)
 

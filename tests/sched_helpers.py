@@ -306,9 +306,9 @@ def assert_scheduler_empty(scheduler: Scheduler, initial_free_blocks: int) -> No
     for block in scheduler.kv_cache_manager.block_pool.blocks:
         assert block.ref_cnt == 0 or block.is_null
     half = sched_half(scheduler)
-    assert not half.tracked_requests() and not half.held_requests()
-    assert not half.has_pending_work()
-    assert not any(half.index.is_pinned(s) for s in range(half.index.num_slots))
+    assert not half.planner.tracked_requests() and not half.planner.held_requests()
+    assert not half.planner.has_pending_work()
+    assert not any(half.planner.index.is_pinned(s) for s in range(half.planner.index.num_slots))
 
 
 __all__ = [

@@ -83,7 +83,7 @@ class DPEngine:
         par.data_parallel_index = engine
         cfg = parse_config(extra)
         kvc = kv_cache_config()
-        self.sched = wiring.scheduler_half(cfg, vc, kvc, NS)
+        self.sched = wiring.scheduler_half(cfg, vc, kvc, NS).planner
         planner = self.sched.lower_tier(tier)
         assert planner is not None
         self.planner: ChunkPlanner = planner

@@ -11,7 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector import KVTierConnector
 from vllm_kvtier.connector.metadata import KVTierHandshake
-from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
 
 
 @dataclass
@@ -22,8 +23,8 @@ class _OtherConnectorsPayload(KVConnectorHandshakeMetadata):
 def _connector(num_slots: int) -> KVTierConnector:
     """A scheduler-role connector holding only its planner (what the handshake touches)."""
     conn = object.__new__(KVTierConnector)
-    conn._sched = SchedulerPlanner(parse_config({"cpu": {"capacity_bytes": 1 << 20}}), block_size=32,
-                                   num_slots=num_slots, slot_bytes_total=1024)
+    cfg = parse_config({"cpu": {"capacity_bytes": 1 << 20}})
+    conn._sched = SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(32, num_slots, 1024)))
     return conn
 
 
@@ -33,10 +34,10 @@ def test_the_smallest_rank_over_every_pipeline_stage_sizes_the_index():
         (0, 0): KVTierHandshake(rank=0, num_slots=64), (0, 1): KVTierHandshake(rank=1, num_slots=64),
         (1, 0): KVTierHandshake(rank=2, num_slots=60), (1, 1): _OtherConnectorsPayload(),
     })
-    assert conn._sched.index.num_slots == 60
+    assert conn._sched.planner.index.num_slots == 60
 
 
 def test_another_connectors_handshake_leaves_the_estimate():
     conn = _connector(100)
     conn.set_xfer_handshake_metadata_pp_aware({(0, 0): _OtherConnectorsPayload()})
-    assert conn._sched.index.num_slots == 100
+    assert conn._sched.planner.index.num_slots == 100

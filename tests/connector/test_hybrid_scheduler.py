@@ -46,7 +46,7 @@ def stored_positions(sched, prompt, group, n):
     """Positions < n of ``prompt`` whose unit of ``group`` is in the CPU tier."""
     half = sched_half(sched)
     hashes = make_request("probe", prompt).block_hashes
-    return {p for p in range(min(n, len(hashes))) if BlockKey(group_key(hashes[p], group)) in half.index}
+    return {p for p in range(min(n, len(hashes))) if BlockKey(group_key(hashes[p], group)) in half.planner.index}
 
 
 def run(sched, worker, req_id, prompt, max_tokens=1):
@@ -72,10 +72,10 @@ def test_sliding_group_stores_only_the_windows_and_a_repeat_loads_both_groups_in
     assert all(b == 0 for b in sliding_ids[:8])  # vLLM's null block outside the window
     assert set(loads[0].block_ids) == set(sliding_ids[8:10]) | set(full_ids[:10])
     assert len(loads[0].block_ids) == 12
-    assert sched_half(sched).group_loaded_blocks == [2, 10]
+    assert sched_half(sched).planner.group_loaded_blocks == [2, 10]
     worker.run_until_idle(sched)
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert not sched_half(sched).tracked_requests() and not sched_half(sched).held_requests()
+    assert not sched_half(sched).planner.tracked_requests() and not sched_half(sched).planner.held_requests()
 
 
 def test_the_hit_is_the_prefix_every_group_can_serve(model_dir):
@@ -99,7 +99,7 @@ def test_a_missing_full_unit_limits_the_hit(model_dir):
     run(sched, worker, "a", prompt)
     half = sched_half(sched)
     hashes = make_request("probe", prompt).block_hashes
-    half.drop_stored(BlockKey(group_key(hashes[9], FULL)))
+    half.planner.drop_stored(BlockKey(group_key(hashes[9], FULL)))
     # Full group: 9 blocks; the sliding window for 9 is [7, 9): block 7 was not stored.
     assert connector(sched).get_num_new_matched_tokens(make_request("b", prompt), 0) == (0, False)
 
@@ -113,8 +113,8 @@ def test_sliding_decode_blocks_outside_the_final_window_are_dropped_at_finish(mo
     worker.run_until_idle(sched)
     hashes = req.block_hashes
     half = sched_half(sched)
-    full = {p for p in range(len(hashes)) if BlockKey(group_key(hashes[p], FULL)) in half.index}
-    sliding = {p for p in range(len(hashes)) if BlockKey(hashes[p]) in half.index}
+    full = {p for p in range(len(hashes)) if BlockKey(group_key(hashes[p], FULL)) in half.planner.index}
+    sliding = {p for p in range(len(hashes)) if BlockKey(hashes[p]) in half.planner.index}
     assert full == set(range(8))
     assert sliding == {2, 3, 6, 7}  # the prompt's window and the answer's final one
 
@@ -133,7 +133,7 @@ def test_a_failed_load_is_reported_and_recomputed_per_request(model_dir):
     worker.run_until_idle(sched)  # vLLM recomputes it (no block-level error: that raises with 2 groups)
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert stored_positions(sched, prompt, FULL, 11) == set(range(10))  # stored again
-    assert not sched_half(sched).tracked_requests() and not sched_half(sched).held_requests()
+    assert not sched_half(sched).planner.tracked_requests() and not sched_half(sched).planner.held_requests()
 
 
 def test_preemption_with_two_groups_keeps_jobs_on_owned_blocks_and_resumes_with_a_load(model_dir):
@@ -158,7 +158,7 @@ def test_preemption_with_two_groups_keeps_jobs_on_owned_blocks_and_resumes_with_
     for rid in preempted:
         # Its prompt's 2 full blocks, in both groups (the window [0, 2) of the sliding one).
         assert [len(j.block_ids) for m in worker.metas for j in m.loads if j.req_id == rid][-1] == 4
-    assert not half.tracked_requests() and not half.held_requests()
+    assert not half.planner.tracked_requests() and not half.planner.held_requests()
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == initial
 
 
@@ -171,27 +171,28 @@ def test_a_merged_load_is_observed_once_per_request():
     from tests.connector.test_scheduler_nvme import FakeRequest, _Out, key
     from vllm_kvtier.config import parse_config
     from vllm_kvtier.connector.scheduler import SchedulerHalf
+    from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
     from vllm_kvtier.index.groups import GroupLayout, GroupSpec
 
     layout = GroupLayout((GroupSpec("sliding", BS, WINDOW), GroupSpec("full", BS)))
-    half = SchedulerHalf(parse_config({}), block_size=BS, num_slots=32, slot_bytes_total=4096, layout=layout)
+    half = SchedulerHalf(GroupedPlanner(parse_config({}), PlannerSetup(BS, 32, 4096), layout=layout))
     hashes = [key(i) for i in range(5)]
     for i in range(4):
-        half.index.allocate(BlockKey(group_key(hashes[i], FULL)))
+        half.planner.index.allocate(BlockKey(group_key(hashes[i], FULL)))
     for i in (2, 3):  # the sliding window before block 4
-        half.index.allocate(BlockKey(hashes[i]))
-    half.stats()
+        half.planner.index.allocate(BlockKey(hashes[i]))
+    half.planner.stats()
     req = FakeRequest("r", hashes, num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
-    half.update_state_after_alloc_groups(req, ([0, 0, 12, 13, 14], [20, 21, 22, 23, 24]), 4 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    half.planner.update_state_after_alloc_groups(req, ([0, 0, 12, 13, 14], [20, 21, 22, 23, 24]), 4 * BS)
     meta = half.build_connector_meta(_Out({}))
     assert [(j.req_id, sorted(j.block_ids)) for j in meta.loads] == [("r", [12, 13, 20, 21, 22, 23])]
-    assert (half.stats() or {}).get("histograms") == {"request_loaded_blocks|cpu": [6]}
+    assert (half.planner.stats() or {}).get("histograms") == {"request_loaded_blocks|cpu": [6]}
     time.sleep(0.02)
     half.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
-    (wait,) = (half.stats() or {})["histograms"]["request_load_wait_seconds|cpu"]
+    (wait,) = (half.planner.stats() or {})["histograms"]["request_load_wait_seconds|cpu"]
     assert 0.02 <= wait < 5
-    assert half.tracked_requests() == {view_id("r", 0), view_id("r", 1)}
+    assert half.planner.tracked_requests() == {view_id("r", 0), view_id("r", 1)}
 
 
 def test_short_first_on_a_hybrid_model_keeps_vllms_order_and_follows_no_one_after(model_dir):
@@ -204,7 +205,7 @@ def test_short_first_on_a_hybrid_model_keeps_vllms_order_and_follows_no_one_afte
     worker = FakeWorker()
     prefix = prompt_tokens(10 * BS, seed=1)
     run(sched, worker, "stored", prefix)
-    order = sched_half(sched).order
+    order = sched_half(sched).planner.order
     sched.add_request(make_request("long", prompt_tokens(10 * BS, seed=3), max_tokens=2))
     sched.add_request(make_request("short", prefix + prompt_tokens(BS, seed=2), max_tokens=2))
     assert order.waiting() == {"long": 10 * BS, "short": 11 * BS}  # whole prompts: both long
@@ -214,6 +215,6 @@ def test_short_first_on_a_hybrid_model_keeps_vllms_order_and_follows_no_one_afte
     assert order.waiting() == {}
     worker.run_until_idle(sched)
     assert sched.requests == {}
-    totals = sched_half(sched).counters.totals
+    totals = sched_half(sched).planner.counters.totals
     assert totals.get("passed_over|all", 0) == 0 and totals.get("passed_over_expired|all", 0) == 0
-    assert sched_half(sched).group_loaded_blocks[FULL] == 10
+    assert sched_half(sched).planner.group_loaded_blocks[FULL] == 10

@@ -97,7 +97,7 @@ def test_an_adapter_that_cannot_be_fingerprinted_skips_the_tiers(tiny_model, tmp
     sched.add_request(r)
     worker.run_until_idle(sched)
     assert all_saves(worker.metas, "a") == []  # neither loaded nor saved
-    assert sched_half(sched).counters.totals["lora_unkeyed_requests|all"] >= 1
+    assert sched_half(sched).planner.counters.totals["lora_unkeyed_requests|all"] >= 1
     # a request without LoRA is unaffected
     sched.add_request(make_request("plain", prompt))
     worker.run_until_idle(sched)

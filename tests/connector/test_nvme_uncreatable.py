@@ -36,7 +36,7 @@ def nvme_writes(model_dir: Path, nvme_path: Path) -> int:
     for i in range(2):
         sched.add_request(make_request(f"r{i}", prompt_tokens(4 * BLOCK_SIZE + 8, seed=i), max_tokens=1))
         worker.run_until_idle(sched)
-    assert sched_half(sched).lower_tier("nvme") is not None
+    assert sched_half(sched).planner.lower_tier("nvme") is not None
     return sum(1 for m in worker.metas for job in m.write_through + m.demotes if job.tier == "nvme")
 
 

@@ -36,12 +36,12 @@ CPU = {"capacity_bytes": 64 * block_bytes()}
 def new_scheduler(model_dir, extra):
     sched = make_scheduler(make_vllm_config(model_dir, extra), num_blocks=128)
     if "nixl" in extra:  # the worker's first report: where its CPU tier is (unused here)
-        sched_half(sched).on_worker_output(WorkerOutput(report=WorkerReport(peer_info={0: {"planes": []}})))
+        sched_half(sched).planner.on_worker_output(WorkerOutput(report=WorkerReport(peer_info={0: {"planes": []}})))
     return sched, free_blocks(sched)
 
 
 def counter(sched, name: str, tier: str) -> float:
-    return sched_half(sched).counters.totals.get(f"{name}|{tier}", 0)
+    return sched_half(sched).planner.counters.totals.get(f"{name}|{tier}", 0)
 
 
 def run(sched, worker, req_id, prompt, params=None, max_tokens=1):
@@ -61,8 +61,8 @@ def test_a_client_pin_is_ignored_and_counted_unless_enabled(tiny_model, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm_kvtier"):
         run(sched, worker, "a", prompt, {"kvtier_pin_ttl_s": 604800})
         run(sched, worker, "b", prompt_tokens(4 * BS + 1, seed=1), {"kvtier_pin_ttl_s": 604800})
-    assert half.index.pinned_keys == 0
-    assert all(not half.index.key_pinned(BlockKey(h)) for h in make_request("p", prompt).block_hashes)
+    assert half.planner.index.pinned_keys == 0
+    assert all(not half.planner.index.key_pinned(BlockKey(h)) for h in make_request("p", prompt).block_hashes)
     assert counter(sched, "request_params_ignored", "cpu") == 2
     warned = [r for r in caplog.records if "kvtier_pin_ttl_s ignored" in r.getMessage()]
     assert len(warned) == 1 and "cpu.request_pins is off" in warned[0].getMessage()  # once a minute
@@ -76,12 +76,12 @@ def test_an_enabled_pin_is_capped_at_max_pin_ttl_s(tiny_model):
     prompt = prompt_tokens(4 * BS + 1)
     run(sched, worker, "a", prompt, {"kvtier_pin_ttl_s": 604800})
     keys = [BlockKey(h) for h in make_request("p", prompt).block_hashes[:4]]
-    assert all(half.index.key_pinned(k) for k in keys) and half.index.pinned_keys == 4
+    assert all(half.planner.index.key_pinned(k) for k in keys) and half.planner.index.pinned_keys == 4
     assert counter(sched, "request_params_capped", "cpu") == 1
     assert counter(sched, "request_params_ignored", "cpu") == 0
     # Capped, not kept for a week: each pin lapses within max_pin_ttl_s.
     now = time.monotonic()
-    assert all(now < half.index.pin_deadline(k) <= now + 60 for k in keys)
+    assert all(now < half.planner.index.pin_deadline(k) <= now + 60 for k in keys)
     run(sched, worker, "b", prompt_tokens(4 * BS + 1, seed=2), {"kvtier_pin_ttl_s": "forever"})
     assert counter(sched, "request_params_ignored", "cpu") == 1  # malformed: ignored
     assert_scheduler_empty(sched, initial)
@@ -150,9 +150,9 @@ def test_an_allowed_untrusted_peer_serves_its_request_only(tiny_model):
     assert counter(sched, "hit_blocks", "peer") == 4 and counter(sched, "peer_unpromoted_blocks", "peer") == 4
     # Not promoted: the CPU index has none of its keys afterwards, and nothing the request
     # computed on top of them was stored (so nothing reaches a lower tier either).
-    assert not any(k in half.index for k in keys)
+    assert not any(k in half.planner.index for k in keys)
     assert all_saves(worker.metas, "d") == []
-    assert len(half.index) == 0
+    assert len(half.planner.index) == 0
     # The next request with that prompt and no offer finds nothing in our tiers.
     assert sched.connector.get_num_new_matched_tokens(make_request("probe", prompt), 0) == (0, False)
     assert counter(sched, "request_params_ignored", "peer") == 0
@@ -165,7 +165,7 @@ def test_a_trusted_peer_s_blocks_are_kept_like_our_own(tiny_model):
     prompt = prompt_tokens(4 * BS + 1)
     load, req = _peer_read(sched, worker, prompt, "prefill-abc-r0")
     keys = [BlockKey(h) for h in req.block_hashes[:4]]
-    assert all(k in half.index for k in keys)
+    assert all(k in half.planner.index for k in keys)
     assert counter(sched, "peer_unpromoted_blocks", "peer") == 0
     assert sched.connector.get_num_new_matched_tokens(make_request("probe", prompt), 0)[0] == 4 * BS
     assert_scheduler_empty(sched, initial)
@@ -205,7 +205,7 @@ def test_prefill_side_offers_hold_at_most_max_offered_fraction(tiny_model):
     assert all(r.is_finished() for r in reqs)
     assert counter(sched, "peer_offered_blocks", "peer") == 4  # the first offer: 4 slots
     assert counter(sched, "request_params_ignored", "peer") == 1  # the second would hold 8 > 6
-    assert sched_half(sched).peer_plan.holding() == 1
+    assert sched_half(sched).planner.extras.peer_plan.holding() == 1
 
 
 def _lower_tier_writes(metas) -> set[bytes]:
@@ -230,7 +230,7 @@ def test_an_untrusted_peer_s_blocks_never_reach_a_lower_tier(tiny_model, tmp_pat
         peer_keys = set(req.block_hashes[:4])
         for i in range(3):  # 12 blocks of our own through 8 slots: everything is evicted
             run(sched, worker, f"o{i}", prompt_tokens(4 * BS + 1, seed=20 + i))
-        nvme = sched_half(sched).lower_tier("nvme")
+        nvme = sched_half(sched).planner.lower_tier("nvme")
         assert nvme is not None
         written[trust] = (_lower_tier_writes(worker.metas) & peer_keys,
                           {k for k in peer_keys if nvme.index.knows(BlockKey(k))})
@@ -268,27 +268,27 @@ def _prefill(sched, worker, req_id, params, seed):
     """One prefill request with ``params``; the ``kv_transfer_params`` its end returned."""
     half = sched_half(sched)
     answers: dict[str, dict | None] = {}
-    finish = half.on_finished
+    finish = half.planner.on_finished
 
     def recorded(request, block_ids):
         hold, out = finish(request, block_ids)
         answers[request.request_id] = out
         return hold, out
 
-    half.on_finished = recorded
+    half.planner.on_finished = recorded
     req = make_request(req_id, prompt_tokens(4 * BS + 1, seed=seed), max_tokens=1, kv_transfer_params=params)
     sched.add_request(req)
     for _ in range(20):  # (an engine holding offers keeps stepping: not run_until_idle)
         worker.step(sched)
         if req.is_finished():
             break
-    half.on_finished = finish
+    half.planner.on_finished = finish
     assert req.is_finished()
     return req, answers[req_id]
 
 
 def _slots_pinned(sched) -> int:
-    idx = sched_half(sched).index
+    idx = sched_half(sched).planner.index
     return sum(idx.is_pinned(s) for _, s in idx.items())
 
 
@@ -301,7 +301,7 @@ def test_remote_decode_gets_no_offer_unless_enabled(tiny_model):
     assert not (answer or {}).get("kvtier_peer") and "planes" not in repr(answer)
     assert counter(sched, "peer_offered_blocks", "peer") == 0
     assert counter(sched, "request_params_ignored", "peer") == 1
-    assert sched_half(sched).peer_plan.holding() == 0 and _slots_pinned(sched) == 0
+    assert sched_half(sched).planner.extras.peer_plan.holding() == 0 and _slots_pinned(sched) == 0
 
     sched, _ = new_scheduler(tiny_model, {"cpu": CPU, "nixl": {"accept_remote_decode": True}})
     _, answer = _prefill(sched, worker, "p", {"do_remote_decode": True}, seed=41)

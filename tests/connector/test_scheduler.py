@@ -85,7 +85,7 @@ def test_first_request_saves_prompt_and_decode_blocks_and_frees_them_at_once(mod
     assert req.num_computed_tokens == 6 * BS
     # request_finished let vLLM free the blocks at once (the next step may schedule into
     # them): nothing is held for our copies.
-    assert "a" not in sched.requests and not half.held_requests()
+    assert "a" not in sched.requests and not half.planner.held_requests()
     assert free_blocks(sched) == initial
 
     # The last decode block was saved after the final forward; the next step names the
@@ -103,7 +103,7 @@ def test_first_request_saves_prompt_and_decode_blocks_and_frees_them_at_once(mod
     saved_slots = [s for j in saves for s in j.slots]
     assert len(set(saved_slots)) == 6
     assert [b for j in saves for b in j.block_ids] == block_ids[:6]
-    assert all(half.index.slot(k) == s for k, s in zip(saved_keys, saved_slots, strict=True))
+    assert all(half.planner.index.slot(k) == s for k, s in zip(saved_keys, saved_slots, strict=True))
     assert not all_loads(worker.metas)
     assert_scheduler_empty(sched, initial)
 
@@ -143,7 +143,7 @@ def test_second_request_sync_hit_is_block_aligned_and_skips_last_token(model_dir
     assert load.slots == tuple(slot_of[k] for k in load.keys)
     assert meta_of(out).saves == []
     # Sync load pins end with the step that issues them.
-    assert not any(sched_half(sched).index.is_pinned(s) for s in load.slots)
+    assert not any(sched_half(sched).planner.index.is_pinned(s) for s in load.slots)
 
     worker.run_until_idle(sched)
     assert b.num_output_tokens == 3
@@ -177,7 +177,7 @@ def test_async_load_parks_request_until_finished_recving(model_dir):
     assert load.keys == tuple(b.block_hashes[:4])
     assert load.block_ids == tuple(sched.kv_cache_manager.get_block_ids("b")[0][:4])
     assert free_blocks(sched) == initial - 4  # blocks for the load only, so far
-    assert all(half.index.is_pinned(s) for s in load.slots)
+    assert all(half.planner.index.is_pinned(s) for s in load.slots)
 
     for _ in range(3):  # nothing runs while the load is in flight
         out = worker.step(sched)
@@ -188,7 +188,7 @@ def test_async_load_parks_request_until_finished_recving(model_dir):
     worker.complete_recv("b")
     out = worker.step(sched)  # this step's output reports finished_recving={"b"}
     assert out.num_scheduled_tokens == {}
-    assert not any(half.index.is_pinned(s) for s in load.slots)
+    assert not any(half.planner.index.is_pinned(s) for s in load.slots)
 
     out = worker.step(sched)
     assert out.num_scheduled_tokens == {"b": 1}
@@ -206,14 +206,14 @@ def test_async_load_parks_request_until_finished_recving(model_dir):
 
 def _check_index(sched, worker):
     half = sched_half(sched)
-    index = half.index
+    index = half.planner.index
     assert len(index) <= index.num_slots
     assert index.used_slots <= index.num_slots
     slots = list([s for _, s in index.items()])
     assert len(set(slots)) == len(slots)
     # The index only names slots whose bytes the worker holds for that key, or will
     # write first thing next step (final saves of requests finished in this step).
-    pending = {k for j in half.pending_final_saves() for k in j.keys}
+    pending = {k for j in half.planner.pending_final_saves() for k in j.keys}
     for key, slot in index.items():
         assert worker.pool.get(slot) == key or key in pending
 
@@ -221,7 +221,7 @@ def _check_index(sched, worker):
 def test_capacity_bounds_the_index_and_evicts(model_dir):
     slots = 4
     sched, initial = new_scheduler(model_dir, {"cpu": {"capacity_bytes": slots * block_bytes() + 100}})
-    index = sched_half(sched).index
+    index = sched_half(sched).planner.index
     assert index.num_slots == slots
     worker = FakeWorker()
     prompts = [prompt_tokens(3 * BS + 5, seed=i) for i in range(6)]  # 6 x (3..4 blocks) >> 4 slots
@@ -239,7 +239,7 @@ def test_capacity_bounds_the_index_and_evicts(model_dir):
 
 def test_lru_evicts_least_recently_used(model_dir):
     sched, initial = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 4 * block_bytes()}})
-    index = sched_half(sched).index
+    index = sched_half(sched).planner.index
     worker = FakeWorker()
     pa, pb, pd = (prompt_tokens(2 * BS + 1, seed=s) for s in (1, 2, 3))
     store_prompt(sched, worker, "a", pa)
@@ -284,7 +284,7 @@ def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_
         assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 2
         assert_scheduler_empty(sched, initial)
         # Looked up: what a load could cover, for "a" and "b" (so a full hit reads 100%).
-        counters = sched_half(sched).counters.totals
+        counters = sched_half(sched).planner.counters.totals
         assert counters["lookup_blocks|cpu"] == 2 * offered and counters["hit_blocks|cpu"] == offered, mode
         # the scheduler thread's time in our calls is counted, and is part of this run's
         assert 0 < counters["scheduler_seconds|cpu"] < time.perf_counter() - t0, mode
@@ -293,7 +293,7 @@ def test_prompt_of_whole_blocks_async_load_covers_it_all_sync_load_not_the_last_
 def test_slot_pinned_by_async_load_is_never_reused_by_a_save(model_dir):
     sched, initial = new_scheduler(
         model_dir, {"load_mode": "async", "cpu": {"capacity_bytes": 4 * block_bytes()}})
-    index = sched_half(sched).index
+    index = sched_half(sched).planner.index
     worker = FakeWorker(auto_recv=False)
     pa, pb = prompt_tokens(2 * BS + 1, seed=1), prompt_tokens(2 * BS + 1, seed=2)
     store_prompt(sched, worker, "a", pa)
@@ -334,7 +334,7 @@ def test_slot_pinned_by_async_load_is_never_reused_by_a_save(model_dir):
 
 def test_sync_load_failure_recomputes_and_drops_keys(model_dir):
     sched, initial = new_scheduler(model_dir, {"cpu": {"capacity_bytes": 64 * block_bytes()}})
-    index = sched_half(sched).index
+    index = sched_half(sched).planner.index
     worker = FakeWorker()
     prompt = prompt_tokens(4 * BS + 1)
     store_prompt(sched, worker, "a", prompt)
@@ -389,7 +389,7 @@ def test_abort_during_async_load_frees_once(model_dir):
     # too (it would free them twice) and names it in no freed list.
     assert "b" in sched.requests
     assert free_blocks(sched) == initial - 4
-    assert all(half.index.is_pinned(s) for s in load.slots)
+    assert all(half.planner.index.is_pinned(s) for s in load.slots)
     out = worker.step(sched)
     assert meta_of(out).freed == [] and meta_of(out).saves == []
     assert "b" in sched.requests
@@ -431,7 +431,7 @@ def test_preemption_drops_state_and_resume_hits_own_blocks(model_dir):
         out = worker.step(sched)  # FakeWorker: no job touches blocks its request lost
         preempted |= set(out.preempted_req_ids)
         for rid in out.preempted_req_ids:
-            assert rid not in half.tracked_requests() or sched.requests[rid].num_computed_tokens > 0
+            assert rid not in half.planner.tracked_requests() or sched.requests[rid].num_computed_tokens > 0
         _check_index(sched, worker)
     assert preempted
     assert all(r.num_output_tokens == 4 * BS for r in reqs)
@@ -448,7 +448,7 @@ def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
     sched, initial = new_scheduler(
         model_dir, {"load_mode": "async", "cpu": {"capacity_bytes": 4 * block_bytes()}})
     half = sched_half(sched)
-    index = half.index
+    index = half.planner.index
     worker = FakeWorker(auto_recv=True)
     pa = prompt_tokens(2 * BS + 1, seed=1)
     store_prompt(sched, worker, "a", pa)
@@ -469,7 +469,7 @@ def test_same_step_resume_after_reset_keeps_async_load_pins(model_dir):
     assert load.req_id == "r" and load.asynchronous
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert all(index.is_pinned(s) for s in load.slots)
-    assert "r" in half.tracked_requests()
+    assert "r" in half.planner.tracked_requests()
 
     # A save that needs slots while R loads must not take R's.
     sched.add_request(make_request("d", prompt_tokens(3 * BS + 1, seed=3), max_tokens=1))

@@ -8,6 +8,7 @@ from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.engine.lower import make_planners
+from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
@@ -34,8 +35,7 @@ def make(tmp_path, num_slots: int) -> SchedulerHalf:
     cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, "admit_min_seen": 1}})
     counters = Counters()
     planners = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
-    return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096, lower=planners,
-                         counters=counters)
+    return SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(BS, num_slots, 4096), lower=planners, counters=counters))
 
 
 def test_promotions_never_evict_dram_blocks_of_the_same_load(tmp_path):
@@ -43,22 +43,22 @@ def test_promotions_never_evict_dram_blocks_of_the_same_load(tmp_path):
     request hitting K0..K9 must promote K0, K1 without evicting K2..K9 (which it reads
     from DRAM in the same load): it used to crash the engine on an assertion."""
     half = make(tmp_path, num_slots=10)
-    nvme = half.lower_tier("nvme")
+    nvme = half.planner.lower_tier("nvme")
     assert nvme is not None
     for i in range(2, 10):
-        half.index.allocate(key(i))
-    half.index.allocate(key(100))
-    half.index.allocate(key(101))
+        half.planner.index.allocate(key(i))
+    half.planner.index.allocate(key(100))
+    half.planner.index.allocate(key(101))
     nvme.note_request([key(100), key(101)])  # they were part of an earlier prompt
     nvme.index.add_existing("f0", [key(0), key(1)], 3 * 4096)
 
     req = FakeRequest("r", [key(i) for i in range(11)], num_prompt_tokens=10 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (10 * BS, True)  # NVMe -> async
-    dram_slots = {i: half.index.slot(key(i)) for i in range(2, 10)}
-    half.update_state_after_alloc(req, list(range(50, 61)), 10 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (10 * BS, True)  # NVMe -> async
+    dram_slots = {i: half.planner.index.slot(key(i)) for i in range(2, 10)}
+    half.planner.update_state_after_alloc(req, list(range(50, 61)), 10 * BS)
 
-    assert all(half.index.slot(key(i)) == s for i, s in dram_slots.items())
-    assert key(100) not in half.index and key(101) not in half.index  # the LRU victims
+    assert all(half.planner.index.slot(key(i)) == s for i, s in dram_slots.items())
+    assert key(100) not in half.planner.index and key(101) not in half.planner.index  # the LRU victims
     meta = half.build_connector_meta(_Out({}))
     (load,) = meta.loads
     assert load.asynchronous and not load.unloadable
@@ -73,20 +73,20 @@ def test_abort_during_async_load_is_not_held_even_without_pins(tmp_path):
     abort before it completes must leave the blocks to vLLM (which frees them on
     finished_recving), not hold them and save never-loaded blocks."""
     half = make(tmp_path, num_slots=2)
-    busy = [half.index.allocate(key(100 + i)).slot for i in range(2)]
+    busy = [half.planner.index.allocate(key(100 + i)).slot for i in range(2)]
     for s in busy:
-        half.index.pin(s)  # every slot is read by some transfer right now
-    half.lower_tier("nvme").index.add_existing("f0", [key(0), key(1)], 3 * 4096)
+        half.planner.index.pin(s)  # every slot is read by some transfer right now
+    half.planner.lower_tier("nvme").index.add_existing("f0", [key(0), key(1)], 3 * 4096)
     req = FakeRequest("r", [key(0), key(1), key(2)], num_prompt_tokens=2 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    half.update_state_after_alloc(req, [7, 8, 9], 2 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    half.planner.update_state_after_alloc(req, [7, 8, 9], 2 * BS)
     (load,) = half.build_connector_meta(_Out({})).loads
     # No slot for either promotion: both blocks named unloadable (no slot sentinel), async.
     assert load.asynchronous and load.unloadable == (7, 8) and load.slots == () and load.reads == ()
     for s in busy:
-        half.index.unpin(s)  # those transfers end; slots are free to allocate again
+        half.planner.index.unpin(s)  # those transfers end; slots are free to allocate again
     req.num_computed_tokens = 2 * BS  # vLLM counts the external tokens already
-    assert half.request_finished(req, [7, 8]) == (False, None)
+    assert half.planner.request_finished(req, [7, 8]) == (False, None)
     meta = half.build_connector_meta(_Out({}))
     assert meta.saves == [] and meta.freed == []
 
@@ -114,25 +114,25 @@ def make_two_tiers(tmp_path, num_slots: int, s3_mode: str = "write-through") -> 
     counters = Counters()
     planners = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=counters)
     s3 = ChunkPlanner(ChunkPolicy("s3", s3_mode, 1, 16, None), PlannerContext(1, 4096, counters), Listing([{}]))
-    return SchedulerHalf(cfg, block_size=BS, num_slots=num_slots, slot_bytes_total=4096,
-                         lower=[*planners, s3], counters=counters)
+    return SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(BS, num_slots, 4096), lower=[*planners, s3],
+                                        counters=counters))
 
 
 def test_lookup_prefers_the_fastest_lower_tier_and_continues_into_s3(tmp_path):
     half = make_two_tiers(tmp_path, num_slots=8)
-    nvme, s3 = half.lower_tier("nvme"), half.lower_tier("s3")
+    nvme, s3 = half.planner.lower_tier("nvme"), half.planner.lower_tier("s3")
     nvme.index.add_existing("n0", [key(0), key(1)], 3 * 4096)
     s3.index.add_existing("o0", [key(1), key(2), key(3)], 4 * 4096)  # key(1) in both
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
-    half.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    half.planner.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
     meta = half.build_connector_meta(_Out({}))
     (load,) = meta.loads
     by_tier = {(r.tier, r.chunk_id): (r.positions, r.keys) for r in load.reads}
     assert by_tier == {("nvme", "n0"): ((0, 1), (key(0), key(1))), ("s3", "o0"): ((1, 2), (key(2), key(3)))}
     assert load.asynchronous and not load.unloadable
     # A chunk being read is pinned: neither tier may evict it until the load ends.
-    assert half.counters.totals["hit_blocks|nvme"] == 2 and half.counters.totals["hit_blocks|s3"] == 2
+    assert half.planner.counters.totals["hit_blocks|nvme"] == 2 and half.planner.counters.totals["hit_blocks|s3"] == 2
 
 
 def test_each_lower_tier_takes_cpu_blocks_by_its_own_mode(tmp_path):
@@ -140,8 +140,8 @@ def test_each_lower_tier_takes_cpu_blocks_by_its_own_mode(tmp_path):
     saved block at once; deletes and persist slots are tagged with their tier."""
     half = make_two_tiers(tmp_path, num_slots=2)
     req = FakeRequest("r", [key(i) for i in range(4)], num_prompt_tokens=3 * BS)
-    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
-    half.update_state_after_alloc(req, [1, 2, 3], 0)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (0, False)
+    half.planner.update_state_after_alloc(req, [1, 2, 3], 0)
     meta = half.build_connector_meta(_Out({"r": 2 * BS}))
     assert [k for j in meta.saves_after for k in j.keys] == [key(0), key(1)]
     assert meta.demotes == []
@@ -161,12 +161,12 @@ def test_s3_capacity_evicts_lru_objects_and_deletes_them(tmp_path):
     counters = Counters()
     per_object = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(1, 4096, counters), Listing([{}])).file_bytes(2)
     s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, 2 * per_object), PlannerContext(1, 4096, counters), Listing([{}]))
-    half = SchedulerHalf(cfg, block_size=BS, num_slots=16, slot_bytes_total=4096, lower=[s3], counters=counters)
+    half = SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(BS, 16, 4096), lower=[s3], counters=counters))
     s3.index.add_existing("old", [key(100), key(101)], per_object)
     s3.index.add_existing("newer", [key(102), key(103)], per_object)
     req = FakeRequest("r", [key(i) for i in range(3)], num_prompt_tokens=2 * BS + 1)
-    half.get_num_new_matched_tokens(req, 0)
-    half.update_state_after_alloc(req, [1, 2, 3], 0)
+    half.planner.get_num_new_matched_tokens(req, 0)
+    half.planner.update_state_after_alloc(req, [1, 2, 3], 0)
     meta = half.build_connector_meta(_Out({"r": 2 * BS + 1}))
     assert [(j.tier, j.keys) for j in meta.write_through] == [("s3", (key(0), key(1)))]
     assert meta.deletes == [("s3", "old")]

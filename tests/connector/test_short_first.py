@@ -53,13 +53,13 @@ def setup(model_dir, extra: dict, second=None):
 
 
 def counter(sched, name: str) -> float:
-    return sched_half(sched).counters.totals.get(f"{name}|all", 0)
+    return sched_half(sched).planner.counters.totals.get(f"{name}|all", 0)
 
 
 def test_a_short_request_is_admitted_before_a_long_one_queued_ahead_of_it(model_dir):
     sched, worker, initial = setup(model_dir, schedule_cfg())
     # Estimated on arrival from the CPU tier: the short one's prefix is stored.
-    assert sched_half(sched).order.waiting() == {"long": 10 * BS, "short": 11 * BS - 10 * BS}
+    assert sched_half(sched).planner.order.waiting() == {"long": 10 * BS, "short": 11 * BS - 10 * BS}
     first = worker.step(sched)
     assert dict(first.num_scheduled_tokens) == {"short": BS}  # 10 blocks loaded, 32 computed
     assert counter(sched, "passed_over") == 1
@@ -67,13 +67,13 @@ def test_a_short_request_is_admitted_before_a_long_one_queued_ahead_of_it(model_
     assert second.num_scheduled_tokens["long"] == 10 * BS  # nothing shorter waits now
     worker.run_until_idle(sched)
     assert counter(sched, "passed_over") == 1 and counter(sched, "passed_over_expired") == 0
-    assert sched_half(sched).order.waiting() == {}
+    assert sched_half(sched).planner.order.waiting() == {}
     assert_scheduler_empty(sched, initial)
 
 
 def test_fifo_keeps_vllms_order(model_dir):
     sched, worker, initial = setup(model_dir, schedule_cfg(order="fifo"))
-    assert sched_half(sched).order is None
+    assert sched_half(sched).planner.order is None
     first = worker.step(sched)
     assert dict(first.num_scheduled_tokens) == {"long": 10 * BS, "short": BS}  # arrival order, one step
     assert list(first.num_scheduled_tokens)[0] == "long"
@@ -97,12 +97,12 @@ def test_the_long_request_goes_once_the_short_one_waiting_is_aborted(model_dir):
     # The short one ends before any step: nothing shorter waits, the long one goes.
     sched, worker, initial = setup(model_dir, schedule_cfg())
     sched.finish_requests("short", RequestStatus.FINISHED_ABORTED)  # aborted while waiting
-    assert "short" not in sched_half(sched).order.waiting()
+    assert "short" not in sched_half(sched).planner.order.waiting()
     first = worker.step(sched)
     assert dict(first.num_scheduled_tokens) == {"long": 10 * BS}
     assert counter(sched, "passed_over") == 0
     worker.run_until_idle(sched)
-    assert sched_half(sched).order.waiting() == {}
+    assert sched_half(sched).planner.order.waiting() == {}
     assert_scheduler_empty(sched, initial)
 
 
@@ -119,7 +119,7 @@ def test_a_request_that_reads_no_cache_is_not_judged_by_its_hits(model_dir):
         sampling_params=SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
         pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256)))
     assert sched.requests["logprobs"].skip_reading_prefix_cache
-    assert list(sched_half(sched).order.waiting()) == ["long"]
+    assert list(sched_half(sched).planner.order.waiting()) == ["long"]
     first = worker.step(sched)
     assert dict(first.num_scheduled_tokens) == {"long": 10 * BS, "logprobs": 11 * BS}
     assert counter(sched, "passed_over") == 0

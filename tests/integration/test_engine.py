@@ -69,7 +69,7 @@ def test_the_scheduler_plans_for_the_pool_the_worker_allocated(tiny_model, basel
         assert path is not None, "the data path is built in register_kv_caches"
         assert path.pool.num_slots == (32 << 20) // path.pool.slot_bytes  # half of 64 MiB
         half = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_half
-        assert half.index.num_slots == path.pool.num_slots
+        assert half.planner.index.num_slots == path.pool.num_slots
         res = run_scenario(llm, reuse_scenario())
         assert worker.path is path  # built once
     finally:

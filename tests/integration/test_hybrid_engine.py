@@ -72,8 +72,8 @@ def test_reuse_scenario_with_the_hybrid_manager_on(hybrid_model, hybrid_baseline
         got = run_scenario(llm, reuse_scenario())
         counters = kvtier_counters(llm)
         half = engine_core(llm).scheduler.connector.scheduler_half
-        loaded_per_group = list(half.group_loaded_blocks)
-        stored_per_group = half.stored_units_per_group()
+        loaded_per_group = list(half.planner.group_loaded_blocks)
+        stored_per_group = half.planner.stored_units_per_group()
     finally:
         close_llm(llm)
     assert_same_tokens(hybrid_baseline[0], got)

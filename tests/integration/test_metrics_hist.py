@@ -19,6 +19,7 @@ from tests.connector.test_scheduler_nvme import BS, FakeRequest, _Out, key, make
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.connector.stats import KVTierStats
+from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
 from vllm_kvtier.metrics import Counters, HistogramName
 
 WAIT = "request_load_wait_seconds"
@@ -26,7 +27,7 @@ BLOCKS = "request_loaded_blocks"
 
 
 def observations(half: SchedulerHalf) -> dict[str, list[float]]:
-    data = half.stats() or {}
+    data = half.planner.stats() or {}
     return data.get("histograms", {})
 
 
@@ -73,18 +74,18 @@ def test_declared_buckets():
 
 
 def cpu_only(load_mode: str, keys: int) -> SchedulerHalf:
-    half = SchedulerHalf(parse_config({"load_mode": load_mode}), block_size=BS, num_slots=16, slot_bytes_total=4096)
+    half = SchedulerHalf(GroupedPlanner(parse_config({"load_mode": load_mode}), PlannerSetup(BS, 16, 4096)))
     for i in range(keys):
-        half.index.allocate(key(i))
-    half.stats()  # drop what setting up counted
+        half.planner.index.allocate(key(i))
+    half.planner.stats()  # drop what setting up counted
     return half
 
 
 def test_sync_cpu_load_counts_its_blocks_and_zero_wait():
     half = cpu_only("sync", keys=4)
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
-    half.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    half.planner.update_state_after_alloc(req, [10, 11, 12, 13, 14], 4 * BS)
     assert observations(half) == {f"{BLOCKS}|cpu": [4], f"{WAIT}|cpu": [0.0]}
     half.build_connector_meta(_Out({"r": 1}))
     half.update_connector_output(KVConnectorOutput())
@@ -94,16 +95,16 @@ def test_sync_cpu_load_counts_its_blocks_and_zero_wait():
 def test_no_load_no_observation():
     half = cpu_only("sync", keys=0)
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
-    half.update_state_after_alloc(req, [10, 11, 12, 13, 14], 0)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (0, False)
+    half.planner.update_state_after_alloc(req, [10, 11, 12, 13, 14], 0)
     assert observations(half) == {}
 
 
 def test_async_cpu_load_waits_until_finished_recving():
     half = cpu_only("async", keys=3)
     req = FakeRequest("r", [key(i) for i in range(4)], num_prompt_tokens=3 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
-    half.update_state_after_alloc(req, [10, 11, 12, 13], 3 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+    half.planner.update_state_after_alloc(req, [10, 11, 12, 13], 3 * BS)
     assert observations(half) == {f"{BLOCKS}|cpu": [3]}  # no wait yet: the load runs
     half.build_connector_meta(_Out({}))
     time.sleep(0.05)
@@ -117,14 +118,14 @@ def test_async_cpu_load_waits_until_finished_recving():
 def test_load_from_three_tiers_is_labelled_by_the_slowest(tmp_path):
     """Blocks 0-1 on NVMe, 2-3 on S3, 4-5 in DRAM: one async load reading all three."""
     half = make_two_tiers(tmp_path, num_slots=8)
-    half.lower_tier("nvme").index.add_existing("n0", [key(0), key(1)], 3 * 4096)
-    half.lower_tier("s3").index.add_existing("o0", [key(2), key(3)], 3 * 4096)
+    half.planner.lower_tier("nvme").index.add_existing("n0", [key(0), key(1)], 3 * 4096)
+    half.planner.lower_tier("s3").index.add_existing("o0", [key(2), key(3)], 3 * 4096)
     for i in (4, 5):
-        half.index.allocate(key(i))
-    half.stats()
+        half.planner.index.allocate(key(i))
+    half.planner.stats()
     req = FakeRequest("r", [key(i) for i in range(7)], num_prompt_tokens=6 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
-    half.update_state_after_alloc(req, list(range(10, 17)), 6 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+    half.planner.update_state_after_alloc(req, list(range(10, 17)), 6 * BS)
     assert observations(half) == {f"{BLOCKS}|cpu": [2], f"{BLOCKS}|nvme": [2], f"{BLOCKS}|s3": [2]}
     half.build_connector_meta(_Out({}))
     time.sleep(0.02)
@@ -137,12 +138,12 @@ def test_load_from_three_tiers_is_labelled_by_the_slowest(tmp_path):
 
 def test_nvme_and_cpu_load_is_labelled_nvme(tmp_path):
     half = make_two_tiers(tmp_path, num_slots=8)
-    half.lower_tier("nvme").index.add_existing("n0", [key(1)], 2 * 4096)
-    half.index.allocate(key(0))
-    half.stats()
+    half.planner.lower_tier("nvme").index.add_existing("n0", [key(1)], 2 * 4096)
+    half.planner.index.allocate(key(0))
+    half.planner.stats()
     req = FakeRequest("r", [key(i) for i in range(3)], num_prompt_tokens=2 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
-    half.update_state_after_alloc(req, [10, 11, 12], 2 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    half.planner.update_state_after_alloc(req, [10, 11, 12], 2 * BS)
     assert observations(half) == {f"{BLOCKS}|cpu": [1], f"{BLOCKS}|nvme": [1]}
     half.build_connector_meta(_Out({}))
     half.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
@@ -152,11 +153,11 @@ def test_nvme_and_cpu_load_is_labelled_nvme(tmp_path):
 def test_request_aborted_during_async_load_still_reports_its_wait():
     half = cpu_only("async", keys=2)
     req = FakeRequest("r", [key(i) for i in range(3)], num_prompt_tokens=2 * BS + 1)
-    half.get_num_new_matched_tokens(req, 0)
-    half.update_state_after_alloc(req, [10, 11, 12], 2 * BS)
-    half.stats()
+    half.planner.get_num_new_matched_tokens(req, 0)
+    half.planner.update_state_after_alloc(req, [10, 11, 12], 2 * BS)
+    half.planner.stats()
     req.num_computed_tokens = 2 * BS
-    assert half.request_finished(req, [10, 11, 12]) == (False, None)
+    assert half.planner.request_finished(req, [10, 11, 12]) == (False, None)
     half.update_connector_output(KVConnectorOutput(finished_recving={"r"}))
     assert list(observations(half)) == [f"{WAIT}|cpu"]
 

@@ -22,38 +22,38 @@ from vllm_kvtier.jobs import WorkerReport
 
 def test_prefetch_restores_a_finished_chain_without_evicting_it(tmp_path):
     half = make_two_tiers(tmp_path, num_slots=6)
-    nvme = half.lower_tier("nvme")
+    nvme = half.planner.lower_tier("nvme")
     nvme.index.add_existing("n0", [key(0), key(1)], 3 * 4096)  # the chain's head, demoted
     for k in (key(2), key(3), key(100), key(101)):  # its tail and someone else's blocks
-        half.index.allocate(k)
-    half.index.allocate(key(102))
-    half.index.allocate(key(103))  # DRAM is full
-    half.prefetcher.predict([key(i) for i in range(4)])
+        half.planner.index.allocate(k)
+    half.planner.index.allocate(key(102))
+    half.planner.index.allocate(key(103))  # DRAM is full
+    half.planner.extras.prefetcher.predict([key(i) for i in range(4)])
     meta = half.build_connector_meta(_Out({}))
     (job,) = meta.prefetches
     (read,) = job.reads
     assert read.tier == "nvme" and read.keys == (key(0), key(1)) and read.positions == (0, 1)
-    assert all(k in half.index for k in (key(2), key(3)))  # the chain's tail was not evicted
-    assert key(100) not in half.index and key(101) not in half.index  # the oldest others were
+    assert all(k in half.planner.index for k in (key(2), key(3)))  # the chain's tail was not evicted
+    assert key(100) not in half.planner.index and key(101) not in half.planner.index  # the oldest others were
     # Not readable from DRAM until the workers report it.
     req = FakeRequest("r", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req, 0) == (None, False)  # key 0 lands soon: ask again
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (None, False)  # key 0 lands soon: ask again
     half.update_connector_output(_Conn(WorkerReport(prefetched={job.prefetch_id: 1})))
-    half.lookups.forget("r")
+    half.planner.lookups.forget("r")
     req2 = FakeRequest("r2", [key(i) for i in range(5)], num_prompt_tokens=4 * BS + 1)
-    assert half.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)  # all in DRAM: sync
-    assert half.counters.totals["prefetch_blocks|nvme"] == 2
+    assert half.planner.get_num_new_matched_tokens(req2, 0) == (4 * BS, False)  # all in DRAM: sync
+    assert half.planner.counters.totals["prefetch_blocks|nvme"] == 2
 
 
 def test_prefetch_is_cancelled_when_every_slot_is_pinned(tmp_path):
     half = make_two_tiers(tmp_path, num_slots=2)
-    half.lower_tier("nvme").index.add_existing("n0", [key(0)], 2 * 4096)
+    half.planner.lower_tier("nvme").index.add_existing("n0", [key(0)], 2 * 4096)
     for k in (key(100), key(101)):
-        half.index.pin(half.index.allocate(k).slot)  # live transfers hold every slot
-    half.prefetcher.predict([key(0)])
+        half.planner.index.pin(half.planner.index.allocate(k).slot)  # live transfers hold every slot
+    half.planner.extras.prefetcher.predict([key(0)])
     meta = half.build_connector_meta(_Out({}))
     assert meta.prefetches == []
-    assert half.counters.totals["prefetch_cancelled|cpu"] == 1
+    assert half.planner.counters.totals["prefetch_cancelled|cpu"] == 1
 
 
 class _Conn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm_kvtier.catalog.base import Listing
 from vllm_kvtier.config import parse_config
 from vllm_kvtier.connector.scheduler import SchedulerHalf
+from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
 from vllm_kvtier.index.cost import CostModel
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.metrics import Counters
@@ -117,22 +118,22 @@ def test_scheduler_recomputes_blocks_of_a_slow_tier_and_counts_them():
     s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, 1 << 20, counters), Listing([{}]))
     s3.index.add_existing("o", [_key(i) for i in range(2, 8)], 7 << 20)
     cfg = parse_config({"load_or_recompute": {"prefill_tokens_per_s": 10_000}})
-    half = SchedulerHalf(cfg, block_size=BS, num_slots=16, slot_bytes_total=1 << 20, lower=[s3], counters=counters)
+    half = SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(BS, 16, 1 << 20), lower=[s3], counters=counters))
     for i in range(2):
-        half.index.allocate(_key(i))
-    est = half.load_policy.cost.tier("s3")
+        half.planner.index.allocate(_key(i))
+    est = half.planner.extras.load_policy.cost.tier("s3")
     est.set_prior(2.0, 1 * MB)
     est.last_sample_s = 1e18  # slow, freshly measured
     req = _Req(8)
-    assert half.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # only the DRAM blocks, sync
-    half.update_state_after_alloc(req, list(range(9)), 2 * BS)
+    assert half.planner.get_num_new_matched_tokens(req, 0) == (2 * BS, False)  # only the DRAM blocks, sync
+    half.planner.update_state_after_alloc(req, list(range(9)), 2 * BS)
     assert counters.totals["recompute_chosen_blocks|s3"] == 6
 
     off = parse_config({"load_or_recompute": {"enabled": False}})
-    half2 = SchedulerHalf(off, block_size=BS, num_slots=16, slot_bytes_total=1 << 20, lower=[s3], counters=Counters())
+    half2 = SchedulerHalf(GroupedPlanner(off, PlannerSetup(BS, 16, 1 << 20), lower=[s3], counters=Counters()))
     for i in range(2):
-        half2.index.allocate(_key(i))
-    assert half2.get_num_new_matched_tokens(req, 0) == (8 * BS, True)  # always load: everything, async
+        half2.planner.index.allocate(_key(i))
+    assert half2.planner.get_num_new_matched_tokens(req, 0) == (8 * BS, True)  # always load: everything, async
 
 
 def test_the_scheduler_logs_a_decision_once_per_change(caplog):

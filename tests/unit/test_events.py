@@ -23,7 +23,7 @@ from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.plan.events import BlockInfo, EventLog, TierEvent, describe_block
 from vllm_kvtier.plan.inputs import StepInput
-from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.plan.scheduler import PlannerSetup, SchedulerPlanner
 
 BS = 4
 
@@ -149,7 +149,7 @@ def test_planner_cpu_events_carry_vllm_hashes_tokens_and_parents():
     cfg = parse_config({})
     counters = Counters()
     ev = log(counters=counters)
-    planner = SchedulerPlanner(cfg, block_size=BS, num_slots=2, slot_bytes_total=64, counters=counters, events=ev)
+    planner = SchedulerPlanner(cfg, PlannerSetup(BS, 2, 64), counters=counters, events=ev)
     req = Req("r", [key(i) for i in range(2)], 2 * BS, all_token_ids=list(range(100, 100 + 2 * BS)))
     planner.on_alloc(req, [10, 11], 0)
     planner.plan_step(StepInput({"r": 2 * BS}, ()))  # saves both blocks (save issued: loadable)
@@ -166,7 +166,7 @@ def test_planner_cpu_events_carry_vllm_hashes_tokens_and_parents():
 
 
 def test_no_event_log_no_events():
-    planner = SchedulerPlanner(parse_config({}), block_size=BS, num_slots=2, slot_bytes_total=64)
+    planner = SchedulerPlanner(parse_config({}), PlannerSetup(BS, 2, 64))
     assert planner.events is None and planner.index.watch is None and planner.take_events() == []
 
 

@@ -39,7 +39,7 @@ from vllm_kvtier.ops.trace_sim import (
 from vllm_kvtier.ops.trace_stream import TraceFile, open_trace
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
 from vllm_kvtier.plan.inputs import StepInput, WorkerOutput
-from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.plan.scheduler import PlannerSetup, SchedulerPlanner
 
 BS = 4
 
@@ -54,7 +54,7 @@ def test_a_write_confirmed_below_makes_its_dram_copy_the_next_to_go():
     tail first, though it is the more recent."""
     below = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 2, None), PlannerContext(1, 64, Counters()),
                          Listing([{}]))
-    planner = SchedulerPlanner(parse_config({}), block_size=BS, num_slots=4, slot_bytes_total=64, lower=[below])
+    planner = SchedulerPlanner(parse_config({}), PlannerSetup(BS, 4, 64), lower=[below])
     jobs = []
     for name, ks in (("a", [key(0), key(1)]), ("b", [key(2), key(3)])):
         below.note_request(ks)

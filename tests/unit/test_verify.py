@@ -13,7 +13,7 @@ from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.plan.inputs import StepInput, WorkerOutput
-from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.plan.scheduler import PlannerSetup, SchedulerPlanner
 from vllm_kvtier.plan.verify_plan import Sampler
 from vllm_kvtier.transfer.verify import (
     DEFAULT_TOLERANCES,
@@ -182,12 +182,12 @@ def run_request(p: SchedulerPlanner, r: Req, block_ids: list[int]):
 
 def planner(**verify) -> SchedulerPlanner:
     cfg = KVTierConfig(verify=VerifyConfig(**verify)) if verify else KVTierConfig()
-    return SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1)
+    return SchedulerPlanner(cfg, PlannerSetup(BS, 32, 1))
 
 
 def test_rate_zero_builds_nothing_and_loads():
     p = planner()
-    assert p.verify is None
+    assert p.extras.verify is None
     run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     got, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
     assert got == (4 * BS, False) and not plan.verifies and len(plan.loads) == 1
@@ -208,7 +208,7 @@ def test_sampled_hit_is_recomputed_compared_and_a_mismatch_quarantines():
     t = p.counters.totals
     assert t["verify_samples|cpu"] == 4 and t["verify_mismatches|cpu"] == 1
     assert t["verify_quarantines|cpu"] == 1
-    assert p.verify is not None and p.verify.quarantined("cpu")
+    assert p.extras.verify is not None and p.extras.verify.quarantined("cpu")
     assert bad not in p.index and job.keys[0] in p.index  # the wrong block is dropped
     # Quarantined: no hit, so nothing sampled either.
     got, plan = run_request(p, prompt("c"), [10, 11, 12, 13, 14])
@@ -228,13 +228,13 @@ def mismatching_check(p: SchedulerPlanner, name: str, slots: list[int]) -> None:
 
 def test_one_mismatch_does_not_quarantine_a_tier_by_default_three_do():
     p = planner(sample_rate=1.0, quarantine_s=600)
-    assert p.verify is not None
+    assert p.extras.verify is not None
     mismatching_check(p, "a", [0, 1, 2, 3, 4])
     mismatching_check(p, "b", [10, 11, 12, 13, 14])
-    assert p.counters.totals["verify_mismatches|cpu"] == 2 and not p.verify.quarantined("cpu")
+    assert p.counters.totals["verify_mismatches|cpu"] == 2 and not p.extras.verify.quarantined("cpu")
     assert p.counters.totals.get("verify_quarantines|cpu", 0) == 0
     mismatching_check(p, "c", [20, 21, 22, 23, 24])
-    assert p.verify.quarantined("cpu") and p.counters.totals["verify_quarantines|cpu"] == 1
+    assert p.extras.verify.quarantined("cpu") and p.counters.totals["verify_quarantines|cpu"] == 1
 
 
 def test_mismatches_count_toward_a_quarantine_only_within_the_window():
@@ -257,7 +257,7 @@ def test_clean_check_releases_its_pins_and_quarantine_is_off_by_default():
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
                                                         verify_mismatched={(job.verify_id, job.keys[0])})))
     assert not any(p.index.is_pinned(s) for s in job.slots)
-    assert p.verify is not None and not p.verify.quarantined("cpu") and not p.verify.has_work()  # quarantine_s 0
+    assert p.extras.verify is not None and not p.extras.verify.quarantined("cpu") and not p.extras.verify.has_work()  # quarantine_s 0
     got, plan = run_request(p, prompt("c", 4), [10, 11, 12, 13, 14])
     # block 0 was dropped: the run from block 0 is a miss now (it is recomputed and saved)
     assert got == (0, False) and not plan.verifies
@@ -291,16 +291,16 @@ def test_worker_reports_merge_over_ranks():
 
 def test_a_check_waits_for_every_rank():
     cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60, quarantine_mismatches=1))
-    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, world_size=2)
+    p = SchedulerPlanner(cfg, PlannerSetup(BS, 32, 1, world_size=2))
     run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     _, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
     (job,) = plan.verifies
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1})))
-    assert p.verify is not None and p.verify.has_work() and "verify_samples|cpu" not in p.counters.totals
+    assert p.extras.verify is not None and p.extras.verify.has_work() and "verify_samples|cpu" not in p.counters.totals
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
                                                         verify_mismatched={(job.verify_id, job.keys[3])})))
-    assert not p.verify.has_work() and p.counters.totals["verify_mismatches|cpu"] == 1
-    assert p.verify.quarantined("cpu")
+    assert not p.extras.verify.has_work() and p.counters.totals["verify_mismatches|cpu"] == 1
+    assert p.extras.verify.quarantined("cpu")
 
 
 def test_host_rows_concatenates_one_row_of_every_plane():
@@ -349,7 +349,7 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     found = [{"c1": make_header("ns", keys, [0] * 4, 1024)}]
     nvme = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 4, None), PlannerContext(1, 1024, counters), Listing(found))
     cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0, quarantine_s=60, quarantine_mismatches=1))
-    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[nvme], counters=counters)
+    p = SchedulerPlanner(cfg, PlannerSetup(BS, 32, 1), lower=[nvme], counters=counters)
     got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     assert got == (0, False) and not plan.loads
     (job,) = plan.verifies
@@ -360,7 +360,7 @@ def test_a_lower_tier_hit_is_read_into_cpu_slots_and_a_mismatch_drops_and_quaran
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},
                                                         verify_mismatched={(job.verify_id, keys[2])})))
     assert counters.totals["verify_samples|nvme"] == 4 and counters.totals["verify_mismatches|nvme"] == 1
-    assert p.verify is not None and p.verify.quarantined("nvme") and not p.verify.quarantined("cpu")
+    assert p.extras.verify is not None and p.extras.verify.quarantined("nvme") and not p.extras.verify.quarantined("cpu")
     assert nvme.locate(BlockKey(keys[0])) is None  # the chunk holding the wrong block is gone
     assert BlockKey(keys[0]) in p.index and BlockKey(keys[2]) not in p.index
     got, plan = run_request(p, prompt("b"), [5, 6, 7, 8, 9])
@@ -391,7 +391,7 @@ def test_a_mismatch_on_a_shared_tier_forgets_the_chunk_and_never_deletes_it(name
     index it), counted; the blocks that matched still load into DRAM."""
     tier, keys, counters = _one_chunk_tier(name, exclusive=False, key_named=key_named)
     cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0))
-    p = SchedulerPlanner(cfg, block_size=BS, num_slots=32, slot_bytes_total=1, lower=[tier], counters=counters)
+    p = SchedulerPlanner(cfg, PlannerSetup(BS, 32, 1), lower=[tier], counters=counters)
     got, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     (job,) = plan.verifies
     assert job.tiers == (name,) * 4
@@ -409,8 +409,8 @@ def test_a_mismatch_on_a_shared_tier_forgets_the_chunk_and_never_deletes_it(name
 
 def test_a_mismatch_on_the_exclusive_nvme_tier_deletes_the_chunk():
     tier, keys, counters = _one_chunk_tier("nvme", exclusive=True)
-    p = SchedulerPlanner(KVTierConfig(verify=VerifyConfig(sample_rate=1.0)), block_size=BS, num_slots=32,
-                         slot_bytes_total=1, lower=[tier], counters=counters)
+    cfg = KVTierConfig(verify=VerifyConfig(sample_rate=1.0))
+    p = SchedulerPlanner(cfg, PlannerSetup(BS, 32, 1), lower=[tier], counters=counters)
     _, plan = run_request(p, prompt("a"), [0, 1, 2, 3, 4])
     (job,) = plan.verifies
     p.on_worker_output(WorkerOutput(report=WorkerReport(verified={job.verify_id: 1},

@@ -24,6 +24,41 @@ logger = logging.getLogger(__name__)
 _MAX_PENDING_CHUNKS = 1 << 18
 
 
+class WrittenIds:
+    """Chunk ids this instance wrote (all ranks durable) since the last listing began.
+
+    At most :data:`_MAX_PENDING_CHUNKS`; beyond, an id is dropped and counted (as
+    ``rescan_written_dropped``). Not locked: :class:`Rescanner` holds its lock around
+    every call."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, None] = {}
+        self._dropped = 0
+
+    def add(self, chunk_id: str) -> None:
+        if len(self._ids) < _MAX_PENDING_CHUNKS:
+            self._ids[chunk_id] = None
+        else:
+            self._dropped += 1
+
+    def take(self) -> list[str]:
+        """The ids noted so far, forgotten here (a listing begins)."""
+        out, self._ids = list(self._ids), {}
+        return out
+
+    def restore(self, chunk_ids: Sequence[str]) -> None:
+        """Put back ids a failed listing took (the bound still holds; no count)."""
+        for fid in chunk_ids:
+            if len(self._ids) >= _MAX_PENDING_CHUNKS:
+                break
+            self._ids.setdefault(fid, None)
+
+    def take_dropped(self) -> int:
+        """Ids dropped since the last call."""
+        n, self._dropped = self._dropped, 0
+        return n
+
+
 class Rescanner:
     """Runs ``scan`` every ``interval_s`` on a daemon thread.
 
@@ -52,10 +87,7 @@ class Rescanner:
         self._interval_s = interval_s
         self._listed: set[str] = set(common_chunks(initial or []))
         self._lock = threading.Lock()
-        #: chunk ids this instance wrote (all ranks durable) since the last listing began
-        #: (at most :data:`_MAX_PENDING_CHUNKS`; beyond, ``rescan_written_dropped``)
-        self._written: dict[str, None] = {}
-        self._written_dropped = 0
+        self._written = WrittenIds()
         #: the deltas not taken yet, merged (None: none)
         self._pending: RescanDelta | None = None
         self._partial = 0  # the last listing's RescanDelta.partial
@@ -70,10 +102,7 @@ class Rescanner:
         :data:`_MAX_PENDING_CHUNKS` ids waiting (listings failing) the id is dropped and
         counted; such a chunk, if deleted out of band, leaves the index at its first read."""
         with self._lock:
-            if len(self._written) < _MAX_PENDING_CHUNKS:
-                self._written[chunk_id] = None
-            else:
-                self._written_dropped += 1
+            self._written.add(chunk_id)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -87,15 +116,12 @@ class Rescanner:
         thread; blocks for the listing; a test may call it from its own thread). Raises
         what ``scan`` raises, queueing nothing."""
         with self._lock:
-            written, self._written = list(self._written), {}
+            written = self._written.take()
         try:
             found = self._scan()
         except BaseException:
             with self._lock:  # still to be checked by the next listing
-                for fid in written:
-                    if len(self._written) >= _MAX_PENDING_CHUNKS:
-                        break
-                    self._written.setdefault(fid, None)
+                self._written.restore(written)
             raise
         delta = self.diff(found, written)
         if self._counts is not None:
@@ -153,8 +179,8 @@ class Rescanner:
         with self._lock:
             p, self._pending = self._pending, None
             extra = {k: v for k, v in ((CounterName.RESCAN_RESYNCS, self._resyncs),
-                                       (CounterName.RESCAN_WRITTEN_DROPPED, self._written_dropped)) if v}
-            self._resyncs = self._written_dropped = 0
+                                       (CounterName.RESCAN_WRITTEN_DROPPED, self._written.take_dropped())) if v}
+            self._resyncs = 0
         if extra:
             p = p or RescanDelta({}, frozenset(), self._partial)
             for k, v in extra.items():

@@ -67,7 +67,7 @@ def _scheduler_timed(fn: _F) -> _F:
         finally:
             if self._sched is not None:
                 seconds = time.perf_counter() - t0
-                self._sched.counters.add(CounterName.SCHEDULER_SECONDS, TierName.CPU, seconds)
+                self._sched.planner.counters.add(CounterName.SCHEDULER_SECONDS, TierName.CPU, seconds)
     return cast(_F, timed)
 
 
@@ -199,7 +199,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_load_errors()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        half = self._sched if self._sched is not None else self._worker
+        half = self._sched.planner if self._sched is not None else self._worker
         assert half is not None
         data = half.stats()
         if data and self._exporter is not None:
@@ -214,7 +214,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         ``LLM`` created after this one's ``shutdown``."""
         try:
             run_all([self._worker.shutdown if self._worker is not None else None,
-                     self._sched.close if self._sched is not None else None,
+                     self._sched.planner.close if self._sched is not None else None,
                      self._exporter.stop if self._exporter is not None else None])
         except Exception:
             logger.exception("kvtier: shutdown did not finish cleanly (what was in flight is lost, "
@@ -225,19 +225,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @_scheduler_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched.planner.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_scheduler_timed
     def on_new_request(self, request: Request) -> None:
         assert self._sched is not None
-        self._sched.on_new_request(request)
+        self._sched.planner.on_new_request(request)
 
     @_scheduler_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         if request.num_computed_tokens == 0 or num_external_tokens > 0:
-            self._sched.record_lookup(request)
-        self._sched.update_state_after_alloc_groups(request, blocks.get_block_ids(), num_external_tokens)
+            self._sched.planner.record_lookup(request)
+        self._sched.planner.update_state_after_alloc_groups(request, blocks.get_block_ids(), num_external_tokens)
 
     @_scheduler_timed
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -255,21 +255,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @_scheduler_timed
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.request_finished(request, block_ids)
+        return self._sched.planner.request_finished(request, block_ids)
 
     @_scheduler_timed
     def take_events(self) -> Iterable[KVCacheEvent]:
         # vLLM's KV events for our tiers (BlockStored / BlockRemoved, medium CPU or STORAGE):
         # nothing unless vLLM's kv_events_config turned them on (connector/events.py).
-        if self._sched is None or self._sched.events is None:
+        if self._sched is None or self._sched.planner.events is None:
             return ()
-        return to_vllm(self._sched.take_events())
+        return to_vllm(self._sched.planner.take_events())
 
     @_scheduler_timed
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.request_finished_all_groups(request, block_ids)
+        return self._sched.planner.request_finished_all_groups(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         # Once, at start-up, before any request: the workers' pool sizes (KVTierHandshake).
@@ -283,7 +283,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.set_xfer_handshake_metadata(metadata)
 
     def has_pending_push_work(self) -> bool:
-        return self._sched is not None and self._sched.has_pending_work()
+        return self._sched is not None and self._sched.planner.has_pending_work()
 
     # ---- class-level hooks ---------------------------------------------------------
 

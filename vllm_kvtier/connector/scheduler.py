@@ -1,12 +1,10 @@
 """Scheduler half: vLLM's scheduler-side hooks, translated for the planner.
 
 Who calls it: :class:`~vllm_kvtier.connector.KVTierConnector` in the scheduler role, from
-vLLM's scheduler thread only. The decisions are the planner's
-(:class:`~vllm_kvtier.engine.scheduler.GroupedPlanner`, no vLLM there); this module only
-reads vLLM's ``SchedulerOutput`` and ``KVConnectorOutput`` into the planner's plain inputs
-(:mod:`vllm_kvtier.plan.inputs`) and wraps its :class:`~vllm_kvtier.jobs.StepPlan` as the
-connector metadata vLLM carries to the workers.
-"""
+vLLM's scheduler thread only. The decisions, and every other hook, are the planner's
+(:class:`~vllm_kvtier.engine.scheduler.GroupedPlanner`, no vLLM there). This module reads
+vLLM's ``SchedulerOutput`` and ``KVConnectorOutput`` into its plain inputs
+(:mod:`vllm_kvtier.plan.inputs`), and wraps its step plan as the workers' metadata."""
 
 from __future__ import annotations
 
@@ -53,12 +51,15 @@ def worker_output(connector_output: Any) -> WorkerOutput:
     )
 
 
-class SchedulerHalf(GroupedPlanner):
-    """The planner's plan as vLLM's connector metadata, vLLM's output as its input."""
+class SchedulerHalf:
+    """The :attr:`planner`'s plan as vLLM's connector metadata, vLLM's output as its input."""
+
+    def __init__(self, planner: GroupedPlanner) -> None:
+        self.planner = planner
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        groups = len(self.layout.groups) if self.hybrid else 1
-        return KVTierMetadata.from_plan(self.plan_groups([step_input(scheduler_output, g) for g in range(groups)]))
+        inputs = [step_input(scheduler_output, g) for g in range(len(self.planner.layout.groups))]
+        return KVTierMetadata.from_plan(self.planner.plan_groups(inputs))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.on_grouped_output(worker_output(connector_output))
+        self.planner.on_grouped_output(worker_output(connector_output))

@@ -19,6 +19,7 @@ from vllm_kvtier.connector.events import event_log
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 from vllm_kvtier.engine.identity import model_identity
 from vllm_kvtier.engine.lower import make_planners, make_workers, rank_role, stored_copies
+from vllm_kvtier.engine.scheduler import GroupedPlanner, PlannerSetup
 from vllm_kvtier.errors import ConfigError
 from vllm_kvtier.index.groups import GroupLayout, GroupSpec
 from vllm_kvtier.index.identity import FingerprintMode, describe_line
@@ -354,21 +355,19 @@ def scheduler_half(cfg: KVTierConfig, vllm_config: VllmConfig, kv_cache_config: 
                           counters=counters, kv_dtype=getattr(spec, "dtype", None),  # the worker's layout dtype
                           read_only_pool=getattr(vllm_config.kv_transfer_config, "kv_role", "") == "kv_consumer",
                           engine=engine)
-    half = SchedulerHalf(cfg, block_size=vllm_config.cache_config.block_size,
-                         num_slots=pool_slots(cfg, block_bytes, world, allocating=False),
-                         slot_bytes_total=block_bytes * world,
-                         world_size=world, lower=lower, counters=counters, layout=groups,
-                         swa_checkpoint_tokens=cfg.swa_checkpoint_tokens, namespace=ns,
-                         events=event_log(cfg.events, vllm_config, counters))
+    setup = PlannerSetup(vllm_config.cache_config.block_size, pool_slots(cfg, block_bytes, world, allocating=False),
+                         slot_bytes_total=block_bytes * world, world_size=world, namespace=ns)
+    half = SchedulerHalf(GroupedPlanner(cfg, setup, lower=lower, counters=counters, layout=groups,
+                                        events=event_log(cfg.events, vllm_config, counters)))
     policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
     if policy != "recompute":
         logger.warning("kvtier: kv_load_failure_policy is %r: a block that cannot be loaded (a tier down, "
                        "a corrupt or missing block) fails its request. Set \"kv_load_failure_policy\":"
                        "\"recompute\" in --kv-transfer-config so vLLM recomputes it instead.", policy)
-    if sync_load_failures_unsafe(vllm_config) and not half.load_options.always_async:
+    if sync_load_failures_unsafe(vllm_config) and not half.planner.load_options.always_async:
         logger.info("kvtier: vLLM's V2 model runner with kv_load_failure_policy recompute: every load is "
                     "async (a rejected sync load would give wrong output there, vllm#49250)")
-        half.load_options.always_async = True
+        half.planner.load_options.always_async = True
     return half
 
 
@@ -446,7 +445,7 @@ def adopt_pool_sizes(half: SchedulerHalf, sizes: dict[int, int]) -> None:
     if len(set(sizes.values())) > 1:
         logger.info("kvtier: the ranks' CPU pools differ (%s): planning for the smallest", sizes)
     logger.info("kvtier: CPU tier %d blocks per rank, as the workers allocated it", num_slots)
-    half.size_pool(num_slots)
+    half.planner.size_pool(num_slots)
 
 
 def fp8_cache_dtype(vllm_config: VllmConfig | None) -> str:

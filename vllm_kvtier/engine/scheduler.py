@@ -18,23 +18,31 @@ reported (and recomputed) per request.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_kvtier.index.adapters import AdapterFingerprints, AdapterKeys
-from vllm_kvtier.index.groups import GroupKeys, GroupLayout, GroupSpec, KeyOrigins, SaveFilter, sliding_hit
+from vllm_kvtier.config import KVTierConfig
+from vllm_kvtier.engine.views import (
+    GROUP_SEP,
+    AdapterRequest,
+    AdapterViews,
+    GroupView,
+    GroupViews,
+    real_id,
+    view_id,
+)
+from vllm_kvtier.index.groups import GroupLayout, GroupSpec, SaveFilter, sliding_hit
 from vllm_kvtier.jobs import LoadJob, StepPlan
 from vllm_kvtier.keys import TierName
-from vllm_kvtier.metrics import CounterName, HistogramName
+from vllm_kvtier.metrics import CounterName, Counters, HistogramName
+from vllm_kvtier.plan.chunk_plan import ChunkPlanner
+from vllm_kvtier.plan.events import EventLog
 from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
-from vllm_kvtier.plan.scheduler import SchedulerPlanner
+from vllm_kvtier.plan.scheduler import PlannerSetup, SchedulerPlanner
 from vllm_kvtier.plan.short_first import ShortFirst
 
-logger = logging.getLogger("vllm_kvtier")
-
-#: LoRA request views kept at most (one per live LoRA request; vLLM finishes each).
-MAX_VIEWS = 65536
+__all__ = ["AdapterRequest", "GroupView", "GroupedPlanner", "PlannerSetup", "followed", "real_id", "to_real_ids",
+           "view_id"]
 
 
 def followed(request: Any) -> bool:
@@ -48,61 +56,6 @@ def followed(request: Any) -> bool:
         return False
     params = getattr(request, "kv_transfer_params", None)
     return not (isinstance(params, dict) and params.get("do_remote_prefill"))
-
-
-class AdapterRequest:
-    """A LoRA request as the planners see it.
-
-    It is vLLM's live ``Request`` with its block hashes bound to the adapter's content
-    (:class:`~vllm_kvtier.index.adapters.AdapterKeys`). vLLM folds only the adapter's
-    *name* into its block hashes. Without this, a rewritten adapter under the same name
-    would be served its old KV. ``adapter`` None means no fingerprint could be taken. Then
-    there are no block hashes, so the request neither loads from nor saves to the tiers."""
-
-    def __init__(self, request: Any, adapter: bytes | None) -> None:
-        self.live = request
-        self._keys: Sequence[bytes] = AdapterKeys(request, adapter) if adapter is not None else ()
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]:
-        return self._keys
-
-    def __getattr__(self, name: str) -> Any:  # everything else: the live request's
-        return getattr(self.live, name)
-
-
-#: Separates a request id from its group in a :class:`GroupView`'s id.
-GROUP_SEP = "\x1fg"
-
-
-def view_id(req_id: str, group: int) -> str:
-    return f"{req_id}{GROUP_SEP}{group}"
-
-
-def real_id(req_id: str) -> str:
-    """vLLM's request id of a group view's id (an id without a group: itself)."""
-    return req_id.rpartition(GROUP_SEP)[0] or req_id
-
-
-class GroupView:
-    """One KV cache group of a live request as the planners see it.
-
-    It has its own id and the group's keys (:class:`~vllm_kvtier.index.groups.GroupKeys`;
-    group 0: the request's own). Everything else is the live request's. ``base`` is
-    vLLM's request or a LoRA view."""
-
-    def __init__(self, base: Any, group: int, origins: KeyOrigins | None = None) -> None:
-        self.live = base
-        self.group = group
-        self.request_id = view_id(base.request_id, group)
-        self._keys: Sequence[bytes] | None = GroupKeys(base, group, origins) if group else None
-
-    @property
-    def block_hashes(self) -> Sequence[bytes]:
-        return self._keys if self._keys is not None else self.live.block_hashes
-
-    def __getattr__(self, name: str) -> Any:  # everything else: the live request's
-        return getattr(self.live, name)
 
 
 def merge_loads(jobs: list[LoadJob], req_id: str) -> LoadJob:
@@ -134,23 +87,15 @@ class GroupedPlanner(SchedulerPlanner):
     introspection is the planner's). A request with a LoRA adapter reaches the planner as
     an :class:`AdapterRequest`, the same object on every hook until it finishes."""
 
-    def __init__(self, *args: Any, layout: GroupLayout | None = None, swa_checkpoint_tokens: int = 0,
-                 **kwargs: Any) -> None:
-        """``layout``: the engine's KV cache groups (None: one full-attention group)."""
-        super().__init__(*args, **kwargs)
-        self._adapters = AdapterFingerprints()
-        self._views: dict[str, AdapterRequest] = {}
-        self.layout = layout if layout is not None else GroupLayout((GroupSpec("full", self.block_size),))
-        self.hybrid = self.layout.hybrid
-        #: with >1 group a failed load is reported per request: vLLM allows it for async loads only
-        self.load_options.always_async = self.hybrid
-        self.load_options.skip_null_blocks = self.saves.skip_null_blocks = self.hybrid
-        self.load_options.observe_loads = not self.hybrid  # observed per merged job (build_connector_meta)
-        self.load_options.views_per_request = len(self.layout.groups)
-        self._checkpoint_blocks = swa_checkpoint_tokens // self.block_size
-        #: derived key -> (vLLM's hash, group), for the keys derived here (KV events)
-        self.key_origins = KeyOrigins()
-        self._groups: dict[str, tuple[GroupView, ...]] = {}
+    def __init__(self, cfg: KVTierConfig, setup: PlannerSetup, *, lower: list[ChunkPlanner] | None = None,
+                 counters: Counters | None = None, events: EventLog | None = None,
+                 layout: GroupLayout | None = None) -> None:
+        """``layout``: the engine's KV cache groups (None: one full-attention group). The
+        rest is :class:`SchedulerPlanner`'s."""
+        super().__init__(cfg, setup, lower=lower, counters=counters, events=events)
+        self.adapters = AdapterViews(self.counters)
+        self.groups = GroupViews(layout if layout is not None else GroupLayout((GroupSpec("full", self.block_size),)))
+        self.plan_views(len(self.layout.groups))
         #: blocks put in load jobs, per group (introspection: tests, ``kvtier inspect``)
         self.group_loaded_blocks = [0] * len(self.layout.groups)
         sc = self.cfg.schedule
@@ -158,43 +103,28 @@ class GroupedPlanner(SchedulerPlanner):
         self.order = (ShortFirst(short_tokens=sc.short_tokens, max_wait_s=sc.max_wait_s, counters=self.counters)
                       if sc.order == "short-first" else None)
 
+    @property
+    def layout(self) -> GroupLayout:
+        """The engine's KV cache groups."""
+        return self.groups.layout
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the engine has more than one KV cache group."""
+        return self.groups.layout.hybrid
+
     def _view(self, request: Any) -> Any:
-        lora = getattr(request, "lora_request", None)
-        if lora is None:
-            return request
-        view = self._views.get(request.request_id)
-        if view is not None and view.live is request:
-            return view
-        path = str(getattr(lora, "lora_path", "") or getattr(lora, "path", ""))
-        try:
-            adapter: bytes | None = self._adapters.get(path)
-        except OSError as e:
-            adapter = None
-            self.counters.add(CounterName.LORA_UNKEYED_REQUESTS, TierName.ALL)
-            logger.warning("kvtier: LoRA adapter %r at %r cannot be fingerprinted (%s): its requests skip the "
-                           "tiers", getattr(lora, "lora_name", ""), path, e)
-        if len(self._views) >= MAX_VIEWS:  # looked up and never finished: forget the oldest
-            self._views.pop(next(iter(self._views)))
-        view = self._views[request.request_id] = AdapterRequest(request, adapter)
-        return view
+        return self.adapters.view(request)
 
     def group_views(self, request: Any) -> tuple[GroupView, ...]:
         """The views of ``request``, one per group, the same objects until it finishes."""
-        base = self._view(request)
-        views = self._groups.get(request.request_id)
-        if views is not None and views[0].live is base:
-            return views
-        if len(self._groups) >= MAX_VIEWS:
-            self._groups.pop(next(iter(self._groups)))
-        views = self._groups[request.request_id] = tuple(
-            GroupView(base, g, self.key_origins) for g in range(len(self.layout.groups)))
-        return views
+        return self.groups.views(self._view(request))
 
     def stored_units_per_group(self) -> list[int]:
         """Units in the CPU tier per KV cache group (introspection: tests, ``kvtier inspect``)."""
         counts = [0] * len(self.layout.groups)
         for key, _ in self.index.items():
-            counts[self.key_origins.origin(key)[1]] += 1
+            counts[self.groups.key_origins.origin(key)[1]] += 1
         return counts
 
     def request_state(self, req_id: str) -> Any:
@@ -286,12 +216,13 @@ class GroupedPlanner(SchedulerPlanner):
             return
         if self.order is not None:
             self.order.gone(request.request_id)
+        checkpoint_blocks = self.cfg.swa_checkpoint_tokens // self.block_size
         for g, v in enumerate(self.group_views(request)):
             self.on_alloc(v, list(block_ids[g]), num_external_tokens)
             spec = self.layout.groups[g]
             state = self.requests.live.get(v.request_id)
             if spec.kind == "sliding" and state is not None and state.keep is None:
-                state.keep = SaveFilter(spec, request.num_prompt_tokens, self._checkpoint_blocks)
+                state.keep = SaveFilter(spec, request.num_prompt_tokens, checkpoint_blocks)
 
     def _merge_load_timing(self, req_id: str) -> None:
         """The async load of ``req_id`` ended.
@@ -311,7 +242,7 @@ class GroupedPlanner(SchedulerPlanner):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         view = self._view(request)
-        self._views.pop(request.request_id, None)
+        self.adapters.forget(request.request_id)
         if self.order is not None:
             self.order.gone(request.request_id)  # ended while waiting (an abort)
         return self.on_finished(view, block_ids)
@@ -324,8 +255,8 @@ class GroupedPlanner(SchedulerPlanner):
         if not self.hybrid:
             return self.request_finished(request, list(block_ids[0]))
         views = self.group_views(request)
-        self._groups.pop(request.request_id, None)
-        self._views.pop(request.request_id, None)
+        self.groups.forget(request.request_id)
+        self.adapters.forget(request.request_id)
         if self.order is not None:
             self.order.gone(request.request_id)
         hold, params = False, None

@@ -24,10 +24,10 @@ never indexed. A pool's lookups are submitted and answered on a later step
   restart (or an abort, or a crash) finds what DRAM held. While requests run, a block is
   flushed once it has stayed in DRAM ``flush_interval_s``. So an abort loses at most that
   window. A one-off block evicted sooner is not written: admission still protects the SSD
-  from floods. When the engine has no request, all of them are flushed at once. The engine
-  then asks vLLM for idle steps until they are written. At most
-  :data:`_FLUSH_BLOCKS_PER_STEP` x ``chunk_blocks`` blocks go per step. Cost: a block is
-  written once if it outlives the interval in DRAM or is in DRAM when the engine goes idle.
+  from floods. When the engine has no request, all of them are flushed at once, a bounded
+  number a step (:class:`~vllm_kvtier.plan.chunk_writes.WriteQueue`). The engine then asks
+  vLLM for idle steps until they are written. Cost: a block is written once if it outlives
+  the interval in DRAM or is in DRAM when the engine goes idle.
   **Write-through**: every admitted block saved to the CPU tier is also written at once.
   With both NVMe and S3 configured, each tier takes the CPU tier's blocks by its own mode.
   The hierarchy is inclusive: a block evicted from NVMe is usually still in S3. Nothing is
@@ -47,69 +47,42 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from vllm_kvtier.catalog.base import Found, Listing, PoolLookups, Rescans, common_chunks
+from vllm_kvtier.catalog.base import Found, Listing, common_chunks
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
-from vllm_kvtier.metrics import CounterName, Counters, GaugeName
+from vllm_kvtier.metrics import CounterName, GaugeName
 from vllm_kvtier.plan.admission import Admission
+from vllm_kvtier.plan.chunk_acks import ChunkAcks, remember
+from vllm_kvtier.plan.chunk_feed import CatalogFeed
 from vllm_kvtier.plan.chunk_origins import ChunkOrigins
+from vllm_kvtier.plan.chunk_policy import ChunkPolicy, PlannerContext
+from vllm_kvtier.plan.chunk_writes import SlotKey, WriteQueue
 from vllm_kvtier.plan.events import EventLog, Locality
-from vllm_kvtier.plan.lookup_state import AnsweredIds, CoolDown
-from vllm_kvtier.plan.rescan_merge import Added, RescanMerge
+from vllm_kvtier.plan.lookup_state import CoolDown
+from vllm_kvtier.plan.rescan_merge import Added
+
+__all__ = ["ChunkPlanner", "ChunkPolicy", "PlannerContext"]
 
 logger = logging.getLogger(__name__)
-
-#: Background flushes planned per step at most, in chunks (a bound on one step's writes).
-_FLUSH_BLOCKS_PER_STEP = 4
 
 #: Shared-tier chunks shadow verification found wrong, remembered so that no rescan or pool
 #: lookup indexes them again (ids, ~100 B each; the oldest is forgotten beyond this).
 _DISTRUSTED_CHUNKS = 4096
 
-@dataclass(frozen=True)
-class ChunkPolicy:
-    """What the planner needs to know of a tier's configuration."""
-
-    tier: TierName
-    #: "read-only": this instance never writes the tier (a P/D decode instance's pool).
-    mode: Literal["write-back", "write-through", "read-only"]
-    admit_min_seen: int
-    chunk_blocks: int
-    #: For the whole engine (all ranks); None: unbounded (e.g. a bucket with a lifecycle rule).
-    capacity_bytes: int | None
-    #: Chunks of one block named by the block's key (hex), so another instance finds a
-    #: prefix from its own block hashes without a listing (a key-value pool).
-    key_named: bool = False
-    #: Write-back: flush a block still only in DRAM once it is this old (seconds), and
-    #: every such block when the engine is idle. 0: only on eviction and at shutdown.
-    flush_interval_s: float = 0.0
-    #: No other engine writes this tier's chunks (an NVMe rank directory, locked by its
-    #: owner): at start, chunks on only some ranks and misfits are this engine's debris and
-    #: are deleted. False for shared tiers (another instance may still be writing them).
-    exclusive: bool = False
-
-
-@dataclass(frozen=True)
-class PlannerContext:
-    """What every planner of one scheduler shares."""
-
-    #: Shards stored of each block, named ``r0`` .. ``r<world_size - 1>``.
-    world_size: int
-    block_bytes_per_rank: int
-    counters: Counters
-    #: The background flush's ages (a test passes its own).
-    clock: Callable[[], float] = time.monotonic
-
 
 class ChunkPlanner:
+    """One chunk tier's policy, over its parts. The :attr:`admission` picks which blocks
+    are written and holds the write breaker. The :attr:`writes` queue what the next step
+    writes and deletes. The :attr:`acks` count the ranks' write reports. The :attr:`feed`
+    takes the catalog's rescans and pool answers. The :attr:`cooling` holds chunks whose
+    read failed. The :attr:`origins` knows who wrote each chunk (KV events' locality, what
+    a failed read deletes). The index stays here."""
+
     def __init__(self, policy: ChunkPolicy, ctx: PlannerContext, listing: Listing) -> None:
         """``listing``: what the tier's catalog found at start-up
         (:class:`~vllm_kvtier.catalog.base.Listing`). ``listing.found``: the chunks found.
@@ -124,44 +97,24 @@ class ChunkPlanner:
         a shared one (KV events' locality). ``listing.unread``: chunks some rank's listing
         saw but could not read (a transient error). They are not indexed, and never
         reclaimed as partial. ``listing.writable`` False: the policy's mode becomes
-        read-only. ``listing.reclaim``: chunks deleted at once.
-
-        The planner's jobs are each their own object. The :attr:`admission` picks which
-        blocks are written and holds the write breaker. The :attr:`merge` slices rescan
-        deltas. The :attr:`cooling` holds chunks whose read failed. The :attr:`answered`
-        holds pool answers. The :attr:`origins` knows who wrote each chunk (KV events'
-        locality, what a failed read deletes). The write queues and the index stay here."""
+        read-only. ``listing.reclaim``: chunks deleted at once."""
         if not listing.writable:
             policy = dataclasses.replace(policy, mode="read-only")
         self.policy = policy
-        self.tier = policy.tier
-        self._clock = ctx.clock
-        self.world_size = world_size = ctx.world_size
-        self.block_bytes = ctx.block_bytes_per_rank
-        self.counters = ctx.counters
+        self.ctx = ctx
         # Capacity is per engine; each rank stores its shard of every chunk.
         cap = policy.capacity_bytes
         self.reserved_bytes = reserved = listing.reserved_bytes_per_rank
-        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved))
+        self.index = ChunkIndex(None if cap is None else max(0, cap // ctx.world_size - reserved))
         self.admission = Admission(policy.tier, policy.admit_min_seen)
-        self._demote: list[tuple[int, BlockKey]] = []
-        #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
-        self._dirty: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
-        self._through: list[tuple[int, BlockKey]] = []
-        self._deletes: list[str] = []
-        self._acks: dict[str, int] = {}
-        #: Chunks that failed on some rank: a late "written" from another rank is ignored.
-        self._failed_files: OrderedDict[str, None] = OrderedDict()
+        self.writes = WriteQueue(flush_interval_s=policy.flush_interval_s, chunk_blocks=policy.chunk_blocks,
+                                 clock=ctx.clock)
+        self.acks = ChunkAcks(ctx.world_size)
         self.cooling = CoolDown()
-        self._catalog = catalog = listing.catalog
-        self._rescans = catalog if isinstance(catalog, Rescans) else None
-        self._lookups = catalog if isinstance(catalog, PoolLookups) else None
-        self.answered = AnsweredIds()
-        self.merge = RescanMerge()
+        self.feed = CatalogFeed(listing.catalog)
         self.origins = ChunkOrigins()
         #: shared-tier chunks verification found wrong: never indexed again (:meth:`distrust_key`)
         self._distrusted: OrderedDict[str, None] = OrderedDict()
-        self._events: EventLog | None = None
         #: Called with a chunk's keys once every rank reported it durable (this thread).
         #: The scheduler points it at the CPU index, whose policy learns what is below.
         self.on_durable: Callable[[Sequence[BlockKey]], None] | None = None
@@ -173,11 +126,19 @@ class ChunkPlanner:
                         len(listing.reclaim))
             self.reclaim(list(listing.reclaim))
 
+    @property
+    def tier(self) -> TierName:
+        return self.policy.tier
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's shard on one rank."""
+        return self.ctx.block_bytes_per_rank
+
     # ---- what the tier holds -------------------------------------------------------
 
     def _adopt(self, found: Found, local_chunks: frozenset[str] | None, unread: frozenset[str]) -> tuple[int, int]:
-        """Index the start-up listing's chunks present on every rank; (blocks, chunks)
-        added.
+        """Index the start-up listing's chunks present on every rank; (blocks, chunks) added.
 
         A chunk that does not fit the capacity is deleted. An exclusive tier
         (:attr:`ChunkPolicy.exclusive`) deletes two more kinds. One is chunks present on
@@ -200,14 +161,14 @@ class ChunkPlanner:
             if h.block_bytes != self.block_bytes and reclaim:
                 self.reclaim([fid])  # misfit: another block size (another layout)
                 continue
-            if h.block_bytes != self.block_bytes or fid in self._failed_files:
+            if h.block_bytes != self.block_bytes or self.acks.failed(fid):
                 continue
             ours = self.policy.exclusive if local_chunks is None else fid in local_chunks
             if self._add_found(fid, [BlockKey(k) for k in h.keys], h.total_bytes, remote=not ours):
                 n_blocks += h.nblocks
                 n_files += 1
             else:
-                self._deletes.append(fid)
+                self.writes.delete([fid])
         return n_blocks, n_files
 
     def _add_found(self, fid: str, keys: Sequence[BlockKey], nbytes: int, *, remote: bool) -> bool:
@@ -228,16 +189,12 @@ class ChunkPlanner:
 
         Also every key that stops being so, from now on. Over the next steps, announce what
         it holds already."""
-        self._events = log
-        self.index.watch = self._watched
-        log.announce(self.tier, self._holdings())
+        tier = self.tier
+        self.index.watch = lambda fid, keys, loadable: log.record(tier, keys, loadable, self._locality(fid))
+        log.announce(tier, self._holdings())
 
     def _locality(self, fid: str) -> Locality:
         return "REMOTE" if self.origins.is_remote(fid) else "LOCAL"
-
-    def _watched(self, fid: str, keys: Sequence[BlockKey], loadable: bool) -> None:
-        assert self._events is not None
-        self._events.record(self.tier, keys, loadable, self._locality(fid))
 
     def _holdings(self) -> Iterator[tuple[Sequence[BlockKey], Locality]]:
         """The chunks indexed now, each as it is when the iterator reaches it.
@@ -263,16 +220,8 @@ class ChunkPlanner:
         removed. The rest go at the next steps. Called before lookups. So a request sees
         what other instances stored. And it no longer offers what the tier lost. A chunk
         waiting to be removed is not offered. A pinned one goes at its unpin."""
-        if self._lookups is not None:
-            self._take_answers()
-        if self._rescans is None:
-            return
-        for d in self._rescans.take():
-            self.merge.queue(d)
-            self.counters.set_gauge(GaugeName.PARTIAL_CHUNKS, self.tier, d.partial)
-            for name, n in d.counts.items():
-                self.counters.add(name, self.tier, n)
-        piece = self.merge.next_slice()
+        self._take_answers()
+        piece = self.feed.take_slice(self.ctx.counters, self.tier)
         if piece is not None:
             self._apply_slice(*piece)
 
@@ -286,14 +235,14 @@ class ChunkPlanner:
             if fid in self.index:
                 self.index.unretire(fid)
                 continue
-            if block_bytes != self.block_bytes or fid in self._failed_files:
+            if block_bytes != self.block_bytes or self.acks.failed(fid):
                 continue
             if self._add_found(fid, keys, nbytes, remote=True):  # our own writes are never "added"
                 n_blocks += len(keys)
                 n_files += 1
         self.origins.prune(len(self.index), self.index.chunk_ids)  # (keys: >= chunks)
         if removed:
-            self.counters.add(CounterName.RESCAN_REMOVED_CHUNKS, self.tier, removed)
+            self.ctx.counters.add(CounterName.RESCAN_REMOVED_CHUNKS, self.tier, removed)
         if n_files:
             logger.info("kvtier %s: rescan found %d new blocks in %d chunks", self.tier, n_blocks, n_files)
 
@@ -304,11 +253,11 @@ class ChunkPlanner:
         drops them from its writer's manifest. No request is sent; a chunk of another
         writer is not in it. At most :data:`~vllm_kvtier.plan.rescan_merge.MERGE_SLICE` go
         a step, as the slices that found them."""
-        return self.merge.take_forgets()
+        return self.feed.merge.take_forgets()
 
     def rescan_pending(self) -> int:
         """Chunks of finished rescans not applied yet (added or removed)."""
-        return self.merge.pending()
+        return self.feed.merge.pending()
 
     def reclaim(self, chunk_ids: Sequence[str]) -> None:
         """Delete these chunks with the next step's deletes; counted as ``reclaimed_files``.
@@ -316,8 +265,8 @@ class ChunkPlanner:
         They are ours, left unusable: on only some ranks by a crashed predecessor, or of
         another block size. Indexed chunks are never reclaimed."""
         fids = [f for f in chunk_ids if f not in self.index]
-        self._deletes.extend(fids)
-        self.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
+        self.writes.delete(fids)
+        self.ctx.counters.add(CounterName.RECLAIMED_FILES, self.tier, len(fids))
 
     def discover(self, keys: Sequence[BlockKey]) -> bool:
         """Key-named tiers: submit a pool lookup of the ``keys`` this index does not know.
@@ -326,37 +275,32 @@ class ChunkPlanner:
         an answer about one of them is still to come within the lookup's deadline. The
         caller may then ask again next step (vLLM's ``None``). Until then they are a miss.
         An answer that comes is indexed by :meth:`refresh`, whoever asked."""
-        lookups = self._lookups
-        if lookups is None:
+        if not self.feed.pooled:
             return False
         self._take_answers()
-        ids = [k.hex() for k in keys if self._unknown(k)]
-        ids = [i for i in ids if i not in self.answered]
+        ids = self.feed.unanswered([k.hex() for k in keys if self._unknown(k)])
         if not ids:
             return False
-        lookups.submit(ids)  # queued with any lookup under way; refused while the pool hangs
+        self.feed.submit(ids)
         self._take_answers()  # a pool answered from memory has answered already
-        return lookups.waiting(ids)
+        return self.feed.waiting(ids)
 
     def _unknown(self, key: BlockKey) -> bool:
         return self.index.locate(key) is None and not self.index.knows(key)
 
     def _take_answers(self) -> None:
         """Index the chunks the pool's answers found (each one block, named by its key)."""
-        assert self._lookups is not None
         nbytes = self.file_bytes(1)
-        for answer in self._lookups.take_answers():
-            for fid, present in zip(answer.ids, answer.present, strict=True):
-                self.answered.add(fid)
-                key = BlockKey(bytes.fromhex(fid))
-                if present and self._unknown(key):
-                    self._failed_files.pop(fid, None)  # it is there again (rewritten)
-                    self._add_found(fid, [key], nbytes, remote=True)
+        for fid, present in self.feed.take_answers():
+            key = BlockKey(bytes.fromhex(fid))
+            if present and self._unknown(key):
+                self.acks.retry(fid)  # it is there again (rewritten)
+                self._add_found(fid, [key], nbytes, remote=True)
 
     def locate(self, key: BlockKey) -> tuple[str, int] | None:
         """(chunk id, position) of ``key`` if it is loadable now."""
         loc = self.index.locate(key)
-        if loc is not None and self.merge.removing(loc[0]):
+        if loc is not None and self.feed.merge.removing(loc[0]):
             return None  # gone from the tier; its removal is applied over the next steps
         if loc is not None and self.cooling.cooling(loc[0]):
             return None
@@ -380,48 +324,29 @@ class ChunkPlanner:
     # ---- events from the CPU tier ----------------------------------------------------
 
     def on_cpu_evict(self, slot: int, key: BlockKey) -> None:
-        self._dirty.pop(key, None)
+        self.writes.forget_dirty(key)
         if self.policy.mode == "write-back" and self.admitted(key):
-            self._demote.append((slot, key))
+            self.writes.demote(slot, key)
 
     def on_cpu_save(self, slot: int, key: BlockKey) -> None:
         if self.policy.mode == "write-through" and self.admitted(key):
-            self._through.append((slot, key))
+            self.writes.write_through(slot, key)
         elif self.policy.mode == "write-back" and self.policy.flush_interval_s > 0 and not self.index.knows(key):
-            self._dirty[key] = (slot, self._clock())
-            self._dirty.move_to_end(key)
+            self.writes.mark_dirty(slot, key)
 
     def has_flush_work(self) -> bool:
         """Blocks only in DRAM that an idle engine should write now, or deletes to send.
 
         Deletes are the start-up reclaim: debris goes at the first step, not at the first
         request."""
-        return bool(self._deletes) or (bool(self._dirty) and not self.admission.paused())
-
-    def _take_flush(self, cpu_slot_of: Callable[[BlockKey], int | None], idle: bool) -> list[tuple[int, BlockKey]]:
-        """Dirty blocks due now (all of them when ``idle``), oldest first, bounded per step.
-
-        A block no longer in its slot (evicted, or its slot reused) is forgotten."""
-        if not self._dirty or self.admission.paused():
-            return []
-        due = self._clock() - self.policy.flush_interval_s
-        budget = _FLUSH_BLOCKS_PER_STEP * self.policy.chunk_blocks
-        out: list[tuple[int, BlockKey]] = []
-        while self._dirty and len(out) < budget:
-            key, (slot, saved_at) = next(iter(self._dirty.items()))
-            if not idle and saved_at > due:
-                break
-            del self._dirty[key]
-            if cpu_slot_of(key) == slot and not self.index.knows(key):
-                out.append((slot, key))
-        return out
+        return self.writes.has_flush_work(paused=self.admission.paused())
 
     # ---- per step --------------------------------------------------------------------
 
     def file_bytes(self, nblocks: int) -> int:
         return header_bytes_for(nblocks) + nblocks * align_up(self.block_bytes)
 
-    def _chunk(self, items: list[tuple[int, BlockKey]]) -> list[ChunkWriteJob]:
+    def _chunk(self, items: list[SlotKey]) -> list[ChunkWriteJob]:
         jobs = []
         n = self.policy.chunk_blocks
         for i in range(0, len(items), n):
@@ -432,10 +357,10 @@ class ChunkPlanner:
             fid = keys[0].hex() if self.policy.key_named else chunk_id_for(keys)
             evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
             if evicted is None:
-                self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(keys))
+                self.ctx.counters.add(CounterName.STORE_SKIPPED, self.tier, len(keys))
                 continue
-            self._deletes.extend(evicted)
-            self._failed_files.pop(fid, None)  # a key-named chunk may be written again
+            self.writes.delete(evicted)
+            self.acks.retry(fid)  # a key-named chunk may be written again
             jobs.append(ChunkWriteJob(self.tier, fid, tuple(s for s, _ in part), tuple(keys)))
         return jobs
 
@@ -453,27 +378,26 @@ class ChunkPlanner:
         reused later in the step. Background flushes go with the write-through writes (the
         slot holds its key after the saves).
         """
-        self.answered.new_step()
+        counters, world_size = self.ctx.counters, self.ctx.world_size
+        self.feed.answered.new_step()
         self.refresh()
-        self._demote = [(s, k) for s, k in self._demote if k not in saved_this_step]
-        self._through = [(s, k) for s, k in self._through if cpu_slot_of(k) == s]
-        flushed = self._take_flush(cpu_slot_of, idle)
-        if flushed:
-            self.counters.add(CounterName.FLUSHED_BLOCKS, self.tier, len(flushed))
-            self._through += flushed
+        demote, through = self.writes.take(saved_this_step, cpu_slot_of)
+        if not self.admission.paused():
+            flushed = self.writes.take_flush(cpu_slot_of, idle=idle, stored=self.index.knows)
+            if flushed:
+                counters.add(CounterName.FLUSHED_BLOCKS, self.tier, len(flushed))
+                through += flushed
         before = self.index.evicted_blocks
-        demotes = self._chunk(self._demote)
-        through = self._chunk(self._through)
-        self.counters.add(CounterName.EVICTIONS, self.tier, self.index.evicted_blocks - before)
-        deletes = self._deletes
-        self._demote, self._through, self._deletes = [], [], []
-        self.merge.new_step()  # the next step applies the next slice of a rescan
-        self.counters.set_gauge(GaugeName.USAGE_BYTES, self.tier,
-                                (self.index.used_bytes + self.reserved_bytes) * self.world_size)
+        demote_jobs = self._chunk(demote)
+        through_jobs = self._chunk(through)
+        counters.add(CounterName.EVICTIONS, self.tier, self.index.evicted_blocks - before)
+        deletes = self.writes.take_deletes()
+        self.feed.merge.new_step()  # the next step applies the next slice of a rescan
+        counters.set_gauge(GaugeName.USAGE_BYTES, self.tier, (self.index.used_bytes + self.reserved_bytes) * world_size)
         if self.index.capacity_bytes is not None:
-            self.counters.set_gauge(GaugeName.CAPACITY_BYTES, self.tier,
-                                    (self.index.capacity_bytes + self.reserved_bytes) * self.world_size)
-        return demotes, through, deletes
+            counters.set_gauge(GaugeName.CAPACITY_BYTES, self.tier,
+                               (self.index.capacity_bytes + self.reserved_bytes) * world_size)
+        return demote_jobs, through_jobs, deletes
 
     def drop_key(self, key: BlockKey) -> None:
         """``key``'s bytes are wrong (computed on top of a failed load): drop the chunk
@@ -481,8 +405,8 @@ class ChunkPlanner:
         fid = self.index.file_holding(key)
         if fid is not None:
             self.index.remove(fid)
-            self._acks.pop(fid, None)
-            self._deletes.append(fid)
+            self.acks.forget(fid)
+            self.writes.delete([fid])
 
     def distrust_key(self, key: BlockKey) -> None:
         """Shadow verification found ``key``'s stored block wrong: never serve its chunk
@@ -500,12 +424,10 @@ class ChunkPlanner:
         if fid is None:
             return
         self.index.remove(fid)
-        self._acks.pop(fid, None)
-        self.merge.drop(fid)
-        self._distrusted[fid] = None
-        while len(self._distrusted) > _DISTRUSTED_CHUNKS:
-            self._distrusted.popitem(last=False)
-        self.counters.add(CounterName.VERIFY_FORGOTTEN_CHUNKS, self.tier)
+        self.acks.forget(fid)
+        self.feed.merge.drop(fid)
+        remember(self._distrusted, fid, _DISTRUSTED_CHUNKS)
+        self.ctx.counters.add(CounterName.VERIFY_FORGOTTEN_CHUNKS, self.tier)
 
     def on_worker_meta(self, meta: WorkerReport) -> None:
         tier = self.tier
@@ -516,10 +438,7 @@ class ChunkPlanner:
         written = {fid: n for (t, fid), n in meta.written.items() if t == tier}
         self.admission.on_writes(len(failed), len(written))
         for fid in failed | bad | refused:
-            self._acks.pop(fid, None)
-            self._failed_files[fid] = None
-            while len(self._failed_files) > 4096:
-                self._failed_files.popitem(last=False)
+            self.acks.fail(fid)
             if self.index.remove(fid):
                 logger.warning("kvtier %s: dropped chunk %s (write failed or unreadable)", tier, fid)
             ours = self._deletes_bad(fid)
@@ -527,11 +446,11 @@ class ChunkPlanner:
                 # Another writer's chunk on a shared tier: what says it is bad may be our
                 # own index (keys and header from an unsigned manifest anyone can forge), not
                 # the object. Forgotten here (a miss), never deleted for every reader.
-                self.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
+                self.ctx.counters.add(CounterName.FORGOTTEN_CHUNKS, tier)
                 continue
             self.origins.forget(fid, remote=False)
             if ours:  # delete whatever a rank may have left
-                self._deletes.append(fid)
+                self.writes.delete([fid])
             # Else a write that failed or was refused on a shared tier: its id names the
             # content, so the object under it may be another instance's. Nothing is
             # deleted; what our other ranks wrote is in our manifest (our next start
@@ -539,19 +458,15 @@ class ChunkPlanner:
         for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
             self._forget_untrusted(fid)
         for fid, n in written.items():
-            if fid in failed or fid in refused or fid in self._failed_files:
+            if fid in failed or fid in refused or not self.acks.written(fid, n):
                 continue
-            self._acks[fid] = self._acks.get(fid, 0) + n
-            if self._acks[fid] >= self.world_size:
-                del self._acks[fid]
-                # ours now (a key-named chunk we rewrote)
-                self.origins.mark_ours(fid, shared=not self.policy.exclusive)
-                self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
-                self.index.confirm(fid)
-                if self.on_durable is not None:
-                    self.on_durable(self.index.loadable_keys(fid))
-                if self._rescans is not None:
-                    self._rescans.note_written(fid)
+            # durable on every rank: ours now (also a key-named chunk we rewrote)
+            self.origins.mark_ours(fid, shared=not self.policy.exclusive)
+            self._distrusted.pop(fid, None)  # rewritten by us from freshly computed KV
+            self.index.confirm(fid)
+            if self.on_durable is not None:
+                self.on_durable(self.index.loadable_keys(fid))
+            self.feed.note_written(fid)
 
     def _deletes_bad(self, fid: str) -> bool:
         """Whether a chunk whose read or write failed is deleted, not only forgotten.
@@ -572,18 +487,14 @@ class ChunkPlanner:
         may be another fleet's good data, and a lifecycle rule collects it. A key-named
         chunk (a pool) is deleted: the rewrite reuses its name, and a pool keeps an existing
         object on a put."""
-        self._acks.pop(fid, None)
-        self._failed_files[fid] = None
-        while len(self._failed_files) > 4096:
-            self._failed_files.popitem(last=False)
+        self.acks.fail(fid)
         if self.index.remove(fid):
             logger.info("kvtier %s: forgot chunk %s (not signed with an accepted key); its blocks are written "
                         "again", self.tier, fid)
-            self.counters.add(CounterName.UNTRUSTED_CHUNKS, self.tier)
+            self.ctx.counters.add(CounterName.UNTRUSTED_CHUNKS, self.tier)
         if self.policy.key_named:
-            self._deletes.append(fid)
+            self.writes.delete([fid])
 
     def close(self) -> None:
         """Shutdown (scheduler thread): close the catalog (its thread and stores)."""
-        if self._catalog is not None:
-            self._catalog.close()
+        self.feed.close()

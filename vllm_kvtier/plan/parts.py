@@ -1,5 +1,5 @@
-"""What the scheduler's planners share (:class:`PlanParts`), and the optional parts that
-some of them consult (:class:`PlanExtras`).
+"""What the scheduler's planners share (:class:`PlanParts`), the optional parts that some
+of them consult (:class:`PlanExtras`), and the engine they plan for (:class:`PlannerSetup`).
 
 Who builds them: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, once. Who reads
 them: its lookup, load, prefetch and verification planners, on vLLM's scheduler thread.
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm_kvtier.plan.promotions import Promotions
     from vllm_kvtier.plan.verify_plan import VerifyPlanner
 
-__all__ = ["Locate", "PlanExtras", "PlanParts"]
+__all__ = ["Locate", "PlanExtras", "PlanParts", "PlannerSetup"]
 
 #: The fastest lower tier holding a key: (planner, chunk id, position), or None.
 Locate = Callable[[BlockKey], "tuple[ChunkPlanner, str, int] | None"]
@@ -54,3 +54,21 @@ class PlanExtras:
     load_policy: LoadPolicy | None = None
     #: Shadow verification of sampled hits.
     verify: VerifyPlanner | None = None
+
+
+@dataclass(frozen=True)
+class PlannerSetup:
+    """The engine the scheduler plans for: its shape and the namespace of its KV."""
+
+    #: Tokens per engine block.
+    block_size: int
+    #: CPU tier slots (resized by
+    #: :meth:`~vllm_kvtier.plan.scheduler.SchedulerPlanner.size_pool` at start-up).
+    num_slots: int
+    #: Bytes of one block over all TP ranks (for usage gauges).
+    slot_bytes_total: int
+    #: Worker ranks of the engine.
+    world_size: int = 1
+    #: The namespace this process computed. It is sent in every step plan, so that each
+    #: worker checks it computed the same (``""``: nothing to check).
+    namespace: str = ""

@@ -42,11 +42,10 @@ What it decides each step (``plan_step``):
 
 * **Hybrid models** (several KV cache groups): the connector presents each group of a
   request as a request of its own (:class:`~vllm_kvtier.engine.scheduler.GroupView`). It
-  decides the hit every group can serve. Here, positions holding vLLM's null block are
-  neither loaded nor saved (``skip_null_blocks``). Every load is async
-  (``always_async``; both are :class:`~vllm_kvtier.plan.load_plan.LoadOptions`). A
-  request's ``keep`` filter limits what a sliding-window group saves. A load failed as a
-  whole (``WorkerOutput.failed_loads``) drops every block that request loaded.
+  decides the hit every group can serve. Here, vLLM's null block is neither loaded nor
+  saved, and every load is async (:meth:`SchedulerPlanner.plan_views`). A request's
+  ``keep`` filter limits what a sliding-window group saves. A load failed as a whole
+  (``WorkerOutput.failed_loads``) drops every block that request loaded.
 
 A key is readable as soon as its save is issued. The worker runs each step's saves before
 its loads and keeps steps in order, so a load issued later always sees the bytes.
@@ -77,7 +76,7 @@ from vllm_kvtier.plan.inputs import Request, StepInput, WorkerOutput
 from vllm_kvtier.plan.load_plan import LoadOptions, LoadPlanner
 from vllm_kvtier.plan.load_policy import LoadPolicy
 from vllm_kvtier.plan.lookup_plan import LookupPlanner
-from vllm_kvtier.plan.parts import PlanExtras, PlanParts
+from vllm_kvtier.plan.parts import PlanExtras, PlannerSetup, PlanParts
 from vllm_kvtier.plan.peer_plan import PeerPlanner
 from vllm_kvtier.plan.pool_handoff import PoolHandoff
 from vllm_kvtier.plan.prefetch import Prefetcher
@@ -86,6 +85,8 @@ from vllm_kvtier.plan.req_state import ReqState, RequestTable
 from vllm_kvtier.plan.request_params import IgnoredParams
 from vllm_kvtier.plan.save_plan import SavePlanner
 from vllm_kvtier.plan.verify_plan import VerifyPlanner
+
+__all__ = ["PlannerSetup", "SchedulerPlanner"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,72 +101,98 @@ class SchedulerPlanner:
     the lower tiers' planners, prefetch, P/D and verification. It owns the step count and
     the wiring between the parts."""
 
-    def __init__(
-        self, cfg: KVTierConfig, *, block_size: int, num_slots: int, slot_bytes_total: int,
-        lower: list[ChunkPlanner] | None = None, counters: Counters | None = None, world_size: int = 1,
-        events: EventLog | None = None, namespace: str = "",
-    ) -> None:
-        """``slot_bytes_total``: bytes of one block over all TP ranks (for usage gauges).
+    def __init__(self, cfg: KVTierConfig, setup: PlannerSetup, *, lower: list[ChunkPlanner] | None = None,
+                 counters: Counters | None = None, events: EventLog | None = None) -> None:
+        """``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where
+        KV events go. None means vLLM's KV events are off, and no event work is done.
 
-        ``lower``: the tiers below CPU, fastest first (NVMe, then S3). ``events``: where KV
-        events go. None means vLLM's KV events are off, and no event work is done.
-        ``namespace``: the one this process computed. It is sent in every step plan, so
-        that each worker checks it computed the same (``""``: nothing to check)."""
+        What every part reads is the :attr:`parts` (the CPU index, the lower tiers, the
+        counters). The parts a configuration may leave out are the :attr:`extras` (P/D
+        peer, prefetch, load or recompute, verification)."""
         self.cfg = cfg
-        self.namespace = namespace
-        self.block_size = block_size
-        staging = any(t.policy.mode == "write-back" for t in lower or [])
-        self.index = SlotIndex(num_slots, eviction=cfg.cpu.eviction, max_pinned_fraction=cfg.cpu.max_pinned_fraction,
-                               staging=staging)
-        self.counters = counters if counters is not None else Counters()
-        self.gauges = CpuGauges(self.index, self.counters, slot_bytes_total=slot_bytes_total)
-        self.lower = list(lower or [])
-        for tier in self.lower:  # what is stored below is cheaper to drop from DRAM
-            tier.on_durable = self.index.note_below
+        self.setup = setup
+        block_size, world_size = setup.block_size, setup.world_size
+        lower = list(lower or [])
+        staging = any(t.policy.mode == "write-back" for t in lower)
+        index = SlotIndex(setup.num_slots, eviction=cfg.cpu.eviction,
+                          max_pinned_fraction=cfg.cpu.max_pinned_fraction, staging=staging)
+        counters = counters if counters is not None else Counters()
+        # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
+        self.parts = parts = PlanParts(index, lower, counters, Promotions(index, lower), self._locate)
+        self.gauges = CpuGauges(index, counters, slot_bytes_total=setup.slot_bytes_total)
+        for tier in lower:  # what is stored below is cheaper to drop from DRAM
+            tier.on_durable = index.note_below
         self.events = events
         if events is not None:
-            self.index.watch = lambda key, present: events.record(TIER, (key,), present)
-            for tier in self.lower:
+            index.watch = lambda key, present: events.record(TIER, (key,), present)
+            for tier in lower:
                 tier.attach_events(events)
-        self.saves = SavePlanner(self.index, self.lower, self.counters, block_size=block_size,
+        self.saves = SavePlanner(index, lower, counters, block_size=block_size,
                                  save_decode_blocks=cfg.save_decode_blocks, events=events)
         # request-level kv_transfer_params not acted on (counted, rate-limited warnings)
-        ignored = IgnoredParams(self.counters)
+        ignored = IgnoredParams(counters)
         self.requests = RequestTable(cfg.cpu, ignored)
         mc = cfg.mooncake
-        self.handoff = PoolHandoff(self.counters, block_size=block_size,
+        self.handoff = PoolHandoff(counters, block_size=block_size,
                                    wait_s=mc.handoff_wait_s if mc is not None else 0.0,
                                    enabled=mc is not None and mc.accept_handoffs, ignored=ignored)
-        self.peer_plan: PeerPlanner | None = None
+        peer_plan = None
         if cfg.nixl is not None:
-            self.peer_plan = PeerPlanner(self.index, self.counters, world_size=world_size, cfg=cfg.nixl,
-                                         ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
-        # Keys whose CPU slot is being filled from a lower tier: not readable from CPU yet.
-        promotions = Promotions(self.index, self.lower)
-        parts = PlanParts(self.index, self.lower, self.counters, promotions, self._locate)
+            peer_plan = PeerPlanner(index, counters, world_size=world_size, cfg=cfg.nixl,
+                                    ignored=ignored, secret=load_remote_decode_secret(cfg.nixl))
         self._step = 0
-        #: Set by the connector (hybrid models, vLLM's V2 model runner).
-        self.load_options = LoadOptions()
         lr = cfg.load_or_recompute
-        self.load_policy: LoadPolicy | None = None
-        if lr.enabled and self.lower:
-            self.load_policy = LoadPolicy(
-                CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), self.counters,
-                block_bytes=self.lower[0].block_bytes, block_size=block_size,
-                lower_tiers=[t.tier for t in self.lower], measure_prefill=lr.measure_prefill,
+        load_policy = None
+        if lr.enabled and lower:
+            load_policy = LoadPolicy(
+                CostModel(lr.prefill_tokens_per_s, lr.probe_interval_s), counters,
+                block_bytes=lower[0].block_bytes, block_size=block_size,
+                lower_tiers=[t.tier for t in lower], measure_prefill=lr.measure_prefill,
             )
-        self.prefetcher: Prefetcher | None = None
-        if cfg.prefetch.enabled and self.lower:
-            self.prefetcher = Prefetcher(parts, world_size=world_size,
-                                         max_inflight_blocks=cfg.prefetch.max_inflight_blocks,
-                                         max_age_s=cfg.prefetch.max_age_s)
-        #: Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
-        self.verify: VerifyPlanner | None = None
-        if cfg.verify.sample_rate > 0:
-            self.verify = VerifyPlanner(cfg.verify, parts, world_size=world_size)
-        extras = PlanExtras(self.peer_plan, self.prefetcher, self.load_policy, self.verify)
-        self.lookups = LookupPlanner(cfg, parts, self.load_options, self.handoff, extras, block_size=block_size)
-        self.loads = LoadPlanner(parts, self.load_options, extras, load_mode=cfg.load_mode, events=events)
+        prefetcher = None
+        if cfg.prefetch.enabled and lower:
+            prefetcher = Prefetcher(parts, world_size=world_size, max_inflight_blocks=cfg.prefetch.max_inflight_blocks,
+                                    max_age_s=cfg.prefetch.max_age_s)
+        # Shadow verification (``verify.sample_rate`` > 0 only: otherwise no code path).
+        verify = VerifyPlanner(cfg.verify, parts, world_size=world_size) if cfg.verify.sample_rate > 0 else None
+        self.extras = extras = PlanExtras(peer_plan, prefetcher, load_policy, verify)
+        options = LoadOptions()
+        self.lookups = LookupPlanner(cfg, parts, options, self.handoff, extras, block_size=block_size)
+        self.loads = LoadPlanner(parts, options, extras, load_mode=cfg.load_mode, events=events)
+
+    @property
+    def index(self) -> SlotIndex:
+        """The CPU tier's index."""
+        return self.parts.index
+
+    @property
+    def lower(self) -> list[ChunkPlanner]:
+        """The tiers below CPU, fastest first."""
+        return self.parts.lower
+
+    @property
+    def counters(self) -> Counters:
+        return self.parts.counters
+
+    @property
+    def block_size(self) -> int:
+        return self.setup.block_size
+
+    @property
+    def load_options(self) -> LoadOptions:
+        """How loads are shaped: set by the connector (hybrid models, vLLM's V2 model runner)."""
+        return self.loads.options
+
+    def plan_views(self, views_per_request: int) -> None:
+        """Each vLLM request comes as ``views_per_request`` views (one per KV cache group).
+        With more than one, every load is async (vLLM takes a failed load per request for
+        async loads only), null blocks are skipped, and the connector observes merged loads."""
+        hybrid = views_per_request > 1
+        options = self.load_options
+        options.always_async = hybrid
+        options.skip_null_blocks = self.saves.skip_null_blocks = hybrid
+        options.observe_loads = not hybrid
+        options.views_per_request = views_per_request
 
     def size_pool(self, num_slots: int) -> None:
         """Plan for a CPU pool of ``num_slots`` slots: the smallest worker's, from vLLM's
@@ -199,7 +226,7 @@ class SchedulerPlanner:
         """The fastest lower tier holding ``key``: (planner, chunk id, position). Here, not
         in :class:`LookupPlanner`: the prefetcher needs it, and the lookup the prefetcher."""
         for tier in self.lower:
-            if self.verify is not None and self.verify.quarantined(tier.tier):
+            if self.extras.verify is not None and self.extras.verify.quarantined(tier.tier):
                 continue  # shadow verification found a wrong block there: no hits for now
             loc = tier.locate(key)
             if loc is not None:
@@ -228,15 +255,15 @@ class SchedulerPlanner:
             return
         for tier in self.lower:
             tier.note_request(request.block_hashes[: self.lookups.loadable_blocks(request)])
-        if self.load_policy is not None:
+        if self.extras.load_policy is not None:
             # Count the decision even when it was to load nothing (all recomputed).
-            self.load_policy.commit(req_id)
+            self.extras.load_policy.commit(req_id)
         if num_external_tokens <= 0:
-            if self.verify is not None:
-                self.verify.begin(state, start, self._locate)  # a sampled hit: hold its stored blocks
+            if self.extras.verify is not None:
+                self.extras.verify.begin(state, start, self._locate)  # a sampled hit: hold its stored blocks
             return
         n = num_external_tokens // self.block_size
-        plan = self.peer_plan.take_plan(req_id) if self.peer_plan is not None else None
+        plan = self.extras.peer_plan.take_plan(req_id) if self.extras.peer_plan is not None else None
         if plan is not None:
             self.loads.plan_peer(state, plan, start, n)
         else:
@@ -257,11 +284,11 @@ class SchedulerPlanner:
         live = self.requests.live
         # Before this step's saves are planned: a prefetch slot is pinned, so no save of
         # this step can take it, and it can only evict blocks saved in earlier steps.
-        prefetches = self.prefetcher.take_jobs() if self.prefetcher is not None else []
-        if self.peer_plan is not None:
-            self.peer_plan.expire()
-        if self.load_policy is not None:
-            self.load_policy.observe_step(sum(
+        prefetches = self.extras.prefetcher.take_jobs() if self.extras.prefetcher is not None else []
+        if self.extras.peer_plan is not None:
+            self.extras.peer_plan.expire()
+        if self.extras.load_policy is not None:
+            self.extras.load_policy.observe_step(sum(
                 n for req_id, n in step.num_scheduled_tokens.items()
                 if (st := live.get(req_id)) is not None
                 and st.request.num_computed_tokens < st.request.num_prompt_tokens
@@ -290,13 +317,13 @@ class SchedulerPlanner:
                 for s in load.slots:
                     self.index.unpin(s)
         verifies = []
-        if self.verify is not None:
-            verifies = self.verify.take_jobs(live, step.num_scheduled_tokens, self.block_size)
-            self.verify.publish()
+        if self.extras.verify is not None:
+            verifies = self.extras.verify.take_jobs(live, step.num_scheduled_tokens, self.block_size)
+            self.extras.verify.publish()
         meta = StepPlan(
             num_slots=self.index.num_slots, saves=saves, loads=loads, saves_after=saves_after,
             freed=self.requests.take_freed(), preempted=preempted, step=self._step, prefetches=prefetches,
-            verifies=verifies, namespace=self.namespace,
+            verifies=verifies, namespace=self.setup.namespace,
         )
         saved = {BlockKey(k) for job in saves + saves_after for k in job.keys} if self.lower else set()
         idle = not live  # nothing running: write back what DRAM holds (see chunk_plan)
@@ -318,8 +345,8 @@ class SchedulerPlanner:
 
     def _drop(self, req_id: str) -> None:
         self.lookups.forget(req_id)
-        if self.verify is not None:
-            self.verify.forget(req_id)
+        if self.extras.verify is not None:
+            self.extras.verify.forget(req_id)
         state = self.requests.pop(req_id)
         if state is not None:
             self.loads.end(state)
@@ -336,14 +363,14 @@ class SchedulerPlanner:
         """
         self.lookups.forget(request.request_id)  # aborted before admission
         self.handoff.forget(request.request_id)
-        if self.verify is not None:
-            self.verify.forget(request.request_id)
+        if self.extras.verify is not None:
+            self.extras.verify.forget(request.request_id)
         pool = self.lower_tier(TierName.MOONCAKE)
         params = self.handoff.params_for(request, writes_pool=pool is not None and pool.policy.mode != "read-only")
-        if self.peer_plan is not None:
-            self.peer_plan.forget(request.request_id)
-        if self.load_policy is not None:
-            self.load_policy.forget(request.request_id)
+        if self.extras.peer_plan is not None:
+            self.extras.peer_plan.forget(request.request_id)
+        if self.extras.load_policy is not None:
+            self.extras.load_policy.forget(request.request_id)
         state = self.requests.pop(request.request_id)
         if state is None:
             return False, params
@@ -355,11 +382,11 @@ class SchedulerPlanner:
         state.block_ids = list(block_ids)
         upto = self.saves.saveable_blocks(request, request.num_computed_tokens)
         job = self.saves.plan_final(state, upto)
-        if self.prefetcher is not None:
+        if self.extras.prefetcher is not None:
             # Its next turn starts with these blocks: bring back the ones that left DRAM.
-            self.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
-        if self.peer_plan is not None:
-            peer = self.peer_plan.params_for(request, self.block_size)
+            self.extras.prefetcher.predict([BlockKey(h) for h in request.block_hashes[:upto]])
+        if self.extras.peer_plan is not None:
+            peer = self.extras.peer_plan.params_for(request, self.block_size)
             if peer is not None:
                 params = {**(params or {}), **peer}
         # A final save copies these blocks in the next step, and a runner may zero or copy
@@ -393,18 +420,18 @@ class SchedulerPlanner:
             state = self.requests.get(req_id)
             if state is not None:
                 self._undo_loads(state, set(state.loaded))
-        if self.load_policy is not None and out.stats is not None:
-            self.load_policy.observe_stats(out.stats)
+        if self.extras.load_policy is not None and out.stats is not None:
+            self.extras.load_policy.observe_stats(out.stats)
         meta = out.report
         if meta is not None:
             for tier in self.lower:
                 tier.on_worker_meta(meta)
-            if self.prefetcher is not None:
-                self.prefetcher.on_worker_meta(meta)
-            if self.peer_plan is not None:
-                self.peer_plan.on_worker_meta(meta)
-            if self.verify is not None:
-                self.verify.on_worker_meta(meta)
+            if self.extras.prefetcher is not None:
+                self.extras.prefetcher.on_worker_meta(meta)
+            if self.extras.peer_plan is not None:
+                self.extras.peer_plan.on_worker_meta(meta)
+            if self.extras.verify is not None:
+                self.extras.verify.on_worker_meta(meta)
 
     def _undo_loads(self, state: ReqState, bad: Iterable[int]) -> None:
         """Engine blocks ``bad`` of ``state`` failed to load.
@@ -442,10 +469,10 @@ class SchedulerPlanner:
         It should when there are saves and releases to issue, or write-back blocks to
         flush. It should too while prefetches are queued or in flight (they land between
         requests)."""
-        pf = self.prefetcher
+        pf = self.extras.prefetcher
         return bool(self.saves.pending_final() or self.loads.has_jobs()
                     or (pf is not None and pf.has_work())
-                    or (self.verify is not None and self.verify.has_work())  # reads to land
+                    or (self.extras.verify is not None and self.extras.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
                     # an abort afterwards finds them on the lower tier)
                     or (not self.requests.live and any(t.has_flush_work() for t in self.lower))
@@ -453,8 +480,8 @@ class SchedulerPlanner:
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,
                     # finished before it arrives, could not be offered)
-                    or (self.peer_plan is not None
-                        and (self.peer_plan.holding() > 0 or not self.peer_plan.published())))
+                    or (self.extras.peer_plan is not None
+                        and (self.extras.peer_plan.holding() > 0 or not self.extras.peer_plan.published())))
 
     def stats(self) -> dict[str, dict[str, float]] | None:
         return self.counters.drain()
