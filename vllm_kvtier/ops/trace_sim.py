@@ -33,7 +33,7 @@ the figures rest on; docs/planning.md says what it leaves out.
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
 with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
-:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Two bounds are
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (NVMe: kvaware over chunks; S3: LRU). Two bounds are
 computed beside them (:mod:`vllm_kvtier.ops.trace_bounds`). One is an infinite cache.
 The other is Belady's MIN: evict the block whose next use is furthest. A block used never
 again, or later than every held one, is not stored.

@@ -34,8 +34,8 @@ never indexed. A pool's lookups are submitted and answered on a later step
   copied NVMe -> S3.
 * **Chunking**: one step's writes are grouped, in order, into chunks of up to
   ``chunk_blocks`` blocks, so I/Os are large and requests few.
-* **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
-  deleted by the worker) to make room. A key becomes loadable only when every TP rank
+* **Capacity**: bytes are reserved when a write is planned; the index's policy evicts
+  chunks (NVMe: kvaware; others: LRU), deleted by the worker, to make room. A key becomes loadable only when every TP rank
   reported its chunk durable.
 * **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
   index reports every key that becomes loadable or stops being so. A chunk is ``REMOTE``
@@ -55,7 +55,7 @@ from typing import Literal
 
 from vllm_kvtier.catalog.base import Found, Listing, PoolLookups, Rescans, common_chunks
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
-from vllm_kvtier.index.chunk_index import ChunkIndex
+from vllm_kvtier.index.chunk_index import CHUNK_EVICTION, ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, Counters, GaugeName
@@ -142,7 +142,8 @@ class ChunkPlanner:
         # Capacity is per engine; each rank stores its shard of every chunk.
         cap = policy.capacity_bytes
         self.reserved_bytes = reserved = listing.reserved_bytes_per_rank
-        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved))
+        self.index = ChunkIndex(None if cap is None else max(0, cap // world_size - reserved),
+                                eviction=CHUNK_EVICTION.get(policy.tier, "lru"), file_bytes=self.file_bytes(policy.chunk_blocks))
         self.admission = Admission(policy.tier, policy.admit_min_seen)
         self._demote: list[tuple[int, BlockKey]] = []
         #: write-back: blocks only in DRAM, oldest save first -> (slot, saved at)
@@ -430,7 +431,7 @@ class ChunkPlanner:
                 continue
             keys = [k for _, k in part]
             fid = keys[0].hex() if self.policy.key_named else chunk_id_for(keys)
-            evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
+            evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)), reused=self.admission.reused(keys))
             if evicted is None:
                 self.counters.add(CounterName.STORE_SKIPPED, self.tier, len(keys))
                 continue
