@@ -5,8 +5,16 @@ Who calls it: the scheduler half, from vLLM's scheduler thread only. Pure bookke
 Life of a chunk file: first :meth:`reserve`, when the scheduler decided to write it. Its
 bytes count against the capacity at once. So the tier never exceeds its size even with
 writes in flight. Then :meth:`confirm`, when every TP rank reported it durable; its keys
-become loadable. Or :meth:`cancel`, when a write failed. Eviction is LRU over whole
-files. It never takes a pinned one (a load is reading it) nor one still being written.
+become loadable. Or :meth:`cancel`, when a write failed. Eviction is over whole files,
+under an :class:`~vllm_kvtier.index.policy.EvictionPolicy` of file ids. It never takes a
+pinned file (a load is reading it) nor one still being written. The bytes of such files
+are counted, so :meth:`reserve` knows in O(1) whether a file fits before it evicts.
+
+The policy (:data:`CHUNK_EVICTION`): ``kvaware`` on NVMe, ``lru`` elsewhere. On NVMe a
+file of blocks already reused (in two prompts) counts as reused when written. Reused
+files and files read again live longer; one-off files leave first, in order of age. No
+parent is given: a prompt's head often stays in DRAM, and its files go down tail first
+anyway. Cost: O(log n) a write or read (a heap), as in DRAM.
 
 A file the tier no longer holds is :meth:`retire`-d. It was deleted out of band or
 expired by a bucket's lifecycle rule: an authoritative listing no longer shows it. It is
@@ -22,11 +30,14 @@ costs nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vllm_kvtier.index.policy import EvictionPolicy, make_policy
 from vllm_kvtier.keys import BlockKey
+
+#: Eviction of each tier's files (others: ``lru``). Measured in docs/planning.md.
+CHUNK_EVICTION: dict[str, str] = {"nvme": "kvaware"}
 
 
 @dataclass
@@ -38,18 +49,38 @@ class _File:
     #: gone from the tier: removed at its last unpin
     retired: bool = False
 
+    @property
+    def held(self) -> bool:
+        """Not evictable: still being written, or read by a load."""
+        return not self.confirmed or self.pins > 0
+
 
 class ChunkIndex:
-    def __init__(self, capacity_bytes: int | None) -> None:
-        """``capacity_bytes`` None: unbounded (the tier is bounded elsewhere)."""
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int | None, eviction: str = "lru", file_bytes: int = 1) -> None:
+        """``capacity_bytes`` None: unbounded (the tier is bounded elsewhere). ``eviction``:
+        the order in which files leave, a :func:`~vllm_kvtier.index.policy.make_policy`
+        name. ``file_bytes``: a typical file's size, to size the policy in files."""
+        self._eviction = eviction
+        self._file_bytes = max(1, file_bytes)
         self.used_bytes = 0
-        self._files: OrderedDict[str, _File] = OrderedDict()  # LRU: oldest first
+        #: bytes of files that cannot be evicted now (being written, or pinned)
+        self._held_bytes = 0
+        self._files: dict[str, _File] = {}
+        self.resize(capacity_bytes)
         self._loc: dict[BlockKey, tuple[str, int]] = {}  # confirmed keys only
         self._pending: set[BlockKey] = set()
         self.evicted_blocks = 0
         #: Called with (file id, keys, loadable) as keys become loadable or stop being so.
         self.watch: Callable[[str, Sequence[BlockKey], bool], None] | None = None
+
+    def resize(self, capacity_bytes: int | None) -> None:
+        """Bound the index at ``capacity_bytes``. Only while it holds no file (the policy
+        is sized anew): ValueError otherwise."""
+        if self._files:
+            raise ValueError("resize of a ChunkIndex in use")
+        self.capacity_bytes = capacity_bytes
+        files = 0 if capacity_bytes is None else capacity_bytes // self._file_bytes
+        self.policy: EvictionPolicy[str] = make_policy(self._eviction, files)
 
     def __len__(self) -> int:
         return len(self._loc)
@@ -62,42 +93,52 @@ class ChunkIndex:
         """Stored or being written: no need to write it again."""
         return key in self._loc or key in self._pending
 
-    def reserve(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int) -> list[str] | None:
-        """Account for a file about to be written, evicting LRU files to make room.
+    def reserve(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int, *, reused: bool = False) -> list[str] | None:
+        """Account for a file about to be written, evicting the policy's files to make room.
+        ``reused``: its blocks were reused before (the policy counts it as reused at once).
 
         Returns the evicted file ids (the caller deletes them), or None if it cannot fit
         (everything else pinned or in flight; nothing is changed then)."""
         if self.capacity_bytes is None:
-            self._add(chunk_id, keys, nbytes)
+            self._add(chunk_id, keys, nbytes, reused=reused)
             return []
-        if nbytes > self.capacity_bytes:
+        free = self.capacity_bytes - self.used_bytes
+        if nbytes > free + self.used_bytes - self._held_bytes:
             return None
         victims: list[str] = []
-        free = self.capacity_bytes - self.used_bytes
-        for fid, f in self._files.items():
-            if free >= nbytes:
-                break
-            if f.confirmed and f.pins == 0:
-                victims.append(fid)
-                free += f.nbytes
-        if free < nbytes:
-            return None
-        for fid in victims:
-            self.evicted_blocks += len(self._files[fid].keys)
-            self.remove(fid)
-        self._add(chunk_id, keys, nbytes)
+        while free < nbytes:
+            fid = self.policy.evict(self._evictable)
+            assert fid is not None  # the evictable bytes were counted above
+            victims.append(fid)
+            f = self._files[fid]
+            free += f.nbytes
+            self.evicted_blocks += len(f.keys)
+            self._drop(fid)
+        self._add(chunk_id, keys, nbytes, reused=reused)
         return victims
 
-    def _add(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int) -> None:
+    def _evictable(self, chunk_id: str) -> bool:
+        return not self._files[chunk_id].held
+
+    def _add(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int, *, confirmed: bool = False,
+             reused: bool = False) -> None:
         self._files[chunk_id] = _File(tuple(keys), nbytes)
         self._pending.update(keys)
         self.used_bytes += nbytes
+        self._held_bytes += nbytes
+        self.policy.insert(chunk_id)
+        if reused:
+            self.policy.access(chunk_id)
+        if confirmed:
+            self.confirm(chunk_id)
 
     def confirm(self, chunk_id: str) -> None:
         f = self._files.get(chunk_id)
         if f is None or f.confirmed:
             return
         f.confirmed = True
+        if not f.pins:
+            self._held_bytes -= f.nbytes
         self._pending.difference_update(f.keys)
         self._locate_keys(chunk_id, f)
 
@@ -123,9 +164,7 @@ class ChunkIndex:
         """A file found on disk at start-up. False if it does not fit (caller deletes it)."""
         if self.capacity_bytes is not None and self.used_bytes + nbytes > self.capacity_bytes:
             return False
-        self._files[chunk_id] = _File(tuple(keys), nbytes)
-        self.used_bytes += nbytes
-        self.confirm(chunk_id)
+        self._add(chunk_id, keys, nbytes, confirmed=True)
         return True
 
     def cancel(self, chunk_id: str) -> None:
@@ -133,9 +172,17 @@ class ChunkIndex:
         self.remove(chunk_id)
 
     def remove(self, chunk_id: str) -> tuple[BlockKey, ...]:
+        if chunk_id in self._files:
+            self.policy.discard(chunk_id)
+        return self._drop(chunk_id)
+
+    def _drop(self, chunk_id: str) -> tuple[BlockKey, ...]:
+        """Forget ``chunk_id`` (the policy already has, or is told by the caller)."""
         f = self._files.pop(chunk_id, None)
         if f is None:
             return ()
+        if f.held:
+            self._held_bytes -= f.nbytes
         self.used_bytes -= f.nbytes
         self._pending.difference_update(f.keys)
         self._unlocate_keys(chunk_id, f)
@@ -151,16 +198,22 @@ class ChunkIndex:
         return None
 
     def touch(self, chunk_id: str) -> None:
+        """A load read ``chunk_id``: a reuse, for the eviction policy."""
         if chunk_id in self._files:
-            self._files.move_to_end(chunk_id)
+            self.policy.access(chunk_id)
 
     def pin(self, chunk_id: str) -> None:
-        self._files[chunk_id].pins += 1
+        f = self._files[chunk_id]
+        if not f.held:
+            self._held_bytes += f.nbytes
+        f.pins += 1
 
     def unpin(self, chunk_id: str) -> None:
         f = self._files.get(chunk_id)
         if f is not None and f.pins > 0:
             f.pins -= 1
+            if not f.held:
+                self._held_bytes -= f.nbytes
             if f.pins == 0 and f.retired:
                 self.remove(chunk_id)
 

@@ -78,6 +78,45 @@ class _Entry:
         self.trial = False
 
 
+class _History(Generic[K]):
+    """Names of evicted keys (no data), and how far back a name still counts (its window).
+
+    The window is in pools of evictions. It adapts like ARC's target: it grows when a block
+    protected on its word is hit, and shrinks when one leaves unused."""
+
+    def __init__(self, capacity: int, history_factor: float) -> None:
+        self.pool = capacity
+        self.capacity = int(capacity * history_factor)
+        self._names: OrderedDict[K, tuple[int, int]] = OrderedDict()  # name -> (level, eviction number)
+        self.evictions = 0
+        self.max_window = history_factor
+        #: how far back (evictions, in pools) a name still counts (adapts)
+        self.window = history_factor / 2
+
+    def recall(self, key: K) -> int:
+        """The level ``key`` had when it left, if it left within the window; else -1.
+        Forgets the name."""
+        old = self._names.pop(key, None)
+        if old is not None and self.evictions - old[1] <= self.window * self.pool:
+            return old[0]
+        return -1
+
+    def remember(self, key: K, level: int, trial: bool) -> None:
+        """``key`` was evicted at ``level``. ``trial``: it was protected on the history's word
+        and never hit: trust only more recent history."""
+        self.evictions += 1
+        if trial:
+            self.window = max(MIN_WINDOW, self.window / WINDOW_STEP)
+        if self.capacity:
+            self._names[key] = (level, self.evictions)
+            if len(self._names) > self.capacity:
+                self._names.popitem(last=False)
+
+    def trusted(self) -> None:
+        """A block protected on the history's word was hit: trust it further back."""
+        self.window = min(self.max_window, self.window * WINDOW_STEP)
+
+
 class KVAwarePolicy(Generic[K]):
     name = "kvaware"
 
@@ -92,17 +131,12 @@ class KVAwarePolicy(Generic[K]):
         self.staging = staging
         self.protect_ops = 0 if staging else protect_ops
         self.min_new_share = 1.0 if staging else MIN_NEW_SHARE
-        self.history_capacity = int(capacity * history_factor)
         self.clock = 0
         #: lifetime of a block with no reuse yet, as a share of the pool (adapts)
         self.new_share = 1.0
         self._held: dict[K, _Entry] = {}
         self._heap: list[tuple[int, int, int, K]] = []  # (deadline, -depth, tiebreak, key)
-        self._history: OrderedDict[K, tuple[int, int]] = OrderedDict()  # name -> (level, eviction number)
-        self.evictions = 0
-        self.max_window = history_factor
-        #: how far back (evictions, in pools) a history name still counts (adapts)
-        self.window = history_factor / 2
+        self._history: _History[K] = _History(capacity, history_factor)
 
     def _schedule(self, key: K, e: _Entry) -> None:
         self.clock += 1
@@ -125,12 +159,8 @@ class KVAwarePolicy(Generic[K]):
 
     def insert(self, key: K, parent: K | None = None) -> None:
         p = self._held.get(parent) if parent is not None else None
-        old = self._history.pop(key, None)
-        level = 0
-        trial = False
-        if old is not None and self.evictions - old[1] <= self.window * self.capacity:
-            level = old[0] + 1
-            trial = True
+        level = self._history.recall(key) + 1
+        trial = level > 0
         if level == 1:  # a new block was evicted too early: give new blocks more time
             self.new_share = min(1.0, self.new_share * ADAPT_STEP)
         elif level > 1:  # a reused block was: give new blocks less
@@ -145,7 +175,7 @@ class KVAwarePolicy(Generic[K]):
         if e is not None:
             if e.trial:  # the history was right to protect it: trust it further back
                 e.trial = False
-                self.window = min(self.max_window, self.window * WINDOW_STEP)
+                self._history.trusted()
             e.level = min(e.level + 1, MAX_LEVEL)
             self._schedule(key, e)
 
@@ -182,14 +212,13 @@ class KVAwarePolicy(Generic[K]):
         if victim is None:
             return None
         e = self._held.pop(victim)
-        self.evictions += 1
-        if e.trial:  # protected for nothing: trust only more recent history
-            self.window = max(MIN_WINDOW, self.window / WINDOW_STEP)
-        if self.history_capacity:
-            self._history[victim] = (e.level, self.evictions)
-            if len(self._history) > self.history_capacity:
-                self._history.popitem(last=False)
+        self._history.remember(victim, e.level, e.trial)
         return victim
+
+    @property
+    def window(self) -> float:
+        """How far back the history counts, in pools of evictions (adapts)."""
+        return self._history.window
 
     def level(self, key: K) -> int | None:
         """How often a held key showed reuse (for tests and tools); None if not held."""

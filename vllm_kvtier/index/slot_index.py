@@ -51,6 +51,53 @@ class Allocation:
     evicted: BlockKey | None
 
 
+class _Slots:
+    """The pool's slots: which are free, and which are read by a transfer in flight.
+
+    A slot is pinned by a reference count while a load reads it. A slot given back while
+    pinned (an orphan) becomes free only at its last unpin."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...
+        self._pins: dict[int, int] = {}  # slot -> number of in-flight readers
+        self._orphans: set[int] = set()  # slots given back while pinned
+
+    def take(self) -> int | None:
+        """A free slot, or None if none is free."""
+        return self._free.pop() if self._free else None
+
+    def give_back(self, slot: int) -> None:
+        """``slot`` holds nothing now: free at once, or at its last unpin."""
+        if slot in self._pins:
+            self._orphans.add(slot)
+        else:
+            self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        n = self._pins.get(slot, 0)
+        if n > 1:
+            self._pins[slot] = n - 1
+            return
+        self._pins.pop(slot, None)
+        if slot in self._orphans:
+            self._orphans.discard(slot)
+            self._free.append(slot)
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self._pins
+
+    def free(self) -> int:
+        """Slots free now."""
+        return len(self._free)
+
+    def busy(self) -> bool:
+        """Whether a transfer reads a slot, or a slot waits for its last unpin."""
+        return bool(self._pins or self._orphans)
+
+
 class SlotIndex:
     def __init__(
         self,
@@ -85,9 +132,7 @@ class SlotIndex:
             make_policy(eviction, num_slots, staging=self._staging) if isinstance(eviction, str) else eviction
         )
         self._slot_of: dict[BlockKey, int] = {}
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0, 1, 2...
-        self._pins: dict[int, int] = {}  # slot -> number of in-flight readers
-        self._orphans: set[int] = set()  # slots removed from the index while pinned
+        self._slots = _Slots(num_slots)
         self._key_pins: KeyPins[BlockKey] = KeyPins(int(self._max_pinned_fraction * num_slots))
 
     def resize(self, num_slots: int) -> None:
@@ -96,7 +141,7 @@ class SlotIndex:
         Raises ValueError when a slot is in use, or when the policy was given as an object."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        if self._slot_of or self._pins or self._orphans or len(self._free) != self.num_slots:
+        if self._slot_of or self._slots.busy() or self._slots.free() != self.num_slots:
             raise ValueError("resize of a SlotIndex in use")
         if not isinstance(self._eviction, str):
             raise ValueError("resize of a SlotIndex with a policy object (built for its old size)")
@@ -142,20 +187,13 @@ class SlotIndex:
 
     def pin(self, slot: int) -> None:
         """Hold ``slot`` against eviction and reuse until the matching :meth:`unpin`."""
-        self._pins[slot] = self._pins.get(slot, 0) + 1
+        self._slots.pin(slot)
 
     def unpin(self, slot: int) -> None:
-        n = self._pins.get(slot, 0)
-        if n > 1:
-            self._pins[slot] = n - 1
-            return
-        self._pins.pop(slot, None)
-        if slot in self._orphans:
-            self._orphans.discard(slot)
-            self._free.append(slot)
+        self._slots.unpin(slot)
 
     def is_pinned(self, slot: int) -> bool:
-        return slot in self._pins
+        return self._slots.pinned(slot)
 
     # ---- key pins (hot prefixes, with a TTL) -------------------------------------------
 
@@ -211,7 +249,7 @@ class SlotIndex:
     # ---- allocation ----------------------------------------------------------------------
 
     def _evictable(self, key: BlockKey) -> bool:
-        return self._slot_of[key] not in self._pins and key not in self._key_pins
+        return not self._slots.pinned(self._slot_of[key]) and key not in self._key_pins
 
     def allocate(self, key: BlockKey, parent: BlockKey | None = None) -> Allocation | None:
         """Give ``key`` a slot, evicting the policy's choice among unpinned keys if full.
@@ -224,9 +262,8 @@ class SlotIndex:
         if key in self._slot_of:
             raise KeyError(f"key already present: {key!r}")
         evicted = None
-        if self._free:
-            slot = self._free.pop()
-        else:
+        slot = self._slots.take()
+        if slot is None:
             if self._key_pins:
                 self._key_pins.expire(self._clock())
             victim = self.policy.evict(self._evictable)
@@ -253,10 +290,7 @@ class SlotIndex:
         self._key_pins.unpin(key)
         if self.watch is not None:
             self.watch(key, False)
-        if slot in self._pins:
-            self._orphans.add(slot)
-        else:
-            self._free.append(slot)
+        self._slots.give_back(slot)
         return True
 
     def items(self) -> list[tuple[BlockKey, int]]:
@@ -271,4 +305,4 @@ class SlotIndex:
 
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - self._slots.free()

@@ -50,7 +50,7 @@ def make_lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
         # Capacity in whole chunks of this tier's own file size, so that it holds
         # capacity_blocks blocks (headers included) whatever the block's bytes.
         full = planner.file_bytes(t.chunk_blocks)
-        planner.index.capacity_bytes = -(-t.capacity_blocks // t.chunk_blocks) * full
+        planner.index.resize(-(-t.capacity_blocks // t.chunk_blocks) * full)
     return planner
 
 

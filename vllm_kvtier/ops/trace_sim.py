@@ -33,10 +33,10 @@ the figures rest on; docs/planning.md says what it leaves out.
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
 with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
-:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (LRU over chunks). Two bounds are
-computed beside them. One is an infinite cache. The other is Belady's MIN: evict the block
-whose next use is furthest. A block used never again, or later than every held one, is not
-stored.
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (NVMe: kvaware over chunks; S3: LRU). Two bounds are
+computed beside them (:mod:`vllm_kvtier.ops.trace_bounds`). One is an infinite cache.
+The other is Belady's MIN: evict the block whose next use is furthest. A block used never
+again, or later than every held one, is not stored.
 
 A hit of ``n`` leading blocks covers ``min(n x block_tokens, input_length)`` prompt tokens.
 Pure: no vLLM, no torch, no I/O except :func:`read_trace`. The replays read a
@@ -50,11 +50,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import heapq
 import json
 import math
-from array import array
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
@@ -64,6 +62,9 @@ from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.jobs import WorkerReport
 from vllm_kvtier.keys import BlockKey
 from vllm_kvtier.ops.instance_replay import Instance, block_tokens_in, serve_request
+from vllm_kvtier.ops.trace_bounds import CacheResult as CacheResult
+from vllm_kvtier.ops.trace_bounds import simulate_belady as simulate_belady
+from vllm_kvtier.ops.trace_bounds import simulate_infinite as simulate_infinite
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner
 
 #: Trace files larger than this are refused (a 12k-request hour of Mooncake is ~5 MB).
@@ -317,22 +318,7 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> Trace:
     return dataclasses.replace(make_trace(records, block_tokens), block_tokens_source=source)
 
 
-# ---- single caches: the reference figures --------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheResult:
-    """Hits of one cache over a trace."""
-
-    name: str
-    capacity_blocks: int | None
-    hit_tokens: int
-    prompt_tokens: int
-    hit_blocks: int
-
-    @property
-    def hit_share(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+# ---- single caches: the reference figures (the bounds: ops/trace_bounds.py) ----------
 
 
 def simulate_policy(trace: TraceSource, capacity_blocks: int, eviction: str, step_blocks: int | None = None) -> CacheResult:
@@ -340,85 +326,6 @@ def simulate_policy(trace: TraceSource, capacity_blocks: int, eviction: str, ste
     ``s3fifo``): the hierarchy of :func:`simulate_tiers` with no tier below."""
     r = simulate_tiers(trace, TierSetup(cpu_blocks=capacity_blocks, cpu_eviction=eviction, step_blocks=step_blocks))
     return CacheResult(eviction, capacity_blocks, r.tiers[0].hit_tokens, r.prompt_tokens, r.tiers[0].hit_blocks)
-
-
-def _prefix_hits(keys: Sequence[BlockKey], cached: Container[BlockKey]) -> int:
-    """How many of ``keys``, from the first, are in ``cached`` (a prefix hit stops at the
-    first miss)."""
-    n = 0
-    for k in keys:
-        if k not in cached:
-            break
-        n += 1
-    return n
-
-
-def simulate_infinite(trace: TraceSource) -> CacheResult:
-    """A cache that never evicts: the share of prompt tokens that any cache could serve."""
-    seen: set[BlockKey] = set()
-    hit_tokens = hit_blocks = 0
-    for rq in trace.requests():
-        n = _prefix_hits(rq.keys, seen)
-        hit_tokens += min(n * trace.block_tokens, rq.input_length)
-        hit_blocks += n
-        seen.update(rq.keys)
-    return CacheResult("infinite", None, hit_tokens, trace.prompt_tokens, hit_blocks)
-
-
-def simulate_belady(trace: TraceSource, capacity_blocks: int) -> CacheResult:
-    """Belady's MIN at ``capacity_blocks``: on a miss with the cache full, the block whose
-    next use is furthest leaves, or the incoming block is not stored when its own next use
-    is further still (or never). Hits are prefix hits, as for the other caches.
-
-    Two passes: the first finds each access's next use (8 bytes an access, and the last
-    use of each distinct block), the second replays."""
-    never = 1 << 62
-    # next use of each access, in the flattened order of the trace's blocks
-    nxt = array("q")
-    last: dict[BlockKey, int] = {}
-    pos = 0
-    for rq in trace.requests():
-        for k in rq.keys:
-            nxt.append(never)
-            prev = last.get(k)
-            if prev is not None:
-                nxt[prev] = pos
-            last[k] = pos
-            pos += 1
-    del last
-    held: dict[BlockKey, int] = {}  # key -> its next use
-    heap: list[tuple[int, BlockKey]] = []  # (-next use, key); stale entries skipped
-    hit_tokens = hit_blocks = 0
-    pos = 0
-    for rq in trace.requests():
-        n = _prefix_hits(rq.keys, held)
-        hit_tokens += min(n * trace.block_tokens, rq.input_length)
-        hit_blocks += n
-        for k in rq.keys:
-            nu = nxt[pos]
-            pos += 1
-            if k in held:
-                held[k] = nu
-                heapq.heappush(heap, (-nu, k))
-                continue
-            if nu == never or capacity_blocks <= 0:
-                continue
-            if len(held) >= capacity_blocks:
-                while True:
-                    top, victim = heap[0]
-                    if held.get(victim) == -top:
-                        break
-                    heapq.heappop(heap)
-                if -top <= nu:
-                    continue  # everything held is used sooner than this one
-                heapq.heappop(heap)
-                del held[victim]
-            held[k] = nu
-            heapq.heappush(heap, (-nu, k))
-            if len(heap) > 4 * capacity_blocks + 1024:  # drop stale entries now and then
-                heap = [(-v, k2) for k2, v in held.items()]
-                heapq.heapify(heap)
-    return CacheResult("belady", capacity_blocks, hit_tokens, trace.prompt_tokens, hit_blocks)
 
 
 # ---- the plugin's tiers -----------------------------------------------------------------

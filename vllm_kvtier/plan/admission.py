@@ -47,6 +47,10 @@ class Admission:
         while len(seen) > SEEN_TABLE_SIZE:
             seen.popitem(last=False)
 
+    def reused(self, keys: Sequence[BlockKey]) -> bool:
+        """Whether one of ``keys`` appeared in two requests' prompts or more."""
+        return any(self._seen.get(k, 0) >= 2 for k in keys)
+
     def seen_enough(self, key: BlockKey) -> bool:
         """Whether ``key`` appeared in at least ``admit_min_seen`` requests."""
         return self._seen.get(key, 0) >= self.admit_min_seen

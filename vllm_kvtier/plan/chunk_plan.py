@@ -14,10 +14,9 @@ never indexed. A pool's lookups are submitted and answered on a later step
 (:class:`~vllm_kvtier.catalog.base.PoolLookups`, :meth:`ChunkPlanner.discover`).
 
 * **Admission**: a block is written only once it appeared in at least ``admit_min_seen``
-  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table). Both
-  NVMe and S3 default to 1. A block's first reuse comes long after a small DRAM pool has
-  cycled. So a tier that waits for a second sight never serves it. A value of 2 trades those
-  hits for SSD writes (docs/planning.md).
+  requests' prompts (:class:`~vllm_kvtier.plan.admission.Admission`, a bounded table),
+  1 by default. A first reuse comes after a small DRAM pool has cycled: a tier waiting for
+  a second sight never serves it. 2 trades those hits for SSD writes (docs/planning.md).
 * **Write-back**: a block goes down when the CPU tier evicts it (if admitted). The worker
   copies the slot out before the same step's saves reuse it. Write-back also **flushes in
   the background** the blocks still only in DRAM, whatever their admission count. So a
@@ -34,9 +33,9 @@ never indexed. A pool's lookups are submitted and answered on a later step
   copied NVMe -> S3.
 * **Chunking**: one step's writes are grouped, in order, into chunks of up to
   ``chunk_blocks`` blocks, so I/Os are large and requests few.
-* **Capacity**: bytes are reserved when a write is planned; LRU chunks are evicted (and
-  deleted by the worker) to make room. A key becomes loadable only when every TP rank
-  reported its chunk durable.
+* **Capacity**: a write reserves its bytes when planned. To make room the index evicts
+  chunks (NVMe: kvaware, others: LRU); the worker deletes them. A key becomes loadable
+  only once every TP rank reported its chunk durable.
 * **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
   index reports every key that becomes loadable or stops being so. A chunk is ``REMOTE``
   when another writer stored it, else ``LOCAL``. Another writer's chunk is found by a rescan
@@ -52,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from vllm_kvtier.catalog.base import Found, Listing, common_chunks
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
-from vllm_kvtier.index.chunk_index import ChunkIndex
+from vllm_kvtier.index.chunk_index import CHUNK_EVICTION, ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, GaugeName
@@ -105,7 +104,9 @@ class ChunkPlanner:
         # Capacity is per engine; each rank stores its shard of every chunk.
         cap = policy.capacity_bytes
         self.reserved_bytes = reserved = listing.reserved_bytes_per_rank
-        self.index = ChunkIndex(None if cap is None else max(0, cap // ctx.world_size - reserved))
+        self.index = ChunkIndex(None if cap is None else max(0, cap // ctx.world_size - reserved),
+                                eviction=CHUNK_EVICTION.get(policy.tier, "lru"),
+                                file_bytes=self.file_bytes(policy.chunk_blocks))
         self.admission = Admission(policy.tier, policy.admit_min_seen)
         self.writes = WriteQueue(flush_interval_s=policy.flush_interval_s, chunk_blocks=policy.chunk_blocks,
                                  clock=ctx.clock)
@@ -355,7 +356,7 @@ class ChunkPlanner:
                 continue
             keys = [k for _, k in part]
             fid = keys[0].hex() if self.policy.key_named else chunk_id_for(keys)
-            evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)))
+            evicted = self.index.reserve(fid, keys, self.file_bytes(len(keys)), reused=self.admission.reused(keys))
             if evicted is None:
                 self.ctx.counters.add(CounterName.STORE_SKIPPED, self.tier, len(keys))
                 continue

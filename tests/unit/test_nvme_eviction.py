@@ -1,0 +1,93 @@
+"""The NVMe tier's eviction: kvaware over its files, through the planner's own index.
+
+Small hand-made traces pin the decisions: a file of reused blocks outlives newer one-off
+files; a reused file that is never read again ages out; the tier never refuses a write
+it has room for, nor evicts when the write cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvtier.index.chunk_index import ChunkIndex
+from vllm_kvtier.index.kvaware import PROTECT_OPS
+from vllm_kvtier.keys import BlockKey
+from vllm_kvtier.ops.instance_replay import Instance, serve_request
+from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, TraceRequest
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(8, "little"))
+
+
+def _replay(ids: list[int], nvme_blocks: int) -> tuple[list[int], int]:
+    """One-block prompts ``ids`` in order over 1 DRAM slot and an NVMe tier of
+    ``nvme_blocks`` (write-back, written on eviction only), through the planner's own
+    code. Returns the NVMe hit of each request (0 or 1) and the blocks the NVMe evicted."""
+    nvme = LowerTier("nvme", nvme_blocks, "write-back", 1, 1)
+    inst = Instance(TierSetup(cpu_blocks=1, lower=(nvme,), step_blocks=1))
+    stats = [TierResult("cpu", 1), TierResult("nvme", nvme_blocks)]
+    hits = []
+    for i, h in enumerate(ids):
+        before = stats[1].hit_blocks
+        serve_request(inst, TraceRequest(i, 16, 1, (key(h),)), 16, stats)
+        hits.append(stats[1].hit_blocks - before)
+    return hits, inst.planners[0].index.evicted_blocks
+
+
+def test_a_reused_block_outlives_newer_one_off_blocks_on_nvme():
+    """Block 1 is reused in DRAM (two requests) before it goes down; 2, 3, 4 are one-offs.
+    The NVMe holds 3: when 5 comes down, LRU would drop 1 (the oldest). kvaware drops the
+    oldest one-off, 2, so request 1 hits the NVMe at the end."""
+    hits, evicted = _replay([1, 1, 2, 3, 4, 5, 6, 1], 3)
+    assert evicted >= 1
+    assert hits[-1] == 1
+
+
+def test_a_one_off_block_still_leaves_in_order_of_age():
+    """No reuse at all: the NVMe is LRU, the oldest one-off leaves first."""
+    hits, _ = _replay([1, 2, 3, 4, 5, 6, 2], 3)
+    assert hits[-1] == 0  # 2 was the oldest written: gone
+    hits, _ = _replay([1, 2, 3, 4, 5, 6, 4], 3)
+    assert hits[-1] == 1  # 4 was written after it: still there
+
+
+def test_a_reused_block_never_read_again_ages_out():
+    """Protection is extra time (kvaware's ``PROTECT_OPS`` operations), not a place for
+    ever: a reused file that is not read again leaves once enough one-offs went through."""
+    idx = ChunkIndex(300, eviction="kvaware", file_bytes=100)
+    idx.reserve("old", [key(0)], 100, reused=True)
+    idx.confirm("old")
+    gone_at = None
+    for i in range(1, PROTECT_OPS + 100):
+        if "old" in (idx.reserve(f"f{i}", [key(i)], 100) or []):
+            gone_at = i
+            break
+        idx.confirm(f"f{i}")
+    assert gone_at is not None and PROTECT_OPS - 10 <= gone_at <= PROTECT_OPS + 10
+
+
+def test_reserve_evicts_by_policy_and_refuses_without_evicting_when_nothing_can_go():
+    idx = ChunkIndex(300, eviction="kvaware", file_bytes=100)
+    for i, reused in ((1, True), (2, False), (3, False)):
+        assert idx.reserve(f"f{i}", [key(i)], 100, reused=reused) == []
+    assert idx.reserve("f4", [key(4)], 100) is None  # all three still being written
+    assert idx.used_bytes == 300 and idx.evicted_blocks == 0
+    for i in (1, 2, 3):
+        idx.confirm(f"f{i}")
+    idx.pin("f2")
+    assert idx.reserve("f4", [key(4)], 100) == ["f3"]  # f1 reused, f2 read by a load
+    idx.unpin("f2")
+    idx.confirm("f4")
+    assert idx.reserve("f5", [key(5)], 100) == ["f2"]
+    assert idx.locate(key(1)) == ("f1", 0)
+    assert idx.reserve("big", [key(6)], 301) is None
+    with pytest.raises(ValueError, match="in use"):
+        idx.resize(1000)
+
+
+def test_the_lru_order_is_kept_where_no_policy_is_named():
+    idx = ChunkIndex(200)
+    for i in (1, 2):
+        idx.reserve(f"f{i}", [key(i)], 100, reused=i == 1)
+        idx.confirm(f"f{i}")
+    assert idx.reserve("f3", [key(3)], 100) == ["f1"]
