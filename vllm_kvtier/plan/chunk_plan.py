@@ -452,10 +452,9 @@ class ChunkPlanner:
             self.origins.forget(fid, remote=False)
             if ours:  # delete whatever a rank may have left
                 self.writes.delete([fid])
-            # Else a write that failed or was refused on a shared tier: its id names the
-            # content, so the object under it may be another instance's. Nothing is
-            # deleted; what our other ranks wrote is in our manifest (our next start
-            # reclaims it).
+            # Else a write that failed or was refused on a shared tier: its id names the content,
+            # so the object may be another instance's. Nothing is deleted; what our other
+            # ranks wrote is in our manifest (our next start reclaims it).
         for fid in {fid for t, fid in meta.untrusted if t == tier} - bad - failed:
             self._forget_untrusted(fid)
         for fid, n in written.items():
