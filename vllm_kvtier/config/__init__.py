@@ -1,7 +1,8 @@
 """The plugin's configuration: typed frozen sections (:mod:`.sections` and the modules it
-names), the stores' connection settings (:mod:`.stores`) and the parser (:mod:`.parse`), at
-the bottom of the house: the tiers import from here, never the reverse (config imports only
-``keys`` and ``errors``)."""
+names), the stores' connection settings (:mod:`.stores`) and the parser (:mod:`.parse`).
+
+It sits at the bottom of the house. The tiers import from here, never the reverse; config
+imports only ``keys`` and ``errors``."""
 
 from vllm_kvtier.config.cpu import CPUTierConfig
 from vllm_kvtier.config.integrity import AuthConfig, FaultInjectionConfig, VerifyConfig
