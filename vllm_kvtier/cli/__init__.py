@@ -1,16 +1,8 @@
 """``kvtier``: operator commands.
 
-    kvtier presets                         list the shipped presets
-    kvtier check-config '<extra json>'     validate kv_connector_extra_config (or --file X.yaml)
-    kvtier plan --model-config config.json --context-tokens 128K ...
-                                           KV size per token and request, tier by tier
-    kvtier plan --trace FILE --cpu-blocks N [--nvme-blocks N] [--s3-blocks unbounded] [--sweep] ...
-                                           replay a request trace through the plugin's tiers
-    kvtier doctor '<extra json>' --model-config config.json --context-tokens 128K ...
-                                           the pre-deployment checklist: PASS / WARN / FAIL
-    kvtier bench [NAMES...] [--quick] [--report-only]
-                                           run the benchmarks under bench/ (source checkout),
-                                           a table of ratios against targets and a PNG chart
+One module per command group: :mod:`.configs` (``presets``, ``check-config``), :mod:`.plan`
+and :mod:`.plan_trace` (``plan``), :mod:`.doctor` and :mod:`.bench`. ``kvtier --help``
+lists the commands, with examples.
 
 Exit status: 0 when valid (doctor: no FAIL; bench: every run finished and no FAIL), 1 when
 doctor or bench found a FAIL, 2 with the offending field, option or file named when the
