@@ -214,6 +214,12 @@ class ChunkWorker:
         """The chunk headers held, oldest first (see ``ctx.fetches_headers``)."""
         return self._headers.entries
 
+    @property
+    def codec(self) -> BlockCodec | None:
+        """How this tier encodes its blocks (FP8), None when it stores them as they are.
+        Shadow verification decodes what it reads with it."""
+        return self._bytes.codec
+
     # ---- writes -------------------------------------------------------------------
 
     def mark_dirty(self, slots: Iterable[int]) -> None:

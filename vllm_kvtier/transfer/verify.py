@@ -257,7 +257,7 @@ class BlockVerifier:
         self._checks[job.verify_id] = check
         for read in job.reads:
             tier = lower.get(read.tier)
-            codec = getattr(tier, "codec", None)
+            codec = tier.codec if tier is not None else None
             if codec is not None:
                 check.codecs[read.tier] = codec
             # prefetch=True: counted as no request's load (nothing is loaded into vLLM)
