@@ -12,6 +12,11 @@ tools/setup-remote.sh     # the Mooncake and NIXL tiers: pinned wheels, libibver
 tools/setup-vllm-cuda.sh  # the CUDA vLLM wheel's sources, for the API check (never fails: the check skips)
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # fast in-process engines; multiprocess tests set 1 themselves
 export VLLM_LOGGING_LEVEL=WARNING          # vLLM's shutdown lines would print after pytest's summary
+# One OpenMP thread per engine, unbound: the tests' model is tiny, and two workers' engines
+# at two threads each on two cores spin against each other. Two concurrent runs of
+# tests/integration/test_engine.py: 134 s with vLLM's default binding, 79 s with this.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 log=$(mktemp)
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider -n "${KVTIER_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
