@@ -65,7 +65,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from testkit.tinymodel import SIZES, VOCAB, build_model  # noqa: E402
-from vllm_kvtier.index.slot_index import SlotIndex  # noqa: E402
 from vllm_kvtier.keys import BlockKey  # noqa: E402
 
 CONFIGS = ("none", "lru", "s3fifo", "s3fifo+pin")
@@ -163,20 +162,13 @@ class Engine:
             for n in (1, a.answer_tokens)
         }
 
-    def use_policy(self, eviction: str) -> bool:
-        """Make the CPU index use ``eviction``; True if the bench had to install it itself
-        (the connector does not pass ``cpu.eviction`` to its index yet). Before any request
-        the index is empty, so a fresh one is equivalent."""
+    def check_policy(self, eviction: str) -> None:
+        """Fail unless the CPU index runs ``eviction``: the configuration's name says which
+        policy a row measures, and the connector passes ``cpu.eviction`` to its index."""
         assert self.half is not None
-        if self.half.planner.index.eviction == eviction:
-            return False
-        cpu = self.half.planner.cfg.cpu
-        self.half.planner.index = SlotIndex(
-            self.half.planner.index.num_slots,
-            eviction=eviction,
-            max_pinned_fraction=getattr(cpu, "max_pinned_fraction", 0.5),
-        )
-        return True
+        got = self.half.planner.index.eviction
+        if got != eviction:
+            raise SystemExit(f"configuration {eviction!r}: the CPU index runs {got!r}")
 
     def counter(self, name: str) -> float:
         return self.half.planner.counters.totals.get(f"{name}|cpu", 0.0) if self.half is not None else 0.0
@@ -240,7 +232,7 @@ def serve(conn: Any, name: str, model_dir: Path, systems: list[list[int]], a: ar
     eng = Engine(model_dir, kv_config(name, a), a)
     info: dict[str, Any] = {"config": name, "engine_start_s": time.perf_counter() - t0}
     if name != "none":
-        info["policy_installed_by_bench"] = eng.use_policy(name.split("+")[0])
+        eng.check_policy(name.split("+")[0])
     rng = random.Random(a.seed + 1)
     eng.run([rng.randrange(3, VOCAB) for _ in range(64)], 1)
     for s in systems:  # warm-up: every system prompt seen once, unmeasured
@@ -278,8 +270,7 @@ def replay(
         res[name] = here.recv()  # started one at a time: start-up is not measured
         print(
             f"  {name:11s} engine up in {res[name]['engine_start_s']:.1f}s"
-            + (f", pins {res[name]['pins']}" if "pins" in res[name] else "")
-            + (" (policy installed by the bench)" if res[name].get("policy_installed_by_bench") else ""),
+            + (f", pins {res[name]['pins']}" if "pins" in res[name] else ""),
             flush=True,
         )
     bs = a.block_size
