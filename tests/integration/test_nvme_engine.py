@@ -156,12 +156,13 @@ def test_restart_serves_hits_from_nvme(tiny_model, baseline_of, tmp_path, mode):
 @pytest.mark.parametrize("set_id", [2, 5], ids=["330-tokens", "320-tokens-whole-blocks"])
 def test_restart_is_warm_with_the_default_config(tiny_model, baseline_of, tmp_path, set_id):
     """Only ``cpu`` and ``nvme`` (path, capacity) given: write-back, admit_min_seen 1. Prompts
-    seen once are still on NVMe for the next process (the shutdown flush and the idle flush
-    ignore admission counts), and a fresh process loads them with the baseline's tokens:
-    every full block, the last one too for a prompt of whole blocks. The exit flush in a
-    multiprocess engine's worker is tested by test_s3_engine's multiprocess case, a warm
-    ``vllm serve`` by test_serving's restarts. The prompt of whole blocks tests what is
-    loaded, not the process's exit: its engines run one after the other in this process."""
+    seen once are still on NVMe for the next engine (the shutdown flush and the idle flush
+    ignore admission counts), and it loads them with the baseline's tokens: every full
+    block, the last one too for a prompt of whole blocks. The 330-token case runs each
+    engine in a process of its own (the flush at the process's exit); the whole-block case
+    tests what is loaded, so its engines run one after the other in this process. The exit
+    flush in a multiprocess engine's worker is tested by test_s3_engine's multiprocess
+    case, a warm ``vllm serve`` by test_serving's restarts."""
     ps = SETS[set_id]
     kv = kvtier_config({"cpu": {"capacity_bytes": 64 * BLOCK_BYTES},
                         "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * 2**20}})

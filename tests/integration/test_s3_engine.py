@@ -56,7 +56,8 @@ def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_ser
     prompts from S3, with the baseline's tokens. A's NVMe tier has the default admission
     and write-back: its flush at shutdown leaves every loadable block of the prompts,
     seen once, in chunk files that verify. A runs in this process, or, multiprocess, as
-    ``vllm serve`` runs it: then the flush runs in the engine's own process as it exits."""
+    ``vllm serve`` runs it: then the flush runs in the engine's own process as it exits,
+    and B loads in such an engine too."""
     ps = SETS[2]
     kv_a = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-a")
     if multiprocess:
@@ -71,7 +72,7 @@ def test_instance_b_loads_what_instance_a_stored(tiny_model, baseline_of, s3_ser
 
     # another writer id: A's chunks are another instance's (both would default to this host's)
     kv_b = s3_config(s3_server.url, s3_bucket, nvme=tmp_path / "nvme-b", writer_id="writer-b")
-    data = run_process(tiny_model, kv_b, ps, tmp_path)
+    data = run_process(tiny_model, kv_b, ps, tmp_path, multiprocess=multiprocess)
     for p, r in zip(ps, results(data), strict=True):
         assert r.tokens == baseline_of(p)
     c = data["counters"]

@@ -91,3 +91,22 @@ def test_the_lru_order_is_kept_where_no_policy_is_named():
         idx.reserve(f"f{i}", [key(i)], 100, reused=i == 1)
         idx.confirm(f"f{i}")
     assert idx.reserve("f3", [key(3)], 100) == ["f1"]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "kvaware"])
+def test_a_file_retired_while_read_and_written_again_is_counted_once(eviction):
+    """A listed tier retires a file a load is reading; the same content id is written again
+    before the load ends. The index holds one file under that id: once both are gone its
+    bytes are all free, and a write of the whole capacity fits."""
+    idx = ChunkIndex(1000, eviction=eviction)
+    keys = [key(1)]
+    assert idx.reserve("c", keys, 100) == []
+    idx.confirm("c")
+    idx.pin("c")
+    assert idx.retire("c")
+    assert idx.reserve("c", keys, 100) == []  # the same content, written again
+    idx.confirm("c")
+    idx.unpin("c")
+    idx.remove("c")
+    assert (idx.used_bytes, idx._held_bytes) == (0, 0)
+    assert idx.reserve("d", [key(2)], 1000) == []

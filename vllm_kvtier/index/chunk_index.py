@@ -122,6 +122,8 @@ class ChunkIndex:
 
     def _add(self, chunk_id: str, keys: Sequence[BlockKey], nbytes: int, *, confirmed: bool = False,
              reused: bool = False) -> None:
+        if chunk_id in self._files:  # retired while a load read it, now written again
+            self.remove(chunk_id)
         self._files[chunk_id] = _File(tuple(keys), nbytes)
         self._pending.update(keys)
         self.used_bytes += nbytes
