@@ -32,6 +32,13 @@ Loads (``--loads``):
 * ``trace``: a production trace in Mooncake's format (``--trace``; by default the first half
   of Mooncake's conversation trace), sampled by whole conversations and scaled to a CPU
   engine (:func:`sample_trace`), replayed at its timestamps by vLLM's ``timed_trace``;
+* ``capacity`` and ``capacity-2x``: the trace with the tiers smaller than its KV
+  (``--capacity-dram-share`` of it in DRAM, the rest on NVMe; LMCache: the same L1, its L2
+  ``fs_native`` on the same disk), at the trace's rate and twice it. Rows (by default):
+  ``none``, ``cpu-nvme`` (the plugin's default policies), ``cpu-nvme-lru`` (LRU in both
+  tiers), ``lmcache``, ``ideal``. Printed beside the figures: the share of prompt tokens
+  each tier served, and for the plugin's rows what ``kvtier plan --trace`` predicts for the
+  same trace and sizes (:func:`capacity_table`);
 * ``low-load`` (paired live rounds, :func:`run_paired`: the plugin's cost when nothing is
   reused) and ``shared-system-prompt`` (``random`` with one shared prefix).
 
@@ -105,6 +112,16 @@ CONFIGS.update({f"{n}-auto": {**CONFIGS[n], "background_cpus": "auto"} for n in 
 # cpu-nvme with no background flush: nothing reaches NVMe until DRAM evicts (so, at low
 # load, no NVMe write at all): what the NVMe writes themselves cost
 CONFIGS["cpu-nvme-noflush"] = {**CONFIGS["cpu-nvme"], "nvme": {**CONFIGS["cpu-nvme"]["nvme"], "flush_interval_s": 0}}
+# cpu-nvme with LRU in both tiers (what the peers run): the default's eviction policies
+# against the general-purpose one
+CONFIGS["cpu-nvme-lru"] = {**CONFIGS["cpu-nvme"], "cpu": {"eviction": "lru"},
+                           "nvme": {**CONFIGS["cpu-nvme"]["nvme"], "eviction": "lru"}}
+#: the configurations of the capacity loads (the tiers smaller than the trace's KV):
+#: the plugin's default and LRU over DRAM + NVMe, LMCache with its L2 on the same disk
+CAPACITY_CONFIGS = ("none", "cpu-nvme", "cpu-nvme-lru", "lmcache", "ideal")
+#: the capacity loads' DRAM tier (and the peer's L1), a share of the sampled trace's KV;
+#: the NVMe tier (the peer's L2) holds the rest
+CAPACITY_DRAM_SHARE = 0.15
 DEFAULT_CONFIGS = ("none", "interactive", "cpu-nvme", "lmcache", "ideal")
 #: rows that are references, not the plugin: kept out of the bounds checked
 REFERENCES = ("noop.", "none-aa.", "lmcache.", "ideal.")
@@ -149,9 +166,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_config(extra: dict[str, Any], nvme_dir: Path, tier_bytes: int | None = None) -> dict[str, Any] | None:
+def kv_config(extra: dict[str, Any], nvme_dir: Path, tier_bytes: int | None = None,
+              nvme_bytes: int | None = None) -> dict[str, Any] | None:
     """The ``--kv-transfer-config`` of a configuration (None: no connector). ``tier_bytes``:
-    the CPU tier's exact size (every plugin row and the peer get the same)."""
+    the CPU tier's exact size (every plugin row and the peer get the same); ``nvme_bytes``:
+    the NVMe tier's, where the configuration has one (a capacity load's)."""
     if extra.get("__ideal__"):
         return None
     if extra.get("__noop__"):
@@ -165,6 +184,8 @@ def kv_config(extra: dict[str, Any], nvme_dir: Path, tier_bytes: int | None = No
     extra = json.loads(text)
     if tier_bytes:
         extra["cpu"] = {**extra.get("cpu", {}), "capacity_bytes": tier_bytes}
+    if nvme_bytes and "nvme" in extra:
+        extra["nvme"] = {**extra["nvme"], "capacity_bytes": nvme_bytes}
     # Adaptive load-or-recompute measures this machine's speed: left at its default here (a
     # benchmark measures what an operator gets), but recorded with the result.
     return {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -175,13 +196,14 @@ class Server:
     """One API server process, ready to serve (or an exception with its log's tail)."""
 
     def __init__(self, model: Path, kv: dict[str, Any] | None, args: argparse.Namespace, log: Path,
-                 kv_cache_bytes: int | None = None, root: Path = ROOT) -> None:
+                 kv_cache_bytes: int | None = None, root: Path = ROOT, peer_l1_bytes: int | None = None,
+                 peer_l2: dict[str, Any] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.peer: LMCacheServer | None = None
         env = dict(os.environ, PYTHONPATH=str(root), VLLM_LOGGING_LEVEL="INFO")
         if kv is not None and kv["kv_connector"] == "LMCacheMPConnector":
-            self.peer = LMCacheServer(args, log.with_suffix(".lmcache.log"))
+            self.peer = LMCacheServer(args, log.with_suffix(".lmcache.log"), l1_bytes=peer_l1_bytes, l2=peer_l2)
             kv = json.loads(json.dumps(kv).replace('"{port}"', str(self.peer.port)))
             env |= {"PYTHONPATH": f"{ROOT}{os.pathsep}{LMCACHE_DIR}", "LMCACHE_MP_TRANSFER_MODE": "engine_driven",
                     "LMCACHE_DISABLE_BANNER": "1"}
@@ -298,15 +320,19 @@ class LMCacheServer:
     its best settings on a CPU engine, per its own CPU CI and docs/benchmarks.md: the SHM
     transport (``--shm-name``; without it the transport pickles), the engine-driven transfer
     mode (0.5.6's default, lmcache-driven, has no CPU path: the vLLM side hangs), LRU, an L1
-    of ``--tier-bytes`` (the plugin's CPU tier), chunks of one vLLM block."""
+    of ``--tier-bytes`` (the plugin's CPU tier; ``l1_bytes`` where given), chunks of one
+    vLLM block. ``l2``: an L2 adapter's JSON (``--l2-adapter``): a capacity load's NVMe."""
 
-    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, log: Path, l1_bytes: int | None = None,
+                 l2: dict[str, Any] | None = None) -> None:
         self.port, self.http_port = free_port(), free_port()
         block = getattr(args, "block_size", BLOCK_SIZE)
         argv = ["lmcache", "server", "--host", "127.0.0.1", "--port", str(self.port), "--http-host", "127.0.0.1",
-                "--http-port", str(self.http_port), "--l1-size-gb", f"{args.tier_bytes / 2**30:.6f}",
+                "--http-port", str(self.http_port), "--l1-size-gb", f"{(l1_bytes or args.tier_bytes) / 2**30:.6f}",
                 "--eviction-policy", "LRU", "--chunk-size", str(block), "--supported-transfer-mode", "auto",
                 "--shm-name", f"kvtier-bench-{os.getpid()}-{self.port}"]
+        if l2 is not None:
+            argv += ["--l2-adapter", json.dumps(l2)]
         code = f"import sys; from lmcache.cli.main import main; sys.argv = {argv!r}; sys.exit(main())"
         env = dict(os.environ, PYTHONPATH=str(LMCACHE_DIR), LMCACHE_DISABLE_BANNER="1")
         self.log_path = log
@@ -581,6 +607,13 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"dataset": "timed_trace", "name": "trace", "rate": "inf", "num_prompts": args.trace_requests,
          "trace": args.trace, "trace_requests": args.trace_requests, "block": args.block_size,
          "output_cap": args.trace_output_cap, "trace_rate": args.trace_rate},
+        # the same trace with the tiers smaller than its KV (CAPACITY_DRAM_SHARE of it in
+        # DRAM, the rest on NVMe or the peer's L2): what each policy keeps decides the hits.
+        # At the sampled rate and at twice it.
+        *({"dataset": "timed_trace", "name": name, "rate": "inf", "num_prompts": args.trace_requests,
+           "trace": args.trace, "trace_requests": args.trace_requests, "block": args.block_size,
+           "output_cap": args.trace_output_cap, "trace_rate": args.trace_rate * mult, "capacity": True}
+          for name, mult in (("capacity", 1), ("capacity-2x", 2))),
     ]
 
 
@@ -596,14 +629,75 @@ def run_configs(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def server_for(n: str, model: Path, args: argparse.Namespace, nvme: Path, log: Path) -> Server:
-    """A server of configuration ``n`` (its tiers empty)."""
+def server_for(n: str, model: Path, args: argparse.Namespace, nvme: Path, log: Path,
+               load: dict[str, Any] | None = None) -> Server:
+    """A server of configuration ``n`` (its tiers empty), sized for ``load``: a capacity
+    load's DRAM and NVMe (the peer: its L1, and its L2 in ``nvme``), else ``--tier-bytes``."""
     base, _, alt = n.partition("@")
     extra = CONFIGS[base]
     shutil.rmtree(nvme, ignore_errors=True)
-    kv = None if extra is None else kv_config(extra, nvme, args.tier_bytes)
+    load = load or {}
+    tier_bytes, nvme_bytes = load.get("tier_bytes") or args.tier_bytes, load.get("nvme_bytes")
+    kv = None if extra is None else kv_config(extra, nvme, tier_bytes, nvme_bytes)
+    l2 = None
+    if nvme_bytes and extra is not None and extra.get("__lmcache__"):
+        nvme.mkdir(parents=True, exist_ok=True)
+        # fs_native bounds the disk only with an eviction block
+        l2 = {"type": "fs_native", "base_path": str(nvme), "max_capacity_gb": nvme_bytes / 2**30,
+              "eviction": {"eviction_policy": "LRU"}}
     return Server(model, kv, args, log, kv_cache_bytes=args.ideal_kv_cache_bytes if base == "ideal" else None,
-                  root=Path(args.alt_root) if alt else ROOT)
+                  root=Path(args.alt_root) if alt else ROOT, peer_l1_bytes=tier_bytes, peer_l2=l2)
+
+
+def capacity_sizes(trace_file: Path, block: int, token_bytes: int, dram_share: float) -> dict[str, int]:
+    """A capacity load's tiers: the sampled trace's KV (its distinct blocks), ``dram_share``
+    of it in DRAM, the rest on NVMe; in bytes and in blocks of ``block`` tokens."""
+    ids = set()
+    for line in trace_file.read_text().splitlines():
+        ids.update(json.loads(line)["hash_ids"])
+    block_bytes = block * token_bytes
+    kv = len(ids) * block_bytes
+    dram = int(kv * dram_share) // block_bytes * block_bytes
+    return {"kv_bytes": kv, "kv_blocks": len(ids), "tier_bytes": dram, "nvme_bytes": kv - dram,
+            "cpu_blocks": dram // block_bytes, "nvme_blocks": (kv - dram) // block_bytes}
+
+
+def planner_prediction(load: dict[str, Any], config: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """What ``kvtier plan --trace`` predicts for a plugin row of a capacity load: the share
+    of prompt tokens each tier serves, replayed on the sampled trace through the plugin's
+    own index with the row's config and tier sizes (None: the planner failed, said why)."""
+    extra = CONFIGS[config.partition("@")[0]]
+    if extra is None or "__lmcache__" in extra or "__ideal__" in extra or "__noop__" in extra:
+        return None
+    kv = kv_config(extra, Path(tempfile.gettempdir()) / "kvtier-plan-unused", load["tier_bytes"], load["nvme_bytes"])
+    assert kv is not None
+    cmd = [sys.executable, "-m", "vllm_kvtier.cli", "plan", "--trace", load["trace_file"],
+           "--trace-block-tokens", str(load["block"]), "--engine-block-tokens", str(load["block"]),
+           "--extra-config", json.dumps(kv["kv_connector_extra_config"]),
+           "--cpu-blocks", str(load["cpu_blocks"]), "--nvme-blocks", str(load["nvme_blocks"]),
+           # vLLM's max_num_batched_tokens on a CPU API server (the bench leaves its default)
+           "--step-tokens", "2048", "--json"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        print(f"planner failed for {config}: {done.stderr.strip()[-500:]}", flush=True)
+        return None
+    plan = json.loads(done.stdout)
+    return {"by_tier": {t["tier"]: t["hit_share"] for t in plan["tiers"]},
+            "total": sum(t["hit_share"] for t in plan["tiers"])}
+
+
+def measured_shares(r: dict[str, Any], block: int) -> dict[str, Any]:
+    """A row's share of prompt tokens served, per place: vLLM's own cache ("gpu") and each
+    of the plugin's tiers (its hit blocks), and in all (vLLM's and the connector's hit
+    tokens), over the prompt tokens of every request the row ran."""
+    load = r["load"]
+    prompt = load["input_tokens"] * (load.get("rounds") or 1)
+    c = r["counters"]
+    by_tier = {k.split("|", 1)[1]: v * block / prompt for k, v in c.items()
+               if k.startswith("hit_blocks|") and not k.endswith("|all")}
+    return {"gpu": c.get("vllm_hit_tokens", 0.0) / prompt, "by_tier": by_tier,
+            "connector": c.get("connector_hit_tokens", 0.0) / prompt,
+            "total": (c.get("vllm_hit_tokens", 0.0) + c.get("connector_hit_tokens", 0.0)) / prompt}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -620,12 +714,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             path = Path(load["trace"])
             if not path.is_file():
                 raise SystemExit(f"--trace: no file {path} (a Mooncake-format JSONL trace)")
-            load["trace_file"] = str(work / "trace.sampled.jsonl")
+            load["trace_file"] = str(work / f"{load['name']}.sampled.jsonl")
             trace_info = sample_trace(path, Path(load["trace_file"]), requests=load["trace_requests"], seed=args.seed,
                                       block=load["block"], trace_block=args.trace_block,
                                       max_model_len=args.max_model_len, output_cap=load["output_cap"],
                                       rate=load["trace_rate"])
             load["trace_requests"] = load["num_prompts"] = trace_info["requests"]
+            load["input_tokens"] = trace_info["input_tokens"]
+            if load.get("capacity"):
+                load.update(capacity_sizes(Path(load["trace_file"]), load["block"], args.token_bytes,
+                                           args.capacity_dram_share))
+                print(f"{load['name']}: the sampled trace's KV {load['kv_bytes'] / 2**20:.0f} MiB "
+                      f"({load['kv_blocks']} blocks); DRAM {load['tier_bytes'] / 2**20:.0f} MiB "
+                      f"({load['cpu_blocks']} blocks), NVMe {load['nvme_bytes'] / 2**20:.0f} MiB "
+                      f"({load['nvme_blocks']} blocks); the peer's L1 and L2 the same", flush=True)
             print(f"trace {path.name}: {trace_info['requests']} of {trace_info['requests_in_trace']} requests "
                   f"({trace_info['conversations']} whole conversations of {trace_info['conversations_in_trace']}), "
                   f"{trace_info['input_tokens']} input tokens over {trace_info['duration_s']:.0f} s; reusable share "
@@ -638,7 +740,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # A fresh server per (config, load): every load starts with empty tiers.
                 name = f"{cfg_name}.{load['name']}"
                 print(f"== {name}", flush=True)
-                server = server_for(cfg_name, model, args, nvme, work / f"{name}.server.log")
+                server = server_for(cfg_name, model, args, nvme, work / f"{name}.server.log", load)
                 try:
                     before = server.metrics()
                     t0 = time.monotonic()
@@ -692,11 +794,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         over_noop[name] = figure_ratios(r, ref)
     peer = peer_table(results)
+    capacity = capacity_table(results, args)
     summary = {
         "binding": {k: os.environ.get(k) for k in BINDING_ENV}, "ratios_over_noop": over_noop,
         "kv_cache_bytes": args.kv_cache_bytes, "ideal_kv_cache_bytes": args.ideal_kv_cache_bytes,
         "tier_bytes": args.tier_bytes, "dtype": args.dtype, "block_size": args.block_size,
-        "trace": trace_info, "results": results, "ratios": ratios, "figures": [f for f, _ in FIGURES],
+        "trace": trace_info, "capacity": capacity, "results": results, "ratios": ratios, "figures": [f for f, _ in FIGURES],
         "peer": peer, "peer_targets": peer_targets(peer), "ceiling": ceiling_targets(peer),
         # the plugin's rows only (the no-op connector, the A/A baseline, the peer and the
         # ideal are references), within the A/A spread of the load's p99 (that of a short row
@@ -711,6 +814,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if summary["ratios"]:
         chart(args.json, out_dir / "serving.png")
     return summary
+
+
+def capacity_table(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Per row of a capacity load: the share of prompt tokens served where (measured), the
+    planner's prediction for a plugin row and its distance to the measured total (the
+    planner is off by at most ``PLAN_TOLERANCE`` where it models the run)."""
+    out: dict[str, Any] = {}
+    predicted: dict[tuple[str, str], Any] = {}
+    for name, r in results.items():
+        load = r["load"]
+        if not load.get("capacity"):
+            continue
+        row: dict[str, Any] = {"measured": measured_shares(r, args.block_size)}
+        key = (r["config"], load["name"])
+        if key not in predicted:
+            predicted[key] = planner_prediction(load, r["config"], args)
+        if predicted[key] is not None:
+            row["predicted"] = predicted[key]
+            row["predicted_minus_measured"] = predicted[key]["total"] - row["measured"]["total"]
+        out[name] = row
+    return out
+
+
+#: how far the planner's predicted share of a capacity row may be from the measured one
+PLAN_TOLERANCE = 0.03
+
+
+def print_capacity_table(summary: dict[str, Any]) -> None:
+    """The capacity loads' hits per place, measured and (plugin rows) as the planner predicts."""
+    rows = summary.get("capacity") or {}
+    if not rows:
+        return
+    print("\ncapacity loads: share of prompt tokens served, measured (vLLM's cache, each tier, all) and "
+          f"the planner's prediction (kvtier plan --trace on the sampled trace; within {PLAN_TOLERANCE} of "
+          "the measured total where it models the run):")
+    for name, row in rows.items():
+        m = row["measured"]
+        tiers = " ".join(f"{t} {v:.3f}" for t, v in sorted(m["by_tier"].items()))
+        line = f"  {name:30} gpu {m['gpu']:.3f} {tiers} connector {m['connector']:.3f} all {m['total']:.3f}"
+        if "predicted" in row:
+            p = row["predicted"]
+            ok = abs(row["predicted_minus_measured"]) <= PLAN_TOLERANCE
+            line += (" | planner " + " ".join(f"{t} {v:.3f}" for t, v in p["by_tier"].items())
+                     + f" all {p['total']:.3f} ({row['predicted_minus_measured']:+.3f}, "
+                     + ("within" if ok else "OUTSIDE") + " the tolerance)")
+        print(line)
 
 
 #: the figures set against the peer and the ideal: (figure, lower is better)
@@ -865,7 +1014,7 @@ def run_paired(load: dict[str, Any], n_rounds: int, model: Path, args: argparse.
     def start(n: str, tag: str) -> Server:
         print(f"== start {n} for {load['name']}{tag}", flush=True)
         server = server_for(n, model, args, work / f"nvme-{n}.{load['name']}",
-                            work / f"{n}.{load['name']}{tag}.server.log")
+                            work / f"{n}.{load['name']}{tag}.server.log", load)
         if server.timeline is not None:
             timelines[n].append(server.timeline)
         return server
@@ -1076,6 +1225,7 @@ def print_table(summary: dict[str, Any]) -> None:
         print("\nrows of fewer than 100 requests, whose p99 is their slowest request or within the two "
               f"slowest: {', '.join(few)}")
     print_peer_table(summary)
+    print_capacity_table(summary)
     print_timelines(summary)
     print(f"\np99 TTFT never worse than the baseline: {summary['p99_ttft_never_worse']}; "
           f"low load within 0.98 throughput / 1.02 TTFT: {summary['low_load_ok']}")
@@ -1220,13 +1370,19 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                     help="the model's dtype; auto: bf16 unless this CPU computes it far slower than fp32 "
                          "(no AVX-512 BF16 / AMX: torch's bf16 matmul is ~70x slower there)")
-    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                    help=f"of {','.join(CONFIGS)}; NAME@alt: that configuration with the plugin of --alt-root")
+    ap.add_argument("--configs", default=None,
+                    help=f"of {','.join(CONFIGS)}; NAME@alt: that configuration with the plugin of --alt-root "
+                         f"(default: {','.join(DEFAULT_CONFIGS)}; with capacity loads only: "
+                         f"{','.join(CAPACITY_CONFIGS)})")
     ap.add_argument("--alt-root", default=None,
                     help="another checkout of this repository (a git worktree of another commit): the NAME@alt "
                          "rows run its plugin, in the same run as this one's (an A/B of two commits)")
     ap.add_argument("--loads", default="prefix-repetition,multi-turn,trace",
-                    help="of prefix-repetition, low-load, shared-system-prompt, multi-turn, trace")
+                    help="of prefix-repetition, low-load, shared-system-prompt, multi-turn, trace, capacity, "
+                         "capacity-2x (the trace with the tiers smaller than its KV, at its rate and twice it)")
+    ap.add_argument("--capacity-dram-share", type=float, default=CAPACITY_DRAM_SHARE,
+                    help="capacity loads: the DRAM tier (the peer's L1) as a share of the sampled trace's KV; "
+                         "NVMe (the peer's L2, on the same disk) holds the rest")
     ap.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations")
     ap.add_argument("--turns", type=int, default=5, help="multi-turn: mean turns per conversation")
     ap.add_argument("--turn-tokens", type=int, default=192, help="multi-turn: new tokens per turn")
@@ -1288,6 +1444,9 @@ def main() -> int:
                          "flight, for KV space, prefill, back")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "serving.json"))
     args = ap.parse_args()
+    if args.configs is None:
+        capacity_only = all(ld.startswith("capacity") for ld in args.loads.split(","))
+        args.configs = ",".join(CAPACITY_CONFIGS if capacity_only else DEFAULT_CONFIGS)
     if args.dtype == "auto":
         args.dtype, why = pick_dtype()
         print(f"model dtype: {args.dtype} ({why})", flush=True)
@@ -1296,6 +1455,7 @@ def main() -> int:
     shape = SIZES["bench"]
     token_bytes = (2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"]
                    * (4 if args.dtype == "float32" else 2))
+    args.token_bytes = token_bytes
     if args.model_dir is None:
         args.model_dir = os.path.expanduser("~/.cache/vllm_kvtier/bench-model"
                                             + ("-fp32" if args.dtype == "float32" else ""))
