@@ -158,3 +158,5 @@ def test_plan_trace_replays_the_nvme_eviction_of_the_config_or_the_flag(capsys, 
     assert main(["plan", "--trace", str(trace), "--trace-block-tokens", "256", "--cpu-blocks", "1",
                  "--nvme-blocks", "3", "--nvme-eviction", "lru"]) == 0
     assert "(cpu.eviction kvaware, nvme.eviction lru;" in capsys.readouterr().out
+    assert main(["plan", "--trace", str(trace), "--cpu-blocks", "1", "--nvme-eviction", "lru"]) == 2
+    assert "--nvme-eviction: no NVMe tier" in capsys.readouterr().err

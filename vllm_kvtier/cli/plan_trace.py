@@ -169,6 +169,8 @@ def run_plan_trace(args: argparse.Namespace) -> int:
             continue
         lower.append(lower_tier(name, size, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
                                 block_bytes=block_bytes or 0, cfg=section, eviction=args.nvme_eviction))
+    if args.nvme_eviction and not any(t.name == "nvme" for t in lower) and not (args.sweep and args.sweep_nvme_blocks):
+        raise PlanInputError("--nvme-eviction", "no NVMe tier to replay: give --nvme-blocks or a config with nvme")
     eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "kvaware")
     step_blocks = max(1, parse_count(args.step_tokens, "--step-tokens") // trace.block_tokens)
     setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
