@@ -91,6 +91,8 @@ def test_config_file(tmp_path):
         ({"s3": {"bucket": "kvb", "endpoint_url": "http://u:p@minio:9000"}}, "s3.endpoint_url", "credentials"),
         ({"nvme": {"path": "/x", "capacity_bytes": 1, "io_engine": "spdk"}}, "nvme.io_engine",
          "'posix', 'nixl', 'nixl-gds'"),
+        ({"nvme": {"path": "/x", "capacity_bytes": 1, "eviction": "fifo"}}, "nvme.eviction",
+         "'lru', 's3fifo', 'arc', 'kvaware'"),
         ({"s3": {"bucket": "kvb", "io_engine": "curl"}}, "s3.io_engine", "'boto3', 'nixl'"),
         ({"s3": {"bucket": "kvb", "io_engine": "nixl", "profile": "team"}}, "s3.io_engine", "AWS_PROFILE"),
         # Non-finite numbers: Infinity used to reach the scheduler thread (OverflowError).

@@ -2,15 +2,22 @@
 
 Small hand-made traces pin the decisions: a file of reused blocks outlives newer one-off
 files; a reused file that is never read again ages out; the tier never refuses a write
-it has room for, nor evicts when the write cannot fit."""
+it has room for, nor evicts when the write cannot fit. ``nvme.eviction`` picks the
+policy, in the engine's planner and in ``kvtier plan --trace`` alike."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from vllm_kvtier.cli import main
+from vllm_kvtier.config import parse_config
+from vllm_kvtier.engine.lower import make_planners
 from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.index.kvaware import PROTECT_OPS
-from vllm_kvtier.keys import BlockKey
+from vllm_kvtier.keys import BlockKey, EvictionName
+from vllm_kvtier.metrics import Counters
 from vllm_kvtier.ops.instance_replay import Instance, serve_request
 from vllm_kvtier.ops.trace_sim import LowerTier, TierResult, TierSetup, TraceRequest
 
@@ -19,11 +26,11 @@ def key(i: int) -> BlockKey:
     return BlockKey(i.to_bytes(8, "little"))
 
 
-def _replay(ids: list[int], nvme_blocks: int) -> tuple[list[int], int]:
+def _replay(ids: list[int], nvme_blocks: int, eviction: EvictionName = "kvaware") -> tuple[list[int], int]:
     """One-block prompts ``ids`` in order over 1 DRAM slot and an NVMe tier of
     ``nvme_blocks`` (write-back, written on eviction only), through the planner's own
     code. Returns the NVMe hit of each request (0 or 1) and the blocks the NVMe evicted."""
-    nvme = LowerTier("nvme", nvme_blocks, "write-back", 1, 1)
+    nvme = LowerTier("nvme", nvme_blocks, "write-back", 1, 1, eviction=eviction)
     inst = Instance(TierSetup(cpu_blocks=1, lower=(nvme,), step_blocks=1))
     stats = [TierResult("cpu", 1), TierResult("nvme", nvme_blocks)]
     hits = []
@@ -110,3 +117,46 @@ def test_a_file_retired_while_read_and_written_again_is_counted_once(eviction):
     idx.remove("c")
     assert (idx.used_bytes, idx._held_bytes) == (0, 0)
     assert idx.reserve("d", [key(2)], 1000) == []
+
+
+@pytest.mark.parametrize(("section", "victim"), [({}, "f2"), ({"eviction": "kvaware"}, "f2"),
+                                                 ({"eviction": "lru"}, "f1")])
+def test_the_config_picks_the_eviction_of_the_engines_nvme_index(tmp_path, section, victim):
+    """The engine's NVMe planner, built from the config: f1 holds reused blocks, f2 and f3
+    are one-offs. A full tier makes room for f4: kvaware (the default) drops the oldest
+    one-off, f2; ``nvme.eviction: lru`` drops the oldest file, f1."""
+    cfg = parse_config({"nvme": {"path": str(tmp_path), "capacity_bytes": 1 << 30, **section}})
+    (p,) = make_planners(cfg, namespace="ns", world_size=1, block_bytes_per_rank=4096, counters=Counters())
+    assert p.index.policy.name == section.get("eviction", "kvaware")
+    size = p.file_bytes(1)
+    p.index.resize(3 * size)
+    for i in (1, 2, 3):
+        assert p.index.reserve(f"f{i}", [key(i)], size, reused=i == 1) == []
+        p.index.confirm(f"f{i}")
+    assert p.index.reserve("f4", [key(4)], size) == [victim]
+
+
+def test_plan_trace_replays_the_nvme_eviction_of_the_config_or_the_flag(capsys, tmp_path):
+    """One-block prompts over 1 DRAM block and 3 NVMe blocks: block 1 is reused in DRAM,
+    then four one-offs push it down and along. kvaware keeps it on the NVMe for the last
+    request; LRU has dropped it. The flag overrides the config's ``nvme.eviction``."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 256, "output_length": 1, "hash_ids": [h]})
+                             + "\n" for i, h in enumerate([1, 1, 2, 3, 4, 5, 6, 1])))
+    lru_cfg = json.dumps({"nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 1 << 30, "eviction": "lru"}})
+
+    def nvme_tokens(*args: str) -> tuple[str, int]:
+        assert main(["plan", "--trace", str(trace), "--trace-block-tokens", "256", "--cpu-blocks", "1",
+                     "--nvme-blocks", "3", *args, "--json"]) == 0, capsys.readouterr().err
+        out = json.loads(capsys.readouterr().out)
+        return out["nvme_eviction"], out["tiers"][1]["hit_tokens"]
+
+    assert nvme_tokens() == ("kvaware", 256)
+    assert nvme_tokens("--nvme-eviction", "lru") == ("lru", 0)
+    assert nvme_tokens("--extra-config", lru_cfg) == ("lru", 0)
+    assert nvme_tokens("--extra-config", lru_cfg, "--nvme-eviction", "kvaware") == ("kvaware", 256)
+    assert main(["plan", "--trace", str(trace), "--trace-block-tokens", "256", "--cpu-blocks", "1",
+                 "--nvme-blocks", "3", "--nvme-eviction", "lru"]) == 0
+    assert "(cpu.eviction kvaware, nvme.eviction lru;" in capsys.readouterr().out
+    assert main(["plan", "--trace", str(trace), "--cpu-blocks", "1", "--nvme-eviction", "lru"]) == 2
+    assert "--nvme-eviction: no NVMe tier" in capsys.readouterr().err

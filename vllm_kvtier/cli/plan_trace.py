@@ -12,6 +12,7 @@ import sys
 from vllm_kvtier.cli.configs import parse_kvtier_config
 from vllm_kvtier.cli.options import model_of, opt
 from vllm_kvtier.config import available_presets
+from vllm_kvtier.index.policy import EVICTION_NAMES
 from vllm_kvtier.ops.capacity import KV_DTYPE_BYTES, kv_bytes_per_token
 from vllm_kvtier.ops.units import PlanInputError, parse_count, parse_positive, parse_size
 
@@ -34,6 +35,8 @@ def add_trace_args(plan: argparse.ArgumentParser) -> None:
     t.add_argument("--extra-config", dest="extra", metavar="JSON", help="kv_connector_extra_config as JSON")
     t.add_argument("--cpu-blocks", help="CPU tier size: trace blocks, or bytes with a unit (needs the model)")
     t.add_argument("--nvme-blocks", help="NVMe tier size (write-back, admit_min_seen 1 unless the config says)")
+    t.add_argument("--nvme-eviction", choices=EVICTION_NAMES,
+                   help="the NVMe tier's eviction to replay (default: the config's nvme.eviction, or its default)")
     t.add_argument("--s3-blocks", help="S3 tier size, or 'unbounded' (write-through, admit 1 unless the config says)")
     t.add_argument("--step-tokens", default="8192",
                    help="prompt tokens computed (and saved) per engine step: vLLM's max_num_batched_tokens "
@@ -165,7 +168,9 @@ def run_plan_trace(args: argparse.Namespace) -> int:
         if size is None and not unbounded:
             continue
         lower.append(lower_tier(name, size, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
-                                block_bytes=block_bytes or 0, cfg=section))
+                                block_bytes=block_bytes or 0, cfg=section, eviction=args.nvme_eviction))
+    if args.nvme_eviction and not any(t.name == "nvme" for t in lower) and not (args.sweep and args.sweep_nvme_blocks):
+        raise PlanInputError("--nvme-eviction", "no NVMe tier to replay: give --nvme-blocks or a config with nvme")
     eviction = args.cpu_eviction or (cfg.cpu.eviction if cfg is not None else "kvaware")
     step_blocks = max(1, parse_count(args.step_tokens, "--step-tokens") // trace.block_tokens)
     setup = TierSetup(cpu_blocks=cpu_blocks, cpu_eviction=eviction, lower=tuple(lower), block_bytes=block_bytes or 0,
@@ -196,7 +201,8 @@ def run_plan_trace(args: argparse.Namespace) -> int:
         nvme_sizes: list[int | None] = [None, *_int_list(args.sweep_nvme_blocks, "--sweep-nvme-blocks")] \
             if args.sweep_nvme_blocks else [None]
         base = lower_tier("nvme", None, trace_block_tokens=trace.block_tokens, engine_block_tokens=engine_bt,
-                          block_bytes=block_bytes or 0, cfg=cfg.nvme if cfg is not None else None)
+                          block_bytes=block_bytes or 0, cfg=cfg.nvme if cfg is not None else None,
+                          eviction=args.nvme_eviction)
         rows = sweep(trace, setup, cpu_sizes, nvme_sizes, base)
         infinite = simulate_infinite(trace).hit_share
         png = None if args.json else render_sweep_png(rows, infinite, args.png)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from vllm_kvtier.config.checks import at_least, at_most, positive
 from vllm_kvtier.config.stores import (
@@ -17,6 +17,7 @@ from vllm_kvtier.config.stores import (
     check_bounds,
 )
 from vllm_kvtier.errors import ConfigError
+from vllm_kvtier.keys import EvictionName
 
 #: Blocks per chunk at most (``nvme.chunk_blocks``, ``s3.chunk_blocks``): also the bound a
 #: reader puts on a chunk header's block count before it allocates anything.
@@ -66,6 +67,15 @@ class LowerTierSection(Protocol):
         ...
 
 
+@runtime_checkable
+class ChoosesEviction(Protocol):
+    """A section that picks the order in which its tier's chunks leave (``nvme``). A tier
+    whose section does not (``s3``, ``mooncake``, out-of-tree ones) evicts LRU."""
+
+    @property
+    def eviction(self) -> EvictionName: ...
+
+
 class _FixedHeaderCache:
     """The header cache of a medium whose section does not set one: the defaults."""
 
@@ -100,6 +110,13 @@ class NVMeTierConfig(_FixedHeaderCache):
     admit_min_seen: int = 1
     #: Blocks per chunk file: consecutive blocks go to disk together so I/Os are large.
     chunk_blocks: int = 16
+    #: Which chunk file leaves a full tier. "kvaware": files of blocks already reused in
+    #: DRAM, and files read again, live longer; one-off files leave first, oldest first.
+    #: "lru": least recently written or read (the behaviour before kvaware). "s3fifo" and
+    #: "arc": as for ``cpu.eviction``, over files. Measured in docs/planning.md ("NVMe
+    #: eviction: kvaware over the tier's files"); ``kvtier plan --trace --nvme-eviction``
+    #: replays each on your own traffic.
+    eviction: EvictionName = "kvaware"
     direct_io: Literal["auto", "on", "off"] = "auto"
     #: I/O threads: more than the cores, since they mostly wait on the device and syncs.
     io_threads: int = 4

@@ -43,7 +43,7 @@ from typing import cast
 import torch
 
 from vllm_kvtier.config import KVTierConfig
-from vllm_kvtier.config.lower import LowerTierSection
+from vllm_kvtier.config.lower import ChoosesEviction, LowerTierSection
 from vllm_kvtier.keys import TierName
 from vllm_kvtier.metrics import Counters
 from vllm_kvtier.plan.chunk_plan import ChunkPlanner, ChunkPolicy, PlannerContext
@@ -196,7 +196,8 @@ def make_planners(
         listing = spec.open_catalog(section, CatalogContext(ctx, world_size, counters, read_only_pool))
         policy = ChunkPolicy(cast(TierName, spec.name), section.mode, section.admit_min_seen, section.chunk_blocks,
                              section.capacity_bytes, key_named=spec.key_named,
-                             flush_interval_s=section.flush_interval_s, exclusive=not spec.shared)
+                             flush_interval_s=section.flush_interval_s, exclusive=not spec.shared,
+                             eviction=section.eviction if isinstance(section, ChoosesEviction) else "lru")
         planner = ChunkPlanner(policy, PlannerContext(world_size, ctx.block_bytes, counters), listing)
         planners.append(planner)
     return planners

@@ -10,11 +10,11 @@ under an :class:`~vllm_kvtier.index.policy.EvictionPolicy` of file ids. It never
 pinned file (a load is reading it) nor one still being written. The bytes of such files
 are counted, so :meth:`reserve` knows in O(1) whether a file fits before it evicts.
 
-The policy (:data:`CHUNK_EVICTION`): ``kvaware`` on NVMe, ``lru`` elsewhere. On NVMe a
-file of blocks already reused (in two prompts) counts as reused when written. Reused
-files and files read again live longer; one-off files leave first, in order of age. No
-parent is given: a prompt's head often stays in DRAM, and its files go down tail first
-anyway. Cost: O(log n) a write or read (a heap), as in DRAM.
+The policy is the caller's: ``nvme.eviction`` on NVMe (``kvaware`` by default), ``lru``
+elsewhere. Under ``kvaware`` a file of blocks already reused (in two prompts) counts as
+reused when written. Reused files and files read again live longer; one-off files leave
+first, in order of age. No parent is given: a prompt's head often stays in DRAM, and its
+files go down tail first anyway. Cost: O(log n) a write or read (a heap), as in DRAM.
 
 A file the tier no longer holds is :meth:`retire`-d. It was deleted out of band or
 expired by a bucket's lifecycle rule: an authoritative listing no longer shows it. It is
@@ -35,9 +35,6 @@ from dataclasses import dataclass
 
 from vllm_kvtier.index.policy import EvictionPolicy, make_policy
 from vllm_kvtier.keys import BlockKey
-
-#: Eviction of each tier's files (others: ``lru``). Measured in docs/planning.md.
-CHUNK_EVICTION: dict[str, str] = {"nvme": "kvaware"}
 
 
 @dataclass

@@ -44,7 +44,8 @@ def make_lower_planner(t: LowerTier, clock: list[float]) -> ChunkPlanner:
     write-back flush reads."""
     block_bytes = t.block_bytes or _UNKNOWN_BLOCK_BYTES
     policy = ChunkPolicy(tier=TierName(t.name), mode=t.mode, admit_min_seen=t.admit_min_seen, chunk_blocks=t.chunk_blocks,
-                         capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True)
+                         capacity_bytes=None, flush_interval_s=t.flush_interval_s, exclusive=True,
+                         eviction=t.eviction)
     planner = ChunkPlanner(policy, PlannerContext(1, block_bytes, Counters(), clock=lambda: clock[0]), Listing([]))
     if t.capacity_blocks is not None:
         # Capacity in whole chunks of this tier's own file size, so that it holds

@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_kvtier.config import KVTierConfig
 from vllm_kvtier.config.lower import NVMeTierConfig, S3TierConfig
+from vllm_kvtier.keys import EvictionName
 from vllm_kvtier.ops.trace_sim import (
     CacheResult,
     LowerTier,
@@ -46,12 +47,14 @@ def _default(cls: type, name: str) -> Any:
 
 
 def lower_tier(name: str, capacity_blocks: int | None, *, trace_block_tokens: int, engine_block_tokens: int,
-               block_bytes: int, cfg: NVMeTierConfig | S3TierConfig | None = None) -> LowerTier:
+               block_bytes: int, cfg: NVMeTierConfig | S3TierConfig | None = None,
+               eviction: EvictionName | None = None) -> LowerTier:
     """A tier below CPU for the replay, with its chunks converted to trace blocks.
 
-    It takes ``cfg``'s policy (mode, admission, chunk size, flush interval), or the
-    section's defaults. A chunk of ``chunk_blocks`` engine blocks is
-    ``chunk_blocks x engine_block_tokens`` tokens."""
+    It takes ``cfg``'s policy (mode, admission, chunk size, flush interval, NVMe's
+    eviction), or the section's defaults. ``eviction`` overrides NVMe's (S3 is LRU). A
+    chunk of ``chunk_blocks`` engine blocks is ``chunk_blocks x engine_block_tokens``
+    tokens."""
     cls = NVMeTierConfig if name == "nvme" else S3TierConfig
     get = (lambda n: getattr(cfg, n)) if cfg is not None else (lambda n: _default(cls, n))
     chunk_tokens = get("chunk_blocks") * engine_block_tokens
@@ -60,8 +63,12 @@ def lower_tier(name: str, capacity_blocks: int | None, *, trace_block_tokens: in
     else:
         chunk_blocks, objects = chunk_tokens // trace_block_tokens, 1
     flush = get("flush_interval_s") if get("mode") == "write-back" else 0.0
+    if name != "nvme":
+        eviction = "lru"
+    elif eviction is None:
+        eviction = get("eviction")
     return LowerTier(name, capacity_blocks, get("mode"), get("admit_min_seen"), chunk_blocks, flush, objects,
-                     block_bytes)
+                     block_bytes, eviction)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,8 @@ class TracePlan:
     admission_frontier: dict[int, tuple[float, float]] = field(default_factory=dict)
     recommended_admit_min_seen: int | None = None
     admission_recommendation: str = ""
+    #: the NVMe tier's eviction replayed (``nvme.eviction``); None without NVMe
+    nvme_eviction: str | None = None
 
 
 def bounds_for(trace: TraceSource, tier: str, capacity_blocks: int | None, infinite: CacheResult,
@@ -225,6 +234,7 @@ def make_trace_plan(inp: TracePlanInput) -> TracePlan:
         ssd_bytes=inp.ssd_bytes, ttft_saved_per_request_s=ttft, recompute_s_per_request=recompute,
         load_s_per_request=load, ttft_saved_by_policy={p: v[0] for p, v in ttft_by.items()}, notes=notes,
         admission_frontier=frontier, recommended_admit_min_seen=admit, admission_recommendation=admit_rec,
+        nvme_eviction=next((t.eviction for t in setup.lower if t.name == "nvme"), None),
     )
 
 
@@ -329,7 +339,8 @@ def render_trace_plan(plan: TracePlan) -> str:
         lines.append(f"Model      {plan.model_name}: one {plan.block_tokens}-token block = {plan.block_bytes:,} B "
                      f"= {human_bytes(plan.block_bytes)}")
     lines += ["Shares     of the trace's prompt tokens; rates per hour of trace time", ""]
-    lines.append(f"tiers replayed (cpu.eviction {plan.cpu_eviction}; the CPU tier under each policy alongside)")
+    nvme = f", nvme.eviction {plan.nvme_eviction}" if plan.nvme_eviction else ""
+    lines.append(f"tiers replayed (cpu.eviction {plan.cpu_eviction}{nvme}; the CPU tier under each policy alongside)")
     head = f"{'tier':<5} {'capacity (blocks)':>17}  {'hit share':>9}  {'through here':>12}  " + \
         "  ".join(f"{'cpu ' + p:>10}" for p in POLICIES)
     lines.append(head)

@@ -33,8 +33,8 @@ the figures rest on; docs/planning.md says what it leaves out.
 The classes doing the work are the serving ones: :class:`~vllm_kvtier.index.slot_index.SlotIndex`
 with :func:`~vllm_kvtier.index.policy.make_policy` (``lru``, ``s3fifo``, ``arc``, ``kvaware``), and
 :class:`~vllm_kvtier.plan.chunk_plan.ChunkPlanner` over
-:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (NVMe: kvaware over chunks; S3: LRU). Two bounds are
-computed beside them (:mod:`vllm_kvtier.ops.trace_bounds`). One is an infinite cache.
+:class:`~vllm_kvtier.index.chunk_index.ChunkIndex` (NVMe: ``nvme.eviction`` over chunks; S3:
+LRU). Two bounds are computed beside them (:mod:`vllm_kvtier.ops.trace_bounds`). One is an infinite cache.
 The other is Belady's MIN: evict the block whose next use is furthest. A block used never
 again, or later than every held one, is not stored.
 
@@ -60,7 +60,7 @@ from typing import Literal, NamedTuple, Protocol
 from vllm_kvtier.config.files import read_lines
 from vllm_kvtier.errors import KVTierError
 from vllm_kvtier.jobs import WorkerReport
-from vllm_kvtier.keys import BlockKey
+from vllm_kvtier.keys import BlockKey, EvictionName
 from vllm_kvtier.ops.instance_replay import Instance, block_tokens_in, serve_request
 from vllm_kvtier.ops.trace_bounds import CacheResult as CacheResult
 from vllm_kvtier.ops.trace_bounds import simulate_belady as simulate_belady
@@ -349,6 +349,8 @@ class LowerTier:
     flush_interval_s: float = 0.0
     objects_per_chunk: int = 1
     block_bytes: int = 0
+    #: which chunk leaves the full tier (``nvme.eviction``; the other tiers: LRU)
+    eviction: EvictionName = "lru"
 
 
 @dataclass(frozen=True)

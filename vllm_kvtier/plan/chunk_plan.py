@@ -34,7 +34,8 @@ never indexed. A pool's lookups are submitted and answered on a later step
 * **Chunking**: one step's writes are grouped, in order, into chunks of up to
   ``chunk_blocks`` blocks, so I/Os are large and requests few.
 * **Capacity**: a write reserves its bytes when planned. To make room the index evicts
-  chunks (NVMe: kvaware, others: LRU); the worker deletes them. A key becomes loadable
+  chunks by the policy's ``eviction`` (NVMe: ``nvme.eviction``, kvaware by default;
+  others: LRU); the worker deletes them. A key becomes loadable
   only once every TP rank reported its chunk durable.
 * **KV events** (:meth:`ChunkPlanner.attach_events`, only when vLLM's events are on): the
   index reports every key that becomes loadable or stops being so. A chunk is ``REMOTE``
@@ -51,7 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from vllm_kvtier.catalog.base import Found, Listing, common_chunks
 from vllm_kvtier.chunkformat import align_up, chunk_id_for, header_bytes_for
-from vllm_kvtier.index.chunk_index import CHUNK_EVICTION, ChunkIndex
+from vllm_kvtier.index.chunk_index import ChunkIndex
 from vllm_kvtier.jobs import ChunkWriteJob, WorkerReport
 from vllm_kvtier.keys import BlockKey, TierName
 from vllm_kvtier.metrics import CounterName, GaugeName
@@ -105,7 +106,7 @@ class ChunkPlanner:
         cap = policy.capacity_bytes
         self.reserved_bytes = reserved = listing.reserved_bytes_per_rank
         self.index = ChunkIndex(None if cap is None else max(0, cap // ctx.world_size - reserved),
-                                eviction=CHUNK_EVICTION.get(policy.tier, "lru"),
+                                eviction=policy.eviction,
                                 file_bytes=self.file_bytes(policy.chunk_blocks))
         self.admission = Admission(policy.tier, policy.admit_min_seen)
         self.writes = WriteQueue(flush_interval_s=policy.flush_interval_s, chunk_blocks=policy.chunk_blocks,

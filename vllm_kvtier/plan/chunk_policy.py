@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_kvtier.keys import TierName
+from vllm_kvtier.keys import EvictionName, TierName
 from vllm_kvtier.metrics import Counters
 
 
@@ -39,6 +39,9 @@ class ChunkPolicy:
     #: owner): at start, chunks on only some ranks and misfits are this engine's debris and
     #: are deleted. False for shared tiers (another instance may still be writing them).
     exclusive: bool = False
+    #: Which chunk leaves a full tier (a :func:`~vllm_kvtier.index.policy.make_policy`
+    #: name): the NVMe section's ``eviction``; LRU for a tier whose section has none.
+    eviction: EvictionName = "lru"
 
 
 @dataclass(frozen=True)
