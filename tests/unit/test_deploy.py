@@ -610,6 +610,16 @@ def test_values_schema_matches_the_plugin_config():
                   "mooncake": {"enabled"}}
     for name, extra in chart_only.items():
         assert set(schema[name]["properties"]) - extra == section_keys(section(name)), name
+        # a field of fixed values: the chart accepts exactly the plugin's (and null, unset)
+        fields = typing.get_type_hints(section(name))
+        for key, prop in schema[name]["properties"].items():
+            if "enum" not in prop or key not in fields:
+                continue
+            allowed = {a for a in typing.get_args(fields[key]) if a is not type(None)}
+            flat = set()
+            for a in allowed:
+                flat |= set(typing.get_args(a)) or {a}
+            assert set(prop["enum"]) - {None} == flat, f"{name}.{key}"
 
 
 # ---- the Grafana dashboard -------------------------------------------------------------
