@@ -209,6 +209,9 @@ class WorkerReport:
     #: a key not accepted, e.g. after a key rotation): forgotten so it can be written again,
     #: not deleted (on a shared tier it may be another fleet's good data).
     untrusted: set[tuple[TierName, str]] = field(default_factory=set)
+    #: request -> how long its async load's slowest lower-tier read took, from issue to
+    #: done on the tier's threads (the slowest rank's): the tier's time, no engine step in it.
+    load_read_seconds: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self: _R, other: Any) -> _R:
         """This report merged with another rank's (counts summed, sets united); of the
@@ -223,16 +226,20 @@ class WorkerReport:
         verified = dict(self.verified)
         for i, n in other.verified.items():
             verified[i] = verified.get(i, 0) + n
+        read_s = dict(self.load_read_seconds)
+        for r, s in other.load_read_seconds.items():
+            read_s[r] = max(read_s.get(r, 0.0), s)
         return type(self)(written, self.failed | other.failed, self.bad | other.bad, prefetched,
                           self.prefetch_failed | other.prefetch_failed, {**self.peer_info, **other.peer_info},
                           self.peer_done | other.peer_done, self.refused | other.refused, verified,
                           self.verify_mismatched | other.verify_mismatched,
                           self.verify_unread | other.verify_unread, self.verify_inexact | other.verify_inexact,
-                          self.untrusted | other.untrusted)
+                          self.untrusted | other.untrusted, read_s)
 
     def is_empty(self) -> bool:
         return not (self.written or self.failed or self.bad or self.prefetched or self.prefetch_failed
-                    or self.peer_info or self.peer_done or self.refused or self.verified or self.untrusted)
+                    or self.peer_info or self.peer_done or self.refused or self.verified or self.untrusted
+                    or self.load_read_seconds)
 
     @classmethod
     def from_report(cls: type[_R], report: WorkerReport) -> _R:

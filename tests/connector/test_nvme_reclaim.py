@@ -311,3 +311,28 @@ def test_start_up_deletes_ask_for_a_step_of_an_idle_engine(tmp_path: Path) -> No
         assert not (rank_dir(tmp_path, NS, 0) / "partial.kvt").exists()
     finally:
         eng.close()
+
+
+def test_each_read_reports_its_own_time_from_issue_to_done(tmp_path: Path) -> None:
+    """Load-or-recompute judges a tier by its reads' time (from issue to done on the I/O
+    threads), not by the engine steps a load overlapped: each read returned by ``poll``
+    answers ``took`` once, with a time it really took."""
+    eng = Engine(tmp_path, capacity_bytes=1 << 30)
+    try:
+        eng.step([key(1), key(2)])
+        fid, pos = eng.planner.locate(BlockKey(key(1)))  # type: ignore[misc]
+        w = eng.workers[0]
+        t0 = time.perf_counter()
+        rid = w.start_read(ChunkRead("nvme", fid, (pos,), (7,), (key(1),)))
+        assert rid is not None
+        got: list[int] = []
+        end = time.monotonic() + 10
+        while not got and time.monotonic() < end:
+            got = [r for r, _, ok in w.poll() if ok]
+            time.sleep(0.01)
+        assert got == [rid]
+        took = w.took(rid)
+        assert 0 < took <= time.perf_counter() - t0
+        assert w.took(rid) == 0.0  # answered once
+    finally:
+        eng.close()

@@ -201,3 +201,57 @@ def test_a_probe_granted_to_a_request_vllm_did_not_admit_stays_with_it():
     assert policy.decide("long", ["s3"] * 8) == 0  # admitted (a new lookup): no probe left
     policy.commit("other")
     assert counters.totals[probes] == 1
+
+
+class _Clock:
+    """``time`` as the load planner reads it: a monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_tier_is_judged_by_its_reads_not_by_the_engine_steps_a_load_overlapped():
+    """vLLM starts an async load after the step's forward and hears it is done after a later
+    step's: on a CPU engine the wait holds seconds of compute. Taken as the tier's time, one
+    such wait made a 1.5 GB/s NVMe tier look like 1.2 s + 1 MB/s, and switched it off for
+    the whole run. The workers time each read; the tier is judged by the slowest one."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm_kvtier.connector.metadata import KVTierWorkerMeta
+
+    def after_one_load(report: KVTierWorkerMeta | None) -> tuple[float, int]:
+        counters = Counters()
+        s3 = ChunkPlanner(ChunkPolicy("s3", "write-through", 1, 16, None), PlannerContext(1, 1 << 20, counters),
+                          Listing([{}]))
+        s3.index.add_existing("o", [_key(i) for i in range(8)], 8 << 20)
+        cfg = parse_config({"load_or_recompute": {"prefill_tokens_per_s": 500, "measure_prefill": False}})
+        half = SchedulerHalf(GroupedPlanner(cfg, PlannerSetup(BS, 16, 1 << 20), lower=[s3], counters=counters))
+        clock = _Clock()
+        with mock.patch("vllm_kvtier.plan.load_plan.time", clock):
+            req = _Req(8)
+            # the prior (30 ms + 100 MB/s: 0.11 s for 8 MiB) against 8 x 32 tokens at 500/s (0.5 s)
+            assert half.planner.get_num_new_matched_tokens(req, 0) == (8 * BS, True)
+            half.planner.update_state_after_alloc(req, list(range(9)), 8 * BS)
+            half.build_connector_meta(SimpleNamespace(
+                scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
+                num_scheduled_tokens={}, finished_req_ids=set(), preempted_req_ids=set()))
+            clock.now += 5.0  # two CPU prefill steps later
+            half.update_connector_output(SimpleNamespace(
+                finished_recving={"r"}, finished_sending=set(), invalid_block_ids=set(),
+                kv_connector_stats=None, kv_connector_worker_meta=report))
+        cost = half.planner.extras.load_policy.cost
+        cost.tier("s3").last_sample_s = 1e18  # freshly measured: no probe in the next decision
+        again = cost.decide(["s3"] * 8, 1 << 20, BS, now=1.0)
+        return cost.tier("s3").load_s(8 << 20), again.load_blocks
+
+    # the reads took 40 ms: the tier still loads, whatever the steps around them took
+    fast_s, loads = after_one_load(KVTierWorkerMeta(load_read_seconds={"r": 0.04}))
+    assert fast_s < 0.2 and loads == 8
+    # no read time reported (a tier without one): the wait is the sample, and 5 s of it
+    # turns the same tier off
+    slow_s, loads = after_one_load(None)
+    assert slow_s > 1.0 and loads == 0

@@ -131,9 +131,9 @@ class CostModel:
     def observe_load(self, tier: str, nbytes: float, seconds: float, now: float) -> None:
         """One request's blocks from ``tier`` (``nbytes`` per rank) took ``seconds``.
 
-        The time runs from the load being issued until it was done: what the decision is
-        about. Queueing behind other loads is included. Per-read timings are not: reads of
-        one request run in parallel and wait for each other."""
+        The time runs from the load's reads being issued until the slowest was done:
+        queueing behind other reads is included, the engine steps around them are not.
+        One figure per request, not per read: reads of one request run in parallel."""
         if nbytes <= 0 or seconds <= 0:
             return
         est = self.tier(tier)

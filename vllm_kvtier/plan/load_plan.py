@@ -206,13 +206,18 @@ class LoadPlanner:
         order: list[str] = [TIER, *(t.tier for t in self.parts.lower)]  # fastest first
         return max(tiers or [TIER], key=lambda t: order.index(t) if t in order else len(order))
 
-    def observe_done(self, state: ReqState) -> None:
-        """The async load of ``state`` is done: observe its wait (and its tier's load time)."""
+    def observe_done(self, state: ReqState, read_s: float | None = None) -> None:
+        """The async load of ``state`` is done: observe its wait, and its tier's load time.
+        ``read_s``: its slowest lower-tier read as the workers timed it. The tier is judged
+        by that: the wait also holds the engine steps the load overlapped (vLLM starts an
+        async load after the step's forward and hears of it after a later one), seconds a
+        step on a CPU engine, which would switch a fast tier off for good."""
         if state.load_issued_s is not None:
             waited = time.monotonic() - state.load_issued_s
             self.parts.counters.observe(HistogramName.REQUEST_LOAD_WAIT_SECONDS, state.load_tier, waited)
             if self.extras.load_policy is not None:
-                self.extras.load_policy.observe_load(state.load_tier, state.load_lower_blocks, waited)
+                sample = min(waited, read_s) if read_s else waited
+                self.extras.load_policy.observe_load(state.load_tier, state.load_lower_blocks, sample)
             state.load_issued_s = None
 
     def _observe_issued(self, state: ReqState, job: LoadJob) -> None:

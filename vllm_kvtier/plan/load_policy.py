@@ -6,9 +6,12 @@ It makes decisions per request. It takes the samples that keep the estimates of
 Who calls it: :class:`~vllm_kvtier.plan.scheduler.SchedulerPlanner`, from vLLM's
 scheduler thread. Nothing blocks.
 
-Samples: a load's time is measured per request, from the scheduler issuing it to vLLM
-reporting it done (``observe_load``). That is the time the request really waited, queueing
-behind other loads included. The prefill rate is timed here. It is the prompt tokens a
+Samples: a load's time is measured per request (``observe_load``): its slowest lower-tier
+read, from issue to done on the tier's I/O threads, as the workers timed it (queueing
+behind other reads included). Not the request's whole wait: vLLM starts an async load
+after a step's forward and hears it is done after a later step's, so the wait holds
+engine steps, seconds each on a CPU engine. Where no read time comes, the wait is used.
+The prefill rate is timed here. It is the prompt tokens a
 step scheduled over the time until the next step is scheduled. An idle gap between steps
 would look like a slow prefill. So one sample may lower the estimate by at most half.
 """

@@ -404,10 +404,11 @@ class SchedulerPlanner:
 
     def on_worker_output(self, out: WorkerOutput) -> None:
         """What the workers reported after a step (vLLM's ``update_connector_output``)."""
+        read_s = out.report.load_read_seconds if out.report is not None else {}
         for req_id in out.finished_recving:
             state = self.requests.get(req_id)
             if state is not None:
-                self.loads.observe_done(state)
+                self.loads.observe_done(state, read_s.get(req_id))
                 self.loads.end(state)
                 self.requests.release(req_id)
         bad = out.invalid_block_ids

@@ -61,6 +61,9 @@ class AsyncLoad:
     pending_reads: set[ReadRef] | None = None
     #: Blocks of this load that came from lower tiers (counted there, not under "cpu").
     lower_blocks: int = 0
+    #: The slowest of its lower-tier reads, from issue to done on the tier's I/O threads
+    #: (the tiers' own time: no wait for an engine step in it).
+    read_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,8 @@ class Loads:
         self._layers: dict[str, list[LayerLoad]] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()
+        #: request -> its finished async load's slowest lower-tier read (s), for the report
+        self._read_seconds: dict[str, float] = {}
 
     # ---- start ----------------------------------------------------------------------
 
@@ -226,13 +231,15 @@ class Loads:
 
     # ---- completions ----------------------------------------------------------------
 
-    def on_read(self, ref: ReadRef, read: ChunkRead, ok: bool) -> bool:
-        """A lower-tier read ended. Returns whether it was one of a load's."""
+    def on_read(self, ref: ReadRef, read: ChunkRead, ok: bool, seconds: float = 0.0) -> bool:
+        """A lower-tier read ended, ``seconds`` after it was issued. Returns whether it was
+        one of a load's."""
         load = self._by_read.pop(ref, None)
         if load is None:
             return False
         assert load.pending_reads is not None and load.job is not None
         load.pending_reads.discard(ref)
+        load.read_seconds = max(load.read_seconds, seconds)
         if not ok:
             load.failed_blocks.update(blocks_of(load.job, read.slots))
         return True
@@ -272,6 +279,8 @@ class Loads:
                 self._failed.add(a.req_id)
             else:
                 self._errors.update(a.failed_blocks)
+            if a.read_seconds > 0:
+                self._read_seconds[a.req_id] = a.read_seconds
             recving.add(a.req_id)
         self._async = still
         return recving
@@ -306,6 +315,12 @@ class Loads:
         """Failed blocks since the last call (vLLM recomputes them)."""
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_read_seconds(self) -> dict[str, float]:
+        """Per request reported by :meth:`poll` since the last call: its slowest lower-tier
+        read's time (requests whose load read nothing below CPU are absent)."""
+        out, self._read_seconds = self._read_seconds, {}
+        return out
 
     def take_failed(self) -> set[str]:
         """Requests whose async load failed (``by_request`` only); each is also reported by

@@ -202,6 +202,8 @@ class ChunkWorker:
         self._bytes = SlotBuffers(ctx.slots, ctx.codec, ctx.buffers,
                                   authenticated=store is not None and store.authenticated)
         self._jobs = _PendingIO()
+        #: read id -> its time from issue to done, for reads :meth:`poll` returned
+        self._read_seconds: dict[int, float] = {}
         self._meta = KVTierWorkerMeta()
         #: slots whose block is only in DRAM and goes to this tier at shutdown (write-back),
         #: as the scheduler says (:meth:`mark_dirty`, :meth:`clean`)
@@ -296,10 +298,16 @@ class ChunkWorker:
         self.store.submit_read(rid, read.chunk_id, header, list(read.positions), list(read.keys))
         return rid
 
+    def took(self, rid: int) -> float:
+        """How long read ``rid``, returned by the last :meth:`poll`, took from issue to done
+        (0.0 once asked, or when unknown)."""
+        return self._read_seconds.pop(rid, 0.0)
+
     def poll(self) -> list[tuple[int, ChunkRead, bool]]:
         """Handle finished I/O: fill slots from completed reads. Returns (read id, read,
         ok) for every read that finished; the caller records the slots' new keys."""
         finished: list[tuple[int, ChunkRead, bool]] = []
+        self._read_seconds.clear()  # :meth:`took` answers for this poll's reads only
         for res in self.store.poll() if self.store is not None else ():
             if res.kind == "write":
                 self._on_write(res)
@@ -345,6 +353,7 @@ class ChunkWorker:
                         self._meta.untrusted.add((self.tier, read.chunk_id))
                         self._headers.drop(read.chunk_id)
                 res.release()
+                self._read_seconds[res.job_id] = res.seconds
                 finished.append((res.job_id, read, ok))
         if self._remote is not None:
             self._remote.report(self.counters, self.tier)

@@ -342,14 +342,14 @@ class WorkerHalf:
                 tier.wait_for_reads(0.002)
                 idle_step = False  # one wait per step
             for rid, read, ok in tier.poll():
-                self._on_read(path, rid, read, ok)
+                self._on_read(path, rid, read, ok, tier.took(rid))
         if path.peer is not None:
             self._poll_peer(path)
         recving = self.loads.poll(path)
         self.saves.forget_done()
         return recving
 
-    def _on_read(self, path: DataPath, rid: int, read: ChunkRead, ok: bool) -> None:
+    def _on_read(self, path: DataPath, rid: int, read: ChunkRead, ok: bool, seconds: float = 0.0) -> None:
         """A lower-tier read ended: record what its slots hold.
 
         Then route it by ``(tier, read id)`` to the verifier, a prefetch or a load."""
@@ -362,7 +362,7 @@ class WorkerHalf:
             return
         ref = (read.tier, rid)
         if not self.prefetches.on_read(ref, ok, self._report):
-            self.loads.on_read(ref, read, ok)
+            self.loads.on_read(ref, read, ok, seconds)
 
     def _poll_peer(self, path: DataPath) -> None:
         assert path.peer is not None
@@ -377,6 +377,7 @@ class WorkerHalf:
     def worker_meta(self) -> WorkerReport | None:
         """What this rank tells the scheduler since the last call (None: nothing)."""
         meta, self._report = self._report, WorkerReport()
+        meta.load_read_seconds = self.loads.take_read_seconds()
         for tier in self.lower.values():
             tier.take_meta(meta)
         if self.path is not None and self.path.verifier is not None:
