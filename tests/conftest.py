@@ -11,6 +11,7 @@ import contextlib
 import gc
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,21 @@ def idle_steps(llm: Any, n: int) -> None:
     if not is_multiprocess(llm):
         for _ in range(n):
             llm.llm_engine.step()
+
+
+def settle(llm: Any, timeout_s: float = 60.0) -> None:
+    """Step an in-process engine with no requests until the plugin has nothing pending
+    (chunk writes reported durable, prefetches landed), as a served engine does on its
+    own between requests. Fails past ``timeout_s``. A multiprocess engine steps by
+    itself (see :func:`idle_steps`): nothing to call."""
+    if is_multiprocess(llm):
+        return
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests():
+        assert time.monotonic() < deadline, f"the engine still had pending work after {timeout_s} s"
+        llm.llm_engine.step()
+        time.sleep(0.01)
 
 
 @pytest.fixture(params=["inproc", pytest.param("multiprocess", marks=pytest.mark.slow)])

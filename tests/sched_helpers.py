@@ -36,7 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_kvtier.connector import KVTierConnector
-from vllm_kvtier.connector.metadata import KVTierMetadata
+from vllm_kvtier.connector.metadata import KVTierMetadata, KVTierWorkerMeta
 from vllm_kvtier.connector.scheduler import SchedulerHalf
 
 BLOCK_SIZE = 32
@@ -186,6 +186,9 @@ class FakeWorker:
     fail_blocks: set[int] = field(default_factory=set)
     metas: list[KVTierMetadata] = field(default_factory=list)
     outputs: list[SchedulerOutput] = field(default_factory=list)
+    #: Report every chunk write (demotion, write-through) durable in its own step, as a
+    #: rank whose store wrote it would. False: never reported (a store that hangs).
+    report_writes: bool = True
 
     def complete_recv(self, *req_ids: str) -> None:
         self.recv_done.update(req_ids)
@@ -274,6 +277,10 @@ class FakeWorker:
                 failed_recving=failed,
             ),
         )
+        if self.report_writes:
+            written = {(job.tier, job.chunk_id): 1 for job in meta.demotes + meta.write_through}
+            if written:
+                mro.kv_connector_output.kv_connector_worker_meta = KVTierWorkerMeta(written=written)
         scheduler.update_from_output(out, mro)
         return out
 

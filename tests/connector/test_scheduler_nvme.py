@@ -206,3 +206,35 @@ def test_write_back_flushes_aged_blocks_while_busy_and_all_of_them_when_idle():
     assert p.has_flush_work() and flushed(idle=True) == [key(10), key(11)]
     assert not p.has_flush_work() and flushed(idle=True) == []  # each block is written once
 
+
+
+def test_an_idle_engine_steps_until_its_demotions_are_durable():
+    """Demoted blocks are loadable only once every rank reported their chunk written, and
+    reports come with steps: an idle engine keeps stepping (``awaits_writes``) until they
+    did, so the next request finds them on NVMe. A write that never reports stops keeping
+    it busy after WRITE_SETTLE_S."""
+    from vllm_kvtier.jobs import WorkerReport
+    from vllm_kvtier.plan.chunk_plan import WRITE_SETTLE_S
+
+    now = [0.0]
+    p = ChunkPlanner(ChunkPolicy("nvme", "write-back", 1, 2, None), PlannerContext(1, 4096, Counters(), clock=lambda: now[0]),
+                     Listing([{}]))
+    assert not p.awaits_writes()
+    p.note_request([key(i) for i in range(5)])  # one prompt held them: admitted (admit_min_seen 1)
+    for i in range(4):
+        p.on_cpu_evict(i, key(i))
+    demotes, _, _ = p.take_jobs(set(), lambda k: None)
+    assert [j.keys for j in demotes] == [(key(0), key(1)), (key(2), key(3))]
+    assert p.awaits_writes() and p.locate(key(0)) is None  # written, not reported yet
+    now[0] = 1.0
+    p.on_worker_meta(WorkerReport(written={("nvme", demotes[0].chunk_id): 1}))
+    assert p.awaits_writes() and p.locate(key(0)) is not None and p.locate(key(2)) is None
+    p.on_worker_meta(WorkerReport(written={("nvme", demotes[1].chunk_id): 1}))
+    assert not p.awaits_writes() and p.locate(key(3)) is not None
+
+    p.on_cpu_evict(4, key(4))
+    (lost,), _, _ = p.take_jobs(set(), lambda k: None)
+    now[0] = 1.0 + WRITE_SETTLE_S - 0.1
+    assert p.awaits_writes()
+    now[0] = 1.0 + WRITE_SETTLE_S + 0.1
+    assert not p.awaits_writes() and p.locate(key(4)) is None  # never reported: not busy for it

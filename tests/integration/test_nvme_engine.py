@@ -25,6 +25,7 @@ from tests.conftest import (
     kvtier_counters,
     make_llm,
     rand_tokens,
+    settle,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def test_tiny_cpu_tier_hits_come_from_nvme(tiny_model, baseline_of, tmp_path):
     llm = make_llm(tiny_model, nvme_config(tmp_path / "nvme", cpu_blocks=12))
     try:
         first = [generate(llm, p) for p in ps]
-        time.sleep(0.5)  # let the demotion writes land
+        settle(llm)  # the demotions of the last steps are reported durable, as between requests
         again = [generate(llm, p) for p in ps]
         counters = kvtier_counters(llm)
     finally:
@@ -310,7 +311,7 @@ def test_second_engine_on_the_same_directory_serves_without_it(tiny_model, basel
     llm = make_llm(tiny_model, kv)
     try:
         first = [generate(llm, p) for p in ps]
-        time.sleep(0.5)  # let the demotion writes land
+        settle(llm)  # the demotions are reported durable, as between requests
         (rank0,) = [p.parent for p in (tmp_path / "nvme").rglob(".lock")]
         in_flight = rank0 / ".tmp-0123456789abcdef-0badf00d"
         in_flight.write_bytes(b"\0" * 8192)

@@ -4,7 +4,6 @@ path, serves a real vLLM engine: blocks the tiny CPU tier demoted come back from
 from __future__ import annotations
 
 import random
-import time
 
 from tests.conftest import (
     BLOCK_SIZE,
@@ -14,6 +13,7 @@ from tests.conftest import (
     kvtier_counters,
     make_llm,
     rand_tokens,
+    settle,
 )
 
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 64 * 4  # tiny model, fp32: layers x heads x block x 2*head x 4
@@ -27,7 +27,7 @@ def test_an_out_of_tree_tier_serves_hits(tiny_model, tmp_path):
     llm = make_llm(tiny_model, kv)
     try:
         first = [generate(llm, p) for p in ps]
-        time.sleep(0.5)  # let the demotion writes land
+        settle(llm)  # the demotions are reported durable, as between requests
         again = [generate(llm, p) for p in ps]
         counters = kvtier_counters(llm)
     finally:

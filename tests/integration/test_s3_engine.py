@@ -15,7 +15,7 @@ import pytest
 
 from testkit import s3_server as s3srv
 from testkit.s3_server import FaultProxy, MotoServer
-from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm
+from tests.conftest import close_llm, generate, kvtier_config, kvtier_counters, make_llm, settle
 from tests.integration import test_nvme_engine as nvme_engine
 from tests.integration.test_nvme_engine import BLOCK_BYTES, SETS, results, run_engine, run_process
 from vllm_kvtier.tiers.nvme.store import read_header
@@ -125,7 +125,7 @@ def _two_rounds(model: Path, kv: dict, ps: list[list[int]], between) -> tuple[li
     llm = make_llm(model, kv)
     try:
         first = [generate(llm, p) for p in ps]
-        time.sleep(0.5)  # let the uploads land
+        settle(llm)  # the uploads are reported durable, as between requests
         before = kvtier_counters(llm)
         between()
         again = [generate(llm, p) for p in ps]

@@ -86,6 +86,10 @@ class ChunkIndex:
         """(chunk_id, position) of a loadable key."""
         return self._loc.get(key)
 
+    def writing(self) -> bool:
+        """Whether some file is still being written (its keys not loadable yet)."""
+        return bool(self._pending)
+
     def knows(self, key: BlockKey) -> bool:
         """Stored or being written: no need to write it again."""
         return key in self._loc or key in self._pending

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -69,6 +70,12 @@ from vllm_kvtier.plan.rescan_merge import Added
 __all__ = ["ChunkPlanner", "ChunkPolicy", "PlannerContext"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds after the last chunk write was planned during which an idle engine keeps
+#: stepping until its writes are durable (:meth:`ChunkPlanner.awaits_writes`). A write
+#: that takes longer (a stuck store) no longer keeps the engine busy; its report still
+#: lands with the next request's steps.
+WRITE_SETTLE_S = 30.0
 
 #: Shared-tier chunks shadow verification found wrong, remembered so that no rescan or pool
 #: lookup indexes them again (ids, ~100 B each; the oldest is forgotten beyond this).
@@ -120,6 +127,8 @@ class ChunkPlanner:
         #: Called with a chunk's keys once every rank reported it durable (this thread).
         #: The scheduler points it at the CPU index, whose policy learns what is below.
         self.on_durable: Callable[[Sequence[BlockKey]], None] | None = None
+        #: when the last chunk write was planned (:meth:`awaits_writes`)
+        self._last_write_s = -math.inf
         n_blocks, n_files = self._adopt(listing.found, listing.local_chunks, listing.unread)
         if n_files:
             logger.info("kvtier %s: found %d blocks in %d chunks", self.tier, n_blocks, n_files)
@@ -336,6 +345,13 @@ class ChunkPlanner:
         elif self.policy.mode == "write-back" and self.policy.flush_interval_s > 0 and not self.index.knows(key):
             self.writes.mark_dirty(slot, key)
 
+    def awaits_writes(self) -> bool:
+        """Whether chunks written lately are not durable yet: an idle engine should step
+        on, so that the ranks' reports land and their keys become loadable before the
+        next request looks them up. Bounded: a write planned more than
+        :data:`WRITE_SETTLE_S` ago that never reports stops keeping the engine busy."""
+        return self.index.writing() and self.ctx.clock() - self._last_write_s < WRITE_SETTLE_S
+
     def has_flush_work(self) -> bool:
         """Blocks only in DRAM that an idle engine should write now, or deletes to send.
 
@@ -363,6 +379,7 @@ class ChunkPlanner:
                 continue
             self.writes.delete(evicted)
             self.acks.retry(fid)  # a key-named chunk may be written again
+            self._last_write_s = self.ctx.clock()
             jobs.append(ChunkWriteJob(self.tier, fid, tuple(s for s, _ in part), tuple(keys)))
         return jobs
 

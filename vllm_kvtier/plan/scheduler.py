@@ -467,8 +467,10 @@ class SchedulerPlanner:
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping an otherwise idle engine for us.
 
-        It should when there are saves and releases to issue, or write-back blocks to
-        flush. It should too while prefetches are queued or in flight (they land between
+        It should when there are saves and releases to issue, write-back blocks to flush,
+        or chunk writes not yet reported durable (for
+        :data:`~vllm_kvtier.plan.chunk_plan.WRITE_SETTLE_S` at most). It should too while
+        prefetches are queued or in flight (they land between
         requests)."""
         pf = self.extras.prefetcher
         return bool(self.saves.pending_final() or self.loads.has_jobs()
@@ -477,6 +479,9 @@ class SchedulerPlanner:
                     # write-back blocks only in DRAM: written in idle steps (a restart or
                     # an abort afterwards finds them on the lower tier)
                     or (not self.requests.live and any(t.has_flush_work() for t in self.lower))
+                    # chunks being written (demotions of the last steps): step until the
+                    # ranks report them durable, so the next request finds them below
+                    or (not self.requests.live and any(t.awaits_writes() for t in self.lower))
                     # blocks held for a decode instance: keep stepping to see its read's
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,
