@@ -175,23 +175,15 @@ def is_multiprocess(llm: Any) -> bool:
     return type(llm.llm_engine.engine_core).__name__ != "InprocClient"
 
 
-def idle_steps(llm: Any, n: int) -> None:
-    """Let an engine with no requests step ``n`` times (landing background reads).
-
-    In-process, a step runs only when called. A multiprocess EngineCore steps on its own
-    and its client's ``step()`` waits for output that an idle engine never sends (it hung
-    a test for 8 minutes), so there is nothing to call: a test on such an engine must
-    assert what holds however far the engine has got."""
-    if not is_multiprocess(llm):
-        for _ in range(n):
-            llm.llm_engine.step()
-
-
 def settle(llm: Any, timeout_s: float = 60.0) -> None:
     """Step an in-process engine with no requests until the plugin has nothing pending
-    (chunk writes reported durable, prefetches landed), as a served engine does on its
-    own between requests. Fails past ``timeout_s``. A multiprocess engine steps by
-    itself (see :func:`idle_steps`): nothing to call."""
+    (saves issued, chunk writes reported durable, prefetches landed), as a served engine
+    does on its own between requests. Fails past ``timeout_s``.
+
+    A multiprocess EngineCore steps on its own, and its client's ``step()`` waits for
+    output that an idle engine never sends (it hung a test for 8 minutes), so there is
+    nothing to call: a test on such an engine must assert what holds however far the
+    engine has got."""
     if is_multiprocess(llm):
         return
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

@@ -12,7 +12,6 @@ from tests.conftest import (
     assert_same_tokens,
     close_llm,
     generate,
-    idle_steps,
     kvtier_config,
     kvtier_counters,
     make_llm,
@@ -20,6 +19,7 @@ from tests.conftest import (
     reuse_scenario,
     run_reuse,
     run_scenario,
+    settle,
 )
 
 # Blocks of the scenario's prompts that must come back from the CPU tier.
@@ -268,7 +268,7 @@ def test_schedule_order_on_a_real_engine(tiny_model, order):
         llm = make_llm(tiny_model, kv)
         try:
             generate(llm, prefix, max_tokens=1)  # the prefix into the CPU tier (no-op without the plugin)
-            idle_steps(llm, 2)
+            settle(llm)
             before = kvtier_counters(llm)
             engine = llm.llm_engine
             for rid, p in prompts.items():

@@ -9,11 +9,11 @@ from tests.conftest import (
     BLOCK_SIZE,
     close_llm,
     generate,
-    idle_steps,
     kvtier_config,
     kvtier_counters,
     make_llm,
     rand_tokens,
+    settle,
 )
 from tests.connector.test_scheduler_nvme import FakeRequest, _Out, key, make_two_tiers
 from tests.integration.test_nvme_engine import BLOCK_BYTES
@@ -96,7 +96,7 @@ def _conversation(tiny_model, tmp_path, prefetch: bool):
             for out in eng.step():
                 if out.request_id == "A" and out.finished:
                     answer = list(out.outputs[0].token_ids)
-        idle_steps(llm, 3)  # the prefetch reads land
+        settle(llm)  # the prefetch reads land
         turn2 = a + answer + rand_tokens(rng, 40)
         res = generate(llm, turn2)
         counters = kvtier_counters(llm)
