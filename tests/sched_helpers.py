@@ -172,8 +172,9 @@ def free_blocks(scheduler: Scheduler) -> int:
 @dataclass
 class FakeWorker:
     """Plays the worker: completes every save and sync load at once (a held request is
-    reported in ``finished_sending`` in the step of its final save); async loads complete
-    when the test says so (or at once with ``auto_recv``)."""
+    reported in ``finished_sending`` in the step of its final save) and reports every
+    chunk write durable in its step; async loads complete when the test says so (or at
+    once with ``auto_recv``)."""
 
     auto_recv: bool = True
     #: The CPU pool as the worker would hold it: slot -> key last written.
@@ -186,9 +187,6 @@ class FakeWorker:
     fail_blocks: set[int] = field(default_factory=set)
     metas: list[KVTierMetadata] = field(default_factory=list)
     outputs: list[SchedulerOutput] = field(default_factory=list)
-    #: Report every chunk write (demotion, write-through) durable in its own step, as a
-    #: rank whose store wrote it would. False: never reported (a store that hangs).
-    report_writes: bool = True
 
     def complete_recv(self, *req_ids: str) -> None:
         self.recv_done.update(req_ids)
@@ -277,10 +275,11 @@ class FakeWorker:
                 failed_recving=failed,
             ),
         )
-        if self.report_writes:
-            written = {(job.tier, job.chunk_id): 1 for job in meta.demotes + meta.write_through}
-            if written:
-                mro.kv_connector_output.kv_connector_worker_meta = KVTierWorkerMeta(written=written)
+        # Every chunk write (demotion, write-through) is durable in its own step, as on a
+        # rank whose store wrote it.
+        written = {(job.tier, job.chunk_id): 1 for job in meta.demotes + meta.write_through}
+        if written:
+            mro.kv_connector_output.kv_connector_worker_meta = KVTierWorkerMeta(written=written)
         scheduler.update_from_output(out, mro)
         return out
 
