@@ -207,7 +207,6 @@ def test_write_back_flushes_aged_blocks_while_busy_and_all_of_them_when_idle():
     assert not p.has_flush_work() and flushed(idle=True) == []  # each block is written once
 
 
-
 def test_an_idle_engine_steps_until_its_demotions_are_durable():
     """Demoted blocks are loadable only once every rank reported their chunk written, and
     reports come with steps: an idle engine keeps stepping (``awaits_writes``) until they

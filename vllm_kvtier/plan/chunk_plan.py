@@ -379,8 +379,9 @@ class ChunkPlanner:
                 continue
             self.writes.delete(evicted)
             self.acks.retry(fid)  # a key-named chunk may be written again
-            self._last_write_s = self.ctx.clock()
             jobs.append(ChunkWriteJob(self.tier, fid, tuple(s for s, _ in part), tuple(keys)))
+        if jobs:
+            self._last_write_s = self.ctx.clock()
         return jobs
 
     def take_jobs(

@@ -477,11 +477,11 @@ class SchedulerPlanner:
                     or (pf is not None and pf.has_work())
                     or (self.extras.verify is not None and self.extras.verify.has_work())  # reads to land
                     # write-back blocks only in DRAM: written in idle steps (a restart or
-                    # an abort afterwards finds them on the lower tier)
-                    or (not self.requests.live and any(t.has_flush_work() for t in self.lower))
-                    # chunks being written (demotions of the last steps): step until the
-                    # ranks report them durable, so the next request finds them below
-                    or (not self.requests.live and any(t.awaits_writes() for t in self.lower))
+                    # an abort afterwards finds them on the lower tier); chunks being
+                    # written: step until the ranks report them durable, so the next
+                    # request finds them below
+                    or (not self.requests.live
+                        and any(t.has_flush_work() or t.awaits_writes() for t in self.lower))
                     # blocks held for a decode instance: keep stepping to see its read's
                     # notification (or the hold expire); and one step at start, in which
                     # the workers publish their NIXL address (else the first hand-off,
